@@ -1,0 +1,46 @@
+"""The top-level collectives: ``gradsync.all_reduce`` and friends on the default group.
+
+Each is :mod:`gradsync.collectives.api` with ``group`` resolved (None means
+the group made by :func:`gradsync.init`); see there for the full contract.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gradsync.collectives import api as _collectives
+from gradsync.process_group import resolve_group
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "ring",
+               group=None, timeout: float | None = None) -> torch.Tensor:
+    """Sum or average ``tensor`` over the group, in place; returns ``tensor``.
+
+    Collective: every rank must call this in the same order with equal shape and dtype.
+    """
+    _collectives.validate_op(op)
+    _collectives.validate_algorithm(algorithm)
+    return _collectives.all_reduce(tensor, resolve_group(group), op=op, algorithm=algorithm,
+                                   timeout=timeout)
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, group=None,
+              timeout: float | None = None) -> torch.Tensor:
+    """Copy rank ``src``'s ``tensor`` to every rank, in place; returns ``tensor``."""
+    return _collectives.broadcast(tensor, resolve_group(group), src=src, timeout=timeout)
+
+
+def all_gather(tensor: torch.Tensor, group=None, timeout: float | None = None) -> list[torch.Tensor]:
+    """Return a list of every rank's ``tensor`` (index = rank)."""
+    return _collectives.all_gather(tensor, resolve_group(group), timeout=timeout)
+
+
+def reduce_scatter(tensor: torch.Tensor, op: str = "sum", group=None,
+                   timeout: float | None = None) -> torch.Tensor:
+    """Reduce ``tensor`` over the group and return this rank's chunk (``torch.tensor_split`` order)."""
+    return _collectives.reduce_scatter(tensor, resolve_group(group), op=op, timeout=timeout)
+
+
+def comm_stats(group=None) -> dict[str, int]:
+    """Bytes and messages this rank sent and received in the group so far."""
+    return resolve_group(group).stats.as_dict()

@@ -1,0 +1,189 @@
+"""Public collectives over an explicit :class:`Communicator`.
+
+Semantics (DESIGN.md §3): every call works in place on any shape and any
+numel (0, 1, fewer than world_size, not divisible by it), contiguous or not,
+for float32/float64/float16/bfloat16 and int8/uint8/int16/int32/int64.
+fp16/bf16 are accumulated in float32 for every algorithm; results are
+bitwise identical on every rank. Before any payload moves, the ranks' layouts
+are compared (:mod:`~gradsync.collectives.check`) so a mismatch raises
+:class:`~gradsync.errors.CollectiveMismatchError` on every rank.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from gradsync.collectives import broadcast as tree_broadcast
+from gradsync.collectives import native, ring
+from gradsync.collectives.check import verify_layout
+from gradsync.collectives.chunking import chunk_bounds
+from gradsync.collectives.communicator import Communicator
+
+OPS = ("sum", "avg")
+_ALL_REDUCE = {"ring": ring.all_reduce, "native": native.all_reduce}
+ALGORITHMS = tuple(_ALL_REDUCE)
+SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                    torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+_FLOAT32_ACCUMULATED = (torch.float16, torch.bfloat16)
+# Gloo's own all_reduce lacks some narrow integer types; integer sums wrap the
+# same way in int64 followed by a narrowing cast, so native upcasts them.
+_NATIVE_UPCAST = {torch.int8: torch.int64, torch.uint8: torch.int64, torch.int16: torch.int64}
+
+
+def validate_op(op: str) -> None:
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; choose one of {', '.join(OPS)}")
+
+
+def validate_algorithm(algorithm: str) -> None:
+    if algorithm not in _ALL_REDUCE:
+        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+
+
+def _validate_tensor(tensor, what: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} expects a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(dtype).replace("torch.", "") for dtype in SUPPORTED_DTYPES)
+        raise TypeError(f"{what} does not support dtype {tensor.dtype}; supported: {names}")
+
+
+def _working_dtype(dtype: torch.dtype, algorithm: str) -> torch.dtype:
+    if dtype in _FLOAT32_ACCUMULATED:
+        return torch.float32
+    if algorithm == "native":
+        return _NATIVE_UPCAST.get(dtype, dtype)
+    return dtype
+
+
+@contextmanager
+def _flat_view(tensor: torch.Tensor, comm: Communicator, dtype: torch.dtype):
+    """Yield a contiguous ``(numel,)`` buffer of ``dtype`` holding ``tensor``; write it back after.
+
+    A contiguous tensor of the right dtype is used in place (no copy);
+    otherwise a reused workspace buffer stages the data and the result is
+    copied back through the original (possibly non-contiguous) view.
+    """
+    if tensor.is_contiguous() and tensor.dtype == dtype:
+        yield tensor.view(-1)
+        return
+    staged = comm.workspace.get(tensor.numel(), dtype, tensor.device, purpose="stage")
+    staged.copy_(tensor.reshape(-1))
+    yield staged
+    tensor.copy_(staged.view(tensor.shape))
+
+
+def all_reduce(tensor: torch.Tensor, comm: Communicator, *, op: str = "sum",
+               algorithm: str = "ring", timeout: float | None = None,
+               verify: bool = True) -> torch.Tensor:
+    """Sum (or average) ``tensor`` over all ranks of ``comm``, in place.
+
+    Args:
+        tensor: any shape, contiguous or not, a dtype in ``SUPPORTED_DTYPES``.
+        comm: the group.
+        op: "sum" or "avg" (sum divided by world_size once; floats only).
+        algorithm: a name in ``ALGORITHMS``.
+        timeout: seconds for the whole call (None: the communicator's default).
+        verify: compare layouts across ranks first (skip only for layouts
+            already verified on every rank, such as DataParallel buckets).
+
+    Returns:
+        ``tensor``, now holding the result (bitwise equal on every rank).
+
+    Raises:
+        ValueError: unknown op or algorithm; TypeError: unsupported dtype or
+        ``avg`` on integers; CollectiveMismatchError; CollectiveTimeoutError.
+
+    Collective: every rank must call this in the same order with equal shape and dtype.
+    """
+    validate_op(op)
+    validate_algorithm(algorithm)
+    _validate_tensor(tensor, "all_reduce")
+    if op == "avg" and not tensor.is_floating_point():
+        raise TypeError(f"op='avg' needs a floating-point tensor, got {tensor.dtype}; use op='sum'")
+    call = comm.new_call("all_reduce", algorithm, timeout)
+    if verify:
+        verify_layout(call, tensor, collective="all_reduce", op=op)
+    if comm.world_size == 1 or tensor.numel() == 0:
+        return tensor
+    with torch.no_grad(), _flat_view(tensor, comm, _working_dtype(tensor.dtype, algorithm)) as flat:
+        _ALL_REDUCE[algorithm](flat, call)
+        if op == "avg":
+            flat.div_(comm.world_size)
+    return tensor
+
+
+def broadcast(tensor: torch.Tensor, comm: Communicator, *, src: int = 0,
+              timeout: float | None = None, verify: bool = True) -> torch.Tensor:
+    """Copy rank ``src``'s ``tensor`` into every rank's ``tensor``, in place (binomial tree).
+
+    Raises:
+        ValueError: ``src`` outside ``[0, world_size)``; CollectiveMismatchError:
+        ranks disagree on ``src``, shape or dtype; CollectiveTimeoutError.
+
+    Collective: every rank must call this in the same order with equal shape, dtype and src.
+    """
+    _validate_tensor(tensor, "broadcast")
+    if not isinstance(src, int) or not 0 <= src < comm.world_size:
+        raise ValueError(f"src must be a rank in [0, {comm.world_size}), got {src!r}")
+    call = comm.new_call("broadcast", "tree", timeout)
+    if verify:
+        verify_layout(call, tensor, collective="broadcast", src=src)
+    if comm.world_size == 1 or tensor.numel() == 0:
+        return tensor
+    with torch.no_grad(), _flat_view(tensor, comm, tensor.dtype) as flat:
+        tree_broadcast.broadcast(flat, src, call)
+    return tensor
+
+
+def all_gather(tensor: torch.Tensor, comm: Communicator, *, timeout: float | None = None,
+               verify: bool = True) -> list[torch.Tensor]:
+    """Return every rank's ``tensor``: a list of ``world_size`` new tensors, index = rank (ring).
+
+    Collective: every rank must call this in the same order with equal shape and dtype.
+    """
+    _validate_tensor(tensor, "all_gather")
+    call = comm.new_call("all_gather", "ring", timeout)
+    if verify:
+        verify_layout(call, tensor, collective="all_gather")
+    numel, world_size = tensor.numel(), comm.world_size
+    gathered = torch.empty(numel * world_size, dtype=tensor.dtype, device=tensor.device)
+    gathered[comm.rank * numel:(comm.rank + 1) * numel] = tensor.reshape(-1)
+    with torch.no_grad():
+        ring.all_gather(gathered, call)
+    return [part.view(tensor.shape) for part in gathered.split(numel)] if numel else \
+        [tensor.new_empty(tensor.shape) for _ in range(world_size)]
+
+
+def reduce_scatter(tensor: torch.Tensor, comm: Communicator, *, op: str = "sum",
+                   timeout: float | None = None, verify: bool = True) -> torch.Tensor:
+    """Reduce ``tensor`` over all ranks and return this rank's chunk (ring).
+
+    The flattened tensor is split into world_size chunks as
+    ``torch.tensor_split`` does; rank r gets chunk r, a new ``(chunk_numel,)``
+    tensor of ``tensor.dtype``. ``tensor`` itself is not modified.
+
+    Collective: every rank must call this in the same order with equal shape and dtype.
+    """
+    validate_op(op)
+    _validate_tensor(tensor, "reduce_scatter")
+    if op == "avg" and not tensor.is_floating_point():
+        raise TypeError(f"op='avg' needs a floating-point tensor, got {tensor.dtype}; use op='sum'")
+    call = comm.new_call("reduce_scatter", "ring", timeout)
+    if verify:
+        verify_layout(call, tensor, collective="reduce_scatter", op=op)
+    work_dtype = _working_dtype(tensor.dtype, "ring")
+    flat = comm.workspace.get(tensor.numel(), work_dtype, tensor.device, purpose="stage")
+    flat.copy_(tensor.reshape(-1))
+    with torch.no_grad():
+        start, stop = ring.reduce_scatter(flat, call) if comm.world_size > 1 else (0, flat.numel())
+        chunk = flat[start:stop]
+        if op == "avg":
+            chunk.div_(comm.world_size)
+    return chunk.to(tensor.dtype, copy=True)
+
+
+__all__ = ["ALGORITHMS", "OPS", "SUPPORTED_DTYPES", "all_gather", "all_reduce", "broadcast",
+           "chunk_bounds", "reduce_scatter", "validate_algorithm", "validate_op"]

@@ -1,0 +1,33 @@
+"""Chunk arithmetic shared by every algorithm.
+
+Nomenclature (Gloo's): a *chunk* is one rank's share of the flattened tensor;
+a *segment* is the pipelining unit inside a chunk. Bounds are half-open
+``(start, stop)`` element offsets. Chunks follow ``torch.tensor_split``: the
+first ``numel % world_size`` chunks hold one element more, so chunk sizes
+differ by at most one and a chunk may be empty when ``numel < world_size``.
+
+>>> chunk_bounds(10, 4)
+[(0, 3), (3, 6), (6, 8), (8, 10)]
+>>> chunk_bounds(2, 3)
+[(0, 1), (1, 2), (2, 2)]
+"""
+
+from __future__ import annotations
+
+
+def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
+    """Split ``[0, numel)`` into ``world_size`` contiguous chunks as ``torch.tensor_split`` does.
+
+    Raises:
+        ValueError: ``numel`` is negative or ``world_size`` < 1.
+    """
+    if numel < 0 or world_size < 1:
+        raise ValueError(f"need numel >= 0 and world_size >= 1, got {numel}, {world_size}")
+    base, extra = divmod(numel, world_size)
+    bounds = []
+    start = 0
+    for index in range(world_size):
+        stop = start + base + (1 if index < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds

@@ -1,0 +1,67 @@
+"""Start N local workers through torch's elastic agent and collect rank 0's result.
+
+Rendezvous is torch's c10d store on 127.0.0.1 and a free port; restarts are
+the agent's (``max_restarts``). A worker that raises brings the job down: the
+agent stops the others and :class:`WorkerFailedError` carries the first
+failing rank's exception text.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import uuid
+from typing import Any, Callable
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from gradsync.errors import GradsyncError
+
+_NOISY_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing", "torch.distributed.launcher")
+
+
+class WorkerFailedError(GradsyncError):
+    """A worker process failed; ``rank`` is the first one that did, ``message`` its error."""
+
+    def __init__(self, rank: int, message: str):
+        super().__init__(f"worker rank {rank} failed: {message}")
+        self.rank = rank
+        self.message = message
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_local(nproc: int, entry: Callable, *args, max_restarts: int = 0) -> dict[int, Any]:
+    """Run ``entry(*args)`` in ``nproc`` worker processes on this machine.
+
+    Returns:
+        ``{rank: return value}`` for every worker.
+
+    Raises:
+        WorkerFailedError: a worker raised or died (first failure by time).
+    """
+    for name in _NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
+                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
+                          max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn")
+    try:
+        return elastic_launch(config, entry)(*args)
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        raise WorkerFailedError(rank, _failure_text(failure)) from None
+
+
+def _failure_text(failure) -> str:
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    if not message:
+        message = f"exit code {failure.exitcode} (killed or crashed without a Python error)"
+    return str(message).strip()

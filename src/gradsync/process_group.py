@@ -1,0 +1,140 @@
+"""Joining and leaving the group of workers: ``init``, ``rank``, ``world_size``, ``shutdown``.
+
+``init`` reads the variables torch's elastic launcher (``torchrun``,
+``gradsync train``) sets (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+LOCAL_RANK), starts torch.distributed with Gloo on CPU or NCCL when CUDA is
+available, and makes the default :class:`~gradsync.collectives.Communicator`
+that collectives use when no ``group`` is given. Like torch.distributed,
+this default group is the one piece of process-wide state.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from gradsync.collectives.communicator import DEFAULT_TIMEOUT_S, Communicator
+from gradsync.errors import NotInitializedError
+from gradsync.transport.torch_p2p import TorchP2PTransport
+
+BACKENDS = ("auto", "gloo", "nccl")
+_REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class _Default:
+    communicator: Communicator | None = None
+    owns_process_group = False
+    by_group: dict[int, Communicator] = {}
+
+
+def _env_int(name: str) -> int:
+    value = os.environ[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def _resolve_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return backend
+
+
+def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT_S) -> Communicator:
+    """Join the group described by the launcher's environment variables.
+
+    Without any of RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set, a
+    one-process group is made (rank 0 of 1), so the same script runs alone.
+
+    Args:
+        backend: "auto" (NCCL if CUDA is available, else Gloo), "gloo" or "nccl".
+        timeout: default seconds any collective may take (> 0).
+
+    Returns:
+        The default communicator.
+
+    Raises:
+        RuntimeError: already initialized (call ``shutdown`` first).
+        ValueError: bad backend, timeout, or environment variables
+        (a partial set names the missing ones).
+    """
+    if _Default.communicator is not None:
+        raise RuntimeError("gradsync.init() was already called; call gradsync.shutdown() first")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+    backend = _resolve_backend(backend)
+    if not dist.is_initialized():
+        _init_torch_distributed(backend, timeout)
+        _Default.owns_process_group = True
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    _Default.communicator = Communicator(TorchP2PTransport(None), timeout_s=timeout)
+    return _Default.communicator
+
+
+def _init_torch_distributed(backend: str, timeout: float) -> None:
+    present = [name for name in _REQUIRED_ENV if name in os.environ]
+    if not present:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=timeout))
+        return
+    missing = [name for name in _REQUIRED_ENV if name not in os.environ]
+    if missing:
+        raise ValueError(f"environment variables {', '.join(missing)} are not set "
+                         f"(set all of {', '.join(_REQUIRED_ENV)} or none, or launch with torchrun)")
+    rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"RANK={rank} must be in [0, WORLD_SIZE={world_size})")
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout))
+
+
+def shutdown() -> None:
+    """Leave the group; ``init`` may be called again afterwards. A no-op if not initialized."""
+    _Default.communicator = None
+    _Default.by_group.clear()
+    if _Default.owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+    _Default.owns_process_group = False
+
+
+def is_initialized() -> bool:
+    return _Default.communicator is not None
+
+
+def default_communicator() -> Communicator:
+    if _Default.communicator is None:
+        raise NotInitializedError("gradsync is not initialized: call gradsync.init() first")
+    return _Default.communicator
+
+
+def rank() -> int:
+    """This process's rank in the default group."""
+    return default_communicator().rank
+
+
+def world_size() -> int:
+    """The number of ranks in the default group."""
+    return default_communicator().world_size
+
+
+def resolve_group(group) -> Communicator:
+    """Map ``group`` (None, a Communicator, or a torch ProcessGroup) to a Communicator."""
+    if group is None:
+        return default_communicator()
+    if isinstance(group, Communicator):
+        return group
+    if isinstance(group, dist.ProcessGroup):
+        key = id(group)
+        if key not in _Default.by_group:
+            timeout_s = default_communicator().timeout_s if _Default.communicator else DEFAULT_TIMEOUT_S
+            _Default.by_group[key] = Communicator(TorchP2PTransport(group), timeout_s=timeout_s)
+        return _Default.by_group[key]
+    raise TypeError(f"group must be None, a gradsync Communicator or a torch ProcessGroup, "
+                    f"got {type(group).__name__}")

@@ -1,0 +1,1 @@
+"""The training application: data, models, the loop, metrics and plots."""

@@ -1,0 +1,77 @@
+"""The training job's configuration: one dataclass, validated before any process starts."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from gradsync.collectives.api import ALGORITHMS
+from gradsync.train.data import DEFAULT_NUM_SAMPLES
+from gradsync.train.models import MODELS
+
+OPTIMIZERS = ("sgd", "adam")
+LR_SCHEDULES = ("cosine", "constant")
+
+
+@dataclass
+class TrainConfig:
+    """What ``gradsync train`` runs. Defaults are the main job (DESIGN.md §4)."""
+
+    nproc: int = 4                  # worker processes on this machine
+    model: str = "cnn"              # logreg | mlp | cnn
+    epochs: int = 15                # passes over the training split
+    batch_size: int = 32            # samples per worker per micro-batch
+    accumulate: int = 1             # micro-batches per optimizer step (no_sync on all but the last)
+    lr: float = 1e-2                # peak learning rate
+    lr_schedule: str = "cosine"     # cosine decay to 0 over all steps, or constant
+    optimizer: str = "adam"         # sgd (momentum 0.9) | adam
+    weight_decay: float = 0.0
+    algorithm: str = "ring"         # AllReduce algorithm for the gradients
+    bucket_cap_mb: float = 25.0     # MiB of gradients per bucket
+    seed: int = 0                   # model init, shuffling
+    timeout: float = 300.0          # seconds any collective may wait for a peer
+    num_samples: int = DEFAULT_NUM_SAMPLES  # MNIST-1D samples drawn (80% train, 20% test)
+    data_dir: str | None = None     # cache for the generated arrays
+    out: str | None = None          # run folder (default runs/<timestamp>)
+    progress: bool = True           # tqdm bar on rank 0
+
+    def global_batch_size(self, world_size: int) -> int:
+        return self.batch_size * self.accumulate * world_size
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def validate(config: TrainConfig) -> None:
+    """Raise ValueError with a one-line message naming the first bad option."""
+    checks = [
+        (config.nproc >= 1, f"--nproc must be >= 1, got {config.nproc}"),
+        (config.epochs >= 1, f"--epochs must be >= 1, got {config.epochs}"),
+        (config.batch_size >= 1, f"--batch-size must be >= 1, got {config.batch_size}"),
+        (config.accumulate >= 1, f"--accumulate must be >= 1, got {config.accumulate}"),
+        (config.lr > 0, f"--lr must be > 0, got {config.lr}"),
+        (config.weight_decay >= 0, f"--weight-decay must be >= 0, got {config.weight_decay}"),
+        (config.bucket_cap_mb > 0, f"--bucket-cap-mb must be > 0, got {config.bucket_cap_mb}"),
+        (config.timeout > 0, f"--timeout must be > 0 seconds, got {config.timeout}"),
+        (config.num_samples >= 10, f"--num-samples must be >= 10, got {config.num_samples}"),
+        (config.model in MODELS, f"unknown --model {config.model!r}; choose one of {', '.join(MODELS)}"),
+        (config.algorithm in ALGORITHMS,
+         f"unknown --algorithm {config.algorithm!r}; choose one of {', '.join(ALGORITHMS)}"),
+        (config.optimizer in OPTIMIZERS,
+         f"unknown --optimizer {config.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}"),
+        (config.lr_schedule in LR_SCHEDULES,
+         f"unknown --lr-schedule {config.lr_schedule!r}; choose one of {', '.join(LR_SCHEDULES)}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+
+
+def validate_against_data(config: TrainConfig, world_size: int, num_train: int) -> None:
+    """Check that every rank gets at least one full optimizer step per epoch."""
+    if world_size > num_train:
+        raise ValueError(f"world size {world_size} is larger than the {num_train} training samples")
+    per_rank = -(-num_train // world_size)  # DistributedSampler pads to equal shares
+    needed = config.batch_size * config.accumulate
+    if per_rank < needed:
+        raise ValueError(f"each of the {world_size} workers gets {per_rank} training samples, fewer than "
+                         f"--batch-size {config.batch_size} x --accumulate {config.accumulate} = {needed}")

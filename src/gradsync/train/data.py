@@ -1,0 +1,98 @@
+"""MNIST-1D, generated locally by the ``mnist1d`` package and cached as ``.npz``.
+
+MNIST-1D (Greydanus 2020) draws each example from one of ten 1-D digit
+templates with random padding, translation, scaling, shear and noise; it
+needs no download. The paper's split is ``num_samples=5000`` (4000 train /
+1000 test). gradsync's default draws 20000 (16000 / 4000) from the same
+generator, with which the paper's CNN reaches ~95% instead of ~90%.
+
+Generating 20000 samples takes ~12 s, so the arrays are cached in
+``cache_dir`` (default ``$GRADSYNC_DATA_DIR`` or ``~/.cache/gradsync``),
+keyed by ``num_samples`` and ``seed``; the file is written to a temporary
+name and renamed, so concurrent runs never read half a file.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DEFAULT_NUM_SAMPLES = 20_000
+DEFAULT_DATA_SEED = 42  # the mnist1d package's default
+
+
+@dataclass
+class Splits:
+    """Train and test arrays: x ``(N, 40)`` float32, y ``(N,)`` int64."""
+
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+
+    def train_dataset(self) -> torch.utils.data.TensorDataset:
+        return torch.utils.data.TensorDataset(self.x_train, self.y_train)
+
+
+def num_train_samples(num_samples: int) -> int:
+    """Training examples in a data set of ``num_samples`` (mnist1d keeps whole classes, 80% train)."""
+    return int((num_samples // 10) * 10 * 0.8)
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("GRADSYNC_DATA_DIR", Path.home() / ".cache" / "gradsync"))
+
+
+def cache_path(cache_dir: Path, num_samples: int, seed: int) -> Path:
+    return Path(cache_dir) / f"mnist1d-n{num_samples}-seed{seed}.npz"
+
+
+def generate(num_samples: int = DEFAULT_NUM_SAMPLES, seed: int = DEFAULT_DATA_SEED) -> dict[str, np.ndarray]:
+    """Draw a fresh MNIST-1D data set (80% train, 20% test) with the mnist1d package."""
+    from mnist1d.data import get_dataset_args, make_dataset
+
+    args = get_dataset_args()
+    args.num_samples = num_samples
+    args.seed = seed
+    data = make_dataset(args)
+    return {"x_train": data["x"].astype(np.float32), "y_train": data["y"].astype(np.int64),
+            "x_test": data["x_test"].astype(np.float32), "y_test": data["y_test"].astype(np.int64)}
+
+
+def prepare(cache_dir: Path | None = None, num_samples: int = DEFAULT_NUM_SAMPLES,
+            seed: int = DEFAULT_DATA_SEED) -> Path:
+    """Make sure the cached arrays exist and return their path (generates on the first call).
+
+    Raises:
+        ValueError: ``num_samples`` < 10 (one example per class at least).
+        OSError: ``cache_dir`` cannot be written.
+    """
+    if num_samples < 10:
+        raise ValueError(f"num_samples must be >= 10 (one per digit), got {num_samples}")
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    path = cache_path(cache_dir, num_samples, seed)
+    if path.exists():
+        return path
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    arrays = generate(num_samples, seed)
+    handle, temporary = tempfile.mkstemp(dir=cache_dir, suffix=".npz.tmp")
+    try:
+        with os.fdopen(handle, "wb") as file:
+            np.savez(file, **arrays)
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+    return path
+
+
+def load(path: Path) -> Splits:
+    """Load arrays written by :func:`prepare`."""
+    with np.load(path) as arrays:
+        return Splits(*(torch.from_numpy(arrays[key].copy())
+                        for key in ("x_train", "y_train", "x_test", "y_test")))

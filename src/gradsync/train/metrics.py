@@ -1,0 +1,61 @@
+"""Run-folder records: ``metrics.jsonl`` (one JSON object per step and per epoch) and ``summary.json``.
+
+Step records: ``{"kind": "step", "epoch", "step", "loss", "lr", "forward_s",
+"backward_s", "comm_s", "optimizer_s", "bytes_sent"}``; ``loss`` is rank 0's
+local loss, times are rank 0's seconds, ``bytes_sent`` is rank 0's payload
+bytes so far. Epoch records: ``{"kind": "epoch", "epoch", "train_loss",
+"test_loss", "test_accuracy", "elapsed_s"}`` with losses averaged over all
+ranks.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class MetricsLog:
+    """Append-only JSON-lines writer (rank 0 only); flushed every record so a crash loses nothing."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    with open(path, encoding="utf-8") as file:
+        return [json.loads(line) for line in file if line.strip()]
+
+
+@dataclass
+class StepTimes:
+    """Seconds one rank spent in each phase, summed over the run."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0  # includes gradient communication (it runs inside backward)
+    comm_s: float = 0.0      # gradient AllReduce time, measured inside backward
+    optimizer_s: float = 0.0
+
+    @property
+    def compute_s(self) -> float:
+        return self.forward_s + self.backward_s - self.comm_s + self.optimizer_s
+
+    def add(self, forward_s: float, backward_s: float, comm_s: float, optimizer_s: float) -> None:
+        self.forward_s += forward_s
+        self.backward_s += backward_s
+        self.comm_s += comm_s
+        self.optimizer_s += optimizer_s
+
+
+def write_summary(path: Path, summary: dict) -> None:
+    with open(path, "w", encoding="utf-8") as file:
+        json.dump(summary, file, indent=2)
+        file.write("\n")

@@ -1,0 +1,96 @@
+"""The Transport protocol: the only thing a collective algorithm talks to.
+
+A transport moves whole tensors between two ranks of one group. ``isend`` and
+``irecv`` return a handle at once; ``handle.wait(timeout_s)`` blocks until the
+transfer is complete or raises :class:`PeerFailure` naming the peer. The same
+algorithm code therefore runs over torch.distributed (``torch_p2p.py``), over
+in-process threads in tests (``thread.py``) and, later, over a simulator.
+
+Messages between one ordered pair of ranks are matched in posting order
+(FIFO), as in Gloo and MPI: algorithms rely on it instead of tags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+class PeerFailure(Exception):
+    """A wait on a transfer with ``peer`` failed: timed out, or peer gone."""
+
+    def __init__(self, peer: int, reason: str, timed_out: bool):
+        super().__init__(f"peer rank {peer}: {reason}")
+        self.peer = peer
+        self.reason = reason
+        self.timed_out = timed_out
+
+
+@dataclass
+class TransportStats:
+    """Bytes this rank put on and took off the wire, and message counts.
+
+    ``bytes_*`` count payload; ``control_bytes_*`` count the small layout
+    checks that guard collectives (moved there by the collective layer), so
+    that payload bytes can be compared with an algorithm's formula.
+    """
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    messages_sent: int = 0
+    messages_received: int = 0
+    control_bytes_sent: int = 0
+    control_bytes_received: int = 0
+
+    def record_send(self, nbytes: int) -> None:
+        self.bytes_sent += nbytes
+        self.messages_sent += 1
+
+    def record_recv(self, nbytes: int) -> None:
+        self.bytes_received += nbytes
+        self.messages_received += 1
+
+    def reclassify_as_control(self, bytes_sent: int, bytes_received: int, messages: tuple[int, int]) -> None:
+        """Move traffic already recorded as payload into the control counters."""
+        self.bytes_sent -= bytes_sent
+        self.bytes_received -= bytes_received
+        self.messages_sent -= messages[0]
+        self.messages_received -= messages[1]
+        self.control_bytes_sent += bytes_sent
+        self.control_bytes_received += bytes_received
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(vars(self))
+
+
+class Handle(Protocol):
+    """A transfer in flight."""
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until done; raise :class:`PeerFailure` after ``timeout_s`` seconds."""
+
+
+class Transport(Protocol):
+    """Point-to-point messaging inside one group of ``world_size`` ranks.
+
+    ``tensor`` arguments are contiguous; a receive buffer must have the same
+    numel and dtype as the matching send. Peers are ranks within the group.
+    """
+
+    rank: int
+    world_size: int
+    stats: TransportStats
+
+    def isend(self, tensor: torch.Tensor, peer: int) -> Handle:
+        """Start sending ``tensor`` to ``peer``; the caller keeps it alive until waited."""
+
+    def irecv(self, tensor: torch.Tensor, peer: int) -> Handle:
+        """Start receiving from ``peer`` into ``tensor``."""
+
+    def backend_all_reduce(self, tensor: torch.Tensor, timeout_s: float) -> None:
+        """Sum ``tensor`` in place over the group with the backend's own collective."""
+
+    def backend_broadcast(self, tensor: torch.Tensor, src: int, timeout_s: float) -> None:
+        """Copy ``src``'s ``tensor`` into every rank's ``tensor`` with the backend's own call."""

@@ -1,0 +1,113 @@
+"""In-process transport: ranks are threads, messages go through queues.
+
+Runs the very same algorithm code as the real transport, in milliseconds, so
+tests can sweep world sizes and element counts that would take minutes with
+processes. A rank that never calls is a silent peer: waits on it time out.
+
+>>> world = ThreadWorld(2)
+>>> world.transport(0).world_size
+2
+"""
+
+from __future__ import annotations
+
+import queue
+
+import torch
+
+from gradsync.transport.base import PeerFailure, TransportStats
+
+
+class ThreadWorld:
+    """The shared mailboxes of ``world_size`` in-process ranks."""
+
+    def __init__(self, world_size: int):
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self._mailboxes = {(src, dst): queue.Queue()
+                           for src in range(world_size) for dst in range(world_size)}
+
+    def transport(self, rank: int) -> "ThreadTransport":
+        return ThreadTransport(self, rank)
+
+    def mailbox(self, src: int, dst: int) -> queue.Queue:
+        return self._mailboxes[(src, dst)]
+
+
+class _Done:
+    def wait(self, timeout_s: float) -> None:
+        return None
+
+
+class _RecvHandle:
+    def __init__(self, mailbox: queue.Queue, tensor: torch.Tensor, peer: int):
+        self._mailbox = mailbox
+        self._tensor = tensor
+        self._peer = peer
+        self._done = False
+
+    def wait(self, timeout_s: float) -> None:
+        if self._done:
+            return
+        try:
+            payload = self._mailbox.get(timeout=max(timeout_s, 0.0))
+        except queue.Empty:
+            raise PeerFailure(self._peer, "timed out waiting for it", True) from None
+        if payload.numel() != self._tensor.numel() or payload.dtype != self._tensor.dtype:
+            raise PeerFailure(self._peer, f"message of {payload.numel()} x {payload.dtype} does not "
+                              f"fit the receive buffer of {self._tensor.numel()} x {self._tensor.dtype}",
+                              False)
+        self._tensor.copy_(payload.view_as(self._tensor))
+        self._done = True
+
+
+class ThreadTransport:
+    """A :class:`~gradsync.transport.base.Transport` for one thread-rank of a :class:`ThreadWorld`."""
+
+    def __init__(self, world: ThreadWorld, rank: int):
+        if not 0 <= rank < world.world_size:
+            raise ValueError(f"rank {rank} is outside world of size {world.world_size}")
+        self._world = world
+        self.rank = rank
+        self.world_size = world.world_size
+        self.stats = TransportStats()
+
+    def isend(self, tensor: torch.Tensor, peer: int) -> _Done:
+        self._world.mailbox(self.rank, peer).put(tensor.detach().clone())
+        self.stats.record_send(tensor.numel() * tensor.element_size())
+        return _Done()
+
+    def irecv(self, tensor: torch.Tensor, peer: int) -> _RecvHandle:
+        self.stats.record_recv(tensor.numel() * tensor.element_size())
+        return _RecvHandle(self._world.mailbox(peer, self.rank), tensor, peer)
+
+    def backend_all_reduce(self, tensor: torch.Tensor, timeout_s: float) -> None:
+        """Sum by exchanging whole tensors with every peer, adding in rank order."""
+        contributions = self._exchange_with_all(tensor, timeout_s)
+        total = contributions[0].clone()
+        for part in contributions[1:]:
+            total += part
+        tensor.copy_(total)
+
+    def backend_broadcast(self, tensor: torch.Tensor, src: int, timeout_s: float) -> None:
+        if self.rank == src:
+            for peer in range(self.world_size):
+                if peer != src:
+                    self.isend(tensor, peer)
+        else:
+            self.irecv(tensor, src).wait(timeout_s)
+
+    def _exchange_with_all(self, tensor: torch.Tensor, timeout_s: float) -> list[torch.Tensor]:
+        for peer in range(self.world_size):
+            if peer != self.rank:
+                self.isend(tensor, peer)
+        parts = []
+        for peer in range(self.world_size):
+            if peer == self.rank:
+                parts.append(tensor.clone())
+            else:
+                buffer = torch.empty_like(tensor)
+                self.irecv(buffer, peer).wait(timeout_s)
+                parts.append(buffer)
+        return parts

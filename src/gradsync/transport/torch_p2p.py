@@ -1,0 +1,93 @@
+"""Transport over torch.distributed point-to-point calls (Gloo on CPU, NCCL on GPU).
+
+This is the only module of gradsync that calls torch.distributed
+point-to-point (``isend``/``irecv``). Every wait is bounded: Gloo's
+``Work.wait(timeout)`` raises once the time is up, and a peer that died shows
+up as a closed connection; both become :class:`PeerFailure` naming the peer.
+After such a failure Gloo has closed the pair, so the group must be rebuilt.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+
+import torch
+import torch.distributed as dist
+
+from gradsync.transport.base import PeerFailure, TransportStats
+
+
+def _timedelta(timeout_s: float) -> datetime.timedelta:
+    # Gloo treats a zero timeout as "use the default"; keep a positive floor.
+    return datetime.timedelta(seconds=max(timeout_s, 0.001))
+
+
+def _classify(exc: Exception) -> tuple[str, bool]:
+    text = str(exc)
+    if "Timed out" in text or "timed out" in text or "Timeout" in text:
+        return "timed out waiting for it", True
+    if "closed" in text or "reset" in text or "Broken pipe" in text:
+        return "connection closed (the peer process died or left)", False
+    first_line = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return f"transfer failed: {first_line}", False
+
+
+class _WorkHandle:
+    def __init__(self, work, peer: int):
+        self._work = work
+        self._peer = peer
+
+    def wait(self, timeout_s: float) -> None:
+        try:
+            self._work.wait(timeout=_timedelta(timeout_s))
+        except RuntimeError as exc:
+            reason, timed_out = _classify(exc)
+            raise PeerFailure(self._peer, reason, timed_out) from exc
+
+
+class TorchP2PTransport:
+    """A :class:`~gradsync.transport.base.Transport` over one torch.distributed group.
+
+    Args:
+        group: a ``torch.distributed`` process group, or None for the default group.
+    """
+
+    def __init__(self, group=None):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.backend = dist.get_backend(group)
+        self.stats = TransportStats()
+
+    def isend(self, tensor: torch.Tensor, peer: int) -> _WorkHandle:
+        work = dist.isend(tensor, group=self.group, group_dst=peer)
+        self.stats.record_send(tensor.numel() * tensor.element_size())
+        return _WorkHandle(work, peer)
+
+    def irecv(self, tensor: torch.Tensor, peer: int) -> _WorkHandle:
+        work = dist.irecv(tensor, group=self.group, group_src=peer)
+        self.stats.record_recv(tensor.numel() * tensor.element_size())
+        return _WorkHandle(work, peer)
+
+    def backend_all_reduce(self, tensor: torch.Tensor, timeout_s: float) -> None:
+        work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        self._wait_backend(work, "all_reduce", timeout_s)
+
+    def backend_broadcast(self, tensor: torch.Tensor, src: int, timeout_s: float) -> None:
+        work = dist.broadcast(tensor, group=self.group, group_src=src, async_op=True)
+        self._wait_backend(work, "broadcast", timeout_s)
+
+    def _wait_backend(self, work, what: str, timeout_s: float) -> None:
+        try:
+            work.wait(timeout=_timedelta(timeout_s))
+        except RuntimeError as exc:
+            reason, timed_out = _classify(exc)
+            # The backend does not say which peer was late; -1 means "unknown".
+            raise PeerFailure(_guess_peer(exc), f"backend {what} {reason}", timed_out) from exc
+
+
+def _guess_peer(exc: Exception) -> int:
+    """Return the peer rank Gloo names in ``exc`` ("rank 3"), else -1."""
+    match = re.search(r"rank[ :=]+(\d+)", str(exc))
+    return int(match.group(1)) if match else -1

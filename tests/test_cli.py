@@ -1,0 +1,130 @@
+"""The ``gradsync train`` command: bad input fails fast and clearly; a small real run writes its folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gradsync.cli import main
+from gradsync.train import data
+
+
+def _gradsync(*args: str, env: dict | None = None, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gradsync", *args], capture_output=True, text=True,
+                          timeout=timeout_s, env={**os.environ, **(env or {})})
+
+
+def _main(argv: list[str], capsys) -> subprocess.CompletedProcess:
+    """Run the CLI in this process (no interpreter start-up) and return its exit code and output."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, captured.out, captured.err)
+
+
+def _assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> None:
+    assert result.returncode not in (0, None), result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--nproc", "0"], ["--nproc", "0"]),
+    (["--batch-size", "0"], ["--batch-size"]),
+    (["--batch-size", "-3"], ["--batch-size", "-3"]),
+    (["--batch-size", "abc"], ["--batch-size", "abc"]),
+    (["--model", "resnet"], ["resnet", "cnn"]),
+    (["--algorithm", "carrier-pigeon"], ["carrier-pigeon", "ring"]),
+    (["--epochs", "0"], ["--epochs"]),
+    (["--lr", "-1"], ["--lr"]),
+    (["--timeout", "0"], ["--timeout"]),
+    (["--nproc", "9", "--num-samples", "10", "--batch-size", "1"], ["world size 9", "8 training samples"]),
+    (["--nproc", "2", "--num-samples", "100", "--batch-size", "64"], ["--batch-size 64"]),
+])
+@pytest.mark.timeout(60)
+def test_cli_rejects_bad_input_with_one_line(args, needles, tmp_path, capsys, monkeypatch):
+    """Each bad option gives one error line naming it and a non-zero exit, before any worker starts."""
+    monkeypatch.setenv("GRADSYNC_DATA_DIR", str(tmp_path))
+    result = _main(["train", *args, "--out", str(tmp_path / "run")], capsys)
+    _assert_one_line_error(result, *needles)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_cli_rejects_unwritable_out(tmp_path, capsys):
+    """An --out below a regular file cannot be created: one line naming the folder."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    result = _main(["train", "--out", str(blocker / "run")], capsys)
+    _assert_one_line_error(result, "--out", str(blocker / "run"))
+
+
+def test_cli_refuses_to_mix_with_an_earlier_run(tmp_path, capsys):
+    """A run folder that already holds metrics.jsonl is not appended to."""
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    result = _main(["train", "--out", str(tmp_path)], capsys)
+    _assert_one_line_error(result, "already holds a run")
+    assert (tmp_path / "metrics.jsonl").read_text() == "{}\n"
+
+
+@pytest.mark.timeout(60)
+def test_cli_bad_input_exit_code_from_a_real_process(tmp_path):
+    """The console entry point really exits non-zero with one line (not just main()'s return value)."""
+    result = _gradsync("train", "--nproc", "0", "--out", str(tmp_path / "run"))
+    assert result.returncode == 2
+    _assert_one_line_error(result, "--nproc")
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_cli_worker_failure_exits_nonzero_with_its_error(tmp_path):
+    """Workers that raise (here: a corrupt data cache) end the job with that error, not a hang."""
+    cache = data.cache_path(tmp_path, 1000, data.DEFAULT_DATA_SEED)
+    cache.write_bytes(b"this is not an npz file")
+    result = _gradsync("train", "--nproc", "2", "--num-samples", "1000", "--out", str(tmp_path / "run"),
+                       "--no-progress", env={"GRADSYNC_DATA_DIR": str(tmp_path)})
+    assert result.returncode == 1, result.stderr
+    assert "worker rank" in result.stderr and "failed" in result.stderr, result.stderr
+    assert "pickle" in result.stderr or "npz" in result.stderr or "load" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(180)
+def test_cli_small_run_writes_metrics_summary_and_plots(tmp_path):
+    """Two workers train the MLP for two epochs; the folder's records agree with each other."""
+    out = tmp_path / "run"
+    result = _gradsync("train", "--nproc", "2", "--model", "mlp", "--epochs", "2", "--num-samples", "2000",
+                       "--batch-size", "16", "--accumulate", "2", "--out", str(out), "--no-progress",
+                       env={"GRADSYNC_DATA_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["kind"] == "step"]
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    # 1600 train samples / 2 ranks = 800 per rank; 800 // 16 = 50 micro-batches; // 2 = 25 steps per epoch
+    assert len(steps) == summary["steps"] == 2 * 25
+    assert [r["step"] for r in steps] == list(range(1, 51))
+    assert len(epochs) == 2
+    assert summary["samples"] == 50 * 16 * 2 * 2
+    assert summary["final_test_accuracy"] == epochs[-1]["test_accuracy"]
+    assert summary["final_test_accuracy"] > 0.2  # ten classes: chance is 0.10
+    assert epochs[-1]["train_loss"] < 0.9 * steps[0]["loss"]  # it learned
+    assert summary["world_size"] == 2 and len(summary["bytes_sent_per_rank"]) == 2
+    assert min(summary["bytes_sent_per_rank"]) > 0
+    assert summary["config"]["accumulate"] == 2 and summary["config"]["out"] == str(out)
+    for name in ("loss.png", "accuracy.png", "time.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the cached arrays are what the generator makes, so the second run does not regenerate
+    cached = np.load(data.cache_path(tmp_path, 2000, data.DEFAULT_DATA_SEED))
+    assert cached["x_train"].shape == (1600, 40) and cached["x_test"].shape == (400, 40)

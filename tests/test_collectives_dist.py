@@ -1,0 +1,284 @@
+"""Collectives in real processes over Gloo (torch.distributed point-to-point).
+
+Spawning costs seconds per process, so one world per world size runs a list
+of cases (gloo's ``MultipleAlgorithms`` idea) and returns every rank's
+results; the parent compares them with closed forms, naming the case id in
+each failure. Fault tests (a silent and a dead rank) get worlds of their own.
+"""
+
+import os
+import time
+
+import pytest
+import torch
+
+import gradsync
+from _dist import run_world
+from _reference import bitwise_difference, closed_form_input, closed_form_result, reference_all_reduce
+
+pytestmark = pytest.mark.dist
+
+ALGORITHMS = ("ring", "native")
+LARGE_NUMEL = 1_000_003
+SMALL_NUMEL = 17
+SMALL_DTYPES = ("float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64")
+COLLECTIVE_TIMEOUT_S = 15.0
+MISMATCH_ODD_NUMEL = 5
+
+
+def all_reduce_cases(world_size):
+    """(case_id, dtype name, numel, op, algorithm, strided) for every all_reduce case of this world."""
+    cases = []
+    for algorithm in ALGORITHMS:
+        for numel in sorted({0, 1, max(world_size - 1, 0), world_size + 1, LARGE_NUMEL}):
+            cases.append(("float32", numel, "sum", algorithm, False))
+        for numel in (world_size + 1, LARGE_NUMEL):
+            cases.append(("float32", numel, "avg", algorithm, False))
+        for dtype in SMALL_DTYPES:
+            ops = ("sum", "avg") if getattr(torch, dtype).is_floating_point else ("sum",)
+            cases.extend((dtype, SMALL_NUMEL, op, algorithm, False) for op in ops)
+        for dtype in ("float32", "float16", "int32"):
+            cases.append((dtype, 10, "sum", algorithm, True))
+    return [(f"all_reduce-{algorithm}-{dtype}-{op}-n{numel}{'-strided' if strided else ''}",
+             dtype, numel, op, algorithm, strided) for dtype, numel, op, algorithm, strided in cases]
+
+
+def _strided_column(values):
+    """Column 1 of a (numel, 3) tensor of -1: a non-contiguous view."""
+    base = torch.full((values.numel(), 3), -1, dtype=values.dtype)
+    base[:, 1] = values
+    return base, base[:, 1]
+
+
+def _run_all_reduce_cases(world_size, rank):
+    results = {}
+    for case_id, dtype, numel, op, algorithm, strided in all_reduce_cases(world_size):
+        values = closed_form_input(numel, rank, world_size, getattr(torch, dtype))
+        base, tensor = _strided_column(values) if strided else (values, values)
+        returned = gradsync.all_reduce(tensor, op=op, algorithm=algorithm)
+        results[case_id] = (returned is tensor, base)
+    return results
+
+
+def _run_other_collectives(world_size, rank):
+    results = {}
+    for src in range(world_size):
+        tensor = torch.arange(5, dtype=torch.float32) * 10 + rank
+        results[f"broadcast-float32-src{src}"] = gradsync.broadcast(tensor, src=src)
+    base, view = _strided_column(closed_form_input(7, rank, world_size, torch.int8))
+    gradsync.broadcast(view, src=world_size - 1)
+    results[f"broadcast-int8-strided-src{world_size - 1}"] = base
+    results["all_gather-float32-2x3"] = gradsync.all_gather(
+        (torch.arange(6, dtype=torch.float32) * world_size + rank).reshape(2, 3))
+    for dtype, numel in (("float32", world_size + 1), ("int64", 10), ("float16", 1)):
+        values = closed_form_input(numel, rank, world_size, getattr(torch, dtype))
+        results[f"reduce_scatter-{dtype}-n{numel}"] = gradsync.reduce_scatter(values)
+    return results
+
+
+def _run_mismatches(world_size, rank):
+    """Each mismatch: (exception type name, message, tensor unchanged, follow-up all_reduce result)."""
+    odd = rank == world_size - 1
+    calls = {
+        f"mismatch-all_reduce-shape-{algorithm}":
+            (torch.ones(MISMATCH_ODD_NUMEL if odd else 4) * (rank + 2),
+             lambda tensor, algorithm=algorithm: gradsync.all_reduce(tensor, algorithm=algorithm))
+        for algorithm in ALGORITHMS
+    }
+    calls["mismatch-all_reduce-dtype"] = (torch.ones(4, dtype=torch.float64 if odd else torch.float32),
+                                          gradsync.all_reduce)
+    calls["mismatch-broadcast-src"] = (torch.ones(4) * rank,
+                                       lambda tensor: gradsync.broadcast(tensor, src=1 if odd else 0))
+    results = {}
+    for case_id, (tensor, call) in calls.items():
+        before = tensor.clone()
+        try:
+            call(tensor)
+            outcome = ("no error", "")
+        except Exception as exc:  # noqa: BLE001 - the parent checks the type
+            outcome = (type(exc).__name__, str(exc))
+        follow_up = gradsync.all_reduce(torch.full((3,), rank + 1.0))
+        results[case_id] = (*outcome, torch.equal(tensor, before), follow_up)
+    return results
+
+
+def _run_reinit():
+    """Leave the group, join it again in the same process, and all_reduce once on the new group."""
+    gradsync.shutdown()
+    gradsync.init(backend="gloo", timeout=COLLECTIVE_TIMEOUT_S)
+    return gradsync.rank(), gradsync.world_size(), gradsync.all_reduce(torch.full((2,), gradsync.rank() + 1.0))
+
+
+def _rank_collective_cases():
+    """Every case of this world, by family; rank r's results."""
+    world_size, rank = gradsync.world_size(), gradsync.rank()
+    results = {"all_reduce": _run_all_reduce_cases(world_size, rank),
+               "other": _run_other_collectives(world_size, rank),
+               "mismatch": _run_mismatches(world_size, rank) if world_size > 1 else {}}
+    results["reinit"] = _run_reinit()
+    return results
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda p: f"ws{p}")
+def world(request):
+    """(world_size, per-rank results of ``_rank_collective_cases``): one spawned world per world size."""
+    world_size = request.param
+    return world_size, run_world(world_size, _rank_collective_cases, timeout_s=50,
+                                 collective_timeout_s=COLLECTIVE_TIMEOUT_S)
+
+
+def _check_same_on_every_rank(failures, case_id, per_rank, expected):
+    for rank, actual in enumerate(per_rank):
+        difference = bitwise_difference(actual, expected)
+        if difference:
+            failures.append(f"{case_id} rank {rank}: {difference}")
+
+
+@pytest.mark.timeout(60)
+def test_all_reduce_dist_cases_match_closed_form(world):
+    """Every all_reduce case (ring/native, numel 0..1000003, 9 dtypes, sum/avg, strided) is exact on every rank."""
+    world_size, per_rank = world
+    failures = []
+    for case_id, dtype_name, numel, op, _, strided in all_reduce_cases(world_size):
+        dtype = getattr(torch, dtype_name)
+        expected = closed_form_result(numel, world_size, dtype, op)
+        if strided:
+            expected = _strided_column(expected)[0]
+        for rank in range(world_size):
+            returned_same, result = per_rank[rank]["all_reduce"][case_id]
+            if not returned_same:
+                failures.append(f"{case_id} rank {rank}: did not return the tensor it was given")
+        _check_same_on_every_rank(failures, case_id,
+                                  [results["all_reduce"][case_id][1] for results in per_rank], expected)
+    assert not failures, f"{len(failures)} failing case(s):\n" + "\n".join(failures)
+
+
+@pytest.mark.timeout(60)
+def test_broadcast_all_gather_reduce_scatter_dist_match_reference(world):
+    """broadcast from every src, all_gather and reduce_scatter give the reference values on every rank."""
+    world_size, per_rank = world
+    failures = []
+    for src in range(world_size):
+        case_id = f"broadcast-float32-src{src}"
+        _check_same_on_every_rank(failures, case_id, [results["other"][case_id] for results in per_rank],
+                                  torch.arange(5, dtype=torch.float32) * 10 + src)
+    src = world_size - 1
+    case_id = f"broadcast-int8-strided-src{src}"
+    _check_same_on_every_rank(failures, case_id, [results["other"][case_id] for results in per_rank],
+                              _strided_column(closed_form_input(7, src, world_size, torch.int8))[0])
+    for rank, results in enumerate(per_rank):
+        gathered = results["other"]["all_gather-float32-2x3"]
+        expected = [(torch.arange(6, dtype=torch.float32) * world_size + source).reshape(2, 3)
+                    for source in range(world_size)]
+        if len(gathered) != world_size:
+            failures.append(f"all_gather rank {rank}: {len(gathered)} parts")
+            continue
+        failures += [f"all_gather rank {rank} part {source}: {difference}"
+                     for source, (part, want) in enumerate(zip(gathered, expected))
+                     if (difference := bitwise_difference(part, want))]
+    for dtype_name, numel in (("float32", world_size + 1), ("int64", 10), ("float16", 1)):
+        case_id = f"reduce_scatter-{dtype_name}-n{numel}"
+        dtype = getattr(torch, dtype_name)
+        inputs = [closed_form_input(numel, rank, world_size, dtype) for rank in range(world_size)]
+        chunks = torch.tensor_split(reference_all_reduce(inputs, "sum"), world_size)
+        for rank, results in enumerate(per_rank):
+            if difference := bitwise_difference(results["other"][case_id], chunks[rank]):
+                failures.append(f"{case_id} rank {rank}: {difference}")
+    assert not failures, f"{len(failures)} failing case(s):\n" + "\n".join(failures)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", [2, 3, 4], indirect=True, ids=lambda p: f"ws{p}")
+def test_collectives_dist_mismatch_raises_on_every_rank(world):
+    """Shape, dtype or src disagreement raises CollectiveMismatchError on every rank; the group stays usable."""
+    world_size, per_rank = world
+    failures = []
+    expected_follow_up = torch.full((3,), world_size * (world_size + 1) / 2)
+    for case_id in per_rank[0]["mismatch"]:
+        for rank, results in enumerate(per_rank):
+            exc_type, message, unchanged, follow_up = results["mismatch"][case_id]
+            if exc_type != "CollectiveMismatchError":
+                failures.append(f"{case_id} rank {rank}: got {exc_type} {message}")
+            if not unchanged:
+                failures.append(f"{case_id} rank {rank}: tensor was modified")
+            if difference := bitwise_difference(follow_up, expected_follow_up):
+                failures.append(f"{case_id} rank {rank}: follow-up all_reduce {difference}")
+    assert not failures, f"{len(failures)} failing case(s):\n" + "\n".join(failures)
+
+
+@pytest.mark.timeout(60)
+def test_init_after_shutdown_works_in_same_process(world):
+    """gradsync.init() after gradsync.shutdown() in the same processes gives a working group."""
+    world_size, per_rank = world
+    expected = torch.full((2,), world_size * (world_size + 1) / 2)
+    for rank, results in enumerate(per_rank):
+        new_rank, new_world_size, summed = results["reinit"]
+        assert (new_rank, new_world_size) == (rank, world_size)
+        assert not bitwise_difference(summed, expected), f"rank {rank}: {summed}"
+
+
+# ---------------------------------------------------------------- faults: a silent and a dead peer
+
+FAULT_TIMEOUT_S = 2.0
+
+
+def _rank_silent_peer(silent_rank, timeout_s):
+    """All ranks all_reduce once; then ``silent_rank`` sleeps while the others all_reduce again."""
+    gradsync.all_reduce(torch.ones(8))
+    if gradsync.rank() == silent_rank:
+        time.sleep(timeout_s + 1.5)
+        return None
+    started = time.monotonic()
+    try:
+        gradsync.all_reduce(torch.ones(8), timeout=timeout_s)
+    except Exception as exc:  # noqa: BLE001 - the parent checks the type
+        return type(exc).__name__, isinstance(exc, TimeoutError), str(exc), getattr(exc, "peer", None), \
+            time.monotonic() - started
+    return "no error", False, "", None, time.monotonic() - started
+
+
+def _rank_dead_peer(dead_rank, timeout_s):
+    """All ranks all_reduce once; then ``dead_rank`` exits abruptly while the others all_reduce again."""
+    gradsync.all_reduce(torch.ones(8))
+    if gradsync.rank() == dead_rank:
+        os._exit(1)
+    started = time.monotonic()
+    try:
+        gradsync.all_reduce(torch.ones(8), algorithm="ring", timeout=timeout_s)
+    except Exception as exc:  # noqa: BLE001 - the parent checks the type
+        return type(exc).__name__, isinstance(exc, TimeoutError), str(exc), getattr(exc, "peer", None), \
+            time.monotonic() - started
+    return "no error", False, "", None, time.monotonic() - started
+
+
+def _check_fault_outcomes(outcomes, culprit, world_size):
+    for rank, outcome in enumerate(outcomes):
+        if rank == culprit:
+            continue
+        exc_type, is_timeout_error, message, peer, elapsed_s = outcome
+        assert exc_type == "CollectiveTimeoutError" and is_timeout_error, f"rank {rank}: {exc_type} {message}"
+        assert elapsed_s <= FAULT_TIMEOUT_S + 2, f"rank {rank} took {elapsed_s:.2f} s: {message}"
+        assert peer is not None and peer != rank and f"peer rank {peer}" in message, f"rank {rank}: {message}"
+    # The culprit's right-hand neighbour waits on it directly in the ring and must name it.
+    neighbour = (culprit + 1) % world_size
+    assert outcomes[neighbour][3] == culprit, outcomes[neighbour]
+    assert f"peer rank {culprit}" in outcomes[neighbour][2], outcomes[neighbour]
+
+
+@pytest.mark.timeout(40)
+def test_all_reduce_dist_silent_rank_times_out_naming_peer():
+    """A live rank that stops calling makes the others raise CollectiveTimeoutError naming a peer in timeout+2 s."""
+    world_size, silent_rank = 3, 1
+    outcomes = run_world(world_size, _rank_silent_peer, silent_rank, FAULT_TIMEOUT_S, timeout_s=30,
+                         collective_timeout_s=COLLECTIVE_TIMEOUT_S)
+    _check_fault_outcomes(outcomes, silent_rank, world_size)
+
+
+@pytest.mark.timeout(40)
+def test_all_reduce_dist_dead_rank_raises_naming_peer():
+    """A rank that exits mid-job makes the survivors raise CollectiveTimeoutError naming it within timeout+2 s."""
+    world_size, dead_rank = 2, 1
+    outcomes = run_world(world_size, _rank_dead_peer, dead_rank, FAULT_TIMEOUT_S, timeout_s=30,
+                         collective_timeout_s=COLLECTIVE_TIMEOUT_S, may_exit=[dead_rank])
+    assert outcomes[dead_rank] is None
+    _check_fault_outcomes(outcomes, dead_rank, world_size)
