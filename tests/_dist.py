@@ -13,6 +13,7 @@ Functions run inside ranks must be top-level (picklable) and named ``_rank_<what
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import queue
@@ -22,7 +23,11 @@ import time
 import traceback
 from collections.abc import Callable, Iterable
 
-import multiprocessing
+import torch
+
+import gradsync
+from gradsync.collectives import Communicator
+from gradsync.transport.thread import ThreadWorld
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 20.0
 _TEARDOWN_GRACE_S = 10.0  # a rank that reported its result may take this long to leave the group
@@ -59,10 +64,6 @@ def _worker(rank: int, world_size: int, port: int, collective_timeout_s: float,
     """Body of one rank process: join the group, run ``fn``, report, leave the group."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import torch  # imported here so that the parent's import cost is not paid twice
-
-    import gradsync
-
     try:
         torch.set_num_threads(1)
         gradsync.init(backend="gloo", timeout=collective_timeout_s)
@@ -76,12 +77,14 @@ def _worker(rank: int, world_size: int, port: int, collective_timeout_s: float,
         gradsync.shutdown()
 
 
-def _raise_first_error(errors: dict[int, tuple[str, str, str]]) -> None:
+def _raise_first_error(errors: dict[int, tuple[str, str, str]], hang_message: str) -> None:
     if not errors:
         return
     first = min(errors)
     others = "".join(f"\n(also rank {rank}: {exc_type}: {message})"
                      for rank, (exc_type, message, _) in sorted(errors.items()) if rank != first)
+    if hang_message:
+        others += f"\n(also: {hang_message})"
     raise RankError(first, *errors[first], others=others)
 
 
@@ -117,7 +120,7 @@ def run_world(world_size: int, fn: Callable, *args, timeout_s: float = 60,
         for process in processes:
             process.start()
         _collect(processes, results, payloads, may_exit, deadline)
-        _join_or_report(processes, payloads, may_exit, deadline)
+        hang_message, hung = _join_or_report(processes, payloads, may_exit, deadline)
     finally:
         for process in processes:  # only the processes this call started
             if process.is_alive():
@@ -128,7 +131,10 @@ def run_world(world_size: int, fn: Callable, *args, timeout_s: float = 60,
                 process.join(5)
         results.close()
     outcomes = {rank: pickle.loads(payload) for rank, payload in payloads.items()}
-    _raise_first_error({rank: detail for rank, (ok, detail) in outcomes.items() if not ok})
+    # An exception is usually the cause of the other ranks' hang, so it is reported first.
+    _raise_first_error({rank: detail for rank, (ok, detail) in outcomes.items() if not ok}, hang_message)
+    if hung:
+        raise RankHangError(hang_message, hung)
     return [outcomes[rank][1] if rank in outcomes else None for rank in range(world_size)]
 
 
@@ -157,22 +163,22 @@ def _collect(processes, results, payloads: dict, may_exit: set, deadline: float)
             return
 
 
-def _join_or_report(processes, payloads: dict, may_exit: set, deadline: float) -> None:
-    """Join every process; report the ranks that hung (no result, or stuck leaving the group)."""
+def _join_or_report(processes, payloads: dict, may_exit: set, deadline: float) -> tuple[str, list[int]]:
+    """Join every process; return a message naming the ranks that hung (no result, or stuck leaving)."""
     silent = [rank for rank in range(len(processes)) if rank not in payloads and rank not in may_exit
               and processes[rank].is_alive()]
     if silent:
         pids = ", ".join(f"rank {rank} pid {processes[rank].pid}" for rank in silent)
-        raise RankHangError(f"ranks {silent} did not finish within the deadline and were terminated "
-                            f"({pids})", silent)
+        return (f"ranks {silent} did not finish within the deadline and were terminated ({pids})",
+                silent)
     teardown_deadline = min(deadline, time.monotonic() + _TEARDOWN_GRACE_S)
     for process in processes:
         process.join(max(teardown_deadline - time.monotonic(), 0.0))
     stuck = [rank for rank, process in enumerate(processes)
              if process.is_alive() and rank not in may_exit]
     if stuck:
-        raise RankHangError(f"ranks {stuck} reported a result but hung in gradsync.shutdown() "
-                            f"and were terminated", stuck)
+        return f"ranks {stuck} reported a result but hung in gradsync.shutdown() and were terminated", stuck
+    return "", []
 
 
 def run_threads(world_size: int, fn: Callable, timeout_s: float = 20,
@@ -194,9 +200,6 @@ def run_threads(world_size: int, fn: Callable, timeout_s: float = 20,
         RankError: a rank raised (chained to the original exception).
         RankHangError: ranks still running at the deadline.
     """
-    from gradsync.collectives import Communicator
-    from gradsync.transport.thread import ThreadWorld
-
     world = ThreadWorld(world_size)
     if collective_timeout_s is None:
         collective_timeout_s = timeout_s / 2

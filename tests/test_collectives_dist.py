@@ -3,7 +3,8 @@
 Spawning costs seconds per process, so one world per world size runs a list
 of cases (gloo's ``MultipleAlgorithms`` idea) and returns every rank's
 results; the parent compares them with closed forms, naming the case id in
-each failure. Fault tests (a silent and a dead rank) get worlds of their own.
+each failure. Fault tests (a silent and a dead rank), leaving and joining
+again, and the harness's own error reporting get worlds of their own.
 """
 
 import os
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 import gradsync
-from _dist import run_world
+from _dist import RankError, run_world
 from _reference import bitwise_difference, closed_form_input, closed_form_result, reference_all_reduce
 
 pytestmark = pytest.mark.dist
@@ -50,29 +51,43 @@ def _strided_column(values):
     return base, base[:, 1]
 
 
+def _attempt(call):
+    """("ok", value) or ("error", "Type: message"): one failing case must not hide the others."""
+    try:
+        return "ok", call()
+    except Exception as exc:  # noqa: BLE001 - reported with the case id by the parent
+        return "error", f"{type(exc).__name__}: {exc}"
+
+
+def _all_reduce_case(rank, world_size, dtype, numel, op, algorithm, strided):
+    values = closed_form_input(numel, rank, world_size, getattr(torch, dtype))
+    base, tensor = _strided_column(values) if strided else (values, values)
+    returned = gradsync.all_reduce(tensor, op=op, algorithm=algorithm)
+    return returned is tensor, base
+
+
 def _run_all_reduce_cases(world_size, rank):
-    results = {}
-    for case_id, dtype, numel, op, algorithm, strided in all_reduce_cases(world_size):
-        values = closed_form_input(numel, rank, world_size, getattr(torch, dtype))
-        base, tensor = _strided_column(values) if strided else (values, values)
-        returned = gradsync.all_reduce(tensor, op=op, algorithm=algorithm)
-        results[case_id] = (returned is tensor, base)
-    return results
+    return {case_id: _attempt(lambda: _all_reduce_case(rank, world_size, *spec))
+            for case_id, *spec in all_reduce_cases(world_size)}
+
+
+def _strided_broadcast(rank, world_size):
+    base, view = _strided_column(closed_form_input(7, rank, world_size, torch.int8))
+    gradsync.broadcast(view, src=world_size - 1)
+    return base
 
 
 def _run_other_collectives(world_size, rank):
     results = {}
     for src in range(world_size):
         tensor = torch.arange(5, dtype=torch.float32) * 10 + rank
-        results[f"broadcast-float32-src{src}"] = gradsync.broadcast(tensor, src=src)
-    base, view = _strided_column(closed_form_input(7, rank, world_size, torch.int8))
-    gradsync.broadcast(view, src=world_size - 1)
-    results[f"broadcast-int8-strided-src{world_size - 1}"] = base
-    results["all_gather-float32-2x3"] = gradsync.all_gather(
-        (torch.arange(6, dtype=torch.float32) * world_size + rank).reshape(2, 3))
+        results[f"broadcast-float32-src{src}"] = _attempt(lambda: gradsync.broadcast(tensor, src=src))
+    results[f"broadcast-int8-strided-src{world_size - 1}"] = _attempt(lambda: _strided_broadcast(rank, world_size))
+    results["all_gather-float32-2x3"] = _attempt(lambda: gradsync.all_gather(
+        (torch.arange(6, dtype=torch.float32) * world_size + rank).reshape(2, 3)))
     for dtype, numel in (("float32", world_size + 1), ("int64", 10), ("float16", 1)):
         values = closed_form_input(numel, rank, world_size, getattr(torch, dtype))
-        results[f"reduce_scatter-{dtype}-n{numel}"] = gradsync.reduce_scatter(values)
+        results[f"reduce_scatter-{dtype}-n{numel}"] = _attempt(lambda: gradsync.reduce_scatter(values))
     return results
 
 
@@ -102,20 +117,12 @@ def _run_mismatches(world_size, rank):
     return results
 
 
-def _run_reinit():
-    """Leave the group, join it again in the same process, and all_reduce once on the new group."""
-    gradsync.shutdown()
-    gradsync.init(backend="gloo", timeout=COLLECTIVE_TIMEOUT_S)
-    return gradsync.rank(), gradsync.world_size(), gradsync.all_reduce(torch.full((2,), gradsync.rank() + 1.0))
-
-
 def _rank_collective_cases():
     """Every case of this world, by family; rank r's results."""
     world_size, rank = gradsync.world_size(), gradsync.rank()
     results = {"all_reduce": _run_all_reduce_cases(world_size, rank),
                "other": _run_other_collectives(world_size, rank),
                "mismatch": _run_mismatches(world_size, rank) if world_size > 1 else {}}
-    results["reinit"] = _run_reinit()
     return results
 
 
@@ -127,10 +134,21 @@ def world(request):
                                  collective_timeout_s=COLLECTIVE_TIMEOUT_S)
 
 
-def _check_same_on_every_rank(failures, case_id, per_rank, expected):
-    for rank, actual in enumerate(per_rank):
-        difference = bitwise_difference(actual, expected)
-        if difference:
+def _values(failures, case_id, per_rank, family):
+    """Each rank's value for ``case_id``; a rank that raised is recorded in ``failures`` (value None)."""
+    values = []
+    for rank, results in enumerate(per_rank):
+        status, value = results[family][case_id]
+        if status != "ok":
+            failures.append(f"{case_id} rank {rank} raised {value}")
+            value = None
+        values.append(value)
+    return values
+
+
+def _check_same_on_every_rank(failures, case_id, values, expected):
+    for rank, actual in enumerate(values):
+        if actual is not None and (difference := bitwise_difference(actual, expected)):
             failures.append(f"{case_id} rank {rank}: {difference}")
 
 
@@ -140,16 +158,14 @@ def test_all_reduce_dist_cases_match_closed_form(world):
     world_size, per_rank = world
     failures = []
     for case_id, dtype_name, numel, op, _, strided in all_reduce_cases(world_size):
-        dtype = getattr(torch, dtype_name)
-        expected = closed_form_result(numel, world_size, dtype, op)
+        expected = closed_form_result(numel, world_size, getattr(torch, dtype_name), op)
         if strided:
             expected = _strided_column(expected)[0]
-        for rank in range(world_size):
-            returned_same, result = per_rank[rank]["all_reduce"][case_id]
-            if not returned_same:
+        values = _values(failures, case_id, per_rank, "all_reduce")
+        for rank, value in enumerate(values):
+            if value is not None and not value[0]:
                 failures.append(f"{case_id} rank {rank}: did not return the tensor it was given")
-        _check_same_on_every_rank(failures, case_id,
-                                  [results["all_reduce"][case_id][1] for results in per_rank], expected)
+        _check_same_on_every_rank(failures, case_id, [value and value[1] for value in values], expected)
     assert not failures, f"{len(failures)} failing case(s):\n" + "\n".join(failures)
 
 
@@ -160,29 +176,28 @@ def test_broadcast_all_gather_reduce_scatter_dist_match_reference(world):
     failures = []
     for src in range(world_size):
         case_id = f"broadcast-float32-src{src}"
-        _check_same_on_every_rank(failures, case_id, [results["other"][case_id] for results in per_rank],
+        _check_same_on_every_rank(failures, case_id, _values(failures, case_id, per_rank, "other"),
                                   torch.arange(5, dtype=torch.float32) * 10 + src)
-    src = world_size - 1
-    case_id = f"broadcast-int8-strided-src{src}"
-    _check_same_on_every_rank(failures, case_id, [results["other"][case_id] for results in per_rank],
-                              _strided_column(closed_form_input(7, src, world_size, torch.int8))[0])
-    for rank, results in enumerate(per_rank):
-        gathered = results["other"]["all_gather-float32-2x3"]
-        expected = [(torch.arange(6, dtype=torch.float32) * world_size + source).reshape(2, 3)
-                    for source in range(world_size)]
-        if len(gathered) != world_size:
-            failures.append(f"all_gather rank {rank}: {len(gathered)} parts")
-            continue
-        failures += [f"all_gather rank {rank} part {source}: {difference}"
-                     for source, (part, want) in enumerate(zip(gathered, expected))
-                     if (difference := bitwise_difference(part, want))]
+    case_id = f"broadcast-int8-strided-src{world_size - 1}"
+    _check_same_on_every_rank(failures, case_id, _values(failures, case_id, per_rank, "other"),
+                              _strided_column(closed_form_input(7, world_size - 1, world_size, torch.int8))[0])
+    expected_parts = [(torch.arange(6, dtype=torch.float32) * world_size + source).reshape(2, 3)
+                      for source in range(world_size)]
+    case_id = "all_gather-float32-2x3"
+    for rank, gathered in enumerate(_values(failures, case_id, per_rank, "other")):
+        if gathered is not None and len(gathered) != world_size:
+            failures.append(f"{case_id} rank {rank}: {len(gathered)} parts")
+        elif gathered is not None:
+            failures += [f"{case_id} rank {rank} part {source}: {difference}"
+                         for source, (part, want) in enumerate(zip(gathered, expected_parts))
+                         if (difference := bitwise_difference(part, want))]
     for dtype_name, numel in (("float32", world_size + 1), ("int64", 10), ("float16", 1)):
         case_id = f"reduce_scatter-{dtype_name}-n{numel}"
-        dtype = getattr(torch, dtype_name)
-        inputs = [closed_form_input(numel, rank, world_size, dtype) for rank in range(world_size)]
+        inputs = [closed_form_input(numel, rank, world_size, getattr(torch, dtype_name))
+                  for rank in range(world_size)]
         chunks = torch.tensor_split(reference_all_reduce(inputs, "sum"), world_size)
-        for rank, results in enumerate(per_rank):
-            if difference := bitwise_difference(results["other"][case_id], chunks[rank]):
+        for rank, chunk in enumerate(_values(failures, case_id, per_rank, "other")):
+            if chunk is not None and (difference := bitwise_difference(chunk, chunks[rank])):
                 failures.append(f"{case_id} rank {rank}: {difference}")
     assert not failures, f"{len(failures)} failing case(s):\n" + "\n".join(failures)
 
@@ -204,17 +219,6 @@ def test_collectives_dist_mismatch_raises_on_every_rank(world):
             if difference := bitwise_difference(follow_up, expected_follow_up):
                 failures.append(f"{case_id} rank {rank}: follow-up all_reduce {difference}")
     assert not failures, f"{len(failures)} failing case(s):\n" + "\n".join(failures)
-
-
-@pytest.mark.timeout(60)
-def test_init_after_shutdown_works_in_same_process(world):
-    """gradsync.init() after gradsync.shutdown() in the same processes gives a working group."""
-    world_size, per_rank = world
-    expected = torch.full((2,), world_size * (world_size + 1) / 2)
-    for rank, results in enumerate(per_rank):
-        new_rank, new_world_size, summed = results["reinit"]
-        assert (new_rank, new_world_size) == (rank, world_size)
-        assert not bitwise_difference(summed, expected), f"rank {rank}: {summed}"
 
 
 # ---------------------------------------------------------------- faults: a silent and a dead peer
@@ -282,3 +286,62 @@ def test_all_reduce_dist_dead_rank_raises_naming_peer():
                          collective_timeout_s=COLLECTIVE_TIMEOUT_S, may_exit=[dead_rank])
     assert outcomes[dead_rank] is None
     _check_fault_outcomes(outcomes, dead_rank, world_size)
+
+
+# ---------------------------------------------------------------- leaving and joining again
+
+REINIT_TIMEOUT_S = 2.0
+
+
+def _rank_reinit(slow_rank, delay_s):
+    """all_reduce, leave the group (``slow_rank`` ``delay_s`` later than the others), join again, all_reduce."""
+    rank, world_size = gradsync.rank(), gradsync.world_size()
+    first = gradsync.all_reduce(torch.full((2,), rank + 1.0))
+    if rank == slow_rank:
+        time.sleep(delay_s)
+    gradsync.shutdown()
+    try:
+        gradsync.init(backend="gloo", timeout=REINIT_TIMEOUT_S)
+        second = gradsync.all_reduce(torch.full((2,), rank + 1.0), algorithm="native")
+        third = gradsync.all_reduce(torch.full((2,), rank + 1.0), algorithm="ring")
+        return "ok", (gradsync.rank(), gradsync.world_size()), first, second, third
+    except Exception as exc:  # noqa: BLE001 - reported per rank by the parent
+        return "error", f"{type(exc).__name__}: {str(exc).splitlines()[0]}", first, None, None
+
+
+@pytest.mark.timeout(60)
+def test_init_after_shutdown_works_in_same_process():
+    """gradsync.init() after gradsync.shutdown() gives a working group, even when ranks leave at different times."""
+    world_size, slow_rank = 2, 0
+    outcomes = run_world(world_size, _rank_reinit, slow_rank, 1.0, timeout_s=45,
+                         collective_timeout_s=COLLECTIVE_TIMEOUT_S)
+    expected = torch.full((2,), world_size * (world_size + 1) / 2)
+    for rank, (status, detail, first, second, third) in enumerate(outcomes):
+        assert not bitwise_difference(first, expected), f"rank {rank} before shutdown: {first}"
+        assert status == "ok", f"rank {rank}: re-init failed: {detail}"
+        assert detail == (rank, world_size), f"rank {rank}: {detail}"
+        for result in (second, third):
+            assert not bitwise_difference(result, expected), f"rank {rank} after re-init: {result}"
+
+
+# ---------------------------------------------------------------- the harness itself
+
+
+def _rank_fail_or_hang():
+    """Rank 0 hangs (sleeps past the deadline); rank 1 raises."""
+    if gradsync.rank() == 0:
+        time.sleep(60)
+    raise KeyError("boom from rank 1")
+
+
+@pytest.mark.timeout(30)
+def test_run_world_reports_failing_rank_traceback_and_hung_rank():
+    """run_world re-raises rank 1's exception with its traceback and names rank 0, which hung and was terminated."""
+    started = time.monotonic()
+    with pytest.raises(RankError) as info:
+        run_world(2, _rank_fail_or_hang, timeout_s=8, collective_timeout_s=5)
+    message = str(info.value)
+    assert info.value.rank == 1 and "KeyError" in message and "boom from rank 1" in message, message
+    assert "_rank_fail_or_hang" in message, "the rank's traceback text is missing"
+    assert "ranks [0] did not finish" in message, message
+    assert time.monotonic() - started < 20

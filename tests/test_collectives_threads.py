@@ -418,6 +418,40 @@ def test_collectives_mismatch_raises_on_every_rank_and_group_recovers(kind):
         assert_bitwise_equal(follow_up, expected_follow_up, f"rank {rank} follow-up all_reduce")
 
 
+# kind -> (expected error type on the bad rank, the call with bad = this rank is the one with a bad argument)
+ONE_BAD_RANK = {
+    "bool-dtype": (TypeError, lambda comm, bad: gradsync.all_reduce(
+        torch.zeros(4, dtype=torch.bool) if bad else torch.zeros(4), group=comm)),
+    "broadcast-src-out-of-range": (ValueError, lambda comm, bad: gradsync.broadcast(
+        torch.zeros(4), src=comm.world_size + 2 if bad else 0, group=comm)),
+    "avg-on-int": (TypeError, lambda comm, bad: gradsync.all_reduce(
+        torch.zeros(4, dtype=torch.int64), op="avg" if bad else "sum", group=comm)),
+    "unknown-op": (ValueError, lambda comm, bad: gradsync.all_reduce(
+        torch.zeros(4), op="max" if bad else "sum", group=comm)),
+    "unknown-algorithm": (ValueError, lambda comm, bad: gradsync.all_reduce(
+        torch.zeros(4), algorithm="butterfly" if bad else "ring", group=comm)),
+}
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("kind", sorted(ONE_BAD_RANK))
+def test_collectives_bad_argument_on_one_rank_does_not_hang_the_others(kind):
+    """One rank's bad argument raises its own error there and CollectiveMismatchError (not a timeout) elsewhere."""
+    world_size, bad_rank, timeout_s = 3, 1, 5.0
+    expected_type, call = ONE_BAD_RANK[kind]
+
+    def rank_fn(comm):
+        exc, elapsed_s = capture(lambda: call(comm, comm.rank == bad_rank))
+        return exc, elapsed_s, gradsync.all_reduce(torch.ones(2), group=comm)
+
+    outcomes = run_threads(world_size, rank_fn, timeout_s=3 * timeout_s, collective_timeout_s=timeout_s)
+    for rank, (exc, elapsed_s, follow_up) in enumerate(outcomes):
+        wanted = expected_type if rank == bad_rank else CollectiveMismatchError
+        assert isinstance(exc, wanted), f"rank {rank}: expected {wanted.__name__}, got {exc!r}"
+        assert elapsed_s < timeout_s / 2, f"rank {rank} waited {elapsed_s:.2f} s"
+        assert_bitwise_equal(follow_up, torch.full((2,), float(world_size)), f"rank {rank} follow-up")
+
+
 # ---------------------------------------------------------------- a silent peer
 
 TIMEOUT_S = 0.5

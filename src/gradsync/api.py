@@ -18,8 +18,6 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "ring",
 
     Collective: every rank must call this in the same order with equal shape and dtype.
     """
-    _collectives.validate_op(op)
-    _collectives.validate_algorithm(algorithm)
     return _collectives.all_reduce(tensor, resolve_group(group), op=op, algorithm=algorithm,
                                    timeout=timeout)
 

@@ -105,7 +105,10 @@ def train(args: argparse.Namespace) -> int:
 
     config = _config_from_args(args)
     validate(config)
-    out_dir = prepare_out_dir(config.out)
+    if _under_torchrun() and os.environ.get("RANK", "0") != "0":
+        out_dir = Path(config.out or "runs/unused")  # only rank 0 writes the run folder
+    else:
+        out_dir = prepare_out_dir(config.out)
     config.out = str(out_dir)
     world_size = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else config.nproc
     validate_against_data(config, world_size, data.num_train_samples(config.num_samples))

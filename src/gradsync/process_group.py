@@ -28,6 +28,12 @@ class _Default:
     communicator: Communicator | None = None
     owns_process_group = False
     by_group: dict[int, Communicator] = {}
+    # The rendezvous store outlives shutdown(): a rank that re-inits before
+    # rank 0 has torn down the old group must meet it in a fresh namespace of
+    # the same store, not in a half-closed old store (see init_generation).
+    store = None
+    store_key: tuple | None = None
+    init_generation = 0
 
 
 def _env_int(name: str) -> int:
@@ -91,8 +97,21 @@ def _init_torch_distributed(backend: str, timeout: float) -> None:
     rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
     if not 0 <= rank < world_size:
         raise ValueError(f"RANK={rank} must be in [0, WORLD_SIZE={world_size})")
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
+    store = _rendezvous_store(rank, world_size, timeout)
+    _Default.init_generation += 1
+    generation_store = dist.PrefixStore(f"gradsync/init{_Default.init_generation}", store)
+    dist.init_process_group(backend, store=generation_store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout))
+
+
+def _rendezvous_store(rank: int, world_size: int, timeout: float):
+    """The env:// store (rank 0's, or the elastic agent's), made once per address and kept."""
+    key = (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"], rank, world_size)
+    if _Default.store is None or _Default.store_key != key:
+        store, _, _ = next(dist.rendezvous("env://", rank, world_size,
+                                           timeout=datetime.timedelta(seconds=timeout)))
+        _Default.store, _Default.store_key, _Default.init_generation = store, key, 0
+    return _Default.store
 
 
 def shutdown() -> None:

@@ -17,9 +17,11 @@ import torch
 
 from gradsync.collectives import broadcast as tree_broadcast
 from gradsync.collectives import native, ring
+from gradsync.collectives.call import CollectiveCall
 from gradsync.collectives.check import verify_layout
 from gradsync.collectives.chunking import chunk_bounds
 from gradsync.collectives.communicator import Communicator
+from gradsync.errors import CollectiveMismatchError
 
 OPS = ("sum", "avg")
 _ALL_REDUCE = {"ring": ring.all_reduce, "native": native.all_reduce}
@@ -27,6 +29,7 @@ ALGORITHMS = tuple(_ALL_REDUCE)
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
                     torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 _FLOAT32_ACCUMULATED = (torch.float16, torch.bfloat16)
+_FIXED_ALGORITHM = {"broadcast": "tree", "all_gather": "ring", "reduce_scatter": "ring"}
 # Gloo's own all_reduce lacks some narrow integer types; integer sums wrap the
 # same way in int64 followed by a narrowing cast, so native upcasts them.
 _NATIVE_UPCAST = {torch.int8: torch.int64, torch.uint8: torch.int64, torch.int16: torch.int64}
@@ -42,12 +45,51 @@ def validate_algorithm(algorithm: str) -> None:
         raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
 
 
-def _validate_tensor(tensor, what: str) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{what} expects a torch.Tensor, got {type(tensor).__name__}")
+def _argument_problem(tensor: torch.Tensor, what: str, op: str | None = None,
+                      algorithm: str | None = None, src: int | None = None,
+                      world_size: int = 1) -> Exception | None:
+    """Return the error a bad argument deserves (not raised yet), or None."""
+    try:
+        if op is not None:
+            validate_op(op)
+        if algorithm is not None:
+            validate_algorithm(algorithm)
+    except ValueError as exc:
+        return exc
     if tensor.dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(dtype).replace("torch.", "") for dtype in SUPPORTED_DTYPES)
-        raise TypeError(f"{what} does not support dtype {tensor.dtype}; supported: {names}")
+        return TypeError(f"{what} does not support dtype {tensor.dtype}; supported: {names}")
+    if op == "avg" and not tensor.is_floating_point():
+        return TypeError(f"op='avg' needs a floating-point tensor, got {tensor.dtype}; use op='sum'")
+    if src is not None and not 0 <= src < world_size:
+        return ValueError(f"src must be a rank in [0, {world_size}), got {src}")
+    return None
+
+
+def _start_call(comm: Communicator, tensor, what: str, *, op: str | None = None,
+                algorithm: str | None = None, src: int | None = None,
+                timeout: float | None, verify: bool) -> CollectiveCall:
+    """Check the arguments and the ranks' agreement; return the call to run.
+
+    A bad argument on one rank must not leave the others waiting: the layout
+    check still runs (it includes op, algorithm, dtype and src), so the other
+    ranks raise CollectiveMismatchError while this one raises its own error.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} expects a torch.Tensor, got {type(tensor).__name__}")
+    if src is not None and (isinstance(src, bool) or not isinstance(src, int)):
+        raise TypeError(f"src must be an int rank, got {type(src).__name__}")
+    problem = _argument_problem(tensor, what, op, algorithm, src, comm.world_size)
+    call = comm.new_call(what, algorithm or _FIXED_ALGORITHM[what], timeout)
+    if verify:
+        try:
+            verify_layout(call, tensor, collective=what, op=op or "none", src=src or 0)
+        except CollectiveMismatchError:
+            if problem is None:
+                raise
+    if problem is not None:
+        raise problem
+    return call
 
 
 def _working_dtype(dtype: torch.dtype, algorithm: str) -> torch.dtype:
@@ -98,14 +140,8 @@ def all_reduce(tensor: torch.Tensor, comm: Communicator, *, op: str = "sum",
 
     Collective: every rank must call this in the same order with equal shape and dtype.
     """
-    validate_op(op)
-    validate_algorithm(algorithm)
-    _validate_tensor(tensor, "all_reduce")
-    if op == "avg" and not tensor.is_floating_point():
-        raise TypeError(f"op='avg' needs a floating-point tensor, got {tensor.dtype}; use op='sum'")
-    call = comm.new_call("all_reduce", algorithm, timeout)
-    if verify:
-        verify_layout(call, tensor, collective="all_reduce", op=op)
+    call = _start_call(comm, tensor, "all_reduce", op=op, algorithm=algorithm, timeout=timeout,
+                       verify=verify)
     if comm.world_size == 1 or tensor.numel() == 0:
         return tensor
     with torch.no_grad(), _flat_view(tensor, comm, _working_dtype(tensor.dtype, algorithm)) as flat:
@@ -125,12 +161,7 @@ def broadcast(tensor: torch.Tensor, comm: Communicator, *, src: int = 0,
 
     Collective: every rank must call this in the same order with equal shape, dtype and src.
     """
-    _validate_tensor(tensor, "broadcast")
-    if not isinstance(src, int) or not 0 <= src < comm.world_size:
-        raise ValueError(f"src must be a rank in [0, {comm.world_size}), got {src!r}")
-    call = comm.new_call("broadcast", "tree", timeout)
-    if verify:
-        verify_layout(call, tensor, collective="broadcast", src=src)
+    call = _start_call(comm, tensor, "broadcast", src=src, timeout=timeout, verify=verify)
     if comm.world_size == 1 or tensor.numel() == 0:
         return tensor
     with torch.no_grad(), _flat_view(tensor, comm, tensor.dtype) as flat:
@@ -144,10 +175,7 @@ def all_gather(tensor: torch.Tensor, comm: Communicator, *, timeout: float | Non
 
     Collective: every rank must call this in the same order with equal shape and dtype.
     """
-    _validate_tensor(tensor, "all_gather")
-    call = comm.new_call("all_gather", "ring", timeout)
-    if verify:
-        verify_layout(call, tensor, collective="all_gather")
+    call = _start_call(comm, tensor, "all_gather", timeout=timeout, verify=verify)
     numel, world_size = tensor.numel(), comm.world_size
     gathered = torch.empty(numel * world_size, dtype=tensor.dtype, device=tensor.device)
     gathered[comm.rank * numel:(comm.rank + 1) * numel] = tensor.reshape(-1)
@@ -167,13 +195,7 @@ def reduce_scatter(tensor: torch.Tensor, comm: Communicator, *, op: str = "sum",
 
     Collective: every rank must call this in the same order with equal shape and dtype.
     """
-    validate_op(op)
-    _validate_tensor(tensor, "reduce_scatter")
-    if op == "avg" and not tensor.is_floating_point():
-        raise TypeError(f"op='avg' needs a floating-point tensor, got {tensor.dtype}; use op='sum'")
-    call = comm.new_call("reduce_scatter", "ring", timeout)
-    if verify:
-        verify_layout(call, tensor, collective="reduce_scatter", op=op)
+    call = _start_call(comm, tensor, "reduce_scatter", op=op, timeout=timeout, verify=verify)
     work_dtype = _working_dtype(tensor.dtype, "ring")
     flat = comm.workspace.get(tensor.numel(), work_dtype, tensor.device, purpose="stage")
     flat.copy_(tensor.reshape(-1))

@@ -1,0 +1,17 @@
+"""The examples in the pure modules' docstrings run and are right."""
+
+import doctest
+
+import pytest
+
+import gradsync
+from gradsync.collectives import chunking
+from gradsync.parallel import bucketing
+from gradsync.transport import thread
+
+
+@pytest.mark.parametrize("module", [gradsync, chunking, bucketing, thread], ids=lambda m: m.__name__)
+def test_doctests_pass(module):
+    """Every >>> example in the module gives the output it shows."""
+    result = doctest.testmod(module, verbose=False)
+    assert result.attempted > 0 and result.failed == 0
