@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from gradsync.cli import main
 from gradsync.train import data
@@ -85,18 +86,46 @@ def test_cli_bad_input_exit_code_from_a_real_process(tmp_path):
     _assert_one_line_error(result, "--nproc")
 
 
+_INJECT_FAILURE = """
+import os
+import gradsync.train.loop as loop
+
+_original_init = loop.Trainer.__init__
+
+
+def _failing_init(self, *args, **kwargs):
+    if os.environ.get("RANK") == "1":
+        raise RuntimeError("injected failure on rank 1")
+    _original_init(self, *args, **kwargs)
+
+
+loop.Trainer.__init__ = _failing_init
+"""
+
+
 @pytest.mark.dist
 @pytest.mark.timeout(120)
-def test_cli_worker_failure_exits_nonzero_with_its_error(tmp_path):
-    """Workers that raise (here: a corrupt data cache) end the job with that error, not a hang."""
-    cache = data.cache_path(tmp_path, 1000, data.DEFAULT_DATA_SEED)
-    cache.write_bytes(b"this is not an npz file")
+def test_cli_worker_failure_exits_nonzero_naming_the_failing_worker(tmp_path):
+    """A worker that raises ends the job with exit 1 and that worker's error, not the others' fallout."""
+    (tmp_path / "sitecustomize.py").write_text(_INJECT_FAILURE)  # runs in every worker process
     result = _gradsync("train", "--nproc", "2", "--num-samples", "1000", "--out", str(tmp_path / "run"),
-                       "--no-progress", env={"GRADSYNC_DATA_DIR": str(tmp_path)})
+                       "--no-progress", "--timeout", "20",
+                       env={"GRADSYNC_DATA_DIR": str(tmp_path), "PYTHONPATH": str(tmp_path)})
     assert result.returncode == 1, result.stderr
-    assert "worker rank" in result.stderr and "failed" in result.stderr, result.stderr
-    assert "pickle" in result.stderr or "npz" in result.stderr or "load" in result.stderr, result.stderr
+    assert "worker rank 1 failed: RuntimeError: injected failure on rank 1" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
+    assert not (tmp_path / "run").exists(), "a run that wrote nothing leaves no folder behind"
+
+
+def test_cli_corrupt_data_cache_is_regenerated(tmp_path):
+    """A truncated or garbage cache file is replaced by freshly generated data, with a warning."""
+    cache = data.cache_path(tmp_path, 100, data.DEFAULT_DATA_SEED)
+    cache.write_bytes(b"this is not an npz file")
+    path = data.prepare(tmp_path, num_samples=100)
+    splits = data.load(path)
+    fresh = data.generate(100)
+    assert torch.equal(splits.x_train, torch.from_numpy(fresh["x_train"]))
+    assert torch.equal(splits.y_test, torch.from_numpy(fresh["y_test"]))
 
 
 @pytest.mark.dist

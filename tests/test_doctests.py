@@ -5,12 +5,13 @@ import doctest
 import pytest
 
 import gradsync
-from gradsync.collectives import chunking
+from gradsync.bench import allreduce as bench_allreduce
+from gradsync.collectives import auto, chunking
 from gradsync.parallel import bucketing
-from gradsync.transport import thread
+from gradsync.transport import sub, thread
 
 
-@pytest.mark.parametrize("module", [gradsync, chunking, bucketing, thread], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [gradsync, auto, bench_allreduce, chunking, bucketing, sub, thread], ids=lambda m: m.__name__)
 def test_doctests_pass(module):
     """Every >>> example in the module gives the output it shows."""
     result = doctest.testmod(module, verbose=False)

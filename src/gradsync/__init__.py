@@ -2,7 +2,7 @@
 
 >>> import gradsync
 >>> gradsync.ALGORITHMS
-('ring', 'native')
+('ring', 'tree', 'halving_doubling', 'hierarchical', 'native', 'auto')
 """
 
 from gradsync.api import all_gather, all_reduce, broadcast, comm_stats, reduce_scatter

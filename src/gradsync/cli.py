@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
-from pathlib import Path
 
+from gradsync import __version__
 from gradsync.collectives.api import ALGORITHMS
 from gradsync.errors import CollectiveMismatchError, CollectiveTimeoutError, GradsyncError
-from gradsync.train.config import LR_SCHEDULES, OPTIMIZERS, TrainConfig, validate, validate_against_data
+from gradsync.train.config import LR_SCHEDULES, OPTIMIZERS, TrainConfig
 from gradsync.train.models import MODELS
 
 _DEFAULTS = TrainConfig()
@@ -56,12 +54,35 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(prog="gradsync", description="Data-parallel training with gradsync.")
+    parser.add_argument("--version", action="version", version=f"gradsync {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
     train = commands.add_parser("train", help="train a model on MNIST-1D across local workers",
                                 description="Train on MNIST-1D data-parallel across --nproc local "
                                 "workers (or under torchrun, across the workers it started).")
     _add_train_options(train)
+    bench = commands.add_parser("bench", help="benchmarks that print tables")
+    benches = bench.add_subparsers(dest="bench", required=True, parser_class=_OneLineParser)
+    _add_allreduce_bench_options(benches.add_parser(
+        "allreduce", help="nccl-tests-style AllReduce sweep over sizes and algorithms",
+        description="Time every algorithm at every size across --nproc local processes, "
+                    "interleaved with the backend's native all_reduce."))
     return parser
+
+
+def _add_allreduce_bench_options(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--nproc", type=int, default=4, help="processes (default %(default)s)")
+    add("--sizes", default="4K,64K,1M,16M,64M", help="message sizes in bytes, K/M/G suffixes "
+        "(default %(default)s)")
+    add("--algorithms", default="ring,tree,halving_doubling,hierarchical,native",
+        help="comma-separated; native is always measured for the ratio (default %(default)s)")
+    add("--repetitions", type=int, default=5, help="timed repetitions per point; the median is "
+        "reported (default %(default)s)")
+    add("--ranks-per-node", type=int, default=None, help="pretend nodes of this many ranks for "
+        "hierarchical (default: 2 when --nproc is even and >= 4, else --nproc)")
+    add("--segment-bytes", type=int, default=None, help="pipelining segment of ring and tree "
+        "(default: the library's)")
+    add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
 
 
 def _config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -69,58 +90,23 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**fields)
 
 
-def _default_out_dir() -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = Path("runs") / stamp
-    suffix = 1
-    while path.exists():
-        suffix += 1
-        path = Path("runs") / f"{stamp}-{suffix}"
-    return path
-
-
-def prepare_out_dir(out: str | None) -> Path:
-    """Create the run folder and prove it is writable; refuse to mix with an earlier run."""
-    path = Path(out) if out else _default_out_dir()
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        if (path / "metrics.jsonl").exists():
-            raise ValueError(f"--out {path} already holds a run (metrics.jsonl); choose another folder")
-        probe = path / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as exc:
-        raise ValueError(f"--out {path} is not a writable folder: {exc.strerror or exc}") from None
-    return path
-
-
-def _under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
-
-
 def train(args: argparse.Namespace) -> int:
-    from gradsync.launch import launch_local
-    from gradsync.train import data
-    from gradsync.train.loop import run_worker
+    from gradsync.train.job import run_job
 
-    config = _config_from_args(args)
-    validate(config)
-    if _under_torchrun() and os.environ.get("RANK", "0") != "0":
-        out_dir = Path(config.out or "runs/unused")  # only rank 0 writes the run folder
-    else:
-        out_dir = prepare_out_dir(config.out)
-    config.out = str(out_dir)
-    world_size = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else config.nproc
-    validate_against_data(config, world_size, data.num_train_samples(config.num_samples))
-    data_path = data.prepare(config.data_dir, config.num_samples)
-    if _under_torchrun():
-        summary = run_worker(config, str(data_path), str(out_dir))
-    else:
-        summary = launch_local(config.nproc, run_worker, config, str(data_path), str(out_dir))[0]
+    summary = run_job(_config_from_args(args))
     if summary is not None:
         print(f"test accuracy {100 * summary['final_test_accuracy']:.2f}% | "
               f"{summary['samples_per_s']:.0f} samples/s | {summary['wall_s']:.1f} s | "
-              f"run folder {out_dir}")
+              f"run folder {summary['config']['out']}")
+    return 0
+
+
+def bench_allreduce(args: argparse.Namespace) -> int:
+    from gradsync.bench.allreduce import run_sweep
+
+    run_sweep(nproc=args.nproc, sizes=args.sizes, algorithms=args.algorithms,
+              repetitions=args.repetitions, ranks_per_node=args.ranks_per_node,
+              segment_bytes=args.segment_bytes, json_path=args.json)
     return 0
 
 
@@ -128,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``gradsync`` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "bench":
+            return bench_allreduce(args)
         return train(args)
     except (ValueError, TypeError) as exc:
         print(f"gradsync {args.command}: error: {exc}", file=sys.stderr)

@@ -19,8 +19,10 @@ class CollectiveTimeoutError(TimeoutError):
     NCCL's watchdog.
     """
 
-    def __init__(self, message, *, op=None, algorithm=None, rank=None, peer=None, step=None):
+    def __init__(self, message, *, op=None, algorithm=None, rank=None, peer=None, step=None,
+                 timed_out=True):
         super().__init__(message)
+        self.timed_out = timed_out  # False: the peer's connection closed (it died) before the deadline
         self.op = op
         self.algorithm = algorithm
         self.rank = rank

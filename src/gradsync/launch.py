@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import logging
 import socket
+import tempfile
 import uuid
 from typing import Any, Callable
 
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -44,18 +47,40 @@ def launch_local(nproc: int, entry: Callable, *args, max_restarts: int = 0) -> d
         ``{rank: return value}`` for every worker.
 
     Raises:
-        WorkerFailedError: a worker raised or died (first failure by time).
+        WorkerFailedError: a worker raised or died (the root cause, see ``_root_cause``).
+        KeyboardInterrupt: the launcher got SIGINT/SIGTERM (the workers are stopped).
     """
     for name in _NOISY_LOGGERS:
         logging.getLogger(name).setLevel(logging.CRITICAL)
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
-                          max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn")
-    try:
-        return elastic_launch(config, entry)(*args)
-    except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        raise WorkerFailedError(rank, _failure_text(failure)) from None
+    with tempfile.TemporaryDirectory(prefix="gradsync-elastic-") as log_dir:
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
+                              rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
+                              max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
+                              logs_specs=DefaultLogsSpecs(log_dir=log_dir), shutdown_timeout=5)
+        try:
+            return elastic_launch(config, entry)(*args)
+        except ChildFailedError as exc:
+            rank, failure = _root_cause(exc.failures)
+            raise WorkerFailedError(rank, _failure_text(failure)) from None
+        except SignalException:
+            raise KeyboardInterrupt from None
+
+
+def _root_cause(failures: dict) -> tuple[int, object]:
+    """The failure most likely to be the cause, not a consequence.
+
+    A rank that fails on its own (an exception of its own) comes first; then
+    ranks that timed out waiting for a peer (they point at it); last, ranks
+    that saw a connection close because another rank had already died.
+    Ties go to the earliest failure.
+    """
+    def rank_order(item):
+        rank, failure = item
+        text = _failure_text(failure)
+        consequence = 2 if "connection closed" in text else 1 if "CollectiveTimeoutError" in text else 0
+        return consequence, failure.timestamp, rank
+
+    return min(failures.items(), key=rank_order)
 
 
 def _failure_text(failure) -> str:

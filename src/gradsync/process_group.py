@@ -11,6 +11,7 @@ this default group is the one piece of process-wide state.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 
 import torch
@@ -22,6 +23,9 @@ from gradsync.transport.torch_p2p import TorchP2PTransport
 
 BACKENDS = ("auto", "gloo", "nccl")
 _REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# Joining the group (store, connections) may take longer than a collective is
+# allowed to: a short collective timeout must not make start-up fail.
+MIN_STARTUP_TIMEOUT_S = 60.0
 
 
 class _Default:
@@ -72,16 +76,26 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT_S) -> Communica
     """
     if _Default.communicator is not None:
         raise RuntimeError("gradsync.init() was already called; call gradsync.shutdown() first")
-    if not timeout > 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+    if not 0 < timeout < math.inf:
+        raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout}")
     backend = _resolve_backend(backend)
     if not dist.is_initialized():
         _init_torch_distributed(backend, timeout)
         _Default.owns_process_group = True
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    _Default.communicator = Communicator(TorchP2PTransport(None), timeout_s=timeout)
+    transport = TorchP2PTransport(None)
+    _Default.communicator = Communicator(transport, timeout_s=timeout,
+                                         ranks_per_node=_ranks_per_node(transport.world_size))
     return _Default.communicator
+
+
+def _ranks_per_node(world_size: int) -> int | None:
+    """LOCAL_WORLD_SIZE from the launcher when it tiles the world into equal nodes, else None."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local and local.isdigit() and 0 < int(local) <= world_size and world_size % int(local) == 0:
+        return int(local)
+    return None
 
 
 def _init_torch_distributed(backend: str, timeout: float) -> None:
@@ -101,15 +115,16 @@ def _init_torch_distributed(backend: str, timeout: float) -> None:
     _Default.init_generation += 1
     generation_store = dist.PrefixStore(f"gradsync/init{_Default.init_generation}", store)
     dist.init_process_group(backend, store=generation_store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout))
+                            timeout=datetime.timedelta(seconds=max(timeout, MIN_STARTUP_TIMEOUT_S)))
 
 
 def _rendezvous_store(rank: int, world_size: int, timeout: float):
     """The env:// store (rank 0's, or the elastic agent's), made once per address and kept."""
     key = (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"], rank, world_size)
     if _Default.store is None or _Default.store_key != key:
+        startup_s = max(timeout, MIN_STARTUP_TIMEOUT_S)
         store, _, _ = next(dist.rendezvous("env://", rank, world_size,
-                                           timeout=datetime.timedelta(seconds=timeout)))
+                                           timeout=datetime.timedelta(seconds=startup_s)))
         _Default.store, _Default.store_key, _Default.init_generation = store, key, 0
     return _Default.store
 

@@ -16,16 +16,18 @@ from contextlib import contextmanager
 import torch
 
 from gradsync.collectives import broadcast as tree_broadcast
-from gradsync.collectives import native, ring
+from gradsync.collectives import auto, halving_doubling, hierarchical, native, ring, tree
 from gradsync.collectives.call import CollectiveCall
 from gradsync.collectives.check import verify_layout
 from gradsync.collectives.chunking import chunk_bounds
-from gradsync.collectives.communicator import Communicator
+from gradsync.collectives.communicator import Communicator, check_timeout
 from gradsync.errors import CollectiveMismatchError
 
 OPS = ("sum", "avg")
-_ALL_REDUCE = {"ring": ring.all_reduce, "native": native.all_reduce}
-ALGORITHMS = tuple(_ALL_REDUCE)
+_ALL_REDUCE = {"ring": ring.all_reduce, "tree": tree.all_reduce,
+               "halving_doubling": halving_doubling.all_reduce,
+               "hierarchical": hierarchical.all_reduce, "native": native.all_reduce}
+ALGORITHMS = tuple(_ALL_REDUCE) + ("auto",)
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
                     torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 _FLOAT32_ACCUMULATED = (torch.float16, torch.bfloat16)
@@ -41,19 +43,24 @@ def validate_op(op: str) -> None:
 
 
 def validate_algorithm(algorithm: str) -> None:
-    if algorithm not in _ALL_REDUCE:
+    if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
 
 
-def _argument_problem(tensor: torch.Tensor, what: str, op: str | None = None,
-                      algorithm: str | None = None, src: int | None = None,
-                      world_size: int = 1) -> Exception | None:
+def _argument_problem(tensor, what: str, op: str | None, algorithm: str | None, src,
+                      timeout: float | None, world_size: int) -> Exception | None:
     """Return the error a bad argument deserves (not raised yet), or None."""
+    if not isinstance(tensor, torch.Tensor):
+        return TypeError(f"{what} expects a torch.Tensor, got {type(tensor).__name__}")
+    if src is not None and (isinstance(src, bool) or not isinstance(src, int)):
+        return TypeError(f"src must be an int rank, got {type(src).__name__}")
     try:
         if op is not None:
             validate_op(op)
         if algorithm is not None:
             validate_algorithm(algorithm)
+        if timeout is not None:
+            check_timeout(timeout)
     except ValueError as exc:
         return exc
     if tensor.dtype not in SUPPORTED_DTYPES:
@@ -71,19 +78,18 @@ def _start_call(comm: Communicator, tensor, what: str, *, op: str | None = None,
                 timeout: float | None, verify: bool) -> CollectiveCall:
     """Check the arguments and the ranks' agreement; return the call to run.
 
-    A bad argument on one rank must not leave the others waiting: the layout
-    check still runs (it includes op, algorithm, dtype and src), so the other
-    ranks raise CollectiveMismatchError while this one raises its own error.
+    A bad argument on one rank must not leave the others waiting or out of
+    step: the layout check still runs (describing what this rank was given),
+    so the other ranks raise CollectiveMismatchError while this one raises
+    its own TypeError or ValueError.
     """
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{what} expects a torch.Tensor, got {type(tensor).__name__}")
-    if src is not None and (isinstance(src, bool) or not isinstance(src, int)):
-        raise TypeError(f"src must be an int rank, got {type(src).__name__}")
-    problem = _argument_problem(tensor, what, op, algorithm, src, comm.world_size)
-    call = comm.new_call(what, algorithm or _FIXED_ALGORITHM[what], timeout)
+    problem = _argument_problem(tensor, what, op, algorithm, src, timeout, comm.world_size)
+    call = comm.new_call(what, algorithm or _FIXED_ALGORITHM[what], None if problem else timeout)
     if verify:
+        described = tensor if isinstance(tensor, torch.Tensor) else None
         try:
-            verify_layout(call, tensor, collective=what, op=op or "none", src=src or 0)
+            verify_layout(call, described, collective=what, op=op or "none",
+                          src=src if isinstance(src, int) else -1)
         except CollectiveMismatchError:
             if problem is None:
                 raise
@@ -144,6 +150,10 @@ def all_reduce(tensor: torch.Tensor, comm: Communicator, *, op: str = "sum",
                        verify=verify)
     if comm.world_size == 1 or tensor.numel() == 0:
         return tensor
+    if algorithm == "auto":
+        algorithm = auto.choose(tensor.numel() * tensor.element_size(), comm.world_size,
+                                comm.ranks_per_node)
+        call.algorithm = f"{algorithm} (auto)"
     with torch.no_grad(), _flat_view(tensor, comm, _working_dtype(tensor.dtype, algorithm)) as flat:
         _ALL_REDUCE[algorithm](flat, call)
         if op == "avg":

@@ -14,6 +14,7 @@ import torch
 
 from gradsync.errors import CollectiveTimeoutError
 from gradsync.transport.base import PeerFailure, Transport
+from gradsync.transport.sub import SubTransport
 
 
 class Workspace:
@@ -45,18 +46,33 @@ class CollectiveCall:
         algorithm: algorithm name (for error messages).
         timeout_s: seconds the whole call may take.
         workspace: scratch buffers to reuse.
+        segment_bytes: pipelining unit of the algorithms that cut chunks into segments.
+        ranks_per_node: ranks per node for hierarchical algorithms.
     """
 
     def __init__(self, transport: Transport, op_name: str, algorithm: str,
-                 timeout_s: float, workspace: Workspace):
+                 timeout_s: float, workspace: Workspace, *, segment_bytes: int = 2**20,
+                 ranks_per_node: int | None = None, deadline: float | None = None):
         self.transport = transport
         self.rank = transport.rank
         self.world_size = transport.world_size
         self.op_name = op_name
         self.algorithm = algorithm
         self.timeout_s = timeout_s
-        self.deadline = time.monotonic() + timeout_s
+        self.deadline = time.monotonic() + timeout_s if deadline is None else deadline
         self.workspace = workspace
+        self.segment_bytes = segment_bytes
+        self.ranks_per_node = ranks_per_node or transport.world_size
+
+    def sub(self, members: list[int], algorithm: str) -> "CollectiveCall":
+        """The same call restricted to ``members`` (parent ranks), sharing deadline and workspace."""
+        return CollectiveCall(SubTransport(self.transport, members), self.op_name, algorithm,
+                              self.timeout_s, self.workspace, segment_bytes=self.segment_bytes,
+                              deadline=self.deadline)
+
+    def segment_numel(self, element_size: int) -> int:
+        """Elements per pipelining segment (at least one)."""
+        return max(1, self.segment_bytes // element_size)
 
     def remaining_s(self) -> float:
         return max(self.deadline - time.monotonic(), 0.0)
@@ -68,23 +84,42 @@ class CollectiveCall:
         except PeerFailure as failure:
             raise self.failure(failure, step) from failure
 
+    def _start(self, start, tensor: torch.Tensor, peer: int, step: str):
+        try:
+            return start(tensor, peer)
+        except PeerFailure as failure:
+            raise self.failure(failure, step) from failure
+
+    def isend(self, tensor: torch.Tensor, peer: int, step: str = "send"):
+        """Start a send (None for an empty tensor); finish it with :meth:`wait_on`."""
+        return (self._start(self.transport.isend, tensor, peer, step), peer) if tensor.numel() else None
+
+    def irecv(self, tensor: torch.Tensor, peer: int, step: str = "receive"):
+        """Start a receive (None for an empty tensor); finish it with :meth:`wait_on`."""
+        return (self._start(self.transport.irecv, tensor, peer, step), peer) if tensor.numel() else None
+
+    def wait_on(self, pending, step: str) -> None:
+        """Finish one transfer started by :meth:`isend` / :meth:`irecv`."""
+        if pending is not None:
+            self.wait(pending[0], pending[1], step)
+
+    def wait_all(self, pendings, step: str) -> None:
+        for pending in pendings:
+            self.wait_on(pending, step)
+
     def send(self, tensor: torch.Tensor, peer: int, step: str) -> None:
-        if tensor.numel():
-            self.wait(self.transport.isend(tensor, peer), peer, step)
+        self.wait_on(self.isend(tensor, peer, step), step)
 
     def recv(self, tensor: torch.Tensor, peer: int, step: str) -> None:
-        if tensor.numel():
-            self.wait(self.transport.irecv(tensor, peer), peer, step)
+        self.wait_on(self.irecv(tensor, peer, step), step)
 
     def send_recv(self, send_tensor: torch.Tensor, dst: int,
                   recv_tensor: torch.Tensor, src: int, step: str) -> None:
         """Send to ``dst`` and receive from ``src`` concurrently; empty tensors are skipped."""
-        send_handle = self.transport.isend(send_tensor, dst) if send_tensor.numel() else None
-        recv_handle = self.transport.irecv(recv_tensor, src) if recv_tensor.numel() else None
-        if recv_handle is not None:
-            self.wait(recv_handle, src, step)
-        if send_handle is not None:
-            self.wait(send_handle, dst, step)
+        sending = self.isend(send_tensor, dst, step)
+        receiving = self.irecv(recv_tensor, src, step)
+        self.wait_on(receiving, step)
+        self.wait_on(sending, step)
 
     def failure(self, failure: PeerFailure, step: str) -> CollectiveTimeoutError:
         """Build the error for a failed wait on ``failure.peer`` during ``step``."""
@@ -93,4 +128,5 @@ class CollectiveCall:
                    f"{self.world_size}: {peer} {failure.reason} at {step} "
                    f"(timeout {self.timeout_s:g} s)")
         return CollectiveTimeoutError(message, op=self.op_name, algorithm=self.algorithm,
-                                      rank=self.rank, peer=failure.peer, step=step)
+                                      rank=self.rank, peer=failure.peer, step=step,
+                                      timed_out=failure.timed_out)

@@ -35,8 +35,15 @@ def _code(table, value) -> int:
     return table.index(value) if value in table else len(table) + zlib.crc32(str(value).encode())
 
 
-def describe(tensor: torch.Tensor, collective: str, op: str, algorithm: str, src: int) -> torch.Tensor:
-    """Encode a call's layout as a ``(DESCRIPTOR_NUMEL,)`` int64 tensor."""
+_NOT_A_TENSOR = -2
+
+
+def describe(tensor: torch.Tensor | None, collective: str, op: str, algorithm: str, src: int) -> torch.Tensor:
+    """Encode a call's layout as a ``(DESCRIPTOR_NUMEL,)`` int64 tensor (None: not a tensor)."""
+    if tensor is None:
+        head = [_MAGIC, _code(_COLLECTIVES, collective), _code(_OPS, op), _code(_ALGORITHMS, algorithm),
+                _NOT_A_TENSOR, src, 0, 0]
+        return torch.tensor(head + [0] * (DESCRIPTOR_NUMEL - len(head)), dtype=torch.int64)
     dims = list(tensor.shape)
     if len(dims) > MAX_DIMS:  # fold the tail into one value: still differs if any dim does
         dims = dims[: MAX_DIMS - 1] + [hash(tuple(dims[MAX_DIMS - 1:])) & 0x7FFFFFFF]
@@ -46,7 +53,7 @@ def describe(tensor: torch.Tensor, collective: str, op: str, algorithm: str, src
     return torch.tensor(values, dtype=torch.int64)
 
 
-def verify_layout(call: CollectiveCall, tensor: torch.Tensor, *, collective: str,
+def verify_layout(call: CollectiveCall, tensor: torch.Tensor | None, *, collective: str,
                   op: str = "none", src: int = 0) -> None:
     """Raise CollectiveMismatchError on every rank unless all ranks describe the same call.
 
@@ -77,8 +84,10 @@ def _shape_of(row: list[int]) -> tuple[int, ...]:
 def _decode(field: str, value: int) -> str:
     tables = {"collective": _COLLECTIVES, "op": _OPS, "algorithm": _ALGORITHMS, "dtype": _DTYPES}
     table = tables.get(field)
-    if table is not None and 0 <= value < len(table):
-        return str(table[value])
+    if field == "dtype" and value == _NOT_A_TENSOR:
+        return "no tensor"
+    if table is not None:
+        return str(table[value]).replace("torch.", "") if 0 <= value < len(table) else "an unknown value"
     return str(value)
 
 

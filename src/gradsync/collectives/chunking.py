@@ -31,3 +31,18 @@ def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
         bounds.append((start, stop))
         start = stop
     return bounds
+
+
+def segment_bounds(start: int, stop: int, segment_numel: int) -> list[tuple[int, int]]:
+    """Cut the chunk ``[start, stop)`` into segments of ``segment_numel`` (the last may be shorter).
+
+    An empty chunk has no segments.
+
+    >>> segment_bounds(10, 35, 10)
+    [(10, 20), (20, 30), (30, 35)]
+    >>> segment_bounds(4, 4, 8)
+    []
+    """
+    if segment_numel < 1:
+        raise ValueError(f"segment_numel must be >= 1, got {segment_numel}")
+    return [(offset, min(offset + segment_numel, stop)) for offset in range(start, stop, segment_numel)]

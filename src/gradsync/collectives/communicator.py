@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import math
+
 from gradsync.collectives.call import CollectiveCall, Workspace
 from gradsync.transport.base import Transport, TransportStats
 
 DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_SEGMENT_BYTES = 2**20  # see bench/allreduce.py for the measurement behind it
+
+
+def check_timeout(timeout_s: float) -> None:
+    if not 0 < timeout_s < math.inf:
+        raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout_s}")
 
 
 class Communicator:
@@ -16,16 +24,29 @@ class Communicator:
             (:class:`~gradsync.transport.torch_p2p.TorchP2PTransport` in real
             runs, :class:`~gradsync.transport.thread.ThreadTransport` in tests).
         timeout_s: default seconds a collective call may take.
+        segment_bytes: pipelining unit of ring and tree (bytes, > 0; equal on every rank).
+        ranks_per_node: ranks per node for ``hierarchical`` (None: all ranks on one
+            node; a smaller value lets one machine pretend to be several nodes).
+            Ranks ``[k*ranks_per_node, (k+1)*ranks_per_node)`` form node k.
 
     Raises:
-        ValueError: ``timeout_s`` is not positive.
+        ValueError: ``timeout_s`` or ``segment_bytes`` is not positive, or
+        ``ranks_per_node`` does not divide the world size.
     """
 
-    def __init__(self, transport: Transport, timeout_s: float = DEFAULT_TIMEOUT_S):
-        if not timeout_s > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout_s}")
+    def __init__(self, transport: Transport, timeout_s: float = DEFAULT_TIMEOUT_S, *,
+                 segment_bytes: int = DEFAULT_SEGMENT_BYTES, ranks_per_node: int | None = None):
+        check_timeout(timeout_s)
+        if not segment_bytes > 0:
+            raise ValueError(f"segment_bytes must be > 0, got {segment_bytes}")
+        world_size = transport.world_size
+        if ranks_per_node is not None and (ranks_per_node < 1 or world_size % ranks_per_node):
+            raise ValueError(f"ranks_per_node={ranks_per_node} must be >= 1 and divide the "
+                             f"world size {world_size}")
         self.transport = transport
         self.timeout_s = float(timeout_s)
+        self.segment_bytes = int(segment_bytes)
+        self.ranks_per_node = ranks_per_node or world_size
         self.workspace = Workspace()
 
     @property
@@ -44,6 +65,7 @@ class Communicator:
         """Start a call bounded by ``timeout_s`` (the communicator's default when None)."""
         if timeout_s is None:
             timeout_s = self.timeout_s
-        elif not timeout_s > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout_s}")
-        return CollectiveCall(self.transport, op_name, algorithm, float(timeout_s), self.workspace)
+        else:
+            check_timeout(timeout_s)
+        return CollectiveCall(self.transport, op_name, algorithm, float(timeout_s), self.workspace,
+                              segment_bytes=self.segment_bytes, ranks_per_node=self.ranks_per_node)

@@ -1,8 +1,8 @@
-"""Ring AllReduce = reduce-scatter then all-gather (Patarasuk & Yuan 2009).
+"""Ring AllReduce = reduce-scatter then all-gather, pipelined by segments (Patarasuk & Yuan 2009).
 
-Each rank sends 2(p-1) messages of one chunk each to its right neighbour and
-receives as many from its left one; cost 2(p-1)·α + 2(p-1)/p·n·β +
-(p-1)/p·n·γ (Thakur et al. 2005), bandwidth-optimal for large messages.
+Each rank sends 2(p-1) chunks to its right neighbour and receives as many
+from its left one; cost 2(p-1)·α + 2(p-1)/p·n·β + (p-1)/p·n·γ (Thakur et
+al. 2005), bandwidth-optimal for large messages.
 
 How it works (p = 4 ranks, chunks 0..3, rank r's right is r+1 mod p):
 
@@ -13,9 +13,16 @@ How it works (p = 4 ranks, chunks 0..3, rank r's right is r+1 mod p):
 * all-gather, hop k = 0..p-2: rank r sends chunk (r-k) mod p, which it
   already holds in full, and receives chunk (r-k-1) mod p, overwriting it.
 
+Pipelining (as Gloo and NCCL do): every chunk is cut into segments of
+``segment_bytes``. Two segments are received ahead into a double-buffered
+inbox while the current one is reduced, and a segment is forwarded to the
+right as soon as it is reduced (or, in the all-gather, received), so the next
+hop starts before this one ends. Both ends cut a chunk the same way, and
+messages between a pair are matched in order, so segments need no tags.
+
 Chunks follow :func:`~gradsync.collectives.chunking.chunk_bounds`: with
 numel = 10 and p = 4 they hold 3, 3, 2, 2 elements; with numel = 2 two
-chunks are empty and their messages are skipped on both sides.
+chunks are empty and have no segments, so nothing is sent for them.
 """
 
 from __future__ import annotations
@@ -23,7 +30,14 @@ from __future__ import annotations
 import torch
 
 from gradsync.collectives.call import CollectiveCall
-from gradsync.collectives.chunking import chunk_bounds
+from gradsync.collectives.chunking import chunk_bounds, segment_bounds
+
+_IN_FLIGHT = 2  # receives posted ahead of the segment being reduced
+
+
+def _segments(chunks, index: int, segment_numel: int) -> list[tuple[int, int]]:
+    start, stop = chunks[index % len(chunks)]
+    return segment_bounds(start, stop, segment_numel)
 
 
 def reduce_scatter(flat: torch.Tensor, call: CollectiveCall) -> tuple[int, int]:
@@ -32,7 +46,7 @@ def reduce_scatter(flat: torch.Tensor, call: CollectiveCall) -> tuple[int, int]:
     Args:
         flat: ``(numel,)`` contiguous tensor, modified in place; only chunk
             ``rank`` is meaningful afterwards.
-        call: the collective call (transport, deadline, workspace).
+        call: the collective call (transport, deadline, workspace, segment_bytes).
 
     Returns:
         ``(start, stop)`` of this rank's chunk.
@@ -41,15 +55,31 @@ def reduce_scatter(flat: torch.Tensor, call: CollectiveCall) -> tuple[int, int]:
     """
     rank, world_size = call.rank, call.world_size
     chunks = chunk_bounds(flat.numel(), world_size)
+    if world_size == 1:
+        return chunks[0]
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
-    inbox = call.workspace.get(chunks[0][1] - chunks[0][0], flat.dtype, flat.device)
+    segment_numel = min(call.segment_numel(flat.element_size()), max(chunks[0][1] - chunks[0][0], 1))
+    inbox = call.workspace.get(_IN_FLIGHT * segment_numel, flat.dtype, flat.device).view(_IN_FLIGHT, -1)
+    sends = [call.isend(flat[a:b], right) for a, b in _segments(chunks, rank - 1, segment_numel)]
     for hop in range(world_size - 1):
-        send_start, send_stop = chunks[(rank - hop - 1) % world_size]
-        recv_start, recv_stop = chunks[(rank - hop - 2) % world_size]
-        received = inbox[: recv_stop - recv_start]
-        call.send_recv(flat[send_start:send_stop], right, received, left,
-                       step=f"reduce_scatter hop {hop}")
-        flat[recv_start:recv_stop] += received
+        step = f"reduce_scatter hop {hop}"
+        segments = _segments(chunks, rank - hop - 2, segment_numel)
+        forwards = []
+
+        def post(index):
+            a, b = segments[index]
+            return call.irecv(inbox[index % _IN_FLIGHT, : b - a], left)
+
+        receives = [post(i) for i in range(min(_IN_FLIGHT, len(segments)))]
+        for index, (a, b) in enumerate(segments):
+            call.wait_on(receives[index], step)
+            flat[a:b] += inbox[index % _IN_FLIGHT, : b - a]
+            if index + _IN_FLIGHT < len(segments):
+                receives.append(post(index + _IN_FLIGHT))
+            if hop < world_size - 2:  # this segment is the next hop's message
+                forwards.append(call.isend(flat[a:b], right))
+        call.wait_all(sends, step)
+        sends = forwards
     return chunks[rank]
 
 
@@ -63,13 +93,23 @@ def all_gather(flat: torch.Tensor, call: CollectiveCall) -> None:
     Collective: every rank must call this in the same order with equal ``numel``.
     """
     rank, world_size = call.rank, call.world_size
+    if world_size == 1:
+        return
     chunks = chunk_bounds(flat.numel(), world_size)
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    segment_numel = call.segment_numel(flat.element_size())
+    sends = [call.isend(flat[a:b], right) for a, b in _segments(chunks, rank, segment_numel)]
     for hop in range(world_size - 1):
-        send_start, send_stop = chunks[(rank - hop) % world_size]
-        recv_start, recv_stop = chunks[(rank - hop - 1) % world_size]
-        call.send_recv(flat[send_start:send_stop], right, flat[recv_start:recv_stop], left,
-                       step=f"all_gather hop {hop}")
+        step = f"all_gather hop {hop}"
+        segments = _segments(chunks, rank - hop - 1, segment_numel)
+        receives = [call.irecv(flat[a:b], left) for a, b in segments]
+        forwards = []
+        for pending, (a, b) in zip(receives, segments):
+            call.wait_on(pending, step)
+            if hop < world_size - 2:
+                forwards.append(call.isend(flat[a:b], right))
+        call.wait_all(sends, step)
+        sends = forwards
 
 
 def all_reduce(flat: torch.Tensor, call: CollectiveCall) -> None:

@@ -15,6 +15,7 @@ name and renamed, so concurrent runs never read half a file.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,29 +67,56 @@ def generate(num_samples: int = DEFAULT_NUM_SAMPLES, seed: int = DEFAULT_DATA_SE
 
 def prepare(cache_dir: Path | None = None, num_samples: int = DEFAULT_NUM_SAMPLES,
             seed: int = DEFAULT_DATA_SEED) -> Path:
-    """Make sure the cached arrays exist and return their path (generates on the first call).
+    """Make sure valid cached arrays exist and return their path (generates on the first call).
+
+    A cached file that does not load (truncated, corrupt) is replaced, with a
+    warning naming it.
 
     Raises:
-        ValueError: ``num_samples`` < 10 (one example per class at least).
-        OSError: ``cache_dir`` cannot be written.
+        ValueError: ``num_samples`` < 10, or ``cache_dir`` cannot be used
+        (the message names it).
     """
     if num_samples < 10:
         raise ValueError(f"num_samples must be >= 10 (one per digit), got {num_samples}")
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = cache_path(cache_dir, num_samples, seed)
     if path.exists():
-        return path
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    arrays = generate(num_samples, seed)
-    handle, temporary = tempfile.mkstemp(dir=cache_dir, suffix=".npz.tmp")
+        problem = _load_problem(path)
+        if problem is None:
+            return path
+        print(f"gradsync: cached data {path} is unreadable ({problem}); generating it again",
+              file=sys.stderr)
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        print(f"gradsync: generating MNIST-1D ({num_samples} samples, ~{num_samples * 6e-4:.0f} s once) "
+              f"into {path}", file=sys.stderr, flush=True)
+        _write_atomically(path, generate(num_samples, seed))
+    except OSError as exc:
+        raise ValueError(f"--data-dir {cache_dir} cannot hold the data cache: {exc.strerror or exc}") from None
+    return path
+
+
+def _write_atomically(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".npz.tmp")
     try:
         with os.fdopen(handle, "wb") as file:
             np.savez(file, **arrays)
+        os.chmod(temporary, 0o644)  # a shared cache folder stays readable by others
         os.replace(temporary, path)
     finally:
         if os.path.exists(temporary):
             os.unlink(temporary)
-    return path
+
+
+def _load_problem(path: Path) -> str | None:
+    """Why ``path`` is not a usable cache, or None if it is."""
+    try:
+        splits = load(path)
+    except Exception as exc:  # noqa: BLE001 - any failure to read means "regenerate"
+        return f"{type(exc).__name__}: {exc}"
+    if splits.x_train.dim() != 2 or len(splits.x_train) != len(splits.y_train):
+        return "arrays of the wrong shape"
+    return None
 
 
 def load(path: Path) -> Splits:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import signal
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -34,6 +35,9 @@ from gradsync.train.data import load
 from gradsync.train.metrics import MetricsLog, StepTimes, read_metrics, write_summary
 from gradsync.train.models import build_model
 from gradsync.train.plots import plot_run
+
+
+ECHO_DELAY_S = 3.0
 
 
 def threads_per_worker(local_world_size: int) -> int:
@@ -206,9 +210,19 @@ class Trainer:
 
 def run_worker(config: TrainConfig, data_path: str, out_dir: str) -> dict | None:
     """Entry point of one worker process: join the group, train, leave."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # Ctrl-C reaches the whole process group; the elastic agent stops the
+        # workers itself, so a worker's own KeyboardInterrupt would only print a traceback.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     gradsync.init(timeout=config.timeout)
     try:
         summary = Trainer(config, Path(data_path), Path(out_dir)).run()
+    except gradsync.CollectiveTimeoutError as exc:
+        if not exc.timed_out:
+            # A closed connection is the echo of another worker's failure: let
+            # that worker's exit reach the launcher first, so it reports the cause.
+            time.sleep(ECHO_DELAY_S)
+        raise
     finally:
         gradsync.shutdown()
     if summary is not None:  # rank 0 writes the run folder

@@ -14,6 +14,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+
 
 class MetricsLog:
     """Append-only JSON-lines writer (rank 0 only); flushed every record so a crash loses nothing."""

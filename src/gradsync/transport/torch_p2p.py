@@ -33,6 +33,15 @@ def _classify(exc: Exception) -> tuple[str, bool]:
     return f"transfer failed: {first_line}", False
 
 
+def _post(start, tensor: torch.Tensor, peer: int, **kwargs):
+    """Start a transfer; Gloo raises at once when the pair to ``peer`` is already closed."""
+    try:
+        return start(tensor, **kwargs)
+    except RuntimeError as exc:
+        reason, timed_out = _classify(exc)
+        raise PeerFailure(peer, reason, timed_out) from exc
+
+
 class _WorkHandle:
     def __init__(self, work, peer: int):
         self._work = work
@@ -61,12 +70,12 @@ class TorchP2PTransport:
         self.stats = TransportStats()
 
     def isend(self, tensor: torch.Tensor, peer: int) -> _WorkHandle:
-        work = dist.isend(tensor, group=self.group, group_dst=peer)
+        work = _post(dist.isend, tensor, peer, group=self.group, group_dst=peer)
         self.stats.record_send(tensor.numel() * tensor.element_size())
         return _WorkHandle(work, peer)
 
     def irecv(self, tensor: torch.Tensor, peer: int) -> _WorkHandle:
-        work = dist.irecv(tensor, group=self.group, group_src=peer)
+        work = _post(dist.irecv, tensor, peer, group=self.group, group_src=peer)
         self.stats.record_recv(tensor.numel() * tensor.element_size())
         return _WorkHandle(work, peer)
 

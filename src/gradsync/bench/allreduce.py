@@ -1,0 +1,181 @@
+"""nccl-tests-style AllReduce sweep: time per call, algbw, busbw, and the ratio to the native call.
+
+Definitions (nccl-tests, doc/PERFORMANCE.md): for a message of ``nbytes``
+bytes taking ``t`` seconds, algbw = nbytes / t and busbw = algbw · 2(p-1)/p,
+the per-link bandwidth a ring would need, comparable across world sizes.
+``ratio_to_native`` = native time / algorithm time (above 1: faster than the
+backend's own call). Algorithms are interleaved inside every repetition so
+they see the same machine noise; the time of a repetition is the slowest
+rank's, and the reported time is the median over repetitions (OSU-style
+warm-up first, fewer iterations for large messages).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+import gradsync
+from gradsync.collectives import api
+from gradsync.collectives.communicator import Communicator
+from gradsync.process_group import default_communicator
+
+_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
+          "G": 2**30, "GB": 2**30, "GIB": 2**30}
+TARGET_BYTES_PER_REP = 8 * 2**20  # iterations per repetition: enough calls to move ~8 MiB
+MAX_ITERATIONS = 100
+
+
+def parse_nbytes(text: str) -> int:
+    """Parse "4K", "64KiB", "1M", "123" into bytes (powers of 1024).
+
+    >>> parse_nbytes("4K"), parse_nbytes("1M"), parse_nbytes("100")
+    (4096, 1048576, 100)
+    """
+    stripped = text.strip().upper()
+    digits = stripped.rstrip("KMGIB")
+    unit = stripped[len(digits):]
+    if not digits.isdigit() or unit not in _UNITS:
+        raise ValueError(f"bad size {text!r}: use a number of bytes with an optional K, M or G suffix")
+    return int(digits) * _UNITS[unit]
+
+
+@dataclass
+class Row:
+    algorithm: str
+    world_size: int
+    nbytes: int
+    time_us: float
+    algbw_gbps: float
+    busbw_gbps: float
+    ratio_to_native: float | None
+    bytes_sent_per_call: float   # payload bytes this rank sent per call (rank 0)
+    repetitions: int
+    iterations: int
+
+
+def _iterations(nbytes: int) -> int:
+    return max(1, min(MAX_ITERATIONS, TARGET_BYTES_PER_REP // max(nbytes, 1)))
+
+
+def _time_once(comm: Communicator, tensor: torch.Tensor, algorithm: str, iterations: int) -> float:
+    api.all_reduce(torch.zeros(1), comm, algorithm="native", verify=False)  # line the ranks up
+    started = time.perf_counter()
+    for _ in range(iterations):
+        api.all_reduce(tensor, comm, algorithm=algorithm, verify=False)
+    return (time.perf_counter() - started) / iterations
+
+
+def _slowest_rank(comm: Communicator, seconds: float) -> float:
+    return max(float(t) for t in api.all_gather(torch.tensor([seconds], dtype=torch.float64), comm))
+
+
+def sweep(comm: Communicator, sizes: list[int], algorithms: list[str], repetitions: int) -> list[Row]:
+    """Measure every (size, algorithm); collective: every rank calls it with the same arguments."""
+    rows = []
+    world_size = comm.world_size
+    for nbytes in sizes:
+        tensor = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32)
+        iterations = _iterations(nbytes)
+        times: dict[str, list[float]] = {name: [] for name in algorithms}
+        sent: dict[str, float] = {}
+        for name in algorithms:  # warm-up: buffers, connections, caches
+            _time_once(comm, tensor, name, 1)
+        for _ in range(repetitions):
+            for name in algorithms:
+                before = comm.stats.bytes_sent
+                seconds = _time_once(comm, tensor, name, iterations)
+                sent[name] = (comm.stats.bytes_sent - before) / iterations
+                times[name].append(_slowest_rank(comm, seconds))
+        median = {name: statistics.median(values) for name, values in times.items()}
+        for name in algorithms:
+            algbw = tensor.numel() * 4 / median[name] / 1e9
+            ratio = median["native"] / median[name] if "native" in median else None
+            rows.append(Row(name, world_size, tensor.numel() * 4, median[name] * 1e6, algbw,
+                            algbw * 2 * (world_size - 1) / world_size, ratio, sent[name],
+                            repetitions, iterations))
+    return rows
+
+
+def run_worker(sizes: list[int], algorithms: list[str], repetitions: int, ranks_per_node: int | None,
+               segment_bytes: int | None) -> list[dict] | None:
+    """Entry point of one benchmark process; rank 0 returns the rows."""
+    torch.set_num_threads(1)
+    gradsync.init()
+    try:
+        base = default_communicator()
+        comm = Communicator(base.transport, base.timeout_s, ranks_per_node=ranks_per_node,
+                            segment_bytes=segment_bytes or base.segment_bytes)
+        rows = sweep(comm, sizes, algorithms, repetitions)
+        return [asdict(row) for row in rows] if comm.rank == 0 else None
+    finally:
+        gradsync.shutdown()
+
+
+def format_table(rows: list[dict]) -> str:
+    """Render rows as an aligned text table with units in the header."""
+    header = (f"{'size [B]':>12} {'algorithm':>17} {'time [us]':>11} {'algbw [GB/s]':>13} "
+              f"{'busbw [GB/s]':>13} {'vs native':>10} {'sent/size':>10}")
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        ratio = "-" if row["ratio_to_native"] is None else f"{row['ratio_to_native']:.2f}x"
+        lines.append(f"{row['nbytes']:>12} {row['algorithm']:>17} {row['time_us']:>11.1f} "
+                     f"{row['algbw_gbps']:>13.3f} {row['busbw_gbps']:>13.3f} {ratio:>10} "
+                     f"{row['bytes_sent_per_call'] / max(row['nbytes'], 1):>10.3f}")
+    return "\n".join(lines)
+
+
+def write_json(path: str, rows: list[dict]) -> None:
+    with open(path, "w", encoding="utf-8") as file:
+        json.dump(rows, file, indent=2)
+        file.write("\n")
+
+
+def _parse_options(nproc: int, sizes: str, algorithms: str, repetitions: int,
+                   ranks_per_node: int | None, segment_bytes: int | None) -> tuple[list[int], list[str], int]:
+    if nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    if repetitions < 1:
+        raise ValueError(f"--repetitions must be >= 1, got {repetitions}")
+    size_list = [parse_nbytes(text) for text in sizes.split(",") if text.strip()]
+    if not size_list:
+        raise ValueError("--sizes lists no size")
+    names = [name.strip() for name in algorithms.split(",") if name.strip()]
+    for name in names:
+        if name not in api.ALGORITHMS:
+            raise ValueError(f"unknown algorithm {name!r} in --algorithms; choose from {', '.join(api.ALGORITHMS)}")
+    if "native" not in names:
+        names.append("native")
+    ranks_per_node = ranks_per_node or (2 if nproc >= 4 and nproc % 2 == 0 else nproc)
+    if ranks_per_node < 1 or nproc % ranks_per_node:
+        raise ValueError(f"--ranks-per-node {ranks_per_node} must divide --nproc {nproc}")
+    if segment_bytes is not None and segment_bytes < 1:
+        raise ValueError(f"--segment-bytes must be >= 1, got {segment_bytes}")
+    return size_list, names, ranks_per_node
+
+
+def run_sweep(*, nproc: int, sizes: str, algorithms: str, repetitions: int, ranks_per_node: int | None,
+              segment_bytes: int | None, json_path: str | None) -> list[dict]:
+    """Validate the options, run the sweep in ``nproc`` local processes, print the table, write JSON."""
+    from gradsync.launch import launch_local
+
+    size_list, names, ranks_per_node = _parse_options(nproc, sizes, algorithms, repetitions,
+                                                      ranks_per_node, segment_bytes)
+    if json_path:
+        try:
+            Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(json_path).write_text("")  # fail now, not after the sweep
+        except OSError as exc:
+            raise ValueError(f"--json {json_path} is not writable: {exc.strerror or exc}") from None
+    print(f"# gradsync bench allreduce: world_size={nproc} ranks_per_node={ranks_per_node} float32, "
+          f"1 thread per rank, median of {repetitions} interleaved repetitions", flush=True)
+    rows = launch_local(nproc, run_worker, size_list, names, repetitions, ranks_per_node, segment_bytes)[0]
+    print(format_table(rows))
+    if json_path:
+        write_json(json_path, rows)
+    return rows

@@ -1,0 +1,89 @@
+"""One ``gradsync train`` job: validate, prepare data, claim the run folder, launch, clean up.
+
+Everything that can be checked before a worker starts is checked here, so a
+bad option costs no process start-up and leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+from gradsync.launch import launch_local
+from gradsync.train import data
+from gradsync.train.config import TrainConfig, validate, validate_against_data
+from gradsync.train.loop import run_worker
+from gradsync.train.metrics import METRICS_FILE
+
+
+def under_torchrun() -> bool:
+    """True when torchrun (or another launcher) started this process as one worker."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def default_out_dir() -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path, suffix = Path("runs") / stamp, 1
+    while path.exists():
+        suffix += 1
+        path = Path("runs") / f"{stamp}-{suffix}"
+    return path
+
+
+def claim_out_dir(out: str | None) -> tuple[Path, bool]:
+    """Create the run folder and claim it by creating ``metrics.jsonl`` exclusively.
+
+    Returns:
+        The folder and whether this call created it.
+
+    Raises:
+        ValueError: the folder cannot be written, or already holds a run
+        (also when another job claims it at the same moment).
+    """
+    path = Path(out) if out else default_out_dir()
+    created = not path.exists()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with open(path / METRICS_FILE, "x", encoding="utf-8"):
+            pass
+    except FileExistsError:
+        raise ValueError(f"--out {path} already holds a run ({METRICS_FILE}); choose another folder") from None
+    except OSError as exc:
+        raise ValueError(f"--out {path} is not a writable folder: {exc.strerror or exc}") from None
+    return path, created
+
+
+def release_out_dir(path: Path, created: bool) -> None:
+    """Undo :func:`claim_out_dir` when the job wrote nothing (so failures leave no empty folders)."""
+    metrics = path / METRICS_FILE
+    if metrics.exists() and metrics.stat().st_size == 0:
+        metrics.unlink()
+        if created and not any(path.iterdir()):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def run_job(config: TrainConfig) -> dict | None:
+    """Run the whole job; returns rank 0's summary (None on other torchrun ranks).
+
+    Raises:
+        ValueError: a bad option (one line, before any worker starts).
+        WorkerFailedError: a worker failed.
+    """
+    validate(config)
+    torchrun = under_torchrun()
+    world_size = int(os.environ["WORLD_SIZE"]) if torchrun else config.nproc
+    validate_against_data(config, world_size, data.num_train_samples(config.num_samples))
+    data_path = data.prepare(config.data_dir, config.num_samples)
+    writes_folder = not torchrun or os.environ.get("RANK", "0") == "0"
+    if not writes_folder:  # only rank 0 writes the run folder
+        return run_worker(config, str(data_path), str(config.out or "runs/unused"))
+    out_dir, created = claim_out_dir(config.out)
+    config.out = str(out_dir)
+    try:
+        if torchrun:
+            return run_worker(config, str(data_path), str(out_dir))
+        return launch_local(config.nproc, run_worker, config, str(data_path), str(out_dir))[0]
+    finally:
+        release_out_dir(out_dir, created)
