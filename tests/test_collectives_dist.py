@@ -1,10 +1,13 @@
 """Collectives in real processes over Gloo (torch.distributed point-to-point).
 
-Spawning costs seconds per process, so one world per world size runs a list
-of cases (gloo's ``MultipleAlgorithms`` idea) and returns every rank's
-results; the parent compares them with closed forms, naming the case id in
-each failure. Fault tests (a silent and a dead rank), leaving and joining
-again, and the harness's own error reporting get worlds of their own.
+Starting a world costs seconds, so one world per world size runs a list of
+cases (gloo's ``MultipleAlgorithms`` idea) and returns every rank's results;
+the parent compares them with closed forms, naming the case id in each
+failure. Every algorithm runs on the default communicator; extra
+communicators on the same transport add a tiny ``segment_bytes`` (many
+pipelined segments) and pretend nodes (``ranks_per_node``). Fault tests (a
+silent and a dead rank), leaving and joining again, and the harness's own
+error reporting get worlds of their own.
 """
 
 import os
@@ -16,32 +19,64 @@ import torch
 import gradsync
 from _dist import RankError, run_world
 from _reference import bitwise_difference, closed_form_input, closed_form_result, reference_all_reduce
+from gradsync.process_group import default_communicator
 
 pytestmark = pytest.mark.dist
 
-ALGORITHMS = ("ring", "native")
+ALGORITHMS = gradsync.ALGORITHMS
+FULL_GRID_ALGORITHMS = ("ring", "native")  # the others share the public layer's dtype plumbing
 LARGE_NUMEL = 1_000_003
+MEDIUM_NUMEL = 100_003
 SMALL_NUMEL = 17
 SMALL_DTYPES = ("float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64")
+REDUCED_SMALL_DTYPES = ("float16", "bfloat16", "int8", "int64")
 COLLECTIVE_TIMEOUT_S = 15.0
 MISMATCH_ODD_NUMEL = 5
+TINY_SEGMENT_BYTES = 64  # 16 float32 elements: every chunk is cut into many pipelined segments
+
+
+def _algorithm_cases(world_size, algorithm):
+    """(dtype name, numel, op, strided) cases of one algorithm on the default communicator."""
+    full = algorithm in FULL_GRID_ALGORITHMS
+    cases = [("float32", numel, "sum", False)
+             for numel in sorted({0, 1, max(world_size - 1, 0), world_size + 1, LARGE_NUMEL})]
+    cases += [("float32", numel, "avg", False) for numel in ((world_size + 1, LARGE_NUMEL) if full
+                                                             else (world_size + 1,))]
+    for dtype in SMALL_DTYPES if full else REDUCED_SMALL_DTYPES:
+        ops = ("sum", "avg") if getattr(torch, dtype).is_floating_point else ("sum",)
+        cases.extend((dtype, SMALL_NUMEL, op, False) for op in ops)
+    cases += [(dtype, 10, "sum", True) for dtype in ("float32", "float16", "int32")]
+    return cases
+
+
+def _communicator_cases(world_size):
+    """(algorithm, Communicator options, (dtype name, numel, op, strided) cases) on extra communicators."""
+    segmented = (("segment_bytes", TINY_SEGMENT_BYTES),)
+    small = [("float32", 1001, "sum", False), ("float16", 1001, "avg", False), ("int64", 1001, "sum", False),
+             ("float32", 10, "sum", True)]
+    groups = [(algorithm, segmented, small) for algorithm in ("ring", "tree", "hierarchical")]
+    groups += [(algorithm, (("segment_bytes", 4096),), [("float32", MEDIUM_NUMEL, "sum", False)])
+               for algorithm in ("ring", "tree")]
+    groups.append(("hierarchical", (("ranks_per_node", 1),), [("float32", 1001, "sum", False)]))
+    if world_size == 4:  # two pretend nodes of two ranks
+        for options in ((("ranks_per_node", 2),), (("ranks_per_node", 2),) + segmented):
+            groups.append(("hierarchical", options, small))
+        groups.append(("hierarchical", (("ranks_per_node", 2),), [("float32", LARGE_NUMEL, "sum", False)]))
+    return groups
+
+
+def _options_suffix(options):
+    names = {"segment_bytes": "seg", "ranks_per_node": "rpn"}
+    return "".join(f"-{names[key]}{value}" for key, value in options)
 
 
 def all_reduce_cases(world_size):
-    """(case_id, dtype name, numel, op, algorithm, strided) for every all_reduce case of this world."""
-    cases = []
-    for algorithm in ALGORITHMS:
-        for numel in sorted({0, 1, max(world_size - 1, 0), world_size + 1, LARGE_NUMEL}):
-            cases.append(("float32", numel, "sum", algorithm, False))
-        for numel in (world_size + 1, LARGE_NUMEL):
-            cases.append(("float32", numel, "avg", algorithm, False))
-        for dtype in SMALL_DTYPES:
-            ops = ("sum", "avg") if getattr(torch, dtype).is_floating_point else ("sum",)
-            cases.extend((dtype, SMALL_NUMEL, op, algorithm, False) for op in ops)
-        for dtype in ("float32", "float16", "int32"):
-            cases.append((dtype, 10, "sum", algorithm, True))
-    return [(f"all_reduce-{algorithm}-{dtype}-{op}-n{numel}{'-strided' if strided else ''}",
-             dtype, numel, op, algorithm, strided) for dtype, numel, op, algorithm, strided in cases]
+    """(case_id, dtype name, numel, op, algorithm, strided, communicator options) for every all_reduce case."""
+    groups = [(algorithm, (), _algorithm_cases(world_size, algorithm)) for algorithm in ALGORITHMS]
+    groups += _communicator_cases(world_size)
+    return [(f"all_reduce-{algorithm}{_options_suffix(options)}-{dtype}-{op}-n{numel}"
+             f"{'-strided' if strided else ''}", dtype, numel, op, algorithm, strided, options)
+            for algorithm, options, cases in groups for dtype, numel, op, strided in cases]
 
 
 def _strided_column(values):
@@ -59,16 +94,28 @@ def _attempt(call):
         return "error", f"{type(exc).__name__}: {exc}"
 
 
-def _all_reduce_case(rank, world_size, dtype, numel, op, algorithm, strided):
+def _all_reduce_case(rank, world_size, dtype, numel, op, algorithm, strided, comm):
     values = closed_form_input(numel, rank, world_size, getattr(torch, dtype))
     base, tensor = _strided_column(values) if strided else (values, values)
-    returned = gradsync.all_reduce(tensor, op=op, algorithm=algorithm)
+    returned = gradsync.all_reduce(tensor, op=op, algorithm=algorithm, group=comm)
     return returned is tensor, base
 
 
+def _communicator(comms, options):
+    """The default communicator (no options), else one on the default transport with ``options``, made once."""
+    if not options:
+        return None
+    if options not in comms:
+        transport = default_communicator().transport
+        comms[options] = gradsync.Communicator(transport, COLLECTIVE_TIMEOUT_S, **dict(options))
+    return comms[options]
+
+
 def _run_all_reduce_cases(world_size, rank):
-    return {case_id: _attempt(lambda: _all_reduce_case(rank, world_size, *spec))
-            for case_id, *spec in all_reduce_cases(world_size)}
+    comms = {}
+    return {case_id: _attempt(lambda: _all_reduce_case(rank, world_size, *spec,
+                                                       comm=_communicator(comms, options)))
+            for case_id, *spec, options in all_reduce_cases(world_size)}
 
 
 def _strided_broadcast(rank, world_size):
@@ -100,6 +147,12 @@ def _run_mismatches(world_size, rank):
              lambda tensor, algorithm=algorithm: gradsync.all_reduce(tensor, algorithm=algorithm))
         for algorithm in ALGORITHMS
     }
+    if world_size == 4:
+        two_nodes = gradsync.Communicator(default_communicator().transport, COLLECTIVE_TIMEOUT_S,
+                                          ranks_per_node=2)
+        calls["mismatch-all_reduce-shape-hierarchical-rpn2"] = (
+            torch.ones(MISMATCH_ODD_NUMEL if odd else 4) * (rank + 2),
+            lambda tensor: gradsync.all_reduce(tensor, algorithm="hierarchical", group=two_nodes))
     calls["mismatch-all_reduce-dtype"] = (torch.ones(4, dtype=torch.float64 if odd else torch.float32),
                                           gradsync.all_reduce)
     calls["mismatch-broadcast-src"] = (torch.ones(4) * rank,
@@ -154,10 +207,10 @@ def _check_same_on_every_rank(failures, case_id, values, expected):
 
 @pytest.mark.timeout(60)
 def test_all_reduce_dist_cases_match_closed_form(world):
-    """Every all_reduce case (ring/native, numel 0..1000003, 9 dtypes, sum/avg, strided) is exact on every rank."""
+    """Every all_reduce case (all algorithms, numel 0..1000003, dtypes, avg, strided, segments, nodes) is exact."""
     world_size, per_rank = world
     failures = []
-    for case_id, dtype_name, numel, op, _, strided in all_reduce_cases(world_size):
+    for case_id, dtype_name, numel, op, _, strided, _ in all_reduce_cases(world_size):
         expected = closed_form_result(numel, world_size, getattr(torch, dtype_name), op)
         if strided:
             expected = _strided_column(expected)[0]

@@ -21,7 +21,8 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from gradsync.errors import GradsyncError
 
-_NOISY_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing", "torch.distributed.launcher")
+_NOISY_LOGGERS = ("torch.distributed.elastic", "torch.distributed.elastic.agent.server.api",
+                  "torch.multiprocessing", "torch.distributed.launcher")
 
 
 class WorkerFailedError(GradsyncError):

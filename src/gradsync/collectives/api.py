@@ -84,18 +84,26 @@ def _start_call(comm: Communicator, tensor, what: str, *, op: str | None = None,
     its own TypeError or ValueError.
     """
     problem = _argument_problem(tensor, what, op, algorithm, src, timeout, comm.world_size)
-    call = comm.new_call(what, algorithm or _FIXED_ALGORITHM[what], None if problem else timeout)
+    algorithm = algorithm or _FIXED_ALGORITHM[what]
+    label = algorithm
+    if algorithm == "auto" and problem is None:  # name the choice in errors, even the check's
+        label = f"auto ({_auto_choice(tensor, comm)})"
+    call = comm.new_call(what, label, None if problem else timeout)
     if verify:
         described = tensor if isinstance(tensor, torch.Tensor) else None
         try:
             verify_layout(call, described, collective=what, op=op or "none",
-                          src=src if isinstance(src, int) else -1)
+                          src=src if isinstance(src, int) else -1, algorithm=algorithm)
         except CollectiveMismatchError:
             if problem is None:
                 raise
     if problem is not None:
         raise problem
     return call
+
+
+def _auto_choice(tensor: torch.Tensor, comm: Communicator) -> str:
+    return auto.choose(tensor.numel() * tensor.element_size(), comm.world_size, comm.ranks_per_node)
 
 
 def _working_dtype(dtype: torch.dtype, algorithm: str) -> torch.dtype:
@@ -151,9 +159,7 @@ def all_reduce(tensor: torch.Tensor, comm: Communicator, *, op: str = "sum",
     if comm.world_size == 1 or tensor.numel() == 0:
         return tensor
     if algorithm == "auto":
-        algorithm = auto.choose(tensor.numel() * tensor.element_size(), comm.world_size,
-                                comm.ranks_per_node)
-        call.algorithm = f"{algorithm} (auto)"
+        algorithm = _auto_choice(tensor, comm)
     with torch.no_grad(), _flat_view(tensor, comm, _working_dtype(tensor.dtype, algorithm)) as flat:
         _ALL_REDUCE[algorithm](flat, call)
         if op == "avg":

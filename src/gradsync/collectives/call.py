@@ -52,10 +52,13 @@ class CollectiveCall:
 
     def __init__(self, transport: Transport, op_name: str, algorithm: str,
                  timeout_s: float, workspace: Workspace, *, segment_bytes: int = 2**20,
-                 ranks_per_node: int | None = None, deadline: float | None = None):
+                 ranks_per_node: int | None = None, deadline: float | None = None,
+                 reported_rank: tuple[int, int] | None = None):
         self.transport = transport
         self.rank = transport.rank
         self.world_size = transport.world_size
+        # (rank, world_size) that errors name: a sub-call still reports the whole group's
+        self.reported_rank = reported_rank or (self.rank, self.world_size)
         self.op_name = op_name
         self.algorithm = algorithm
         self.timeout_s = timeout_s
@@ -68,7 +71,7 @@ class CollectiveCall:
         """The same call restricted to ``members`` (parent ranks), sharing deadline and workspace."""
         return CollectiveCall(SubTransport(self.transport, members), self.op_name, algorithm,
                               self.timeout_s, self.workspace, segment_bytes=self.segment_bytes,
-                              deadline=self.deadline)
+                              deadline=self.deadline, reported_rank=self.reported_rank)
 
     def segment_numel(self, element_size: int) -> int:
         """Elements per pipelining segment (at least one)."""
@@ -124,9 +127,10 @@ class CollectiveCall:
     def failure(self, failure: PeerFailure, step: str) -> CollectiveTimeoutError:
         """Build the error for a failed wait on ``failure.peer`` during ``step``."""
         peer = "an unknown peer" if failure.peer < 0 else f"peer rank {failure.peer}"
-        message = (f"{self.op_name} (algorithm={self.algorithm}) on rank {self.rank} of "
-                   f"{self.world_size}: {peer} {failure.reason} at {step} "
+        rank, world_size = self.reported_rank
+        message = (f"{self.op_name} (algorithm={self.algorithm}) on rank {rank} of "
+                   f"{world_size}: {peer} {failure.reason} at {step} "
                    f"(timeout {self.timeout_s:g} s)")
         return CollectiveTimeoutError(message, op=self.op_name, algorithm=self.algorithm,
-                                      rank=self.rank, peer=failure.peer, step=step,
+                                      rank=rank, peer=failure.peer, step=step,
                                       timed_out=failure.timed_out)

@@ -54,7 +54,7 @@ def describe(tensor: torch.Tensor | None, collective: str, op: str, algorithm: s
 
 
 def verify_layout(call: CollectiveCall, tensor: torch.Tensor | None, *, collective: str,
-                  op: str = "none", src: int = 0) -> None:
+                  op: str = "none", src: int = 0, algorithm: str | None = None) -> None:
     """Raise CollectiveMismatchError on every rank unless all ranks describe the same call.
 
     Collective: every rank must call this, whatever its tensor.
@@ -66,7 +66,7 @@ def verify_layout(call: CollectiveCall, tensor: torch.Tensor | None, *, collecti
     before = (stats.bytes_sent, stats.bytes_received, stats.messages_sent, stats.messages_received)
     table = torch.zeros(world_size * DESCRIPTOR_NUMEL, dtype=torch.int64)
     own = slice(call.rank * DESCRIPTOR_NUMEL, (call.rank + 1) * DESCRIPTOR_NUMEL)
-    table[own] = describe(tensor, collective, op, call.algorithm, src)
+    table[own] = describe(tensor, collective, op, algorithm or call.algorithm, src)
     ring.all_gather(table, call)
     stats.reclassify_as_control(stats.bytes_sent - before[0], stats.bytes_received - before[1],
                                 (stats.messages_sent - before[2], stats.messages_received - before[3]))

@@ -42,8 +42,8 @@ def all_reduce(flat: torch.Tensor, call: CollectiveCall, inter_node: str = "ring
     node, local_rank = divmod(rank, ranks_per_node)
     node_members = [node * ranks_per_node + local for local in range(ranks_per_node)]
     peer_members = [other * ranks_per_node + local_rank for other in range(world_size // ranks_per_node)]
-    intra = call.sub(node_members, "hierarchical/intra-node ring")
-    inter = call.sub(peer_members, f"hierarchical/inter-node {inter_node}")
+    intra = call.sub(node_members, f"{call.algorithm}/intra-node ring")
+    inter = call.sub(peer_members, f"{call.algorithm}/inter-node {inter_node}")
     start, stop = ring.reduce_scatter(flat, intra)
     INTER_NODE_ALGORITHMS[inter_node](flat[start:stop], inter)
     ring.all_gather(flat, intra)
