@@ -592,22 +592,27 @@ def test_algorithms_silent_rank_in_payload_exchange_names_step(world_size, name)
 SMALL = auto.SMALL_MESSAGE_BYTES
 
 
+PAIR_SMALL = auto.PAIR_SMALL_MESSAGE_BYTES
+
+
 @pytest.mark.parametrize("nbytes,world_size,ranks_per_node,expected", [
     (0, 1, 1, "ring"),
     (2**40, 1, 1, "ring"),
-    (0, 2, 2, "ring"),
+    (0, 2, 2, "halving_doubling"),
+    (PAIR_SMALL, 2, 2, "halving_doubling"),
+    (PAIR_SMALL + 1, 2, 2, "ring"),
     (2**30, 2, 1, "ring"),
-    (0, 3, 3, "halving_doubling"),
-    (SMALL, 3, 3, "halving_doubling"),
+    (0, 3, 3, "tree"),
+    (SMALL, 3, 3, "tree"),
     (SMALL + 1, 3, 3, "ring"),
-    (SMALL, 8, 4, "halving_doubling"),
+    (SMALL, 8, 4, "tree"),
     (SMALL + 1, 8, 4, "hierarchical"),
     (SMALL + 1, 4, 2, "hierarchical"),
     (SMALL + 1, 4, 1, "ring"),
     (SMALL + 1, 4, 4, "ring"),
 ])
 def test_auto_choose_follows_documented_thresholds(nbytes, world_size, ranks_per_node, expected):
-    """choose: p <= 2 -> ring; small -> halving_doubling; large -> hierarchical across nodes, else ring."""
+    """choose: p = 2 -> halving_doubling then ring; p >= 3 small -> tree; large -> hierarchical across nodes, else ring."""
     assert auto.choose(nbytes, world_size, ranks_per_node) == expected
 
 
@@ -624,7 +629,8 @@ AUTO_CASES = {  # id -> (world_size, ranks_per_node, numel): what auto should ch
     "small-p4": (4, None, 1000),
     "large-p4": (4, None, SMALL // 4 + 1),
     "large-p4-two-nodes": (4, 2, SMALL // 4 + 1),
-    "large-p2": (2, None, SMALL // 4 + 1),
+    "large-p2": (2, None, PAIR_SMALL // 4 + 1),
+    "small-p2": (2, None, 33),
     "small-p5": (5, None, 17),
 }
 

@@ -26,7 +26,7 @@ import torch
 from gradsync.collectives.call import CollectiveCall
 from gradsync.collectives.chunking import chunk_bounds
 
-SHORT_MESSAGE_BYTES = 32 * 2**10
+SHORT_MESSAGE_BYTES = 1 * 2**20
 
 
 def _core_layout(world_size: int) -> tuple[int, int]:
