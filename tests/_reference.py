@@ -71,3 +71,19 @@ def assert_bitwise_equal(actual, expected, what):
     """Assert same dtype, same shape and the same bytes."""
     difference = bitwise_difference(actual, expected)
     assert not difference, f"{what}: {difference}"
+
+
+SENTINEL = 99
+
+
+def strided_column_view(values):
+    """A non-contiguous view: column 1 of a (numel, 3) tensor whose other columns hold SENTINEL."""
+    base = torch.full((values.numel(), 3), SENTINEL, dtype=values.dtype)
+    base[:, 1] = values
+    return base, base[:, 1]
+
+
+def transposed_view(values):
+    """A non-contiguous view covering its whole storage: the transpose of a (3, numel/3) tensor."""
+    base = values.reshape(3, -1).clone()
+    return base, base.t()

@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 
 import gradsync
 from _dist import run_threads
-from _reference import (ALL_DTYPES, FLOAT_DTYPES, assert_bitwise_equal, closed_form_input,
-                        closed_form_result, reference_all_reduce)
+from _reference import (ALL_DTYPES, FLOAT_DTYPES, SENTINEL, assert_bitwise_equal, closed_form_input,
+                        closed_form_result, reference_all_reduce, strided_column_view, transposed_view)
 from _strict_transport import MODES, StrictWorld
 from gradsync import CollectiveMismatchError, CollectiveTimeoutError, Communicator
 from gradsync.collectives import api as collectives_api
@@ -204,27 +204,11 @@ def test_algorithms_random_floats_bitwise_equal_across_ranks(world_variant, nume
     torch.testing.assert_close(results[0].double(), reference, rtol=rtol, atol=atol)
 
 
-SENTINEL = 99
-
-
-def _strided_column(values):
-    """A non-contiguous view: column 1 of a (numel, 3) tensor whose other columns hold SENTINEL."""
-    base = torch.full((values.numel(), 3), SENTINEL, dtype=values.dtype)
-    base[:, 1] = values
-    return base, base[:, 1]
-
-
-def _transposed(values):
-    """A non-contiguous view covering its whole storage: the transpose of a (3, numel/3) tensor."""
-    base = values.reshape(3, -1).clone()
-    return base, base.t()
-
-
 NON_CONTIGUOUS_VARIANTS = dict(VARIANTS, **{"ring-segmented": Variant("ring", segment_bytes=8),
                                             "tree-segmented": Variant("tree", segment_bytes=8)})
 
 
-@pytest.mark.parametrize("layout", [_strided_column, _transposed], ids=["strided-column", "transposed"])
+@pytest.mark.parametrize("layout", [strided_column_view, transposed_view], ids=["strided-column", "transposed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int64], ids=str)
 @pytest.mark.parametrize("name", sorted(NON_CONTIGUOUS_VARIANTS))
 def test_algorithms_write_result_through_non_contiguous_view(name, dtype, layout):
@@ -240,7 +224,7 @@ def test_algorithms_write_result_through_non_contiguous_view(name, dtype, layout
         return base, view
 
     for rank, (base, view) in enumerate(run_variant(variant, world_size, rank_fn)):
-        if layout is _strided_column:
+        if layout is strided_column_view:
             assert_bitwise_equal(view, expected, f"rank {rank} view")
             assert (base[:, 0] == SENTINEL).all() and (base[:, 2] == SENTINEL).all(), f"rank {rank}"
         else:

@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 
 import gradsync
 from _dist import RankError, run_threads
-from _reference import (ALL_DTYPES, FLOAT_DTYPES, INT_DTYPES, assert_bitwise_equal, closed_form_input,
-                        closed_form_result, reference_all_reduce)
+from _reference import (ALL_DTYPES, FLOAT_DTYPES, INT_DTYPES, SENTINEL, assert_bitwise_equal,
+                        closed_form_input, closed_form_result, reference_all_reduce,
+                        strided_column_view, transposed_view)
 from gradsync import CollectiveMismatchError, CollectiveTimeoutError
 
 ALGORITHMS = gradsync.ALGORITHMS
@@ -122,23 +123,7 @@ def test_all_reduce_keeps_any_shape(shape, algorithm):
         assert_bitwise_equal(result, expected, f"rank {rank}")
 
 
-SENTINEL = 99
-
-
-def _strided_column(values):
-    """A non-contiguous view: column 1 of a (numel, 3) tensor whose other columns hold SENTINEL."""
-    base = torch.full((values.numel(), 3), SENTINEL, dtype=values.dtype)
-    base[:, 1] = values
-    return base, base[:, 1]
-
-
-def _transposed(values):
-    """A non-contiguous view covering its whole storage: the transpose of a (3, numel/3) tensor."""
-    base = values.reshape(3, -1).clone()
-    return base, base.t()
-
-
-@pytest.mark.parametrize("layout", [_strided_column, _transposed], ids=["strided-column", "transposed"])
+@pytest.mark.parametrize("layout", [strided_column_view, transposed_view], ids=["strided-column", "transposed"])
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int32], ids=str)
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -154,7 +139,7 @@ def test_all_reduce_writes_result_through_non_contiguous_view(world_size, dtype,
         return base, view
 
     for rank, (base, view) in enumerate(run_threads(world_size, rank_fn)):
-        if layout is _strided_column:
+        if layout is strided_column_view:
             assert_bitwise_equal(view, expected, f"rank {rank} view")
             assert (base[:, 0] == SENTINEL).all() and (base[:, 2] == SENTINEL).all(), f"rank {rank}"
         else:
@@ -302,7 +287,7 @@ def test_broadcast_handles_dtypes_numels_and_strided_views(numel, dtype):
     inputs = [closed_form_input(numel, rank, world_size, dtype) for rank in range(world_size)]
 
     def rank_fn(comm):
-        base, view = _strided_column(inputs[comm.rank])
+        base, view = strided_column_view(inputs[comm.rank])
         gradsync.broadcast(view, src=src, group=comm)
         return base
 
