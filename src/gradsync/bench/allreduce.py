@@ -27,6 +27,7 @@ from gradsync.process_group import default_communicator
 
 _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
           "G": 2**30, "GB": 2**30, "GIB": 2**30}
+MIN_NBYTES, MAX_NBYTES = 4, 2**30
 TARGET_BYTES_PER_REP = 8 * 2**20  # iterations per repetition: enough calls to move ~8 MiB
 MAX_ITERATIONS = 100
 
@@ -41,7 +42,8 @@ def parse_nbytes(text: str) -> int:
     digits = stripped.rstrip("KMGIB")
     unit = stripped[len(digits):]
     if not digits.isdigit() or unit not in _UNITS:
-        raise ValueError(f"bad size {text!r}: use a number of bytes with an optional K, M or G suffix")
+        raise ValueError(f"bad size {text!r} in --sizes: use a number of bytes with an optional K, M or G "
+                         f"suffix, separated by commas")
     return int(digits) * _UNITS[unit]
 
 
@@ -142,18 +144,21 @@ def _parse_options(nproc: int, sizes: str, algorithms: str, repetitions: int,
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     if repetitions < 1:
         raise ValueError(f"--repetitions must be >= 1, got {repetitions}")
-    size_list = [parse_nbytes(text) for text in sizes.split(",") if text.strip()]
-    if not size_list:
-        raise ValueError("--sizes lists no size")
-    names = [name.strip() for name in algorithms.split(",") if name.strip()]
+    size_list = [parse_nbytes(text) for text in sizes.split(",")]
+    for nbytes in size_list:
+        if not MIN_NBYTES <= nbytes <= MAX_NBYTES:
+            raise ValueError(f"--sizes: {nbytes} bytes is outside [{MIN_NBYTES}, {MAX_NBYTES}] "
+                             f"(one float32 to 1 GiB per message)")
+    names = [name.strip() for name in algorithms.split(",")]
     for name in names:
         if name not in api.ALGORITHMS:
             raise ValueError(f"unknown algorithm {name!r} in --algorithms; choose from {', '.join(api.ALGORITHMS)}")
     if "native" not in names:
         names.append("native")
-    ranks_per_node = ranks_per_node or (2 if nproc >= 4 and nproc % 2 == 0 else nproc)
+    if ranks_per_node is None:
+        ranks_per_node = 2 if nproc >= 4 and nproc % 2 == 0 else nproc
     if ranks_per_node < 1 or nproc % ranks_per_node:
-        raise ValueError(f"--ranks-per-node {ranks_per_node} must divide --nproc {nproc}")
+        raise ValueError(f"--ranks-per-node {ranks_per_node} must be >= 1 and divide --nproc {nproc}")
     if segment_bytes is not None and segment_bytes < 1:
         raise ValueError(f"--segment-bytes must be >= 1, got {segment_bytes}")
     return size_list, names, ranks_per_node

@@ -1,12 +1,13 @@
 """Layout check: ranks agree on the collective, shape, dtype, op and src, or all raise.
 
-Every rank contributes a fixed-size int64 descriptor and the descriptors are
-all-gathered with the ring; since every descriptor has the same size this
-exchange cannot itself mismatch. Every rank then compares all descriptors
+Every rank contributes a fixed-size int64 descriptor and sends it straight
+to every other rank; since every descriptor has the same size this exchange
+cannot itself mismatch. Talking to every peer directly (rather than round a
+ring) means a rank that is dead or never calls is named by every other rank,
+not only by its neighbours, and the p-1 messages travel concurrently. Every rank then compares all descriptors
 and raises the same :class:`~gradsync.errors.CollectiveMismatchError` before
 any payload moves, so no tensor is modified and the group stays usable.
-Cost: one extra all-gather of ``DESCRIPTOR_NUMEL * 8`` bytes per rank, i.e.
-(p-1) small hops. Callers that already verified a fixed layout (the
+Cost: (p-1) concurrent messages of ``DESCRIPTOR_NUMEL * 8`` bytes per rank. Callers that already verified a fixed layout (the
 DataParallel buckets, checked once at construction) pass ``verify=False``.
 """
 
@@ -16,7 +17,6 @@ import zlib
 
 import torch
 
-from gradsync.collectives import ring
 from gradsync.collectives.call import CollectiveCall
 from gradsync.errors import CollectiveMismatchError
 
@@ -67,13 +67,24 @@ def verify_layout(call: CollectiveCall, tensor: torch.Tensor | None, *, collecti
     table = torch.zeros(world_size * DESCRIPTOR_NUMEL, dtype=torch.int64)
     own = slice(call.rank * DESCRIPTOR_NUMEL, (call.rank + 1) * DESCRIPTOR_NUMEL)
     table[own] = describe(tensor, collective, op, algorithm or call.algorithm, src)
-    ring.all_gather(table, call)
+    _exchange_with_every_peer(table.view(world_size, DESCRIPTOR_NUMEL), call)
     stats.reclassify_as_control(stats.bytes_sent - before[0], stats.bytes_received - before[1],
                                 (stats.messages_sent - before[2], stats.messages_received - before[3]))
     rows = table.view(world_size, DESCRIPTOR_NUMEL).tolist()
     problem = _first_difference(rows, tensor_shapes=[_shape_of(row) for row in rows])
     if problem:
         raise CollectiveMismatchError(f"{collective} on rank {call.rank}: ranks disagree on {problem}")
+
+
+def _exchange_with_every_peer(rows: torch.Tensor, call: CollectiveCall) -> None:
+    """Send this rank's row to every peer and receive theirs, all in flight at once."""
+    peers = [peer for peer in range(call.world_size) if peer != call.rank]
+    own = rows[call.rank]
+    sends = [call.isend(own, peer, f"layout check with peer rank {peer}") for peer in peers]
+    receives = [call.irecv(rows[peer], peer, f"layout check with peer rank {peer}") for peer in peers]
+    for peer, pending in zip(peers, receives):
+        call.wait_on(pending, f"layout check with peer rank {peer}")
+    call.wait_all(sends, "layout check")
 
 
 def _shape_of(row: list[int]) -> tuple[int, ...]:
