@@ -261,3 +261,13 @@ def run_threads(world_size: int, fn: Callable, timeout_s: float = 20,
                          for rank, other in sorted(errors.items()) if rank != first)
         raise RankError(first, type(exc).__qualname__, str(exc), text, others) from exc
     return results
+
+
+def capture(call):
+    """Run ``call``; return ``(exception or None, seconds taken)``."""
+    started = time.monotonic()
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return exc, time.monotonic() - started
+    return None, time.monotonic() - started

@@ -125,7 +125,7 @@ class StrictTransport:
         return transfer
 
     def backend_all_reduce(self, tensor: torch.Tensor, timeout_s: float) -> None:
-        raise NotImplementedError("StrictTransport checks point-to-point algorithms only")
+        raise RuntimeError("StrictTransport checks point-to-point algorithms only")
 
     def backend_broadcast(self, tensor: torch.Tensor, src: int, timeout_s: float) -> None:
-        raise NotImplementedError("StrictTransport checks point-to-point algorithms only")
+        raise RuntimeError("StrictTransport checks point-to-point algorithms only")

@@ -14,7 +14,6 @@ that every chunk is cut into many pipelined segments (Gloo's
 from __future__ import annotations
 
 import math
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -24,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gradsync
-from _dist import run_threads
+from _dist import capture, run_threads
 from _reference import (ALL_DTYPES, FLOAT_DTYPES, SENTINEL, assert_bitwise_equal, closed_form_input,
                         closed_form_result, reference_all_reduce, strided_column_view, transposed_view)
 from _strict_transport import MODES, StrictWorld
@@ -100,16 +99,6 @@ def run_variant(variant: Variant, world_size: int, fn, *, segment_bytes: int | N
 def variant_names_for(world_size: int, table=VARIANTS) -> list[str]:
     """Names of the variants of ``table`` that can run on ``world_size`` ranks."""
     return [name for name, variant in table.items() if variant.fits(world_size)]
-
-
-def capture(call):
-    """Run ``call``; return ``(exception or None, seconds taken)``."""
-    started = time.monotonic()
-    try:
-        call()
-    except Exception as exc:  # noqa: BLE001 - the test inspects it
-        return exc, time.monotonic() - started
-    return None, time.monotonic() - started
 
 
 @st.composite

@@ -5,7 +5,6 @@ Expected values are closed forms (see ``_reference``), checked against
 compared bitwise.
 """
 
-import time
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import gradsync
-from _dist import RankError, run_threads
+from _dist import RankError, capture, run_threads
 from _reference import (ALL_DTYPES, FLOAT_DTYPES, INT_DTYPES, SENTINEL, assert_bitwise_equal,
                         closed_form_input, closed_form_result, reference_all_reduce,
                         strided_column_view, transposed_view)
@@ -39,16 +38,6 @@ def numels_for(world_size):
 
 
 WORLD_NUMELS = [(world_size, numel) for world_size in WORLD_SIZES for numel in numels_for(world_size)]
-
-
-def capture(call):
-    """Run ``call``; return ``(exception or None, seconds taken)``."""
-    started = time.monotonic()
-    try:
-        call()
-    except Exception as exc:  # noqa: BLE001 - the test inspects it
-        return exc, time.monotonic() - started
-    return None, time.monotonic() - started
 
 
 # ---------------------------------------------------------------- all_reduce: values

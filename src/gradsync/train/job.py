@@ -46,8 +46,7 @@ def claim_out_dir(out: str | None) -> tuple[Path, bool]:
     created = not path.exists()
     try:
         path.mkdir(parents=True, exist_ok=True)
-        with open(path / METRICS_FILE, "x", encoding="utf-8"):
-            pass
+        (path / METRICS_FILE).touch(exist_ok=False)
     except FileExistsError:
         raise ValueError(f"--out {path} already holds a run ({METRICS_FILE}); choose another folder") from None
     except OSError as exc:
