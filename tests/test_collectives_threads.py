@@ -521,3 +521,21 @@ def test_run_threads_reports_failing_rank():
     with pytest.raises(RankError, match="rank 1 raised KeyError") as info:
         run_threads(2, rank_fn)
     assert info.value.rank == 1
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "broadcast", "all_gather", "reduce_scatter"])
+def test_collectives_on_a_parameter_return_plain_tensors(collective):
+    """Collectives on a tensor that requires grad give correct values without autograd history."""
+    def rank_fn(comm):
+        param = torch.nn.Parameter(torch.full((5,), float(comm.rank + 1)))
+        result = getattr(gradsync, collective)(param, group=comm)
+        return [result] if isinstance(result, torch.Tensor) else result
+
+    expected = {"all_reduce": [torch.full((5,), 3.0)], "broadcast": [torch.full((5,), 1.0)],
+                "all_gather": [torch.full((5,), 1.0), torch.full((5,), 2.0)]}
+    for rank, outputs in enumerate(run_threads(2, rank_fn)):
+        for output in outputs:
+            assert output.grad_fn is None, f"rank {rank}: {collective} output has grad_fn {output.grad_fn}"
+        wanted = expected.get(collective, [torch.full((3,), 3.0) if rank == 0 else torch.full((2,), 3.0)])
+        for output, value in zip(outputs, wanted):
+            torch.testing.assert_close(output.detach(), value, rtol=0, atol=0)

@@ -131,6 +131,7 @@ def _flat_view(tensor: torch.Tensor, comm: Communicator, dtype: torch.dtype):
     tensor.copy_(staged.view(tensor.shape))
 
 
+@torch.no_grad()
 def all_reduce(tensor: torch.Tensor, comm: Communicator, *, op: str = "sum",
                algorithm: str = "ring", timeout: float | None = None,
                verify: bool = True) -> torch.Tensor:
@@ -160,13 +161,14 @@ def all_reduce(tensor: torch.Tensor, comm: Communicator, *, op: str = "sum",
         return tensor
     if algorithm == "auto":
         algorithm = _auto_choice(tensor, comm)
-    with torch.no_grad(), _flat_view(tensor, comm, _working_dtype(tensor.dtype, algorithm)) as flat:
+    with _flat_view(tensor, comm, _working_dtype(tensor.dtype, algorithm)) as flat:
         _ALL_REDUCE[algorithm](flat, call)
         if op == "avg":
             flat.div_(comm.world_size)
     return tensor
 
 
+@torch.no_grad()
 def broadcast(tensor: torch.Tensor, comm: Communicator, *, src: int = 0,
               timeout: float | None = None, verify: bool = True) -> torch.Tensor:
     """Copy rank ``src``'s ``tensor`` into every rank's ``tensor``, in place (binomial tree).
@@ -180,11 +182,12 @@ def broadcast(tensor: torch.Tensor, comm: Communicator, *, src: int = 0,
     call = _start_call(comm, tensor, "broadcast", src=src, timeout=timeout, verify=verify)
     if comm.world_size == 1 or tensor.numel() == 0:
         return tensor
-    with torch.no_grad(), _flat_view(tensor, comm, tensor.dtype) as flat:
+    with _flat_view(tensor, comm, tensor.dtype) as flat:
         tree_broadcast.broadcast(flat, src, call)
     return tensor
 
 
+@torch.no_grad()
 def all_gather(tensor: torch.Tensor, comm: Communicator, *, timeout: float | None = None,
                verify: bool = True) -> list[torch.Tensor]:
     """Return every rank's ``tensor``: a list of ``world_size`` new tensors, index = rank (ring).
@@ -195,12 +198,12 @@ def all_gather(tensor: torch.Tensor, comm: Communicator, *, timeout: float | Non
     numel, world_size = tensor.numel(), comm.world_size
     gathered = torch.empty(numel * world_size, dtype=tensor.dtype, device=tensor.device)
     gathered[comm.rank * numel:(comm.rank + 1) * numel] = tensor.reshape(-1)
-    with torch.no_grad():
-        ring.all_gather(gathered, call)
+    ring.all_gather(gathered, call)
     return [part.view(tensor.shape) for part in gathered.split(numel)] if numel else \
         [tensor.new_empty(tensor.shape) for _ in range(world_size)]
 
 
+@torch.no_grad()
 def reduce_scatter(tensor: torch.Tensor, comm: Communicator, *, op: str = "sum",
                    timeout: float | None = None, verify: bool = True) -> torch.Tensor:
     """Reduce ``tensor`` over all ranks and return this rank's chunk (ring).
@@ -215,11 +218,10 @@ def reduce_scatter(tensor: torch.Tensor, comm: Communicator, *, op: str = "sum",
     work_dtype = _working_dtype(tensor.dtype, "ring")
     flat = comm.workspace.get(tensor.numel(), work_dtype, tensor.device, purpose="stage")
     flat.copy_(tensor.reshape(-1))
-    with torch.no_grad():
-        start, stop = ring.reduce_scatter(flat, call) if comm.world_size > 1 else (0, flat.numel())
-        chunk = flat[start:stop]
-        if op == "avg":
-            chunk.div_(comm.world_size)
+    start, stop = ring.reduce_scatter(flat, call) if comm.world_size > 1 else (0, flat.numel())
+    chunk = flat[start:stop]
+    if op == "avg":
+        chunk.div_(comm.world_size)
     return chunk.to(tensor.dtype, copy=True)
 
 
