@@ -671,3 +671,29 @@ def test_communicator_accepts_ranks_per_node_that_divides_world_size(world_size,
     """A ranks_per_node that divides the world size is kept as given."""
     comm = Communicator(ThreadWorld(world_size).transport(0), ranks_per_node=ranks_per_node)
     assert comm.ranks_per_node == ranks_per_node
+
+
+@pytest.mark.parametrize("inter_node", ["ring", "tree", "halving_doubling"])
+@pytest.mark.parametrize("world_size,ranks_per_node", [(4, 2), (6, 2), (6, 3)])
+def test_hierarchical_any_inter_node_algorithm_matches_reference(world_size, ranks_per_node, inter_node):
+    """hierarchical with each inner algorithm across nodes (2x2, 3x2, 2x3 nodes) gives the exact sum everywhere."""
+    numel = 1001
+    inputs = [closed_form_input(numel, rank, world_size, torch.float32) for rank in range(world_size)]
+    expected = reference_all_reduce(inputs, "sum")
+    world = ThreadWorld(world_size)
+
+    def rank_fn(comm):
+        comm = Communicator(comm.transport, 10.0, ranks_per_node=ranks_per_node,
+                            inter_node_algorithm=inter_node)
+        tensor = inputs[comm.rank].clone()
+        gradsync.all_reduce(tensor, algorithm="hierarchical", group=comm)
+        return tensor
+
+    for rank, result in enumerate(run_threads(world_size, rank_fn, world=world)):
+        assert_bitwise_equal(result, expected, f"rank {rank} ({inter_node})")
+
+
+def test_communicator_rejects_unknown_inter_node_algorithm():
+    """inter_node_algorithm must be one hierarchical can run across nodes (not native, not itself)."""
+    with pytest.raises(ValueError, match="ring, tree, halving_doubling"):
+        Communicator(ThreadWorld(2).transport(0), inter_node_algorithm="native")

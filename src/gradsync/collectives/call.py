@@ -48,12 +48,13 @@ class CollectiveCall:
         workspace: scratch buffers to reuse.
         segment_bytes: pipelining unit of the algorithms that cut chunks into segments.
         ranks_per_node: ranks per node for hierarchical algorithms.
+        inter_node_algorithm: hierarchical's algorithm across nodes.
     """
 
     def __init__(self, transport: Transport, op_name: str, algorithm: str,
                  timeout_s: float, workspace: Workspace, *, segment_bytes: int = 2**20,
                  ranks_per_node: int | None = None, deadline: float | None = None,
-                 reported_rank: tuple[int, int] | None = None):
+                 reported_rank: tuple[int, int] | None = None, inter_node_algorithm: str = "ring"):
         self.transport = transport
         self.rank = transport.rank
         self.world_size = transport.world_size
@@ -66,6 +67,7 @@ class CollectiveCall:
         self.workspace = workspace
         self.segment_bytes = segment_bytes
         self.ranks_per_node = ranks_per_node or transport.world_size
+        self.inter_node_algorithm = inter_node_algorithm
 
     def sub(self, members: list[int], algorithm: str) -> "CollectiveCall":
         """The same call restricted to ``members`` (parent ranks), sharing deadline and workspace."""

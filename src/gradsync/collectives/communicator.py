@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from gradsync.collectives.call import CollectiveCall, Workspace
+from gradsync.collectives.hierarchical import INTER_NODE_ALGORITHMS
 from gradsync.transport.base import Transport, TransportStats
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -28,14 +29,19 @@ class Communicator:
         ranks_per_node: ranks per node for ``hierarchical`` (None: all ranks on one
             node; a smaller value lets one machine pretend to be several nodes).
             Ranks ``[k*ranks_per_node, (k+1)*ranks_per_node)`` form node k.
+        inter_node_algorithm: what ``hierarchical`` runs across nodes: "ring",
+            "tree" or "halving_doubling" (inside a node it is always the ring's
+            reduce-scatter and all-gather).
 
     Raises:
         ValueError: ``timeout_s`` or ``segment_bytes`` is not positive, or
-        ``ranks_per_node`` does not divide the world size.
+        ``ranks_per_node`` does not divide the world size, or
+        ``inter_node_algorithm`` is unknown.
     """
 
     def __init__(self, transport: Transport, timeout_s: float = DEFAULT_TIMEOUT_S, *,
-                 segment_bytes: int = DEFAULT_SEGMENT_BYTES, ranks_per_node: int | None = None):
+                 segment_bytes: int = DEFAULT_SEGMENT_BYTES, ranks_per_node: int | None = None,
+                 inter_node_algorithm: str = "ring"):
         check_timeout(timeout_s)
         if not segment_bytes > 0:
             raise ValueError(f"segment_bytes must be > 0, got {segment_bytes}")
@@ -43,8 +49,12 @@ class Communicator:
         if ranks_per_node is not None and (ranks_per_node < 1 or world_size % ranks_per_node):
             raise ValueError(f"ranks_per_node={ranks_per_node} must be >= 1 and divide the "
                              f"world size {world_size}")
+        if inter_node_algorithm not in INTER_NODE_ALGORITHMS:
+            raise ValueError(f"unknown inter_node_algorithm {inter_node_algorithm!r}; choose one of "
+                             f"{', '.join(INTER_NODE_ALGORITHMS)}")
         self.transport = transport
         self.timeout_s = float(timeout_s)
+        self.inter_node_algorithm = inter_node_algorithm
         self.segment_bytes = int(segment_bytes)
         self.ranks_per_node = ranks_per_node or world_size
         self.workspace = Workspace()
@@ -68,4 +78,5 @@ class Communicator:
         else:
             check_timeout(timeout_s)
         return CollectiveCall(self.transport, op_name, algorithm, float(timeout_s), self.workspace,
-                              segment_bytes=self.segment_bytes, ranks_per_node=self.ranks_per_node)
+                              segment_bytes=self.segment_bytes, ranks_per_node=self.ranks_per_node,
+                              inter_node_algorithm=self.inter_node_algorithm)

@@ -23,12 +23,11 @@ INTER_NODE_ALGORITHMS = {"ring": ring.all_reduce, "tree": tree.all_reduce,
                          "halving_doubling": halving_doubling.all_reduce}
 
 
-def all_reduce(flat: torch.Tensor, call: CollectiveCall, inter_node: str = "ring") -> None:
+def all_reduce(flat: torch.Tensor, call: CollectiveCall) -> None:
     """Sum ``flat`` (``(numel,)``, contiguous) over all ranks, in place.
 
-    Args:
-        inter_node: algorithm among ranks of equal local rank, one of
-            ``INTER_NODE_ALGORITHMS``.
+    The algorithm among ranks of equal local rank is ``call.inter_node_algorithm``
+    (a key of ``INTER_NODE_ALGORITHMS``).
 
     Raises:
         ValueError: the world size is not a multiple of ``call.ranks_per_node``.
@@ -39,6 +38,7 @@ def all_reduce(flat: torch.Tensor, call: CollectiveCall, inter_node: str = "ring
     if world_size % ranks_per_node:
         raise ValueError(f"hierarchical needs the world size {world_size} to be a multiple of "
                          f"ranks_per_node {ranks_per_node}")
+    inter_node = call.inter_node_algorithm
     node, local_rank = divmod(rank, ranks_per_node)
     node_members = [node * ranks_per_node + local for local in range(ranks_per_node)]
     peer_members = [other * ranks_per_node + local_rank for other in range(world_size // ranks_per_node)]
