@@ -62,8 +62,12 @@ def verify_parameters(named_params: Sequence[tuple[str, torch.Tensor]], comm: Co
                 f"{detail}")
 
 
-def broadcast_tensors(tensors: Sequence[torch.Tensor], comm: Communicator, src: int = 0) -> None:
+def broadcast_tensors(tensors: Sequence[torch.Tensor], comm: Communicator, src: int = 0,
+                      verify: bool = True) -> None:
     """Overwrite every rank's ``tensors`` with rank ``src``'s values, one message per dtype/device.
+
+    ``verify=False`` skips the layout check, for a set of tensors already
+    broadcast once with it (DataParallel's buffers at every forward).
 
     Collective: every rank must call this with tensors of equal shapes and dtypes.
     """
@@ -75,7 +79,7 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], comm: Communicator, src: 
     with torch.no_grad():
         for members in groups.values():
             flat = torch.cat([tensor.reshape(-1) for tensor in members])
-            collectives.broadcast(flat, comm, src=src)
+            collectives.broadcast(flat, comm, src=src, verify=verify)
             offset = 0
             for tensor in members:
                 tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))

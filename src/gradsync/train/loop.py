@@ -32,7 +32,8 @@ from tqdm import tqdm
 import gradsync
 from gradsync.train.config import TrainConfig, validate_against_data
 from gradsync.train.data import load
-from gradsync.train.metrics import MetricsLog, StepTimes, read_metrics, write_summary
+from gradsync.train.metrics import (METRICS_FILE, SUMMARY_FILE, MetricsLog, StepTimes, read_metrics,
+                                    write_summary)
 from gradsync.train.models import build_model
 from gradsync.train.plots import plot_run
 
@@ -75,7 +76,7 @@ class Trainer:
         self.scheduler = self._make_scheduler(self.steps_per_epoch * config.epochs)
         self.times = StepTimes()
         self.step = 0
-        self.log = MetricsLog(self.out_dir / "metrics.jsonl") if self.is_main else None
+        self.log = MetricsLog(self.out_dir / METRICS_FILE) if self.is_main else None
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         params, c = self.model.parameters(), self.config
@@ -226,6 +227,6 @@ def run_worker(config: TrainConfig, data_path: str, out_dir: str) -> dict | None
     finally:
         gradsync.shutdown()
     if summary is not None:  # rank 0 writes the run folder
-        write_summary(Path(out_dir) / "summary.json", summary)
-        plot_run(read_metrics(Path(out_dir) / "metrics.jsonl"), summary, Path(out_dir))
+        write_summary(Path(out_dir) / SUMMARY_FILE, summary)
+        plot_run(read_metrics(Path(out_dir) / METRICS_FILE), summary, Path(out_dir))
     return summary
