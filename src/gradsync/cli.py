@@ -41,6 +41,10 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         help="AllReduce algorithm for gradients (default %(default)s)")
     add("--bucket-cap-mb", type=float, default=d.bucket_cap_mb, help="MiB of gradients per bucket "
         "(default %(default)s)")
+    add("--gradient-as-bucket-view", action="store_true",
+        help="make each .grad a view into its bucket (one copy of the gradients fewer)")
+    add("--trace", default=None, metavar="FILE", help="write a Chrome trace (chrome://tracing, Perfetto) "
+        "of forward, backward, bucket AllReduces and optimizer steps, one track per rank")
     add("--seed", type=int, default=d.seed, help="seed for model init and shuffling (default %(default)s)")
     add("--timeout", type=float, default=d.timeout, help="seconds a collective may wait for a peer "
         "(default %(default)s)")

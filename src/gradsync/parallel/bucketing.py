@@ -1,14 +1,20 @@
 """Assign parameters to gradient buckets: a pure function, kept apart from the reducer.
 
-Buckets are filled in reverse registration order, the order in which
-backward usually produces gradients (PyTorch DDP's
-``compute_bucket_assignment_by_size``). A bucket holds parameters of one
-dtype and device and at most ``bucket_cap_bytes`` of them, unless a single
-parameter is larger, which then gets a bucket of its own.
+Buckets are filled in the order gradients are expected to become ready:
+reverse registration order before the first iteration, the observed order
+after it (PyTorch DDP's ``compute_bucket_assignment_by_size`` and bucket
+rebuild). A bucket holds parameters of one dtype and device and at most
+``bucket_cap_bytes`` of them, unless a single parameter is larger, which then
+gets a bucket of its own. The first bucket is capped at
+``first_bucket_cap_bytes`` so that communication starts early in backward.
 
 >>> import torch
 >>> params = [torch.zeros(100), torch.zeros(100), torch.zeros(300)]
 >>> assign_buckets(params, bucket_cap_bytes=800)
+[[2], [1, 0]]
+>>> assign_buckets(params, bucket_cap_bytes=800, order=[0, 1, 2])
+[[0, 1], [2]]
+>>> assign_buckets(params, bucket_cap_bytes=2000, first_bucket_cap_bytes=400)
 [[2], [1, 0]]
 """
 
@@ -19,34 +25,57 @@ from typing import Sequence
 import torch
 
 DEFAULT_BUCKET_CAP_BYTES = 25 * 2**20
+DEFAULT_FIRST_BUCKET_CAP_BYTES = 2**20  # DDP's _DEFAULT_FIRST_BUCKET_BYTES
 
 
-def assign_buckets(params: Sequence[torch.Tensor], bucket_cap_bytes: int) -> list[list[int]]:
+def default_order(num_params: int) -> list[int]:
+    """Reverse registration order: the order backward usually produces gradients."""
+    return list(reversed(range(num_params)))
+
+
+def assign_buckets(params: Sequence[torch.Tensor], bucket_cap_bytes: int,
+                   first_bucket_cap_bytes: int | None = None,
+                   order: Sequence[int] | None = None) -> list[list[int]]:
     """Group parameter indices into buckets of at most ``bucket_cap_bytes``.
 
     Args:
         params: tensors in registration order.
         bucket_cap_bytes: cap per bucket in bytes (> 0).
+        first_bucket_cap_bytes: cap of the first bucket (None:
+            ``bucket_cap_bytes``); the smaller of the two applies.
+        order: the expected ready order, a permutation of ``range(len(params))``
+            (None: reverse registration order).
 
     Returns:
         Lists of indices into ``params``; every index appears exactly once,
-        in reverse registration order within each (dtype, device) kind.
+        in ``order`` within each (dtype, device) kind.
 
     Raises:
-        ValueError: ``bucket_cap_bytes`` is not positive.
+        ValueError: a cap is not positive or ``order`` is not a permutation.
     """
     if bucket_cap_bytes <= 0:
         raise ValueError(f"bucket_cap_bytes must be > 0, got {bucket_cap_bytes}")
+    if first_bucket_cap_bytes is not None and first_bucket_cap_bytes <= 0:
+        raise ValueError(f"first_bucket_cap_bytes must be > 0, got {first_bucket_cap_bytes}")
+    order = default_order(len(params)) if order is None else list(order)
+    if sorted(order) != list(range(len(params))):
+        raise ValueError(f"order must be a permutation of range({len(params)}), got {order}")
+    first_cap = min(bucket_cap_bytes, first_bucket_cap_bytes or bucket_cap_bytes)
     buckets: list[list[int]] = []
     open_bucket: dict[tuple, tuple[list[int], int]] = {}
-    for index in reversed(range(len(params))):
+    for index in order:
         param = params[index]
         kind = (param.dtype, param.device)
         nbytes = param.numel() * param.element_size()
         members, filled = open_bucket.get(kind, (None, 0))
-        if members is None or (filled + nbytes > bucket_cap_bytes and members):
+        cap = first_cap if members is None or _is_first(buckets, members) else bucket_cap_bytes
+        if members is None or (filled + nbytes > cap and members):
             members, filled = [], 0
             buckets.append(members)
         members.append(index)
         open_bucket[kind] = (members, filled + nbytes)
     return buckets
+
+
+def _is_first(buckets: list[list[int]], members: list[int]) -> bool:
+    return bool(buckets) and buckets[0] is members

@@ -2,14 +2,11 @@
 
 At construction the replicas are checked (same parameter names, shapes and
 dtypes on every rank) and made identical (rank 0's parameters and buffers
-are broadcast). Gradients are packed into buckets of at most
-``bucket_cap_mb``; after ``loss.backward()`` outside ``no_sync()`` each
-parameter's ``.grad`` holds the average of every rank's gradient, bitwise
-equal on every rank. A parameter that got no gradient on a rank counts as
-zero. Synchronisation runs in an end-of-backward callback that a parameter's
-post-accumulate-grad hook queues, so user code needs no extra call; this
-version reduces the buckets one after another once backward ends (overlap
-with backward is a later step).
+are broadcast). During ``loss.backward()`` the :class:`~gradsync.parallel.reducer.Reducer`
+reduces gradient buckets on a communication thread while backward goes on;
+``backward()`` returns once every ``.grad`` holds the average of every
+rank's gradient, bitwise equal on every rank. ``join()`` handles uneven
+inputs (DDP's ``join``, Horovod's ``hvd.join``).
 """
 
 from __future__ import annotations
@@ -21,57 +18,40 @@ import torch
 from torch import nn
 
 from gradsync.collectives import api as collectives
-from gradsync.parallel.bucketing import assign_buckets
+from gradsync.errors import GradsyncError
+from gradsync.parallel.reducer import Reducer
 from gradsync.parallel.replicas import broadcast_tensors, verify_parameters
 from gradsync.process_group import resolve_group
 
 
-class _Bucket:
-    """A fixed flat buffer and the parameters whose gradients it carries."""
-
-    def __init__(self, params: list[torch.Tensor]):
-        self.params = params
-        numel = sum(param.numel() for param in params)
-        self.flat = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
-        self.offsets = []
-        offset = 0
-        for param in params:
-            self.offsets.append(offset)
-            offset += param.numel()
-
-    def gather_grads(self) -> None:
-        for param, offset in zip(self.params, self.offsets):
-            view = self.flat[offset:offset + param.numel()]
-            if param.grad is None:
-                view.zero_()
-            else:
-                view.copy_(param.grad.reshape(-1))
-
-    def scatter_grads(self) -> None:
-        for param, offset in zip(self.params, self.offsets):
-            averaged = self.flat[offset:offset + param.numel()].view_as(param)
-            if param.grad is None:
-                param.grad = averaged.clone()
-            else:
-                param.grad.copy_(averaged)
-
-
 class DataParallel(nn.Module):
-    """Synchronous data parallelism over gradsync collectives.
+    """Synchronous data parallelism over gradsync collectives, with communication overlapped with backward.
 
     Args:
         module: the model; every rank must build the same architecture.
-        bucket_cap_mb: most megabytes (MiB) of gradients per bucket (> 0).
+        bucket_cap_mb: most MiB of gradients per bucket (> 0); the first
+            bucket is capped at 1 MiB so communication starts early (as DDP).
         algorithm: the AllReduce algorithm, a name in ``gradsync.ALGORITHMS``.
         compression: reserved for gradient compressors; only None is accepted.
         broadcast_buffers: copy rank 0's buffers (BatchNorm statistics) to
             every rank before each forward, as DDP does.
         group: None (the default group), a Communicator or a torch ProcessGroup.
+        gradient_as_bucket_view: make each ``.grad`` a view into its bucket,
+            saving one copy of the gradients in memory (DDP's option of the same name).
 
     Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
         ValueError: bad ``bucket_cap_mb``, unknown ``algorithm``, or a compressor.
         CollectiveMismatchError: replicas differ (on every rank, naming the
             first differing parameter).
+
+    Attributes:
+        comm_seconds: seconds of gradient AllReduce, buffer broadcast and join
+            bookkeeping, summed over steps (overlapped time included).
+        exposed_comm_seconds: the part of it that the caller waited for: the
+            end-of-backward wait, buffer broadcasts and join bookkeeping.
+        timeline: a :class:`~gradsync.parallel.timeline.Timeline` that bucket
+            AllReduce spans are recorded in, or None.
 
     Example::
 
@@ -81,7 +61,8 @@ class DataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, algorithm: str = "ring",
-                 compression=None, broadcast_buffers: bool = True, group=None):
+                 compression=None, broadcast_buffers: bool = True, group=None,
+                 gradient_as_bucket_view: bool = False):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"DataParallel wraps a torch.nn.Module, got {type(module).__name__}")
@@ -94,26 +75,52 @@ class DataParallel(nn.Module):
         self.module = module
         self.algorithm = algorithm
         self.broadcast_buffers = broadcast_buffers
+        self.gradient_as_bucket_view = gradient_as_bucket_view
         self.comm = resolve_group(group)
-        self.comm_seconds = 0.0  # time spent reducing gradients, summed over steps
         self._sync_disabled = 0
-        self._callback_queued = False
+        self._joining = False
+        self._buffer_src = 0
+        self._other_comm_seconds = 0.0  # buffer broadcasts and join bookkeeping (all exposed)
         named = [(name, param) for name, param in module.named_parameters() if param.requires_grad]
         verify_parameters(named, self.comm)
         broadcast_tensors([param.data for param in module.parameters()] + list(module.buffers()),
                           self.comm)
-        params = [param for _, param in named]
-        bucket_cap_bytes = int(bucket_cap_mb * 2**20)
-        self._buckets = [_Bucket([params[i] for i in indices])
-                         for indices in assign_buckets(params, bucket_cap_bytes)]
-        self._hooks = [param.register_post_accumulate_grad_hook(self._on_grad_ready) for param in params]
+        self._reducer = Reducer(named, self.comm, algorithm, int(bucket_cap_mb * 2**20),
+                                gradient_as_bucket_view, should_sync=lambda: not self._sync_disabled)
+
+    # -- forward ---------------------------------------------------------------------------------
 
     def forward(self, *args, **kwargs):
-        if self.broadcast_buffers and self.comm.world_size > 1:
-            buffers = list(self.module.buffers())
-            if buffers:  # layout verified by the broadcast at construction
-                broadcast_tensors(buffers, self.comm, verify=False)
-        return self.module(*args, **kwargs)
+        self._reducer.reset_if_stale()
+        will_sync = torch.is_grad_enabled() and not self._sync_disabled
+        if self._joining:
+            self._join_step(active=True, will_sync=will_sync)
+        self._sync_buffers()
+        output = self.module(*args, **kwargs)
+        if will_sync:
+            self._hook_outputs(output)
+        return output
+
+    def _sync_buffers(self) -> None:
+        if not self.broadcast_buffers or self.comm.world_size == 1:
+            return
+        buffers = list(self.module.buffers())
+        if buffers:  # layout verified by the broadcast at construction
+            started = time.perf_counter()
+            broadcast_tensors(buffers, self.comm, src=self._buffer_src, verify=False)
+            self._other_comm_seconds += time.perf_counter() - started
+
+    def _hook_outputs(self, output) -> None:
+        """Start the gradient sync when backward reaches an output, even if no parameter gets a gradient."""
+        for tensor in _tensors_in(output):
+            if tensor.requires_grad:
+                tensor.register_hook(self._on_output_grad)
+
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        if not self._sync_disabled:
+            self._reducer.start_round()
+
+    # -- no_sync and join ------------------------------------------------------------------------
 
     @contextmanager
     def no_sync(self):
@@ -128,24 +135,112 @@ class DataParallel(nn.Module):
         finally:
             self._sync_disabled -= 1
 
-    def _on_grad_ready(self, param: torch.Tensor) -> None:
-        if self._sync_disabled or self._callback_queued:
-            return
-        self._callback_queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._sync_gradients)
+    @contextmanager
+    def join(self):
+        """Train on uneven inputs: a rank that leaves this block early shadows the others until all have left.
 
-    def _sync_gradients(self) -> None:
-        self._callback_queued = False
+        Inside the block each forward first exchanges which ranks are still
+        active (one small AllReduce). A rank that has left the block answers
+        the others' buffer broadcasts and gradient AllReduces with zeros, and
+        gradients are averaged over the ranks that still had data. When every
+        rank has left, the parameters and buffers of the last rank(s) to leave
+        are broadcast, so replicas end identical (DDP's ``join`` and its
+        final model sync; Horovod's ``hvd.join``).
+
+        Inside the block, only this module's forward/backward communicate; other
+        collectives (a loss AllReduce, evaluation) would not be shadowed.
+        Every forward that requires grad must be followed by one backward.
+
+        Raises:
+            GradsyncError: ranks disagree on ``no_sync`` in the same iteration.
+        """
+        if self._joining:
+            raise GradsyncError("DataParallel.join() cannot be nested")
+        if self.comm.world_size == 1:
+            yield
+            return
+        self._joining = True
+        self._last_active: list[int] | None = None
+        try:
+            yield
+            while self._join_step(active=False, will_sync=False):
+                pass
+            self._sync_final_model()
+        finally:
+            self._joining = False
+            self._buffer_src = 0
+            self._reducer.divisor = self.comm.world_size
+
+    def _join_step(self, active: bool, will_sync: bool) -> bool:
+        """One join exchange; a joined rank then shadows the iteration. Returns whether any rank is active."""
         started = time.perf_counter()
-        with torch.no_grad():
-            for bucket in self._buckets:
-                bucket.gather_grads()
-                collectives.all_reduce(bucket.flat, self.comm, op="avg",
-                                       algorithm=self.algorithm, verify=False)
-                bucket.scatter_grads()
-        self.comm_seconds += time.perf_counter() - started
+        world_size = self.comm.world_size
+        state = torch.zeros(world_size + 1, dtype=torch.int64)
+        if active:
+            state[self.comm.rank] = 1
+            state[world_size] = int(will_sync)
+        collectives.all_reduce(state, self.comm, op="sum", algorithm=self.algorithm)
+        active_ranks = [rank for rank in range(world_size) if state[rank] > 0]
+        syncing = int(state[world_size])
+        self._other_comm_seconds += time.perf_counter() - started
+        if not active_ranks:
+            return False
+        if syncing not in (0, len(active_ranks)):
+            raise GradsyncError(f"DataParallel.join(): in the same iteration {syncing} of the "
+                                f"{len(active_ranks)} active ranks synchronise gradients and the others are "
+                                f"in no_sync(); every rank must make the same choice")
+        self._last_active = active_ranks
+        self._buffer_src = active_ranks[0]
+        self._reducer.divisor = len(active_ranks)
+        if not active:
+            self._sync_buffers()
+            if syncing:
+                self._reducer.shadow_round(len(active_ranks))
+        return True
+
+    def _sync_final_model(self) -> None:
+        if self._last_active is None:
+            return  # no rank ran a forward inside the block: nothing changed
+        started = time.perf_counter()
+        tensors = [param.data for param in self.module.parameters()] + list(self.module.buffers())
+        broadcast_tensors(tensors, self.comm, src=self._last_active[0], verify=False)
+        self._other_comm_seconds += time.perf_counter() - started
+
+    # -- measurements ----------------------------------------------------------------------------
+
+    @property
+    def comm_seconds(self) -> float:
+        return self._reducer.comm_seconds + self._other_comm_seconds
+
+    @property
+    def exposed_comm_seconds(self) -> float:
+        return self._reducer.exposed_comm_seconds + self._other_comm_seconds
+
+    @property
+    def timeline(self):
+        return self._reducer.timeline
+
+    @timeline.setter
+    def timeline(self, timeline) -> None:
+        self._reducer.timeline = timeline
 
     @property
     def bucket_numels(self) -> list[int]:
-        """Elements per bucket, in the order buckets are reduced."""
-        return [bucket.flat.numel() for bucket in self._buckets]
+        """Gradient elements per bucket, in the order buckets are reduced."""
+        return self._reducer.bucket_numels
+
+    @property
+    def last_bucket_spans(self) -> list[tuple[int, float, float]]:
+        """(bucket index, start, end) of each bucket's AllReduce in the last sync, ``time.perf_counter`` seconds."""
+        return self._reducer.last_bucket_spans
+
+
+def _tensors_in(output):
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, (list, tuple)):
+        for item in output:
+            yield from _tensors_in(item)
+    elif isinstance(output, dict):
+        for item in output.values():
+            yield from _tensors_in(item)

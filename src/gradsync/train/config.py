@@ -31,6 +31,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     algorithm: str = "ring"         # AllReduce algorithm for the gradients
     bucket_cap_mb: float = 25.0     # MiB of gradients per bucket
+    gradient_as_bucket_view: bool = False  # .grad is a view into its bucket (saves a gradient copy)
+    trace: str | None = None        # Chrome trace file written at the end (rank 0 gathers all ranks)
     seed: int = 0                   # model init, shuffling
     timeout: float = 300.0          # seconds any collective may wait for a peer
     num_samples: int = DEFAULT_NUM_SAMPLES  # MNIST-1D samples drawn (80% train, 20% test)
