@@ -7,7 +7,7 @@
 
 from gradsync.api import all_gather, all_reduce, broadcast, comm_stats, reduce_scatter
 from gradsync.collectives import ALGORITHMS, OPS, Communicator
-from gradsync.errors import CollectiveMismatchError, CollectiveTimeoutError, NotInitializedError
+from gradsync.errors import CollectiveMismatchError, CollectiveTimeoutError, GradsyncError, NotInitializedError
 from gradsync.parallel.data_parallel import DataParallel
 from gradsync.process_group import init, is_initialized, rank, shutdown, world_size
 
@@ -15,6 +15,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ALGORITHMS", "OPS", "CollectiveMismatchError", "CollectiveTimeoutError", "Communicator",
-    "DataParallel", "NotInitializedError", "all_gather", "all_reduce", "broadcast", "comm_stats",
+    "DataParallel", "GradsyncError", "NotInitializedError", "all_gather", "all_reduce", "broadcast", "comm_stats",
     "init", "is_initialized", "rank", "reduce_scatter", "shutdown", "world_size",
 ]

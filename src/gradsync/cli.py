@@ -1,4 +1,4 @@
-"""Command line: ``gradsync train`` (argparse only; the work is in train/ and launch.py)."""
+"""Command line: ``gradsync train`` and ``gradsync bench allreduce|train`` (argparse only, no logic)."""
 
 from __future__ import annotations
 
@@ -70,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
         "allreduce", help="nccl-tests-style AllReduce sweep over sizes and algorithms",
         description="Time every algorithm at every size across --nproc local processes, "
                     "interleaved with the backend's native all_reduce."))
+    _add_train_bench_options(benches.add_parser(
+        "train", help="training samples/s of gradsync DataParallel next to torch DDP",
+        description="Train the same models with gradsync DataParallel (one row per algorithm) and "
+                    "torch DistributedDataParallel on the same data, world size and thread count, "
+                    "alternating them over rounds; report samples/s, the ratio to DDP, gradsync's "
+                    "communication and exposed-communication time per step, the step overhead against "
+                    "a compute-only run, and peak memory with gradient_as_bucket_view off and on."))
     return parser
 
 
@@ -87,6 +94,23 @@ def _add_allreduce_bench_options(parser: argparse.ArgumentParser) -> None:
     add("--segment-bytes", type=int, default=None, help="pipelining segment of ring and tree "
         "(default: the library's)")
     add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
+
+
+def _add_train_bench_options(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--nproc", default="2", help="comma-separated world sizes, one local world each (default %(default)s)")
+    add("--model", default="cnn,mlp", help="comma-separated: cnn (MNIST-1D CNN, batch 128 per rank), "
+        "mlp (1024-4096-4096-1024-10, ~25.2M parameters, batch 64 per rank) (default %(default)s)")
+    add("--algorithms", default="ring,native", help="gradsync AllReduce algorithms, one row each; torch "
+        "DDP is always measured (default %(default)s)")
+    add("--steps", type=int, default=50, help="timed steps per measurement for cnn; mlp runs steps // 5 "
+        "(default %(default)s)")
+    add("--warmup", type=int, default=3, help="untimed steps before each measurement (default %(default)s)")
+    add("--rounds", type=int, default=5, help="alternating rounds; the median is reported "
+        "(default %(default)s)")
+    add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
+    add("--no-memory", dest="memory", action="store_false", help="skip the peak-memory comparison of "
+        "gradient_as_bucket_view False/True (largest model, world size 2)")
 
 
 def _config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -114,12 +138,23 @@ def bench_allreduce(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_train(args: argparse.Namespace) -> int:
+    from gradsync.bench.train import run_bench
+
+    run_bench(nproc=args.nproc, models=args.model, algorithms=args.algorithms, steps=args.steps,
+              warmup=args.warmup, rounds=args.rounds, json_path=args.json, memory=args.memory)
+    return 0
+
+
+_BENCHES = {"allreduce": bench_allreduce, "train": bench_train}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``gradsync`` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
     try:
         if args.command == "bench":
-            return bench_allreduce(args)
+            return _BENCHES[args.bench](args)
         return train(args)
     except (ValueError, TypeError) as exc:
         print(f"gradsync {args.command}: error: {exc}", file=sys.stderr)

@@ -201,9 +201,8 @@ class Reducer:
             collectives.all_reduce(flat, self.comm, op="sum", algorithm=self.algorithm, verify=False)
         ended = time.perf_counter()
         if self.timeline is not None:
-            self.timeline.add(f"allreduce bucket {bucket_index}", "comm", started, ended, thread="comm",
-                              bucket=bucket_index, numel=flat.numel(),
-                              bytes=flat.numel() * flat.element_size(), algorithm=self.algorithm)
+            self.timeline.add("allreduce", started, ended, thread="comm", bucket=bucket_index,
+                              nbytes=flat.numel() * flat.element_size())
         return bucket_index, started, ended
 
     # -- end of backward -------------------------------------------------------------------------

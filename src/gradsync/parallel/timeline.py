@@ -1,11 +1,13 @@
 """A per-rank timeline of spans, written as a Chrome trace (chrome://tracing, Perfetto).
 
-Each rank records spans (forward, backward, each bucket's AllReduce,
+Each rank records spans (forward, backward, each bucket's AllReduce, the
 optimizer step) with ``time.perf_counter`` and converts them to wall-clock
-microseconds when written, so the per-rank files of ranks on one machine line
-up; :func:`merge_traces` joins them into one file with one process track per
-rank ("rank 0", "rank 1", ...) and one thread row per thread ("main",
-"comm"). Format: the Trace Event Format's complete events (``"ph": "X"``).
+microseconds on export, so ranks on one machine line up. Spans export as a
+fixed-layout float64 tensor (:meth:`Timeline.rows`), which a trainer can
+all-gather to rank 0 without pickling; :func:`trace_events` turns every
+rank's rows into one trace with one process track per rank ("rank 0", ...)
+and one thread row per thread ("main", "comm"). Format: the Trace Event
+Format's complete events (``"ph": "X"``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable
 
-THREAD_IDS = {"main": 0, "comm": 1}
+import torch
+
+KINDS = ("forward", "backward", "optimizer", "allreduce", "eval")
+THREADS = ("main", "comm")
+ROW_NUMEL = 6  # kind, thread, start (wall-clock µs), duration (µs), bucket (-1: none), bytes
 
 
 class Timeline:
@@ -24,52 +30,55 @@ class Timeline:
 
     def __init__(self, rank: int):
         self.rank = rank
-        self.spans: list[tuple[str, str, float, float, str, dict]] = []
+        self._spans: list[tuple[int, int, float, float, int, int]] = []
         self._wall_offset_s = time.time() - time.perf_counter()
 
-    def add(self, name: str, category: str, start_s: float, end_s: float, thread: str = "main",
-            **args) -> None:
-        """Record a span; ``start_s``/``end_s`` are ``time.perf_counter()`` seconds."""
-        self.spans.append((name, category, start_s, end_s, thread, args))
+    def add(self, kind: str, start_s: float, end_s: float, thread: str = "main",
+            bucket: int = -1, nbytes: int = 0) -> None:
+        """Record a span of ``kind`` (one of ``KINDS``); times are ``time.perf_counter()`` seconds."""
+        self._spans.append((KINDS.index(kind), THREADS.index(thread), start_s, end_s, bucket, nbytes))
 
     @contextmanager
-    def span(self, name: str, category: str, thread: str = "main", **args):
+    def span(self, kind: str, thread: str = "main"):
         started = time.perf_counter()
         try:
             yield
         finally:
-            self.add(name, category, started, time.perf_counter(), thread, **args)
+            self.add(kind, started, time.perf_counter(), thread)
 
-    def events(self) -> list[dict]:
-        """Trace Event Format events: process/thread names, then one complete event per span."""
-        events = [{"name": "process_name", "ph": "M", "pid": self.rank, "tid": 0,
-                   "args": {"name": f"rank {self.rank}"}},
-                  {"name": "process_sort_index", "ph": "M", "pid": self.rank, "tid": 0,
-                   "args": {"sort_index": self.rank}}]
-        events += [{"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid,
-                    "args": {"name": thread}} for thread, tid in THREAD_IDS.items()]
-        for name, category, start_s, end_s, thread, args in list(self.spans):
-            events.append({"name": name, "cat": category, "ph": "X", "pid": self.rank,
-                           "tid": THREAD_IDS.get(thread, len(THREAD_IDS)),
-                           "ts": (start_s + self._wall_offset_s) * 1e6,
-                           "dur": max(end_s - start_s, 0.0) * 1e6, "args": args})
-        return events
+    def __len__(self) -> int:
+        return len(self._spans)
 
-    def write(self, path: Path) -> None:
-        write_trace(path, self.events())
+    def rows(self) -> torch.Tensor:
+        """The spans as a ``(num_spans, ROW_NUMEL)`` float64 tensor with wall-clock microseconds."""
+        table = torch.tensor([[kind, thread, (start + self._wall_offset_s) * 1e6,
+                               max(end - start, 0.0) * 1e6, bucket, nbytes]
+                              for kind, thread, start, end, bucket, nbytes in list(self._spans)],
+                             dtype=torch.float64)
+        return table.reshape(-1, ROW_NUMEL)
 
 
-def write_trace(path: Path, events: Iterable[dict]) -> None:
+def trace_events(rows_per_rank: Iterable[torch.Tensor]) -> list[dict]:
+    """Trace Event Format events for every rank's :meth:`Timeline.rows` (index = rank)."""
+    events = []
+    for rank, rows in enumerate(rows_per_rank):
+        events.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
+                       "args": {"name": f"rank {rank}"}})
+        events.append({"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0,
+                       "args": {"sort_index": rank}})
+        events += [{"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}}
+                   for tid, name in enumerate(THREADS)]
+        for kind, thread, start_us, duration_us, bucket, nbytes in rows.tolist():
+            name = KINDS[int(kind)]
+            args = {}
+            if bucket >= 0:
+                name = f"{name} bucket {int(bucket)}"
+                args = {"bucket": int(bucket), "bytes": int(nbytes)}
+            events.append({"name": name, "cat": KINDS[int(kind)], "ph": "X", "pid": rank,
+                           "tid": int(thread), "ts": start_us, "dur": duration_us, "args": args})
+    return events
+
+
+def write_trace(path: Path, events: list[dict]) -> None:
     with open(path, "w", encoding="utf-8") as file:
-        json.dump({"traceEvents": list(events), "displayTimeUnit": "ms"}, file)
-
-
-def merge_traces(paths: Iterable[Path], out_path: Path) -> int:
-    """Write the events of every trace in ``paths`` into ``out_path``; return how many files were merged."""
-    events, merged = [], 0
-    for path in paths:
-        with open(path, encoding="utf-8") as file:
-            events += json.load(file)["traceEvents"]
-        merged += 1
-    write_trace(out_path, events)
-    return merged
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, file)

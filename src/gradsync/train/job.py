@@ -63,6 +63,16 @@ def release_out_dir(path: Path, created: bool) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def check_trace_path(trace: str) -> Path:
+    """Return the absolute trace path, or raise ValueError if it cannot be written."""
+    path = Path(trace).expanduser().resolve()
+    if path.is_dir():
+        raise ValueError(f"--trace {trace} is a folder; give a file name such as trace.json")
+    if not path.parent.is_dir() or not os.access(path.parent, os.W_OK):
+        raise ValueError(f"--trace {trace}: folder {path.parent} does not exist or is not writable")
+    return path
+
+
 def run_job(config: TrainConfig) -> dict | None:
     """Run the whole job; returns rank 0's summary (None on other torchrun ranks).
 
@@ -74,6 +84,8 @@ def run_job(config: TrainConfig) -> dict | None:
     torchrun = under_torchrun()
     world_size = int(os.environ["WORLD_SIZE"]) if torchrun else config.nproc
     validate_against_data(config, world_size, data.num_train_samples(config.num_samples))
+    if config.trace:
+        config.trace = str(check_trace_path(config.trace))
     data_path = data.prepare(config.data_dir, config.num_samples)
     writes_folder = not torchrun or os.environ.get("RANK", "0") == "0"
     if not writes_folder:  # only rank 0 writes the run folder

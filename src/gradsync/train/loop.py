@@ -34,6 +34,7 @@ from gradsync.train.config import TrainConfig, validate_against_data
 from gradsync.train.data import load
 from gradsync.train.metrics import (METRICS_FILE, SUMMARY_FILE, MetricsLog, StepTimes, read_metrics,
                                     write_summary)
+from gradsync.parallel.timeline import Timeline, trace_events, write_trace
 from gradsync.train.models import build_model
 from gradsync.train.plots import plot_run
 
@@ -67,7 +68,10 @@ class Trainer:
         self.data = load(data_path)
         validate_against_data(config, self.world_size, len(self.data.y_train))
         self.model = gradsync.DataParallel(build_model(config.model), bucket_cap_mb=config.bucket_cap_mb,
-                                           algorithm=config.algorithm)
+                                           algorithm=config.algorithm,
+                                           gradient_as_bucket_view=config.gradient_as_bucket_view)
+        self.timeline = Timeline(self.rank) if config.trace else None
+        self.model.timeline = self.timeline
         self.optimizer = self._make_optimizer()
         self.sampler = DistributedSampler(self.data.train_dataset(), num_replicas=self.world_size,
                                           rank=self.rank, shuffle=True, seed=config.seed)
@@ -100,6 +104,7 @@ class Trainer:
             train_loss = self._train_epoch(epoch, bar)
             eval_started = time.perf_counter()
             test_loss, test_accuracy = self._evaluate()
+            self._record("eval", eval_started, time.perf_counter())
             eval_s += time.perf_counter() - eval_started
             record = {"kind": "epoch", "epoch": epoch, "train_loss": train_loss, "test_loss": test_loss,
                       "test_accuracy": test_accuracy, "elapsed_s": time.perf_counter() - started}
@@ -132,7 +137,8 @@ class Trainer:
 
     def _optimizer_step(self, epoch: int, micro_batches: list[list[int]]) -> float:
         forward_s = backward_s = 0.0
-        comm_before = self.model.comm_seconds
+        comm_before, exposed_before = self.model.comm_seconds, self.model.exposed_comm_seconds
+        bytes_before = self.model.comm.stats.bytes_sent
         step_loss = 0.0
         for index, indices in enumerate(micro_batches):
             last = index == len(micro_batches) - 1
@@ -143,6 +149,8 @@ class Trainer:
                 t1 = time.perf_counter()
                 loss.backward()
                 t2 = time.perf_counter()
+            self._record("forward", t0, t1)
+            self._record("backward", t1, t2)
             forward_s += t1 - t0
             backward_s += t2 - t1
             step_loss += loss.item()
@@ -151,16 +159,36 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
-        optimizer_s = time.perf_counter() - t3
+        t4 = time.perf_counter()
+        self._record("optimizer", t3, t4)
         comm_s = self.model.comm_seconds - comm_before
-        self.times.add(forward_s, backward_s, comm_s, optimizer_s)
+        exposed_s = self.model.exposed_comm_seconds - exposed_before
+        self.times.add(forward_s, backward_s, comm_s, exposed_s, t4 - t3)
         self.step += 1
         if self.log:
+            bytes_total = self.model.comm.stats.bytes_sent
             self.log.write({"kind": "step", "epoch": epoch, "step": self.step, "loss": step_loss, "lr": lr,
                             "forward_s": forward_s, "backward_s": backward_s, "comm_s": comm_s,
-                            "optimizer_s": optimizer_s,
-                            "bytes_sent": self.model.comm.stats.bytes_sent})
+                            "exposed_comm_s": exposed_s, "optimizer_s": t4 - t3,
+                            "bytes_sent": bytes_total - bytes_before, "bytes_sent_total": bytes_total})
         return step_loss
+
+    def _record(self, kind: str, start_s: float, end_s: float) -> None:
+        if self.timeline is not None:
+            self.timeline.add(kind, start_s, end_s)
+
+    def _write_trace(self) -> None:
+        """Gather every rank's timeline to rank 0, which writes ``config.trace`` (collective)."""
+        if self.timeline is None:
+            return
+        rows = self.timeline.rows()
+        counts = gradsync.all_gather(torch.tensor([rows.shape[0]]))
+        padded = torch.zeros(int(max(counts)), rows.shape[1], dtype=torch.float64)
+        padded[:rows.shape[0]] = rows
+        gathered = gradsync.all_gather(padded)
+        if self.is_main:
+            write_trace(Path(self.config.trace),
+                        trace_events(part[:int(count)] for part, count in zip(gathered, counts)))
 
     @torch.no_grad()
     def _evaluate(self) -> tuple[float, float]:
@@ -177,13 +205,16 @@ class Trainer:
 
     def _summary(self, epochs: list[dict], wall_s: float, train_wall_s: float) -> dict | None:
         stats = self.model.comm.stats
-        own = torch.tensor([self.times.compute_s, self.times.comm_s, stats.bytes_sent,
-                            stats.bytes_received], dtype=torch.float64)
-        per_rank = torch.stack(gradsync.all_gather(own))  # (world_size, 4)
+        t = self.times
+        own = torch.tensor([t.compute_s, t.comm_s, stats.bytes_sent, stats.bytes_received, t.exposed_comm_s,
+                            t.forward_s, t.backward_s, t.optimizer_s], dtype=torch.float64)
+        per_rank = torch.stack(gradsync.all_gather(own))  # (world_size, 8)
+        self._write_trace()
         if not self.is_main:
             return None
         samples = self.step * self.config.global_batch_size(self.world_size)
         compute_s, comm_s = per_rank[:, 0].mean().item(), per_rank[:, 1].mean().item()
+        exposed_s = per_rank[:, 4].mean().item()
         return {
             "final_test_accuracy": epochs[-1]["test_accuracy"],
             "best_test_accuracy": max(r["test_accuracy"] for r in epochs),
@@ -197,11 +228,17 @@ class Trainer:
             "train_wall_s": train_wall_s,
             "compute_s": compute_s,
             "communication_s": comm_s,
-            "exposed_communication_s": comm_s,  # no overlap yet: all communication is exposed
+            "exposed_communication_s": exposed_s,
+            "exposed_communication_fraction": exposed_s / comm_s if comm_s > 0 else 0.0,
+            "forward_s": per_rank[:, 5].mean().item(),
+            "backward_s": per_rank[:, 6].mean().item(),
+            "optimizer_s": per_rank[:, 7].mean().item(),
+            "bytes_sent_per_step": per_rank[:, 2].mean().item() / max(self.step, 1),
             "bytes_sent_per_rank": [int(v) for v in per_rank[:, 2].tolist()],
             "bytes_received_per_rank": [int(v) for v in per_rank[:, 3].tolist()],
             "per_rank_compute_s": per_rank[:, 0].tolist(),
             "per_rank_communication_s": per_rank[:, 1].tolist(),
+            "per_rank_exposed_communication_s": per_rank[:, 4].tolist(),
             "num_parameters": sum(p.numel() for p in self.model.module.parameters()),
             "train_samples": len(self.data.y_train),
             "test_samples": len(self.data.y_test),

@@ -1,9 +1,14 @@
 """Run-folder records: ``metrics.jsonl`` (one JSON object per step and per epoch) and ``summary.json``.
 
 Step records: ``{"kind": "step", "epoch", "step", "loss", "lr", "forward_s",
-"backward_s", "comm_s", "optimizer_s", "bytes_sent"}``; ``loss`` is rank 0's
-local loss, times are rank 0's seconds, ``bytes_sent`` is rank 0's payload
-bytes so far. Epoch records: ``{"kind": "epoch", "epoch", "train_loss",
+"backward_s", "comm_s", "exposed_comm_s", "optimizer_s", "bytes_sent",
+"bytes_sent_total"}``; ``loss`` is rank 0's local loss, times are rank 0's
+seconds: ``backward_s`` is the wall time of ``loss.backward()`` including the
+wait for communication at its end, ``comm_s`` the time gradient AllReduces
+and buffer broadcasts ran (mostly overlapped with backward),
+``exposed_comm_s`` the part of it the step waited for (backward plus sync
+beyond backward alone); ``bytes_sent`` is rank 0's payload bytes in this step,
+``bytes_sent_total`` so far. Epoch records: ``{"kind": "epoch", "epoch", "train_loss",
 "test_loss", "test_accuracy", "elapsed_s"}`` with losses averaged over all
 ranks.
 """
@@ -43,18 +48,21 @@ class StepTimes:
     """Seconds one rank spent in each phase, summed over the run."""
 
     forward_s: float = 0.0
-    backward_s: float = 0.0  # includes gradient communication (it runs inside backward)
-    comm_s: float = 0.0      # gradient AllReduce time, measured inside backward
+    backward_s: float = 0.0  # includes the wait for communication at the end of backward
+    comm_s: float = 0.0      # communication time, overlapped with backward or not
+    exposed_comm_s: float = 0.0  # the part of comm_s the step waited for
     optimizer_s: float = 0.0
 
     @property
     def compute_s(self) -> float:
-        return self.forward_s + self.backward_s - self.comm_s + self.optimizer_s
+        return self.forward_s + self.backward_s - self.exposed_comm_s + self.optimizer_s
 
-    def add(self, forward_s: float, backward_s: float, comm_s: float, optimizer_s: float) -> None:
+    def add(self, forward_s: float, backward_s: float, comm_s: float, exposed_comm_s: float,
+            optimizer_s: float) -> None:
         self.forward_s += forward_s
         self.backward_s += backward_s
         self.comm_s += comm_s
+        self.exposed_comm_s += exposed_comm_s
         self.optimizer_s += optimizer_s
 
 

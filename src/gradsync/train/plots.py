@@ -44,14 +44,15 @@ def _plot_accuracy(epochs: list[dict], path: Path) -> Path:
 
 def _plot_time(summary: dict, path: Path) -> Path:
     figure, axes = plt.subplots(figsize=(7, 3))
-    parts = {"compute": summary["compute_s"], "communication": summary["communication_s"],
-             "evaluation + other": max(summary["train_wall_s"] - summary["compute_s"]
-                                       - summary["communication_s"], 0.0)}
+    exposed = summary.get("exposed_communication_s", summary["communication_s"])
+    parts = {"compute": summary["compute_s"], "exposed communication": exposed,
+             "evaluation + other": max(summary["train_wall_s"] - summary["compute_s"] - exposed, 0.0)}
     left = 0.0
     for label, seconds in parts.items():
         axes.barh(["rank mean"], [seconds], left=left, label=f"{label} {seconds:.1f} s")
         left += seconds
-    axes.set(xlabel="seconds", title="Where the training time went")
+    axes.set(xlabel="seconds", title=f"Where the training time went (communication ran "
+             f"{summary['communication_s']:.1f} s, {exposed:.1f} s of it not hidden by backward)")
     axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3)
     return _save(figure, path)
 
