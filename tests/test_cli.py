@@ -128,6 +128,21 @@ def test_cli_corrupt_data_cache_is_regenerated(tmp_path):
     assert torch.equal(splits.y_test, torch.from_numpy(fresh["y_test"]))
 
 
+def _check_trace(events, steps, micro_batches):
+    """One track per rank with every step's forward, backward, optimizer and several bucket AllReduces."""
+    spans = [e for e in events if e["ph"] == "X"]
+    names = {e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names == {"rank 0", "rank 1"}
+    for rank in (0, 1):
+        mine = [e for e in spans if e["pid"] == rank]
+        count = {kind: sum(e["cat"] == kind for e in mine) for kind in ("forward", "backward", "optimizer")}
+        assert count == {"forward": steps * micro_batches, "backward": steps * micro_batches,
+                         "optimizer": steps}, count
+        buckets = {e["args"]["bucket"] for e in mine if e["cat"] == "allreduce"}
+        assert len(buckets) >= 2 and all(e["tid"] == 1 for e in mine if e["cat"] == "allreduce")
+        assert all(e["dur"] >= 0 for e in mine)
+
+
 @pytest.mark.dist
 @pytest.mark.timeout(180)
 def test_cli_small_run_writes_metrics_summary_and_plots(tmp_path):
@@ -135,6 +150,7 @@ def test_cli_small_run_writes_metrics_summary_and_plots(tmp_path):
     out = tmp_path / "run"
     result = _gradsync("train", "--nproc", "2", "--model", "mlp", "--epochs", "2", "--num-samples", "2000",
                        "--batch-size", "16", "--accumulate", "2", "--out", str(out), "--no-progress",
+                       "--trace", str(tmp_path / "trace.json"), "--bucket-cap-mb", "0.01",
                        env={"GRADSYNC_DATA_DIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr
     summary = json.loads((out / "summary.json").read_text())
@@ -151,6 +167,18 @@ def test_cli_small_run_writes_metrics_summary_and_plots(tmp_path):
     assert epochs[-1]["train_loss"] < 0.9 * steps[0]["loss"]  # it learned
     assert summary["world_size"] == 2 and len(summary["bytes_sent_per_rank"]) == 2
     assert min(summary["bytes_sent_per_rank"]) > 0
+    # per-step timings and bytes: exposed communication is part of backward, bytes add up to the total
+    for record in steps:
+        assert 0 <= record["exposed_comm_s"] <= record["backward_s"], record
+        assert record["comm_s"] > 0 and record["forward_s"] > 0 and record["optimizer_s"] > 0, record
+        assert record["bytes_sent"] > 0
+    assert [r["bytes_sent_total"] for r in steps] == sorted(r["bytes_sent_total"] for r in steps)
+    for before, after in zip(steps, steps[1:]):  # totals also count the epoch-end loss and test AllReduces
+        assert after["bytes_sent"] <= after["bytes_sent_total"] - before["bytes_sent_total"]
+    assert 0 <= summary["exposed_communication_s"] <= summary["backward_s"]
+    assert summary["exposed_communication_fraction"] == pytest.approx(
+        summary["exposed_communication_s"] / summary["communication_s"])
+    _check_trace(json.loads((tmp_path / "trace.json").read_text())["traceEvents"], steps=50, micro_batches=2)
     assert summary["config"]["accumulate"] == 2 and summary["config"]["out"] == str(out)
     for name in ("loss.png", "accuracy.png", "time.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
