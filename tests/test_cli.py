@@ -52,6 +52,8 @@ def _assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -
     (["--timeout", "0"], ["--timeout"]),
     (["--nproc", "9", "--num-samples", "10", "--batch-size", "1"], ["world size 9", "8 training samples"]),
     (["--nproc", "2", "--num-samples", "100", "--batch-size", "64"], ["--batch-size 64"]),
+    (["--trace", "/no-such-folder/trace.json"], ["--trace", "/no-such-folder"]),
+    (["--trace", "/"], ["--trace", "folder"]),
 ])
 @pytest.mark.timeout(60)
 def test_cli_rejects_bad_input_with_one_line(args, needles, tmp_path, capsys, monkeypatch):
