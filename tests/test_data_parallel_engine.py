@@ -435,3 +435,24 @@ def test_rank_skipping_backward_gives_clear_error_naming_it():
     assert results[1] == "skipped"
     assert results[0].startswith("CollectiveTimeoutError") and "peer rank 1" in results[0], results[0]
     assert time.monotonic() - started < 40
+
+
+def test_silent_peer_costs_one_timeout_not_one_per_bucket():
+    """With many buckets and a peer that never runs backward, backward raises within the timeout plus 2 s."""
+    timeout_s = 1.5
+
+    def body(comm):
+        model = gradsync.DataParallel(seeded(0, lambda: nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)])),
+                                      group=comm, bucket_cap_mb=100 / 2**20)
+        out = model(torch.ones(2, 8))
+        if comm.rank == 1:
+            time.sleep(3 * timeout_s)
+            return None
+        started = time.monotonic()
+        with pytest.raises(gradsync.CollectiveTimeoutError, match="peer rank 1"):
+            out.sum().backward()
+        return time.monotonic() - started, len(model.bucket_numels)
+
+    elapsed, num_buckets = run_threads(2, body, timeout_s=30, collective_timeout_s=timeout_s)[0]
+    assert num_buckets >= 6
+    assert elapsed < timeout_s + 2, f"backward took {elapsed:.1f} s to report a silent peer"

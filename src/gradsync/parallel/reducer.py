@@ -64,6 +64,11 @@ class _Round:
         self.order: list[int] = []
         self.next_launch = 0
         self.futures: list[Future] = []
+        self.failed = False  # a bucket failed: later buckets of this round are skipped, not waited for again
+
+
+class _SkippedAfterFailure(GradsyncError):
+    """A bucket not reduced because an earlier bucket of the same round failed."""
 
 
 class Reducer:
@@ -179,26 +184,33 @@ class Reducer:
             bucket = self.buckets[state.next_launch]
             if bucket.flags.numel():
                 bucket.flags.copy_(torch.tensor(state.used, dtype=bucket.flags.dtype))
-            state.futures.append(self._submit(bucket.flat, bucket.index, self.divisor))
+            state.futures.append(self._submit(bucket.flat, bucket.index, self.divisor, state))
             state.next_launch += 1
 
-    def _submit(self, flat: torch.Tensor, bucket_index: int, divisor: int) -> Future:
+    def _submit(self, flat: torch.Tensor, bucket_index: int, divisor: int, state: _Round) -> Future:
         if self.comm.world_size == 1:
             future = Future()
-            future.set_result(self._reduce(flat, bucket_index, divisor))
+            future.set_result(self._reduce(flat, bucket_index, divisor, state))
             return future
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradsync-comm")
-        return self._executor.submit(self._reduce, flat, bucket_index, divisor)
+        return self._executor.submit(self._reduce, flat, bucket_index, divisor, state)
 
-    def _reduce(self, flat: torch.Tensor, bucket_index: int, divisor: int) -> tuple[int, float, float]:
+    def _reduce(self, flat: torch.Tensor, bucket_index: int, divisor: int,
+                state: _Round) -> tuple[int, float, float]:
         """Runs on the communication thread: average ``flat`` over ``divisor`` contributing ranks."""
+        if state.failed:  # one timeout per round, not one per bucket
+            raise _SkippedAfterFailure(f"bucket {bucket_index} skipped after an earlier bucket failed")
         started = time.perf_counter()
-        if divisor == self.comm.world_size:
-            collectives.all_reduce(flat, self.comm, op="avg", algorithm=self.algorithm, verify=False)
-        else:  # join: ranks without data send zeros; divide first so fp16 sums cannot overflow
-            flat.div_(divisor)
-            collectives.all_reduce(flat, self.comm, op="sum", algorithm=self.algorithm, verify=False)
+        try:
+            if divisor == self.comm.world_size:
+                collectives.all_reduce(flat, self.comm, op="avg", algorithm=self.algorithm, verify=False)
+            else:  # join: ranks without data send zeros; divide first so fp16 sums cannot overflow
+                flat.div_(divisor)
+                collectives.all_reduce(flat, self.comm, op="sum", algorithm=self.algorithm, verify=False)
+        except BaseException:
+            state.failed = True
+            raise
         ended = time.perf_counter()
         if self.timeline is not None:
             self.timeline.add("allreduce", started, ended, thread="comm", bucket=bucket_index,
@@ -266,13 +278,13 @@ class Reducer:
 
     def shadow_round(self, divisor: int) -> None:
         """Take part in the other ranks' gradient sync with zeros (this rank has joined)."""
-        futures = []
+        futures, state = [], _Round([], 0)
         for bucket in self.buckets:
             zeros = self._shadow.get(bucket.index)
             if zeros is None:
                 zeros = self._shadow[bucket.index] = torch.zeros_like(bucket.flat)
             zeros.zero_()
-            futures.append(self._submit(zeros, bucket.index, divisor))
+            futures.append(self._submit(zeros, bucket.index, divisor, state))
         started = time.perf_counter()
         spans = self._wait(futures)
         self.comm_seconds += sum(end - start for _, start, end in spans)
