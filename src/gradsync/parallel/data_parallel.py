@@ -136,7 +136,7 @@ class DataParallel(nn.Module):
             self._sync_disabled -= 1
 
     @contextmanager
-    def join(self):
+    def join(self, enable: bool = True):
         """Train on uneven inputs: a rank that leaves this block early shadows the others until all have left.
 
         Inside the block each forward first exchanges which ranks are still
@@ -151,12 +151,15 @@ class DataParallel(nn.Module):
         collectives (a loss AllReduce, evaluation) would not be shadowed.
         Every forward that requires grad must be followed by one backward.
 
+        Args:
+            enable: False makes the block a no-op (as DDP's ``join(enable=False)``).
+
         Raises:
             GradsyncError: ranks disagree on ``no_sync`` in the same iteration.
         """
         if self._joining:
             raise GradsyncError("DataParallel.join() cannot be nested")
-        if self.comm.world_size == 1:
+        if not enable or self.comm.world_size == 1:
             yield
             return
         self._joining = True
