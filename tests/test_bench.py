@@ -1,4 +1,4 @@
-"""``gradsync bench allreduce``: bad options fail fast; a small sweep writes consistent rows."""
+"""``gradsync bench allreduce`` and ``bench train``: bad options fail fast; small runs write consistent rows."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import subprocess
 
 import pytest
 
+from gradsync.bench import train as train_bench
 from gradsync.bench.allreduce import format_table, parse_nbytes
 from gradsync.cli import main
 
@@ -67,3 +68,52 @@ def test_bench_small_sweep_writes_rows_with_nccl_tests_definitions(tmp_path, cap
     ring = [row for row in rows if row["algorithm"] == "ring"]
     assert all(row["bytes_sent_per_call"] == row["nbytes"] for row in ring)  # 2(p-1)/p·N at p = 2
     assert format_table(rows).splitlines()[0] in result.stdout
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--nproc", "0"], "--nproc"),
+    (["--nproc", "2,x"], "--nproc"),
+    (["--model", "bogus"], "--model"),
+    (["--model", "cnn,,mlp"], "--model"),
+    (["--algorithms", "bogus"], "bogus"),
+    (["--steps", "0"], "--steps"),
+    (["--warmup", "-1"], "--warmup"),
+    (["--rounds", "0"], "--rounds"),
+])
+def test_bench_train_rejects_bad_options_with_one_line(args, needle, capsys):
+    """Each bad option of bench train: exit 2 and one error line naming it, before any process starts."""
+    result = _main(["bench", "train", *args], capsys)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in result.stderr, result.stderr
+
+
+def test_bench_train_mlp_is_comm_heavy():
+    """The bench MLP is 1024-4096-4096-1024-10 with about 25.2M parameters; mlp runs steps // 5."""
+    numel = sum(param.numel() for param in train_bench.build_bench_model("mlp").parameters())
+    assert numel == 1024 * 4096 + 4096 + 4096 * 4096 + 4096 + 4096 * 1024 + 1024 + 1024 * 10 + 10
+    assert round(numel / 1e6, 1) == 25.2
+    steps = [train_bench.steps_for(model, steps) for model, steps in (("cnn", 100), ("mlp", 100), ("mlp", 2))]
+    assert steps == [100, 20, 1]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(90)
+def test_bench_train_small_run_writes_rows_with_ratio_to_ddp(tmp_path, capsys):
+    """Two ranks, cnn: a gradsync ring row and a ddp row; ratio_to_ddp is the samples/s ratio, 1 for ddp."""
+    out = tmp_path / "rows.json"
+    result = _main(["bench", "train", "--nproc", "2", "--model", "cnn", "--algorithms", "ring", "--steps", "2",
+                    "--warmup", "1", "--rounds", "1", "--no-memory", "--json", str(out)], capsys)
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(out.read_text())
+    by_impl = {(row["impl"], row["algorithm"]): row for row in rows}
+    assert sorted(by_impl) == [("ddp", "native"), ("gradsync", "ring")]
+    for row in rows:
+        assert {"model", "world_size", "impl", "algorithm", "samples_per_s", "ratio_to_ddp",
+                "exposed_comm_fraction"} <= set(row), row
+        assert row["model"] == "cnn" and row["world_size"] == 2 and row["samples_per_s"] > 0
+    ddp, ring = by_impl[("ddp", "native")], by_impl[("gradsync", "ring")]
+    assert ddp["ratio_to_ddp"] == pytest.approx(1.0) and ddp["exposed_comm_fraction"] is None
+    assert ring["ratio_to_ddp"] == pytest.approx(ring["samples_per_s"] / ddp["samples_per_s"])
+    assert ring["comm_s_per_step"] > 0 and ring["exposed_comm_fraction"] is not None
+    assert train_bench.format_table(rows).splitlines()[0] in result.stdout

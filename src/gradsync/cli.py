@@ -103,7 +103,7 @@ def _add_train_bench_options(parser: argparse.ArgumentParser) -> None:
         "mlp (1024-4096-4096-1024-10, ~25.2M parameters, batch 64 per rank) (default %(default)s)")
     add("--algorithms", default="ring,native", help="gradsync AllReduce algorithms, one row each; torch "
         "DDP is always measured (default %(default)s)")
-    add("--steps", type=int, default=50, help="timed steps per measurement for cnn; mlp runs steps // 5 "
+    add("--steps", type=int, default=100, help="timed steps per measurement for cnn; mlp runs steps // 5 "
         "(default %(default)s)")
     add("--warmup", type=int, default=3, help="untimed steps before each measurement (default %(default)s)")
     add("--rounds", type=int, default=5, help="alternating rounds; the median is reported "

@@ -175,7 +175,8 @@ def summarize(model: str, results: dict[tuple[str, str], list[dict]], steps: int
     return rows
 
 
-def run_worker(models: list[str], algorithms: list[str], steps: int, warmup: int, rounds: int) -> list[dict] | None:
+def run_worker(models: list[str], algorithms: list[str], steps: int, warmup: int,
+               rounds: int) -> list[dict] | None:
     """Entry point of one throughput process; rank 0 returns the rows."""
     from gradsync.train.loop import threads_per_worker
 
@@ -201,15 +202,26 @@ def memory_worker(model: str, algorithm: str, gradient_as_bucket_view: bool) -> 
         wrapped = wrap("gradsync", algorithm, build_bench_model(model), gradient_as_bucket_view)
         inputs, labels = make_batch(model, gradsync.rank())
         train_steps(wrapped, torch.optim.SGD(wrapped.parameters(), lr=LR), inputs, labels, MEMORY_STEPS)
-        peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-        per_rank = [float(t) / 1024 for t in gradsync.all_gather(torch.tensor([peak_kib], dtype=torch.float64))]
+        peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # ru_maxrss is KiB on Linux
+        mine = torch.tensor([peak_mib, _current_rss_mib()], dtype=torch.float64)
+        gathered = torch.stack(gradsync.all_gather(mine))  # (world_size, 2) MiB
         if gradsync.rank() != 0:
             return None
         return {"kind": "memory", "model": model, "world_size": gradsync.world_size(), "impl": "gradsync",
                 "algorithm": algorithm, "gradient_as_bucket_view": gradient_as_bucket_view,
-                "peak_rss_mib": max(per_rank), "peak_rss_mib_per_rank": per_rank, "steps": MEMORY_STEPS}
+                "peak_rss_mib": float(gathered[:, 0].max()), "peak_rss_mib_per_rank": gathered[:, 0].tolist(),
+                "rss_after_mib": float(gathered[:, 1].max()), "steps": MEMORY_STEPS}
     finally:
         gradsync.shutdown()
+
+
+def _current_rss_mib() -> float:
+    """Resident MiB of this process now (Linux /proc; NaN elsewhere)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as file:
+            return int(file.read().split()[1]) * resource.getpagesize() / 2**20
+    except OSError:
+        return float("nan")
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -236,17 +248,18 @@ def format_table(rows: list[dict]) -> str:
 
 
 def format_memory_table(rows: list[dict]) -> str:
-    """Render memory rows: peak RSS per rank (max over ranks) and the saving against the False row."""
+    """Render memory rows: peak RSS per rank (max over ranks), the saving against the False row, and the
+    resident MiB after the steps (the steady state, without the transient peaks of the first steps)."""
     base = {(r["model"], r["world_size"]): r["peak_rss_mib"] for r in rows if not r["gradient_as_bucket_view"]}
-    header = f"{'model':>6} {'world_size':>10} {'impl':>9} {'gradient_as_bucket_view':>23} " \
-             f"{'peak RSS [MiB/rank]':>19} {'saving vs False [MiB]':>21}"
+    header = (f"{'model':>6} {'world_size':>10} {'impl':>9} {'gradient_as_bucket_view':>23} "
+              f"{'peak RSS [MiB/rank]':>19} {'saving vs False [MiB]':>21} {'RSS after [MiB/rank]':>20}")
     lines = [header, "-" * len(header)]
     for row in rows:
         saving = base.get((row["model"], row["world_size"]))
         saving = None if saving is None else saving - row["peak_rss_mib"]
         lines.append(f"{row['model']:>6} {row['world_size']:>10} {row['impl']:>9} "
                      f"{str(row['gradient_as_bucket_view']):>23} {row['peak_rss_mib']:>19.1f} "
-                     f"{_fmt(saving, '.1f'):>21}")
+                     f"{_fmt(saving, '.1f'):>21} {row['rss_after_mib']:>20.1f}")
     return "\n".join(lines)
 
 
@@ -307,8 +320,8 @@ def run_bench(*, nproc: str, models: str, algorithms: str, steps: int, warmup: i
     print(format_table(rows), flush=True)
     if memory:
         memory_rows = run_memory(model_names, names[0])
-        print(f"\n# peak resident memory after {MEMORY_STEPS} steps, gradsync {names[0]}, "
-              f"one fresh world per setting", flush=True)
+        print(f"\n# resident memory over {MEMORY_STEPS} steps, gradsync {names[0]}, one fresh world per "
+              f"setting (peak = ru_maxrss, max over ranks)", flush=True)
         print(format_memory_table(memory_rows))
         rows += memory_rows
     if json_path:
