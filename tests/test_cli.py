@@ -141,7 +141,9 @@ def _check_trace(events, steps, micro_batches):
         assert count == {"forward": steps * micro_batches, "backward": steps * micro_batches,
                          "optimizer": steps}, count
         buckets = {e["args"]["bucket"] for e in mine if e["cat"] == "allreduce"}
-        assert len(buckets) >= 2 and all(e["tid"] == 1 for e in mine if e["cat"] == "allreduce")
+        assert len(buckets) >= 2
+        # every bucket but the last runs on the communication thread, during backward
+        assert {e["tid"] for e in mine if e["cat"] == "allreduce" and e["args"]["bucket"] < max(buckets)} == {1}
         assert all(e["dur"] >= 0 for e in mine)
 
 

@@ -456,3 +456,43 @@ def test_silent_peer_costs_one_timeout_not_one_per_bucket():
     elapsed, num_buckets = run_threads(2, body, timeout_s=30, collective_timeout_s=timeout_s)[0]
     assert num_buckets >= 6
     assert elapsed < timeout_s + 2, f"backward took {elapsed:.1f} s to report a silent peer"
+
+
+class _PauseInBackward(torch.autograd.Function):
+    """Identity whose backward sleeps: a stretch of backward with no gradient ready."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.05)
+        return grad
+
+
+class PausingNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(8, 16)
+        self.last = nn.Linear(16, 600)  # 9,600 + 600 floats, ~40 KB
+
+    def forward(self, x):
+        return self.last(_PauseInBackward.apply(torch.relu(self.first(x))))
+
+
+def test_rebuild_ends_a_bucket_where_backward_pauses(monkeypatch):
+    """After iteration 1, a pause in backward longer than PAUSE_S splits a bucket that already holds
+    MIN_SPLIT_BYTES, so its AllReduce starts during the pause; without a pause the bucket stays whole."""
+    from gradsync.parallel import reducer
+    monkeypatch.setattr(reducer, "MIN_SPLIT_BYTES", 1024)
+
+    def body(comm):
+        model = gradsync.DataParallel(seeded(0, PausingNet), group=comm)
+        assert len(model.bucket_numels) == 1, model.bucket_numels  # 40 KB: one bucket at first
+        model(torch.ones(2, 8)).sum().backward()
+        return [[model._reducer.names[i] for i in bucket] for bucket in model._reducer.assignment]
+
+    for assignment in run_threads(2, body):
+        assert [sorted(bucket) for bucket in assignment] == [["last.bias", "last.weight"],
+                                                              ["first.bias", "first.weight"]], assignment

@@ -16,6 +16,8 @@ gets a bucket of its own. The first bucket is capped at
 [[0, 1], [2]]
 >>> assign_buckets(params, bucket_cap_bytes=2000, first_bucket_cap_bytes=400)
 [[2], [1, 0]]
+>>> assign_buckets(params, bucket_cap_bytes=2000, breaks_before=[0])
+[[2, 1], [0]]
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def default_order(num_params: int) -> list[int]:
 
 def assign_buckets(params: Sequence[torch.Tensor], bucket_cap_bytes: int,
                    first_bucket_cap_bytes: int | None = None,
-                   order: Sequence[int] | None = None) -> list[list[int]]:
+                   order: Sequence[int] | None = None,
+                   breaks_before: Sequence[int] = ()) -> list[list[int]]:
     """Group parameter indices into buckets of at most ``bucket_cap_bytes``.
 
     Args:
@@ -45,6 +48,8 @@ def assign_buckets(params: Sequence[torch.Tensor], bucket_cap_bytes: int,
             ``bucket_cap_bytes``); the smaller of the two applies.
         order: the expected ready order, a permutation of ``range(len(params))``
             (None: reverse registration order).
+        breaks_before: parameter indices that start a new bucket even if the
+            open one has room (where backward pauses between two gradients).
 
     Returns:
         Lists of indices into ``params``; every index appears exactly once,
@@ -61,6 +66,7 @@ def assign_buckets(params: Sequence[torch.Tensor], bucket_cap_bytes: int,
     if sorted(order) != list(range(len(params))):
         raise ValueError(f"order must be a permutation of range({len(params)}), got {order}")
     first_cap = min(bucket_cap_bytes, first_bucket_cap_bytes or bucket_cap_bytes)
+    breaks = set(breaks_before)
     buckets: list[list[int]] = []
     open_bucket: dict[tuple, tuple[list[int], int]] = {}
     for index in order:
@@ -69,7 +75,7 @@ def assign_buckets(params: Sequence[torch.Tensor], bucket_cap_bytes: int,
         nbytes = param.numel() * param.element_size()
         members, filled = open_bucket.get(kind, (None, 0))
         cap = first_cap if members is None or _is_first(buckets, members) else bucket_cap_bytes
-        if members is None or (filled + nbytes > cap and members):
+        if members is None or (members and (filled + nbytes > cap or index in breaks)):
             members, filled = [], 0
             buckets.append(members)
         members.append(index)
