@@ -496,3 +496,17 @@ def test_rebuild_ends_a_bucket_where_backward_pauses(monkeypatch):
     for assignment in run_threads(2, body):
         assert [sorted(bucket) for bucket in assignment] == [["last.bias", "last.weight"],
                                                               ["first.bias", "first.weight"]], assignment
+
+
+def test_module_without_trainable_parameters_is_a_no_op():
+    """All parameters frozen: forward and backward (through the input) work and nothing is communicated."""
+    def body(comm):
+        net = seeded(0, lambda: nn.Linear(3, 2).double())
+        net.requires_grad_(False)
+        model = gradsync.DataParallel(net, group=comm)
+        x = torch.ones(2, 3, dtype=torch.float64, requires_grad=True)
+        model(x).sum().backward()
+        return x.grad.clone(), [p.grad for p in model.parameters()], model.bucket_numels
+    for x_grad, grads, numels in run_threads(2, body):
+        assert grads == [None, None] and numels == []
+        torch.testing.assert_close(x_grad, seeded(0, lambda: nn.Linear(3, 2).double()).weight.sum(0).expand(2, 3))

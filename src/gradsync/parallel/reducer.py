@@ -146,7 +146,7 @@ class Reducer:
 
     def start_round(self) -> None:
         """Begin a synchronised backward (idempotent); the engine calls ``_finalize`` when it ends."""
-        if self._round is not None:
+        if self._round is not None or not self.buckets:  # no trainable parameters: nothing to sync
             return
         self._round = _Round(self.buckets, len(self.params))
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
@@ -325,6 +325,8 @@ class Reducer:
 
     def shadow_round(self, divisor: int) -> None:
         """Take part in the other ranks' gradient sync with zeros (this rank has joined)."""
+        if not self.buckets:
+            return
         futures, state = [], _Round([], 0)
         for bucket in self.buckets:
             zeros = self._shadow.get(bucket.index)
