@@ -54,6 +54,7 @@ def _assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -
     (["--nproc", "2", "--num-samples", "100", "--batch-size", "64"], ["--batch-size 64"]),
     (["--trace", "/no-such-folder/trace.json"], ["--trace", "/no-such-folder"]),
     (["--trace", "/"], ["--trace", "folder"]),
+    (["--trace", ""], ["--trace", "empty"]),
 ])
 @pytest.mark.timeout(60)
 def test_cli_rejects_bad_input_with_one_line(args, needles, tmp_path, capsys, monkeypatch):
@@ -173,13 +174,13 @@ def test_cli_small_run_writes_metrics_summary_and_plots(tmp_path):
     assert min(summary["bytes_sent_per_rank"]) > 0
     # per-step timings and bytes: exposed communication is part of backward, bytes add up to the total
     for record in steps:
-        assert 0 <= record["exposed_comm_s"] <= record["backward_s"], record
+        assert 0 <= record["exposed_comm_s"] <= min(record["backward_s"], record["comm_s"]), record
         assert record["comm_s"] > 0 and record["forward_s"] > 0 and record["optimizer_s"] > 0, record
         assert record["bytes_sent"] > 0
     assert [r["bytes_sent_total"] for r in steps] == sorted(r["bytes_sent_total"] for r in steps)
     for before, after in zip(steps, steps[1:]):  # totals also count the epoch-end loss and test AllReduces
         assert after["bytes_sent"] <= after["bytes_sent_total"] - before["bytes_sent_total"]
-    assert 0 <= summary["exposed_communication_s"] <= summary["backward_s"]
+    assert 0 <= summary["exposed_communication_s"] <= min(summary["backward_s"], summary["communication_s"])
     assert summary["exposed_communication_fraction"] == pytest.approx(
         summary["exposed_communication_s"] / summary["communication_s"])
     _check_trace(json.loads((tmp_path / "trace.json").read_text())["traceEvents"], steps=50, micro_batches=2)

@@ -21,6 +21,7 @@ from torch import nn
 import gradsync
 from _dist import RankError, run_threads, run_world
 from _reference import bitwise_difference
+from gradsync.transport.thread import ThreadWorld
 
 _SEED_LOCK = threading.Lock()  # thread ranks share torch's global RNG
 LR = 0.05
@@ -510,3 +511,51 @@ def test_module_without_trainable_parameters_is_a_no_op():
     for x_grad, grads, numels in run_threads(2, body):
         assert grads == [None, None] and numels == []
         torch.testing.assert_close(x_grad, seeded(0, lambda: nn.Linear(3, 2).double()).weight.sum(0).expand(2, 3))
+
+
+def test_uneven_evaluation_under_no_grad_does_not_communicate():
+    """Ranks may evaluate different numbers of batches under no_grad (buffers only sync in training forwards)."""
+    def body(comm):
+        model = gradsync.DataParallel(seeded(0, lambda: nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))),
+                                      group=comm)
+        model.eval()
+        before = comm.stats.bytes_sent
+        with torch.no_grad():
+            outputs = [model(torch.ones(2, 4) * step) for step in range(3 + comm.rank)]
+        return len(outputs), comm.stats.bytes_sent - before
+    (count0, sent0), (count1, sent1) = run_threads(2, body, timeout_s=30, collective_timeout_s=5)
+    assert (count0, count1) == (3, 4)
+    assert sent0 == sent1 == 0
+
+
+class WithBuffer(nn.Module):
+    def __init__(self, buffer_numel, frozen=False):
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+        self.linear.bias.requires_grad_(not frozen)
+        self.register_buffer("table", torch.zeros(buffer_numel))
+
+
+@pytest.mark.parametrize("differs, needles", [
+    ("buffer", ["'table'", "shape (5,)", "shape (6,)"]),
+    ("requires_grad", ["'linear.bias'", "requires_grad=True", "requires_grad=False"]),
+])
+def test_construction_names_differing_buffer_or_requires_grad(differs, needles):
+    """Construction compares every parameter and buffer, requires_grad included, and names the first difference."""
+    def body(comm):
+        odd = comm.rank == 1
+        module = WithBuffer(6 if odd and differs == "buffer" else 5,
+                            frozen=odd and differs == "requires_grad")
+        with pytest.raises(gradsync.CollectiveMismatchError) as caught:
+            gradsync.DataParallel(module, group=comm)
+        return str(caught.value)
+    for message in run_threads(2, body):
+        for needle in needles:
+            assert needle in message, message
+
+
+@pytest.mark.parametrize("bucket_cap_mb", [0, -1, float("inf"), float("nan"), 1e-12, "25", True])
+def test_bad_bucket_cap_mb_names_the_argument(bucket_cap_mb):
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        gradsync.DataParallel(nn.Linear(2, 2), bucket_cap_mb=bucket_cap_mb,
+                              group=gradsync.Communicator(ThreadWorld(1).transport(0)))

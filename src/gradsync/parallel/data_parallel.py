@@ -11,6 +11,7 @@ inputs (DDP's ``join``, Horovod's ``hvd.join``).
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import contextmanager
 
@@ -34,7 +35,8 @@ class DataParallel(nn.Module):
         algorithm: the AllReduce algorithm, a name in ``gradsync.ALGORITHMS``.
         compression: reserved for gradient compressors; only None is accepted.
         broadcast_buffers: copy rank 0's buffers (BatchNorm statistics) to
-            every rank before each forward, as DDP does.
+            every rank before each forward with grad enabled, as DDP does;
+            forwards under ``no_grad`` (evaluation) do not communicate.
         group: None (the default group), a Communicator or a torch ProcessGroup.
         gradient_as_bucket_view: make each ``.grad`` a view into its bucket,
             saving one copy of the gradients in memory (DDP's option of the same name).
@@ -66,8 +68,7 @@ class DataParallel(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"DataParallel wraps a torch.nn.Module, got {type(module).__name__}")
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        _check_bucket_cap_mb(bucket_cap_mb)
         collectives.validate_algorithm(algorithm)
         if compression is not None:
             raise ValueError("DataParallel: gradient compression is not available in this version; "
@@ -81,8 +82,8 @@ class DataParallel(nn.Module):
         self._joining = False
         self._buffer_src = 0
         self._other_comm_seconds = 0.0  # buffer broadcasts and join bookkeeping (all exposed)
+        verify_parameters(list(module.named_parameters()) + list(module.named_buffers()), self.comm)
         named = [(name, param) for name, param in module.named_parameters() if param.requires_grad]
-        verify_parameters(named, self.comm)
         broadcast_tensors([param.data for param in module.parameters()] + list(module.buffers()),
                           self.comm)
         self._reducer = Reducer(named, self.comm, algorithm, int(bucket_cap_mb * 2**20),
@@ -92,10 +93,12 @@ class DataParallel(nn.Module):
 
     def forward(self, *args, **kwargs):
         self._reducer.reset_if_stale()
-        will_sync = torch.is_grad_enabled() and not self._sync_disabled
+        training = torch.is_grad_enabled()
+        will_sync = training and not self._sync_disabled
         if self._joining:
-            self._join_step(active=True, will_sync=will_sync)
-        self._sync_buffers()
+            self._join_step(active=True, will_sync=will_sync, sync_buffers=training)
+        if training:  # evaluation under no_grad does not communicate (ranks may evaluate unevenly)
+            self._sync_buffers()
         output = self.module(*args, **kwargs)
         if will_sync:
             self._hook_outputs(output)
@@ -166,7 +169,7 @@ class DataParallel(nn.Module):
         self._last_active: list[int] | None = None
         try:
             yield
-            while self._join_step(active=False, will_sync=False):
+            while self._join_step(active=False, will_sync=False, sync_buffers=False):
                 pass
             self._sync_final_model()
         finally:
@@ -174,29 +177,32 @@ class DataParallel(nn.Module):
             self._buffer_src = 0
             self._reducer.divisor = self.comm.world_size
 
-    def _join_step(self, active: bool, will_sync: bool) -> bool:
+    def _join_step(self, active: bool, will_sync: bool, sync_buffers: bool) -> bool:
         """One join exchange; a joined rank then shadows the iteration. Returns whether any rank is active."""
         started = time.perf_counter()
         world_size = self.comm.world_size
-        state = torch.zeros(world_size + 1, dtype=torch.int64)
+        state = torch.zeros(world_size + 2, dtype=torch.int64)  # active ranks, syncing grads, syncing buffers
         if active:
             state[self.comm.rank] = 1
             state[world_size] = int(will_sync)
+            state[world_size + 1] = int(sync_buffers)
         collectives.all_reduce(state, self.comm, op="sum", algorithm=self.algorithm)
         active_ranks = [rank for rank in range(world_size) if state[rank] > 0]
-        syncing = int(state[world_size])
+        syncing, buffers = int(state[world_size]), int(state[world_size + 1])
         self._other_comm_seconds += time.perf_counter() - started
         if not active_ranks:
             return False
-        if syncing not in (0, len(active_ranks)):
+        if syncing not in (0, len(active_ranks)) or buffers not in (0, len(active_ranks)):
             raise GradsyncError(f"DataParallel.join(): in the same iteration {syncing} of the "
-                                f"{len(active_ranks)} active ranks synchronise gradients and the others are "
-                                f"in no_sync(); every rank must make the same choice")
+                                f"{len(active_ranks)} active ranks synchronise gradients ({buffers} run "
+                                f"with grad enabled) and the others do not (no_sync() or no_grad); every "
+                                f"rank must make the same choice")
         self._last_active = active_ranks
         self._buffer_src = active_ranks[0]
         self._reducer.divisor = len(active_ranks)
         if not active:
-            self._sync_buffers()
+            if buffers:
+                self._sync_buffers()
             if syncing:
                 self._reducer.shadow_round(len(active_ranks))
         return True
@@ -236,6 +242,13 @@ class DataParallel(nn.Module):
     def last_bucket_spans(self) -> list[tuple[int, float, float]]:
         """(bucket index, start, end) of each bucket's AllReduce in the last sync, ``time.perf_counter`` seconds."""
         return self._reducer.last_bucket_spans
+
+
+def _check_bucket_cap_mb(bucket_cap_mb) -> None:
+    ok = isinstance(bucket_cap_mb, (int, float)) and not isinstance(bucket_cap_mb, bool)
+    if not (ok and 0 < bucket_cap_mb < math.inf and int(bucket_cap_mb * 2**20) >= 1):
+        raise ValueError(f"bucket_cap_mb must be a finite number of MiB, at least one byte "
+                         f"(> {1 / 2**20:.1e}), got {bucket_cap_mb!r}")
 
 
 def _tensors_in(output):

@@ -231,7 +231,6 @@ class Reducer:
     # -- end of backward -------------------------------------------------------------------------
 
     def _finalize(self) -> None:
-        started = time.perf_counter()
         state = self._round
         try:
             for bucket in self.buckets[state.next_launch:]:
@@ -240,25 +239,36 @@ class Reducer:
                         state.used[index] = self._copy_in(index)
                 state.pending[bucket.index] = 0
             self._launch_ready()
-            spans = self._wait_and_copy_out(state)
+            spans, waited_s = self._wait_and_copy_out(state)
             spans.append(self._reduce_last_bucket(state))
             self._copy_out_unused(state)
         finally:
             self._round = None
         self.last_bucket_spans = spans
-        self.comm_seconds += sum(end - start for _, start, end in spans)
+        comm_s = sum(end - start for _, start, end in spans)
+        self.comm_seconds += comm_s
+        # exposed: the time this thread waited for AllReduces or ran them, never more than they took
+        # (thread hand-offs are not communication; copies in and out are local work)
+        self.exposed_comm_seconds += min(waited_s + spans[-1][2] - spans[-1][1], comm_s)
         if not self.rebuilt:
+            started = time.perf_counter()
             self._rebuild(state.order, state.ready_s)
-        self.exposed_comm_seconds += time.perf_counter() - started
+            rebuild_s = time.perf_counter() - started
+            self.comm_seconds += rebuild_s
+            self.exposed_comm_seconds += rebuild_s
 
-    def _wait_and_copy_out(self, state: _Round) -> list[tuple[int, float, float]]:
-        """Copy each bucket's averages into ``.grad`` as soon as it is done, while later buckets reduce."""
-        wait(state.futures, return_when=FIRST_EXCEPTION)
-        spans = []
+    def _wait_and_copy_out(self, state: _Round) -> tuple[list[tuple[int, float, float]], float]:
+        """Copy each bucket's averages into ``.grad`` as soon as it is done, while later buckets reduce.
+
+        Returns the (bucket, start, end) spans and the seconds spent blocked waiting.
+        """
+        spans, waited_s = [], 0.0
         for bucket, future in zip(self.buckets, state.futures):
+            started = time.perf_counter()
             spans.append(future.result())  # re-raises the first failure
+            waited_s += time.perf_counter() - started
             self._copy_out_used(bucket, state)
-        return spans
+        return spans, waited_s
 
     def _reduce_last_bucket(self, state: _Round) -> tuple[int, float, float]:
         """The last bucket runs on this thread once the others are done: backward has ended, so a
@@ -337,8 +347,9 @@ class Reducer:
         started = time.perf_counter()
         wait(futures, return_when=FIRST_EXCEPTION)
         spans = [future.result() for future in futures]
-        self.comm_seconds += sum(end - start for _, start, end in spans)
-        self.exposed_comm_seconds += time.perf_counter() - started
+        comm_s = sum(end - start for _, start, end in spans)
+        self.comm_seconds += comm_s
+        self.exposed_comm_seconds += min(time.perf_counter() - started, comm_s)
         if not self.rebuilt:
             self._rebuild([], [])
 

@@ -1,7 +1,7 @@
 """Construction-time checks that make replicas start identical.
 
-``verify_parameters`` compares every parameter's name, shape and dtype
-across ranks; ``broadcast_tensors`` copies rank 0's values into every rank's
+``verify_parameters`` compares every parameter's and buffer's name, shape,
+dtype and ``requires_grad`` across ranks; ``broadcast_tensors`` copies rank 0's values into every rank's
 tensors, one flat message per dtype.
 """
 
@@ -16,50 +16,55 @@ from gradsync.collectives import api as collectives
 from gradsync.collectives.communicator import Communicator
 from gradsync.errors import CollectiveMismatchError
 
-_ROW_NUMEL = 10  # crc32(name), dtype code, ndim, up to 7 dims
-_MAX_DIMS = _ROW_NUMEL - 3
+_ROW_NUMEL = 11  # crc32(name), dtype code, requires_grad, ndim, up to 7 dims
+_MAX_DIMS = _ROW_NUMEL - 4
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
            torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool]
 
 
-def _describe(name: str, param: torch.Tensor) -> list[int]:
-    dims = list(param.shape)[:_MAX_DIMS]
-    dtype_code = _DTYPES.index(param.dtype) if param.dtype in _DTYPES else len(_DTYPES)
-    row = [zlib.crc32(name.encode()), dtype_code, param.dim()] + dims
+def _describe(name: str, tensor: torch.Tensor) -> list[int]:
+    dims = list(tensor.shape)[:_MAX_DIMS]
+    dtype_code = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else len(_DTYPES)
+    row = [zlib.crc32(name.encode()), dtype_code, int(tensor.requires_grad), tensor.dim()] + dims
     return row + [-1] * (_ROW_NUMEL - len(row))
 
 
-def _render(row: list[int]) -> str:
+def _render(row: list[int], name_row: list[int]) -> str:
     if row[0] == -1:
-        return "no such parameter"
-    ndim = row[2]
+        return "nothing there"
+    ndim = row[3]
     dtype = _DTYPES[row[1]] if row[1] < len(_DTYPES) else "other dtype"
-    return f"shape {tuple(row[3:3 + min(ndim, _MAX_DIMS)])} dtype {str(dtype).replace('torch.', '')}"
+    text = (f"shape {tuple(row[4:4 + min(ndim, _MAX_DIMS)])} dtype {str(dtype).replace('torch.', '')} "
+            f"requires_grad={bool(row[2])}")
+    return text if row[0] == name_row[0] else f"a differently named tensor with {text}"
 
 
-def verify_parameters(named_params: Sequence[tuple[str, torch.Tensor]], comm: Communicator) -> None:
-    """Raise CollectiveMismatchError on every rank unless all ranks hold the same parameters.
+def verify_parameters(named_tensors: Sequence[tuple[str, torch.Tensor]], comm: Communicator) -> None:
+    """Raise CollectiveMismatchError on every rank unless all ranks hold the same named tensors.
 
-    The message names the first differing parameter and what each rank has.
+    Names, shapes, dtypes and ``requires_grad`` are compared in order; the
+    message names the first differing tensor (this rank's name) and what each
+    rank has there. DataParallel passes every parameter, then every buffer.
 
     Collective: every rank must call this.
     """
     if comm.world_size == 1:
         return
-    counts = collectives.all_gather(torch.tensor([len(named_params)]), comm)
+    counts = collectives.all_gather(torch.tensor([len(named_tensors)]), comm)
     max_count = max(int(count) for count in counts)
     table = torch.full((max(max_count, 1), _ROW_NUMEL), -1, dtype=torch.int64)
-    for index, (name, param) in enumerate(named_params):
-        table[index] = torch.tensor(_describe(name, param))
+    for index, (name, tensor) in enumerate(named_tensors):
+        table[index] = torch.tensor(_describe(name, tensor))
     rows = [part.tolist() for part in collectives.all_gather(table, comm)]
     for index in range(max_count):
         per_rank = [rank_rows[index] for rank_rows in rows]
         if any(row != per_rank[0] for row in per_rank):
-            name = named_params[index][0] if index < len(named_params) else f"#{index}"
-            detail = "; ".join(f"rank {rank} has {_render(row)}" for rank, row in enumerate(per_rank))
+            name = named_tensors[index][0] if index < len(named_tensors) else f"#{index}"
+            mine = per_rank[comm.rank]
+            detail = "; ".join(f"rank {rank} has {_render(row, mine)}" for rank, row in enumerate(per_rank))
             raise CollectiveMismatchError(
-                f"DataParallel: replicas differ at parameter {index} ({name!r} on rank {comm.rank}): "
-                f"{detail}")
+                f"DataParallel: replicas differ at parameter or buffer {index} ({name!r} on rank "
+                f"{comm.rank}): {detail}")
 
 
 def broadcast_tensors(tensors: Sequence[torch.Tensor], comm: Communicator, src: int = 0,

@@ -65,6 +65,8 @@ def release_out_dir(path: Path, created: bool) -> None:
 
 def check_trace_path(trace: str) -> Path:
     """Return the absolute trace path, or raise ValueError if it cannot be written."""
+    if not trace.strip():
+        raise ValueError("--trace needs a file name, got an empty string")
     path = Path(trace).expanduser().resolve()
     if path.is_dir():
         raise ValueError(f"--trace {trace} is a folder; give a file name such as trace.json")
@@ -84,7 +86,7 @@ def run_job(config: TrainConfig) -> dict | None:
     torchrun = under_torchrun()
     world_size = int(os.environ["WORLD_SIZE"]) if torchrun else config.nproc
     validate_against_data(config, world_size, data.num_train_samples(config.num_samples))
-    if config.trace:
+    if config.trace is not None:
         config.trace = str(check_trace_path(config.trace))
     data_path = data.prepare(config.data_dir, config.num_samples)
     writes_folder = not torchrun or os.environ.get("RANK", "0") == "0"
