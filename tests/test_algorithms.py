@@ -30,6 +30,7 @@ from _strict_transport import MODES, StrictWorld
 from gradsync import CollectiveMismatchError, CollectiveTimeoutError, Communicator
 from gradsync.collectives import api as collectives_api
 from gradsync.collectives import auto, halving_doubling
+from gradsync.transport import shm as shm_transport
 from gradsync.transport.thread import ThreadWorld
 
 
@@ -41,6 +42,7 @@ class Variant:
     ranks_per_node: int | None = None  # Communicator(ranks_per_node=...)
     short_message_bytes: int | None = None  # override of halving_doubling.SHORT_MESSAGE_BYTES
     segment_bytes: int | None = None  # Communicator(segment_bytes=...)
+    shm_region_bytes: int | None = None  # override of gradsync.transport.shm.DEFAULT_REGION_BYTES
 
     def fits(self, world_size: int) -> bool:
         return self.ranks_per_node is None or world_size % self.ranks_per_node == 0
@@ -56,6 +58,8 @@ VARIANTS = {
     "hierarchical-rpn1": Variant("hierarchical", ranks_per_node=1),
     "hierarchical-rpn2": Variant("hierarchical", ranks_per_node=2),
     "hierarchical-rpn3": Variant("hierarchical", ranks_per_node=3),
+    "shm": Variant("shm"),
+    "shm-small-regions": Variant("shm", shm_region_bytes=4096),  # several slices, both buffer sets
     "native": Variant("native"),
     "auto": Variant("auto"),
 }
@@ -86,6 +90,8 @@ def selected_path(variant: Variant):
     with pytest.MonkeyPatch.context() as patch:
         if variant.short_message_bytes is not None:
             patch.setattr(halving_doubling, "SHORT_MESSAGE_BYTES", variant.short_message_bytes)
+        if variant.shm_region_bytes is not None:
+            patch.setattr(shm_transport, "DEFAULT_REGION_BYTES", variant.shm_region_bytes)
         yield
 
 
@@ -585,8 +591,18 @@ PAIR_SMALL = auto.PAIR_SMALL_MESSAGE_BYTES
     (SMALL + 1, 4, 4, "ring"),
 ])
 def test_auto_choose_follows_documented_thresholds(nbytes, world_size, ranks_per_node, expected):
-    """choose: p = 2 -> halving_doubling then ring; p >= 3 small -> tree; large -> hierarchical across nodes, else ring."""
-    assert auto.choose(nbytes, world_size, ranks_per_node) == expected
+    """choose without shared memory: p = 2 -> halving_doubling then ring; p >= 3 small -> tree;
+    large -> hierarchical across nodes, else ring."""
+    assert auto.choose(nbytes, world_size, ranks_per_node, shm_available=False) == expected
+
+
+@pytest.mark.parametrize("nbytes,world_size,ranks_per_node,shm_available,expected", [
+    (4, 2, 2, None, "shm"), (2**30, 4, 4, True, "shm"), (4, 1, 1, None, "ring"),
+    (4, 4, 2, None, "tree"), (4, 2, 2, False, "halving_doubling"),
+])
+def test_auto_prefers_shm_when_all_ranks_share_a_node(nbytes, world_size, ranks_per_node, shm_available,
+                                                       expected):
+    assert auto.choose(nbytes, world_size, ranks_per_node, shm_available) == expected
 
 
 @given(nbytes=st.integers(min_value=0, max_value=2**40), world_size=st.integers(min_value=1, max_value=64),

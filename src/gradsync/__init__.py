@@ -2,7 +2,7 @@
 
 >>> import gradsync
 >>> gradsync.ALGORITHMS
-('ring', 'tree', 'halving_doubling', 'hierarchical', 'native', 'auto')
+('ring', 'tree', 'halving_doubling', 'hierarchical', 'shm', 'native', 'auto')
 """
 
 from gradsync.api import all_gather, all_reduce, broadcast, comm_stats, reduce_scatter

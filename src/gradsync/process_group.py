@@ -131,6 +131,9 @@ def _rendezvous_store(rank: int, world_size: int, timeout: float):
 
 def shutdown() -> None:
     """Leave the group; ``init`` may be called again afterwards. A no-op if not initialized."""
+    for communicator in [_Default.communicator, *_Default.by_group.values()]:
+        if communicator is not None:
+            communicator.close()
     _Default.communicator = None
     _Default.by_group.clear()
     if _Default.owns_process_group and dist.is_initialized():

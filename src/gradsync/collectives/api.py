@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import torch
 
 from gradsync.collectives import broadcast as tree_broadcast
-from gradsync.collectives import auto, halving_doubling, hierarchical, native, ring, tree
+from gradsync.collectives import auto, halving_doubling, hierarchical, native, ring, shm, tree
 from gradsync.collectives.call import CollectiveCall
 from gradsync.collectives.check import verify_layout
 from gradsync.collectives.chunking import chunk_bounds
@@ -26,12 +26,13 @@ from gradsync.errors import CollectiveMismatchError
 OPS = ("sum", "avg")
 _ALL_REDUCE = {"ring": ring.all_reduce, "tree": tree.all_reduce,
                "halving_doubling": halving_doubling.all_reduce,
-               "hierarchical": hierarchical.all_reduce, "native": native.all_reduce}
+               "hierarchical": hierarchical.all_reduce, "shm": shm.all_reduce, "native": native.all_reduce}
 ALGORITHMS = tuple(_ALL_REDUCE) + ("auto",)
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
                     torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 _FLOAT32_ACCUMULATED = (torch.float16, torch.bfloat16)
 _FIXED_ALGORITHM = {"broadcast": "tree", "all_gather": "ring", "reduce_scatter": "ring"}
+_OTHER_CHOICES = {what: (default, "shm") for what, default in _FIXED_ALGORITHM.items()}
 # Gloo's own all_reduce lacks some narrow integer types; integer sums wrap the
 # same way in int64 followed by a narrowing cast, so native upcasts them.
 _NATIVE_UPCAST = {torch.int8: torch.int64, torch.uint8: torch.int64, torch.int16: torch.int64}
@@ -57,7 +58,11 @@ def _argument_problem(tensor, what: str, op: str | None, algorithm: str | None, 
     try:
         if op is not None:
             validate_op(op)
-        if algorithm is not None:
+        if algorithm is not None and what in _OTHER_CHOICES:
+            if algorithm not in _OTHER_CHOICES[what]:
+                raise ValueError(f"unknown algorithm {algorithm!r} for {what}; choose one of "
+                                 f"{', '.join(_OTHER_CHOICES[what])}")
+        elif algorithm is not None:
             validate_algorithm(algorithm)
         if timeout is not None:
             check_timeout(timeout)
@@ -103,7 +108,8 @@ def _start_call(comm: Communicator, tensor, what: str, *, op: str | None = None,
 
 
 def _auto_choice(tensor: torch.Tensor, comm: Communicator) -> str:
-    return auto.choose(tensor.numel() * tensor.element_size(), comm.world_size, comm.ranks_per_node)
+    return auto.choose(tensor.numel() * tensor.element_size(), comm.world_size, comm.ranks_per_node,
+                       shm_available=comm.shm_state.available)
 
 
 def _working_dtype(dtype: torch.dtype, algorithm: str) -> torch.dtype:
@@ -161,6 +167,8 @@ def all_reduce(tensor: torch.Tensor, comm: Communicator, *, op: str = "sum",
         return tensor
     if algorithm == "auto":
         algorithm = _auto_choice(tensor, comm)
+        if algorithm == "shm" and not shm.usable(call):  # ranks on several hosts after all
+            algorithm = _auto_choice(tensor, comm)
     with _flat_view(tensor, comm, _working_dtype(tensor.dtype, algorithm)) as flat:
         _ALL_REDUCE[algorithm](flat, call)
         if op == "avg":
@@ -170,8 +178,11 @@ def all_reduce(tensor: torch.Tensor, comm: Communicator, *, op: str = "sum",
 
 @torch.no_grad()
 def broadcast(tensor: torch.Tensor, comm: Communicator, *, src: int = 0,
-              timeout: float | None = None, verify: bool = True) -> torch.Tensor:
-    """Copy rank ``src``'s ``tensor`` into every rank's ``tensor``, in place (binomial tree).
+              timeout: float | None = None, verify: bool = True,
+              algorithm: str | None = None) -> torch.Tensor:
+    """Copy rank ``src``'s ``tensor`` into every rank's ``tensor``, in place.
+
+    ``algorithm``: None or "tree" (binomial tree), or "shm" (shared memory, one machine).
 
     Raises:
         ValueError: ``src`` outside ``[0, world_size)``; CollectiveMismatchError:
@@ -179,34 +190,46 @@ def broadcast(tensor: torch.Tensor, comm: Communicator, *, src: int = 0,
 
     Collective: every rank must call this in the same order with equal shape, dtype and src.
     """
-    call = _start_call(comm, tensor, "broadcast", src=src, timeout=timeout, verify=verify)
+    call = _start_call(comm, tensor, "broadcast", src=src, algorithm=algorithm, timeout=timeout,
+                       verify=verify)
     if comm.world_size == 1 or tensor.numel() == 0:
         return tensor
     with _flat_view(tensor, comm, tensor.dtype) as flat:
-        tree_broadcast.broadcast(flat, src, call)
+        if algorithm == "shm":
+            shm.broadcast(flat, src, call)
+        else:
+            tree_broadcast.broadcast(flat, src, call)
     return tensor
 
 
 @torch.no_grad()
 def all_gather(tensor: torch.Tensor, comm: Communicator, *, timeout: float | None = None,
-               verify: bool = True) -> list[torch.Tensor]:
-    """Return every rank's ``tensor``: a list of ``world_size`` new tensors, index = rank (ring).
+               verify: bool = True, algorithm: str | None = None) -> list[torch.Tensor]:
+    """Return every rank's ``tensor``: a list of ``world_size`` new tensors, index = rank.
+
+    ``algorithm``: None or "ring", or "shm" (shared memory, one machine).
 
     Collective: every rank must call this in the same order with equal shape and dtype.
     """
-    call = _start_call(comm, tensor, "all_gather", timeout=timeout, verify=verify)
+    call = _start_call(comm, tensor, "all_gather", algorithm=algorithm, timeout=timeout, verify=verify)
     numel, world_size = tensor.numel(), comm.world_size
     gathered = torch.empty(numel * world_size, dtype=tensor.dtype, device=tensor.device)
     gathered[comm.rank * numel:(comm.rank + 1) * numel] = tensor.reshape(-1)
-    ring.all_gather(gathered, call)
+    if algorithm == "shm" and world_size > 1:
+        shm.all_gather(gathered, call)
+    else:
+        ring.all_gather(gathered, call)
     return [part.view(tensor.shape) for part in gathered.split(numel)] if numel else \
         [tensor.new_empty(tensor.shape) for _ in range(world_size)]
 
 
 @torch.no_grad()
 def reduce_scatter(tensor: torch.Tensor, comm: Communicator, *, op: str = "sum",
-                   timeout: float | None = None, verify: bool = True) -> torch.Tensor:
-    """Reduce ``tensor`` over all ranks and return this rank's chunk (ring).
+                   timeout: float | None = None, verify: bool = True,
+                   algorithm: str | None = None) -> torch.Tensor:
+    """Reduce ``tensor`` over all ranks and return this rank's chunk.
+
+    ``algorithm``: None or "ring", or "shm" (shared memory, one machine).
 
     The flattened tensor is split into world_size chunks as
     ``torch.tensor_split`` does; rank r gets chunk r, a new ``(chunk_numel,)``
@@ -214,11 +237,13 @@ def reduce_scatter(tensor: torch.Tensor, comm: Communicator, *, op: str = "sum",
 
     Collective: every rank must call this in the same order with equal shape and dtype.
     """
-    call = _start_call(comm, tensor, "reduce_scatter", op=op, timeout=timeout, verify=verify)
+    call = _start_call(comm, tensor, "reduce_scatter", op=op, algorithm=algorithm, timeout=timeout,
+                       verify=verify)
     work_dtype = _working_dtype(tensor.dtype, "ring")
     flat = comm.workspace.get(tensor.numel(), work_dtype, tensor.device, purpose="stage")
     flat.copy_(tensor.reshape(-1))
-    start, stop = ring.reduce_scatter(flat, call) if comm.world_size > 1 else (0, flat.numel())
+    scatter = shm.reduce_scatter if algorithm == "shm" else ring.reduce_scatter
+    start, stop = scatter(flat, call) if comm.world_size > 1 else (0, flat.numel())
     chunk = flat[start:stop]
     if op == "avg":
         chunk.div_(comm.world_size)

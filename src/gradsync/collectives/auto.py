@@ -13,12 +13,19 @@ Gloo over loopback, one thread per rank (tables in the README):
   large message: ``hierarchical``, so that only 1/L of the data crosses the
   slower links between nodes. (On one machine with pretend nodes it is no
   faster than the ring; the rule is for real clusters.)
+* all ranks on one node (``ranks_per_node`` = world size) and shared memory
+  not known to be unavailable: ``shm``, whose copies through one segment beat
+  every loopback-TCP path at every size (README tables). If the ranks turn
+  out to be on several hosts, ``shm_available`` becomes False and the rules
+  above apply.
 
 >>> choose(4096, world_size=2, ranks_per_node=2)
+'shm'
+>>> choose(4096, world_size=2, ranks_per_node=2, shm_available=False)
 'halving_doubling'
->>> choose(4096, world_size=4, ranks_per_node=4)
+>>> choose(4096, world_size=4, ranks_per_node=4, shm_available=False)
 'tree'
->>> choose(64 * 2**20, world_size=4, ranks_per_node=4)
+>>> choose(64 * 2**20, world_size=4, ranks_per_node=4, shm_available=False)
 'ring'
 >>> choose(64 * 2**20, world_size=8, ranks_per_node=4)
 'hierarchical'
@@ -30,10 +37,16 @@ PAIR_SMALL_MESSAGE_BYTES = 2**20
 SMALL_MESSAGE_BYTES = 4 * 2**20
 
 
-def choose(nbytes: int, world_size: int, ranks_per_node: int) -> str:
-    """Return the algorithm name for an AllReduce of ``nbytes`` bytes over ``world_size`` ranks."""
+def choose(nbytes: int, world_size: int, ranks_per_node: int, shm_available: bool | None = None) -> str:
+    """Return the algorithm name for an AllReduce of ``nbytes`` bytes over ``world_size`` ranks.
+
+    ``shm_available``: None (not known yet), True or False (the group's ranks
+    are, or are not, all on one machine).
+    """
     if world_size == 1:
         return "ring"
+    if ranks_per_node >= world_size and shm_available is not False:
+        return "shm"
     if world_size == 2:
         return "halving_doubling" if nbytes <= PAIR_SMALL_MESSAGE_BYTES else "ring"
     if nbytes <= SMALL_MESSAGE_BYTES:

@@ -54,7 +54,8 @@ class CollectiveCall:
     def __init__(self, transport: Transport, op_name: str, algorithm: str,
                  timeout_s: float, workspace: Workspace, *, segment_bytes: int = 2**20,
                  ranks_per_node: int | None = None, deadline: float | None = None,
-                 reported_rank: tuple[int, int] | None = None, inter_node_algorithm: str = "ring"):
+                 reported_rank: tuple[int, int] | None = None, inter_node_algorithm: str = "ring",
+                 shm_state=None):
         self.transport = transport
         self.rank = transport.rank
         self.world_size = transport.world_size
@@ -68,6 +69,7 @@ class CollectiveCall:
         self.segment_bytes = segment_bytes
         self.ranks_per_node = ranks_per_node or transport.world_size
         self.inter_node_algorithm = inter_node_algorithm
+        self.shm_state = shm_state  # the group's shared-memory segment holder (algorithm "shm")
 
     def sub(self, members: list[int], algorithm: str) -> "CollectiveCall":
         """The same call restricted to ``members`` (parent ranks), sharing deadline and workspace."""

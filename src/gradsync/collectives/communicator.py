@@ -6,6 +6,7 @@ import math
 
 from gradsync.collectives.call import CollectiveCall, Workspace
 from gradsync.collectives.hierarchical import INTER_NODE_ALGORITHMS
+from gradsync.collectives.shm import ShmState
 from gradsync.transport.base import Transport, TransportStats
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -58,6 +59,7 @@ class Communicator:
         self.segment_bytes = int(segment_bytes)
         self.ranks_per_node = ranks_per_node or world_size
         self.workspace = Workspace()
+        self.shm_state = ShmState()
 
     @property
     def rank(self) -> int:
@@ -79,4 +81,8 @@ class Communicator:
             check_timeout(timeout_s)
         return CollectiveCall(self.transport, op_name, algorithm, float(timeout_s), self.workspace,
                               segment_bytes=self.segment_bytes, ranks_per_node=self.ranks_per_node,
-                              inter_node_algorithm=self.inter_node_algorithm)
+                              inter_node_algorithm=self.inter_node_algorithm, shm_state=self.shm_state)
+
+    def close(self) -> None:
+        """Release the shared-memory segment, if any (its name is already gone from /dev/shm)."""
+        self.shm_state.close()
