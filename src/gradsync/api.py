@@ -23,20 +23,32 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "ring",
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group=None,
-              timeout: float | None = None) -> torch.Tensor:
-    """Copy rank ``src``'s ``tensor`` to every rank, in place; returns ``tensor``."""
-    return _collectives.broadcast(tensor, resolve_group(group), src=src, timeout=timeout)
+              timeout: float | None = None, algorithm: str | None = None) -> torch.Tensor:
+    """Copy rank ``src``'s ``tensor`` to every rank, in place; returns ``tensor``.
+
+    ``algorithm``: None or "tree" (binomial tree), "shm" (shared memory, ranks on one machine).
+    """
+    return _collectives.broadcast(tensor, resolve_group(group), src=src, timeout=timeout,
+                                  algorithm=algorithm)
 
 
-def all_gather(tensor: torch.Tensor, group=None, timeout: float | None = None) -> list[torch.Tensor]:
-    """Return a list of every rank's ``tensor`` (index = rank)."""
-    return _collectives.all_gather(tensor, resolve_group(group), timeout=timeout)
+def all_gather(tensor: torch.Tensor, group=None, timeout: float | None = None,
+               algorithm: str | None = None) -> list[torch.Tensor]:
+    """Return a list of every rank's ``tensor`` (index = rank).
+
+    ``algorithm``: None or "ring", "shm" (shared memory, ranks on one machine).
+    """
+    return _collectives.all_gather(tensor, resolve_group(group), timeout=timeout, algorithm=algorithm)
 
 
 def reduce_scatter(tensor: torch.Tensor, op: str = "sum", group=None,
-                   timeout: float | None = None) -> torch.Tensor:
-    """Reduce ``tensor`` over the group and return this rank's chunk (``torch.tensor_split`` order)."""
-    return _collectives.reduce_scatter(tensor, resolve_group(group), op=op, timeout=timeout)
+                   timeout: float | None = None, algorithm: str | None = None) -> torch.Tensor:
+    """Reduce ``tensor`` over the group and return this rank's chunk (``torch.tensor_split`` order).
+
+    ``algorithm``: None or "ring", "shm" (shared memory, ranks on one machine).
+    """
+    return _collectives.reduce_scatter(tensor, resolve_group(group), op=op, timeout=timeout,
+                                       algorithm=algorithm)
 
 
 def comm_stats(group=None) -> dict[str, int]:
