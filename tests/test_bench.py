@@ -50,6 +50,29 @@ def test_bench_parse_nbytes_uses_powers_of_1024():
 
 @pytest.mark.dist
 @pytest.mark.timeout(120)
+def test_bench_mpi_column_without_mpi4py_names_the_extra(capsys, monkeypatch):
+    from gradsync.bench import allreduce
+    monkeypatch.setattr(allreduce, "mpi_available", lambda: False)
+    result = _main(["bench", "allreduce", "--algorithms", "ring,mpi"], capsys)
+    assert result.returncode == 2 and "gradsync[mpi]" in result.stderr, result.stderr
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_bench_mpi_column_runs_under_mpiexec_with_shm(tmp_path, capsys):
+    """With the mpi extra installed: mpiexec starts the ranks, every algorithm and MPI get a row."""
+    from gradsync.bench.mpi import mpi_available
+    if not mpi_available():
+        pytest.skip("mpi4py / mpiexec not installed (pip install 'gradsync[mpi]')")
+    out = tmp_path / "rows.json"
+    result = _main(["bench", "allreduce", "--nproc", "2", "--sizes", "4K", "--algorithms", "shm,mpi",
+                    "--repetitions", "1", "--json", str(out)], capsys)
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(out.read_text())
+    assert [r["algorithm"] for r in rows] == ["shm", "mpi", "native"]
+    assert all(r["time_us"] > 0 and r["world_size"] == 2 for r in rows)
+
+
 def test_bench_small_sweep_writes_rows_with_nccl_tests_definitions(tmp_path, capsys):
     """Two ranks, two sizes: one row per (size, algorithm), busbw = algbw·2(p-1)/p, native ratio 1."""
     out = tmp_path / "rows.json"

@@ -85,8 +85,10 @@ def _add_allreduce_bench_options(parser: argparse.ArgumentParser) -> None:
     add("--nproc", type=int, default=4, help="processes (default %(default)s)")
     add("--sizes", default="4K,64K,1M,16M,64M", help="message sizes in bytes, K/M/G suffixes "
         "(default %(default)s)")
-    add("--algorithms", default="ring,tree,halving_doubling,hierarchical,native",
-        help="comma-separated; native is always measured for the ratio (default %(default)s)")
+    add("--algorithms", default=None,
+        help="comma-separated; native is always measured for the ratio; 'mpi' adds MPI_Allreduce "
+        "measured in the same processes (needs pip install 'gradsync[mpi]') (default "
+        "ring,tree,halving_doubling,hierarchical,shm,native, plus mpi when mpi4py is installed)")
     add("--repetitions", type=int, default=5, help="timed repetitions per point; the median is "
         "reported (default %(default)s)")
     add("--ranks-per-node", type=int, default=None, help="pretend nodes of this many ranks for "

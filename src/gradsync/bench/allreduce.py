@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 import gradsync
+from gradsync.bench.mpi import MPI_COLUMN, MpiAllReduce, mpi_available, run_with_mpiexec
 from gradsync.collectives import api
 from gradsync.collectives.communicator import Communicator
 from gradsync.process_group import default_communicator
@@ -30,6 +31,7 @@ _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB"
 MIN_NBYTES, MAX_NBYTES = 4, 2**30
 TARGET_BYTES_PER_REP = 8 * 2**20  # iterations per repetition: enough calls to move ~8 MiB
 MAX_ITERATIONS = 100
+DEFAULT_ALGORITHMS = "ring,tree,halving_doubling,hierarchical,shm,native"
 
 
 def parse_nbytes(text: str) -> int:
@@ -65,11 +67,15 @@ def _iterations(nbytes: int) -> int:
     return max(1, min(MAX_ITERATIONS, TARGET_BYTES_PER_REP // max(nbytes, 1)))
 
 
-def _time_once(comm: Communicator, tensor: torch.Tensor, algorithm: str, iterations: int) -> float:
+def _time_once(comm: Communicator, tensor: torch.Tensor, algorithm: str, iterations: int,
+               mpi_all_reduce=None) -> float:
     api.all_reduce(torch.zeros(1), comm, algorithm="native", verify=False)  # line the ranks up
     started = time.perf_counter()
     for _ in range(iterations):
-        api.all_reduce(tensor, comm, algorithm=algorithm, verify=False)
+        if algorithm == MPI_COLUMN:
+            mpi_all_reduce(tensor)
+        else:
+            api.all_reduce(tensor, comm, algorithm=algorithm, verify=False)
     return (time.perf_counter() - started) / iterations
 
 
@@ -78,7 +84,11 @@ def _slowest_rank(comm: Communicator, seconds: float) -> float:
 
 
 def sweep(comm: Communicator, sizes: list[int], algorithms: list[str], repetitions: int) -> list[Row]:
-    """Measure every (size, algorithm); collective: every rank calls it with the same arguments."""
+    """Measure every (size, algorithm); collective: every rank calls it with the same arguments.
+
+    ``"mpi"`` among ``algorithms`` times MPI_Allreduce (the processes must run under mpiexec).
+    """
+    mpi_all_reduce = MpiAllReduce() if MPI_COLUMN in algorithms else None
     rows = []
     world_size = comm.world_size
     for nbytes in sizes:
@@ -87,11 +97,11 @@ def sweep(comm: Communicator, sizes: list[int], algorithms: list[str], repetitio
         times: dict[str, list[float]] = {name: [] for name in algorithms}
         sent: dict[str, float] = {}
         for name in algorithms:  # warm-up: buffers, connections, caches
-            _time_once(comm, tensor, name, 1)
+            _time_once(comm, tensor, name, 1, mpi_all_reduce)
         for _ in range(repetitions):
             for name in algorithms:
                 before = comm.stats.bytes_sent
-                seconds = _time_once(comm, tensor, name, iterations)
+                seconds = _time_once(comm, tensor, name, iterations, mpi_all_reduce)
                 sent[name] = (comm.stats.bytes_sent - before) / iterations
                 times[name].append(_slowest_rank(comm, seconds))
         median = {name: statistics.median(values) for name, values in times.items()}
@@ -138,7 +148,7 @@ def write_json(path: str, rows: list[dict]) -> None:
         file.write("\n")
 
 
-def _parse_options(nproc: int, sizes: str, algorithms: str, repetitions: int,
+def _parse_options(nproc: int, sizes: str, algorithms: str | None, repetitions: int,
                    ranks_per_node: int | None, segment_bytes: int | None) -> tuple[list[int], list[str], int]:
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
@@ -149,10 +159,15 @@ def _parse_options(nproc: int, sizes: str, algorithms: str, repetitions: int,
         if not MIN_NBYTES <= nbytes <= MAX_NBYTES:
             raise ValueError(f"--sizes: {nbytes} bytes is outside [{MIN_NBYTES}, {MAX_NBYTES}] "
                              f"(one float32 to 1 GiB per message)")
+    if algorithms is None:
+        algorithms = DEFAULT_ALGORITHMS + (f",{MPI_COLUMN}" if mpi_available() else "")
     names = [name.strip() for name in algorithms.split(",")]
     for name in names:
-        if name not in api.ALGORITHMS:
-            raise ValueError(f"unknown algorithm {name!r} in --algorithms; choose from {', '.join(api.ALGORITHMS)}")
+        if name == MPI_COLUMN and not mpi_available():
+            raise ValueError("--algorithms mpi needs mpi4py and mpiexec: pip install 'gradsync[mpi]'")
+        if name not in api.ALGORITHMS and name != MPI_COLUMN:
+            raise ValueError(f"unknown algorithm {name!r} in --algorithms; choose from "
+                             f"{', '.join(api.ALGORITHMS + (MPI_COLUMN,))}")
     if "native" not in names:
         names.append("native")
     if ranks_per_node is None:
@@ -164,7 +179,7 @@ def _parse_options(nproc: int, sizes: str, algorithms: str, repetitions: int,
     return size_list, names, ranks_per_node
 
 
-def run_sweep(*, nproc: int, sizes: str, algorithms: str, repetitions: int, ranks_per_node: int | None,
+def run_sweep(*, nproc: int, sizes: str, algorithms: str | None, repetitions: int, ranks_per_node: int | None,
               segment_bytes: int | None, json_path: str | None) -> list[dict]:
     """Validate the options, run the sweep in ``nproc`` local processes, print the table, write JSON."""
     from gradsync.launch import launch_local
@@ -179,7 +194,12 @@ def run_sweep(*, nproc: int, sizes: str, algorithms: str, repetitions: int, rank
             raise ValueError(f"--json {json_path} is not writable: {exc.strerror or exc}") from None
     print(f"# gradsync bench allreduce: world_size={nproc} ranks_per_node={ranks_per_node} float32, "
           f"1 thread per rank, median of {repetitions} interleaved repetitions", flush=True)
-    rows = launch_local(nproc, run_worker, size_list, names, repetitions, ranks_per_node, segment_bytes)[0]
+    if MPI_COLUMN in names:  # MPI_COMM_WORLD needs processes started by mpiexec
+        rows = run_with_mpiexec(nproc, dict(sizes=size_list, algorithms=names, repetitions=repetitions,
+                                            ranks_per_node=ranks_per_node, segment_bytes=segment_bytes))
+    else:
+        rows = launch_local(nproc, run_worker, size_list, names, repetitions, ranks_per_node,
+                            segment_bytes)[0]
     print(format_table(rows))
     if json_path:
         write_json(json_path, rows)

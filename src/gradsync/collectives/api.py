@@ -169,11 +169,19 @@ def all_reduce(tensor: torch.Tensor, comm: Communicator, *, op: str = "sum",
         algorithm = _auto_choice(tensor, comm)
         if algorithm == "shm" and not shm.usable(call):  # ranks on several hosts after all
             algorithm = _auto_choice(tensor, comm)
-    with _flat_view(tensor, comm, _working_dtype(tensor.dtype, algorithm)) as flat:
-        _ALL_REDUCE[algorithm](flat, call)
-        if op == "avg":
-            flat.div_(comm.world_size)
+    work_dtype = _working_dtype(tensor.dtype, algorithm)
+    if tensor.is_contiguous() and tensor.dtype == work_dtype:  # the common case, without staging
+        _reduce_flat(tensor.view(-1), call, algorithm, op)
+        return tensor
+    with _flat_view(tensor, comm, work_dtype) as flat:
+        _reduce_flat(flat, call, algorithm, op)
     return tensor
+
+
+def _reduce_flat(flat: torch.Tensor, call: CollectiveCall, algorithm: str, op: str) -> None:
+    _ALL_REDUCE[algorithm](flat, call)
+    if op == "avg":
+        flat.div_(call.world_size)
 
 
 @torch.no_grad()

@@ -31,6 +31,7 @@ from gradsync.transport import shm as shm_transport
 from gradsync.transport.shm import ShmPeerTimeout, ShmSegment, host_id
 
 _NAME_BYTES = 64
+SMALL_MESSAGE_BYTES = 64 * 2**10  # every rank sums every region: p-fold adds, but one barrier
 
 
 class ShmState:
@@ -108,7 +109,8 @@ def _barrier(segment: ShmSegment, call: CollectiveCall, step: str) -> None:
 
 
 def _slices(numel: int, segment: ShmSegment, dtype: torch.dtype) -> list[tuple[int, int]]:
-    return segment_bounds(0, numel, segment.region_numel(dtype))
+    region_numel = segment.region_numel(dtype)
+    return [(0, numel)] if 0 < numel <= region_numel else segment_bounds(0, numel, region_numel)
 
 
 def _next_set(segment: ShmSegment) -> int:
@@ -119,12 +121,19 @@ def _next_set(segment: ShmSegment) -> int:
 def all_reduce(flat: torch.Tensor, call: CollectiveCall) -> None:
     """Sum ``flat`` (``(numel,)``, contiguous) over all ranks, in place, through shared memory.
 
+    Up to ``SMALL_MESSAGE_BYTES`` every rank sums every region itself, in rank
+    order (one barrier; the same additions in the same order give bitwise
+    equal results); above, reduce-scatter + all-gather through the regions.
+
     Collective: every rank must call this in the same order with equal ``numel``.
 
     Raises:
         ValueError: the ranks are not on one machine; CollectiveTimeoutError.
     """
     segment = _segment(call)
+    if flat.numel() * flat.element_size() <= SMALL_MESSAGE_BYTES:
+        _all_reduce_small(flat, segment, call)
+        return
     rank, world_size, dtype = call.rank, call.world_size, flat.dtype
     for start, stop in _slices(flat.numel(), segment, dtype):
         part, numel = flat[start:stop], stop - start
@@ -140,6 +149,18 @@ def all_reduce(flat: torch.Tensor, call: CollectiveCall) -> None:
         _barrier(segment, call, "shm all_reduce (reduce)")
         for peer, (a, b) in enumerate(chunks):
             part[a:b] = regions[peer][a:b]
+
+
+def _all_reduce_small(flat: torch.Tensor, segment: ShmSegment, call: CollectiveCall) -> None:
+    for start, stop in _slices(flat.numel(), segment, flat.dtype):
+        part, numel = flat[start:stop], stop - start
+        set_index = _next_set(segment)
+        segment.region(set_index, call.rank, flat.dtype, numel).copy_(part)
+        _barrier(segment, call, "shm all_reduce (copy in)")
+        torch.add(segment.region(set_index, 0, flat.dtype, numel),
+                  segment.region(set_index, 1, flat.dtype, numel), out=part)
+        for peer in range(2, call.world_size):
+            part += segment.region(set_index, peer, flat.dtype, numel)
 
 
 def reduce_scatter(flat: torch.Tensor, call: CollectiveCall) -> tuple[int, int]:

@@ -154,6 +154,7 @@ class ShmSegment:
         self._stride = stride
         self._header_bytes = segment_bytes_for(world_size, region_bytes) - 2 * world_size * region_bytes
         self._bytes = torch.frombuffer(shm.buf, dtype=torch.uint8)
+        self._views: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         self._sequence = self._words[rank * stride]
         self.slice_counter = 0  # slices sent through so far: picks the set, across calls
 
@@ -182,12 +183,16 @@ class ShmSegment:
 
     def region(self, set_index: int, rank: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """``(numel,)`` view of ``rank``'s region in set ``set_index`` as ``dtype``."""
-        start = self._header_bytes + (set_index * self.world_size + rank) * self.region_bytes
-        element_size = torch.empty((), dtype=dtype).element_size()
-        return self._bytes[start:start + numel * element_size].view(dtype)
+        key = (set_index, rank, dtype)
+        whole = self._views.get(key)
+        if whole is None:
+            start = self._header_bytes + (set_index * self.world_size + rank) * self.region_bytes
+            usable = self.region_bytes - self.region_bytes % dtype.itemsize
+            whole = self._views[key] = self._bytes[start:start + usable].view(dtype)
+        return whole[:numel]
 
     def region_numel(self, dtype: torch.dtype) -> int:
-        return self.region_bytes // torch.empty((), dtype=dtype).element_size()
+        return self.region_bytes // dtype.itemsize
 
     def barrier(self, deadline: float) -> None:
         """Advance this rank's counter and wait until every rank's counter reached it.
@@ -219,6 +224,7 @@ class ShmSegment:
 
     def close(self) -> None:
         self._bytes = None
+        self._views.clear()
         self._words.release()
         try:
             self._shm.close()
