@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 import signal
 import subprocess
 import sys
-import secrets
 import threading
 import time
 
@@ -618,11 +618,12 @@ def _rank_killed_after_shm(victim, timeout_s):
 
 @DIST
 @pytest.mark.timeout(60)
-def test_shm_killed_rank_raises_timeout_naming_it_and_leaves_no_name():
-    """3 ranks, rank 2 SIGKILLed after an shm all_reduce: the survivors' next shm all_reduce raises
-    CollectiveTimeoutError naming "peer rank 2" within timeout + 5 s (shm barrier and public path), and no
-    gradsync name of these processes is left in /dev/shm."""
-    world_size, victim = 3, 2
+@pytest.mark.parametrize("victim", [0, 2], ids=["creator-rank0", "rank2"])
+def test_shm_killed_rank_raises_timeout_naming_it_and_leaves_no_name(victim):
+    """3 ranks, one SIGKILLed after an shm all_reduce (rank 0 created the segment): the survivors' next shm
+    all_reduce raises CollectiveTimeoutError naming that peer rank within timeout + 5 s, both through the
+    shm barrier alone and through the public API, and no gradsync name of these processes is left in /dev/shm."""
+    world_size = 3
     outcomes = run_world(world_size, _rank_killed_after_shm, victim, KILL_TIMEOUT_S, timeout_s=45,
                          collective_timeout_s=COLLECTIVE_TIMEOUT_S, may_exit=[victim])
     assert outcomes[victim] is None
