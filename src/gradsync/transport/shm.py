@@ -70,6 +70,8 @@ class _SharedMemory(shared_memory.SharedMemory):
                 super().__init__(*args, **kwargs)
             finally:
                 shared_memory.resource_tracker = resource_tracker
+        os.close(self._fd)  # the mapping keeps the memory; an open fd would outlive a dropped segment
+        self._fd = -1
 
     def unlink(self):
         _posixshmem.shm_unlink(self._name)
@@ -126,8 +128,13 @@ class ShmPeerTimeout(Exception):
 
 
 def host_id() -> int:
-    """A 31-bit id of this machine (crc32 of the hostname) to check that ranks share a node."""
-    return zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
+    """A 31-bit id of this machine (crc32 of hostname and boot id) to check that ranks share a node."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as file:
+            boot_id = file.read().strip()
+    except OSError:
+        boot_id = ""
+    return zlib.crc32(f"{socket.gethostname()}/{boot_id}".encode()) & 0x7FFFFFFF
 
 
 def segment_bytes_for(world_size: int, region_bytes: int) -> int:
