@@ -100,10 +100,12 @@ def _make_optimizer(params):
     return torch.optim.SGD(params, lr=LR, momentum=0.9, weight_decay=0.01)
 
 
-def _train_branchy(comm, view, bucket_cap_mb=100 / 2**20):
+def _train_branchy(comm, view, bucket_cap_mb=100 / 2**20, algorithm="ring"):
     world_size, rank = comm.world_size, comm.rank
     model = gradsync.DataParallel(make_branchy(), bucket_cap_mb=bucket_cap_mb, group=comm,
-                                  gradient_as_bucket_view=view)
+                                  gradient_as_bucket_view=view, algorithm=algorithm)
+    if algorithm == "shm" and view:
+        assert all(bucket.shared for bucket in model._reducer.buckets)  # zero-copy buckets
     optimizer = _make_optimizer(model.parameters())
     x, y = branchy_data(world_size)
     grads = []
@@ -140,10 +142,12 @@ def reference_branchy(world_size):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("view", [False, True], ids=["copy", "bucket_view"])
-def test_unused_shared_batchnorm_match_single_process(world_size, view):
+@pytest.mark.parametrize("algorithm", ["ring", "shm"])
+def test_unused_shared_batchnorm_match_single_process(world_size, view, algorithm):
     """Branches that differ by rank and step, a never-used layer, a frozen head, tied weights and
-    BatchNorm: every rank ends with the single-process parameters, gradients and buffers."""
-    per_rank = run_threads(world_size, lambda comm: _train_branchy(comm, view), timeout_s=60)
+    BatchNorm: every rank ends with the single-process parameters, gradients and buffers
+    (shm with bucket views: zero-copy buckets in shared memory)."""
+    per_rank = run_threads(world_size, lambda comm: _train_branchy(comm, view, algorithm=algorithm), timeout_s=60)
     expected_params, expected_grads, expected_buffers = reference_branchy(world_size)
     names = [name for name, _ in make_branchy().named_parameters()]
     for rank, (params, grads, buffers) in enumerate(per_rank):
@@ -287,12 +291,14 @@ def _join_model():
                                            nn.Linear(HIDDEN, CLASSES)).double())
 
 
-def test_join_with_3_5_8_batches_averages_over_ranks_with_data():
+@pytest.mark.parametrize("algorithm, view", [("ring", False), ("shm", True)], ids=["ring", "shm-zero-copy"])
+def test_join_with_3_5_8_batches_averages_over_ranks_with_data(algorithm, view):
     """Ranks with 3, 5 and 8 batches finish without a hang; each step averages the ranks that had a batch."""
     x, y = _join_data()
 
     def body(comm):
-        model = gradsync.DataParallel(_join_model(), group=comm, bucket_cap_mb=100 / 2**20)
+        model = gradsync.DataParallel(_join_model(), group=comm, bucket_cap_mb=100 / 2**20, algorithm=algorithm,
+                                      gradient_as_bucket_view=view)
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         with model.join():
             for step in range(BATCHES_PER_RANK[comm.rank]):

@@ -258,5 +258,14 @@ def reduce_scatter(tensor: torch.Tensor, comm: Communicator, *, op: str = "sum",
     return chunk.to(tensor.dtype, copy=True)
 
 
+def shared_buffer(comm: Communicator, nbytes: int) -> torch.Tensor | None:
+    """A ``(nbytes,)`` uint8 buffer in shared memory that ``all_reduce(..., algorithm="shm")``
+    reduces without copying in (DataParallel's zero-copy buckets), or None when the ranks are not
+    all on one machine. Collective: every rank calls it with the same ``nbytes``."""
+    if comm.world_size == 1:
+        return None
+    return shm.allocate_shared(comm.new_call("shared_buffer", "shm"), nbytes)
+
+
 __all__ = ["ALGORITHMS", "OPS", "SUPPORTED_DTYPES", "all_gather", "all_reduce", "broadcast",
-           "chunk_bounds", "reduce_scatter", "validate_algorithm", "validate_op"]
+           "chunk_bounds", "reduce_scatter", "shared_buffer", "validate_algorithm", "validate_op"]

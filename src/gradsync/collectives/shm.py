@@ -45,11 +45,13 @@ class ShmState:
         self.region_bytes = region_bytes or shm_transport.DEFAULT_REGION_BYTES
         self.segment: ShmSegment | None = None
         self.available: bool | None = None
+        self.arena: ShmSegment | None = None  # shared buffers handed out by allocate_shared
 
     def close(self) -> None:
-        if self.segment is not None:
-            self.segment.close()
-            self.segment = None
+        for segment in (self.segment, self.arena):
+            if segment is not None:
+                segment.close()
+        self.segment = self.arena = None
 
 
 def usable(call: CollectiveCall) -> bool:
@@ -69,7 +71,7 @@ def _segment(call: CollectiveCall) -> ShmSegment:
     return call.shm_state.segment
 
 
-def _create(call: CollectiveCall, region_bytes: int) -> ShmSegment | None:
+def _create(call: CollectiveCall, region_bytes: int, sets: int = 2) -> ShmSegment | None:
     """Rank 0 creates the segment if every rank is on its host, every rank maps it; None when the
     ranks are on several hosts (collective)."""
     rank, world_size = call.rank, call.world_size
@@ -80,7 +82,7 @@ def _create(call: CollectiveCall, region_bytes: int) -> ShmSegment | None:
             call.recv(hosts[peer:peer + 1], peer, "shm setup (host check)")
         segment = None
         if bool((hosts[1:] == host_id()).all()):
-            segment = ShmSegment.create(world_size, region_bytes)
+            segment = ShmSegment.create(world_size, region_bytes, sets)
             name[:len(segment.name)] = torch.tensor(list(segment.name.encode()), dtype=torch.uint8)
         try:
             for peer in range(1, world_size):
@@ -96,7 +98,7 @@ def _create(call: CollectiveCall, region_bytes: int) -> ShmSegment | None:
     if not int(name[0]):
         return None
     text = bytes(name[name > 0].tolist()).decode()
-    segment = ShmSegment.attach(text, rank, world_size, region_bytes)
+    segment = ShmSegment.attach(text, rank, world_size, region_bytes, sets)
     _barrier(segment, call, "shm setup (attach)")
     return segment
 
@@ -131,6 +133,11 @@ def all_reduce(flat: torch.Tensor, call: CollectiveCall) -> None:
         ValueError: the ranks are not on one machine; CollectiveTimeoutError.
     """
     segment = _segment(call)
+    arena = call.shm_state.arena
+    offset = arena.offset_in_own_region(flat) if arena is not None else None
+    if offset is not None:
+        _all_reduce_in_arena(flat, arena, offset, call)
+        return
     if flat.numel() * flat.element_size() <= SMALL_MESSAGE_BYTES:
         _all_reduce_small(flat, segment, call)
         return
@@ -149,6 +156,47 @@ def all_reduce(flat: torch.Tensor, call: CollectiveCall) -> None:
         _barrier(segment, call, "shm all_reduce (reduce)")
         for peer, (a, b) in enumerate(chunks):
             part[a:b] = regions[peer][a:b]
+
+
+def allocate_shared(call: CollectiveCall, nbytes: int) -> torch.Tensor | None:
+    """This rank's ``(nbytes,)`` uint8 buffer in a shared arena, or None if the ranks are not on one machine.
+
+    A float32/float64 tensor laid in it is all-reduced by :func:`all_reduce`
+    without being copied in: every rank reads its peers' data where they
+    wrote it (zero-copy buckets). Every rank must ask for the same
+    ``nbytes``; one arena per group, reused while large enough (collective
+    when it is created).
+    """
+    if not usable(call):
+        return None
+    state = call.shm_state
+    if state.arena is None or state.arena.region_bytes < nbytes:
+        if state.arena is not None:
+            state.arena.close()
+        state.arena = _create(call, max(nbytes, 64), sets=1)
+    return state.arena.at_offset(call.rank, 0, torch.uint8, nbytes)
+
+
+def _all_reduce_in_arena(flat: torch.Tensor, arena: ShmSegment, offset: int, call: CollectiveCall) -> None:
+    """In place, with no copy in: the same offset of every rank's arena region holds its data.
+
+    Barrier (all data written); rank r sums chunk r of every region into its
+    own; barrier; every rank copies the other chunks from their owners;
+    barrier (no rank still reads a region that its owner may now overwrite).
+    """
+    rank, world_size, numel = call.rank, call.world_size, flat.numel()
+    regions = [flat if peer == rank else arena.at_offset(peer, offset, flat.dtype, numel)
+               for peer in range(world_size)]
+    chunks = chunk_bounds(numel, world_size)
+    _barrier(arena, call, "shm all_reduce in place (written)")
+    a, b = chunks[rank]
+    for step in range(1, world_size):
+        flat[a:b] += regions[(rank + step) % world_size][a:b]
+    _barrier(arena, call, "shm all_reduce in place (reduced)")
+    for peer, (a, b) in enumerate(chunks):
+        if peer != rank:
+            flat[a:b] = regions[peer][a:b]
+    _barrier(arena, call, "shm all_reduce in place (copied)")
 
 
 def _all_reduce_small(flat: torch.Tensor, segment: ShmSegment, call: CollectiveCall) -> None:
@@ -200,4 +248,5 @@ def all_gather(gathered: torch.Tensor, call: CollectiveCall) -> None:
                 parts[peer, start:stop] = regions[peer]
 
 
-__all__ = ["ShmState", "all_gather", "all_reduce", "broadcast", "reduce_scatter", "usable"]
+__all__ = ["ShmState", "all_gather", "all_reduce", "allocate_shared", "broadcast", "reduce_scatter",
+           "usable"]

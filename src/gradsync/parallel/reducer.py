@@ -51,11 +51,18 @@ class Bucket:
     ``views[k]`` is ``params[k]``'s slice shaped like the parameter.
     """
 
-    def __init__(self, index: int, param_indices: list[int], params: list[torch.Tensor], num_flags: int):
+    def __init__(self, index: int, param_indices: list[int], params: list[torch.Tensor], num_flags: int,
+                 storage: torch.Tensor | None = None):
         self.index = index
         self.param_indices = param_indices
         self.grad_numel = sum(param.numel() for param in params)
-        self.flat = torch.zeros(self.grad_numel + num_flags, dtype=params[0].dtype, device=params[0].device)
+        numel, dtype = self.grad_numel + num_flags, params[0].dtype
+        self.shared = storage is not None
+        if storage is None:
+            self.flat = torch.zeros(numel, dtype=dtype, device=params[0].device)
+        else:  # uint8 bytes in shared memory (zero-copy buckets)
+            self.flat = storage[:numel * dtype.itemsize].view(dtype)
+            self.flat.zero_()
         self.flags = self.flat[self.grad_numel:]
         self.views, offset = [], 0
         for param in params:
@@ -122,8 +129,10 @@ class Reducer:
     def _build(self, assignment: list[list[int]]) -> None:
         self.assignment = assignment
         last = len(assignment) - 1
+        grads = [None if param.grad is None else param.grad.clone() for param in self.params]
+        storages = self._shared_storages(assignment)
         self.buckets = [Bucket(b, indices, [self.params[i] for i in indices],
-                               len(self.params) if b == last else 0)
+                               len(self.params) if b == last else 0, storages[b])
                         for b, indices in enumerate(assignment)]
         self._bucket_of = [0] * len(self.params)
         self._views: list[torch.Tensor] = [None] * len(self.params)
@@ -131,12 +140,35 @@ class Reducer:
             for index, view in zip(bucket.param_indices, bucket.views):
                 self._bucket_of[index] = bucket.index
                 self._views[index] = view
-        if self.gradient_as_bucket_view:
+        if self.gradient_as_bucket_view:  # from copies: new views may overlap the old ones
             for index, param in enumerate(self.params):
-                if param.grad is not None:
-                    self._views[index].copy_(param.grad)
+                if grads[index] is not None:
+                    self._views[index].copy_(grads[index])
                     param.grad = self._views[index]
         self._shadow.clear()
+
+    def _shared_storages(self, assignment: list[list[int]]) -> list[torch.Tensor | None]:
+        """Zero-copy buckets: with ``algorithm="shm"`` and bucket views, float32/float64 buckets live in
+        a shared arena the shm AllReduce reads in place. None per bucket otherwise."""
+        storages: list[torch.Tensor | None] = [None] * len(assignment)
+        if not (self.gradient_as_bucket_view and self.algorithm == "shm" and self.comm.world_size > 1):
+            return storages
+        sizes = []
+        for b, indices in enumerate(assignment):
+            dtype = self.params[indices[0]].dtype
+            numel = sum(self.params[i].numel() for i in indices) + (len(self.params) if b == len(assignment) - 1
+                                                                    else 0)
+            shared = dtype in (torch.float32, torch.float64) and self.params[indices[0]].device.type == "cpu"
+            sizes.append(-(-numel * dtype.itemsize // 64) * 64 if shared else 0)
+        arena = collectives.shared_buffer(self.comm, sum(sizes))
+        if arena is None:
+            return storages
+        offset = 0
+        for b, nbytes in enumerate(sizes):
+            if nbytes:
+                storages[b] = arena[offset:offset + nbytes]
+                offset += nbytes
+        return storages
 
     @property
     def bucket_numels(self) -> list[int]:
@@ -339,9 +371,12 @@ class Reducer:
             return
         futures, state = [], _Round([], 0)
         for bucket in self.buckets:
-            zeros = self._shadow.get(bucket.index)
-            if zeros is None:
-                zeros = self._shadow[bucket.index] = torch.zeros_like(bucket.flat)
+            if bucket.shared:  # the zero-copy AllReduce reads peers' data in the arena
+                zeros = bucket.flat
+            else:
+                zeros = self._shadow.get(bucket.index)
+                if zeros is None:
+                    zeros = self._shadow[bucket.index] = torch.zeros_like(bucket.flat)
             zeros.zero_()
             futures.append(self._submit(zeros, bucket.index, divisor, state))
         started = time.perf_counter()

@@ -137,9 +137,9 @@ def host_id() -> int:
     return zlib.crc32(f"{socket.gethostname()}/{boot_id}".encode()) & 0x7FFFFFFF
 
 
-def segment_bytes_for(world_size: int, region_bytes: int) -> int:
+def segment_bytes_for(world_size: int, region_bytes: int, sets: int = 2) -> int:
     header = -(-world_size * LINE_BYTES // 4096) * 4096
-    return header + 2 * world_size * region_bytes
+    return header + sets * world_size * region_bytes
 
 
 class ShmSegment:
@@ -151,31 +151,33 @@ class ShmSegment:
         region_bytes: bytes of one rank's region in one set.
     """
 
-    def __init__(self, shm: shared_memory.SharedMemory, rank: int, world_size: int, region_bytes: int):
+    def __init__(self, shm: shared_memory.SharedMemory, rank: int, world_size: int, region_bytes: int,
+                 sets: int = 2):
         self._shm = shm
+        self.sets = sets
         self.rank = rank
         self.world_size = world_size
         self.region_bytes = region_bytes
         stride = LINE_BYTES // 8
         self._words = shm.buf[:world_size * LINE_BYTES].cast("q")  # int64 words; counter r at r * stride
         self._stride = stride
-        self._header_bytes = segment_bytes_for(world_size, region_bytes) - 2 * world_size * region_bytes
+        self._header_bytes = segment_bytes_for(world_size, region_bytes, sets) - sets * world_size * region_bytes
         self._bytes = torch.frombuffer(shm.buf, dtype=torch.uint8)
         self._views: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         self._sequence = self._words[rank * stride]
         self.slice_counter = 0  # slices sent through so far: picks the set, across calls
 
     @classmethod
-    def create(cls, world_size: int, region_bytes: int) -> "ShmSegment":
+    def create(cls, world_size: int, region_bytes: int, sets: int = 2) -> "ShmSegment":
         """Rank 0: a new zeroed segment with a random name (mode 0600)."""
         remove_leftovers()
         name = f"gradsync-{os.getpid()}-{secrets.token_hex(12)}"
-        shm = _SharedMemory(name=name, create=True, size=segment_bytes_for(world_size, region_bytes))
-        return cls(shm, 0, world_size, region_bytes)
+        shm = _SharedMemory(name=name, create=True, size=segment_bytes_for(world_size, region_bytes, sets))
+        return cls(shm, 0, world_size, region_bytes, sets)
 
     @classmethod
-    def attach(cls, name: str, rank: int, world_size: int, region_bytes: int) -> "ShmSegment":
-        return cls(_SharedMemory(name=name), rank, world_size, region_bytes)
+    def attach(cls, name: str, rank: int, world_size: int, region_bytes: int, sets: int = 2) -> "ShmSegment":
+        return cls(_SharedMemory(name=name), rank, world_size, region_bytes, sets)
 
     @property
     def name(self) -> str:
@@ -197,6 +199,20 @@ class ShmSegment:
             usable = self.region_bytes - self.region_bytes % dtype.itemsize
             whole = self._views[key] = self._bytes[start:start + usable].view(dtype)
         return whole[:numel]
+
+    def offset_in_own_region(self, tensor: torch.Tensor) -> int | None:
+        """Byte offset of ``tensor``'s data in this rank's set-0 region, or None if it lies elsewhere."""
+        if self._bytes is None:
+            return None
+        base = self._bytes.data_ptr() + self._header_bytes + self.rank * self.region_bytes
+        offset = tensor.data_ptr() - base
+        end = offset + tensor.numel() * tensor.element_size()
+        return offset if 0 <= offset and end <= self.region_bytes else None
+
+    def at_offset(self, rank: int, offset: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """``(numel,)`` of ``dtype`` at byte ``offset`` of ``rank``'s set-0 region."""
+        start = self._header_bytes + rank * self.region_bytes + offset
+        return self._bytes[start:start + numel * dtype.itemsize].view(dtype)
 
     def region_numel(self, dtype: torch.dtype) -> int:
         return self.region_bytes // dtype.itemsize
