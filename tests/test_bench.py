@@ -73,6 +73,21 @@ def test_bench_mpi_column_runs_under_mpiexec_with_shm(tmp_path, capsys):
     assert all(r["time_us"] > 0 and r["world_size"] == 2 for r in rows)
 
 
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_bench_shm_rows_including_zero_copy(tmp_path, capsys):
+    """shm and shm_zero_copy (data already in the shared arena) each get a row at every size."""
+    out = tmp_path / "rows.json"
+    result = _main(["bench", "allreduce", "--nproc", "2", "--sizes", "4K,256K", "--algorithms",
+                    "shm,shm_zero_copy", "--repetitions", "1", "--json", str(out)], capsys)
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(out.read_text())
+    assert [(r["nbytes"], r["algorithm"]) for r in rows] == [
+        (4096, "shm"), (4096, "shm_zero_copy"), (4096, "native"),
+        (262144, "shm"), (262144, "shm_zero_copy"), (262144, "native")]
+    assert all(r["time_us"] > 0 and r["bytes_sent_per_call"] == 0 for r in rows if r["algorithm"] != "native")
+
+
 def test_bench_small_sweep_writes_rows_with_nccl_tests_definitions(tmp_path, capsys):
     """Two ranks, two sizes: one row per (size, algorithm), busbw = algbw·2(p-1)/p, native ratio 1."""
     out = tmp_path / "rows.json"

@@ -565,3 +565,43 @@ def test_bad_bucket_cap_mb_names_the_argument(bucket_cap_mb):
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         gradsync.DataParallel(nn.Linear(2, 2), bucket_cap_mb=bucket_cap_mb,
                               group=gradsync.Communicator(ThreadWorld(1).transport(0)))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_zero_copy_buckets_reduce_in_place_and_match_single_process(world_size, monkeypatch):
+    """shm + bucket views: buckets above the small-message size are reduced in the shared arena
+    (no copy in), and training still equals the single-process average of per-rank gradients."""
+    from gradsync.collectives import shm as shm_collectives
+    calls = []
+    real = shm_collectives._all_reduce_in_arena
+    monkeypatch.setattr(shm_collectives, "_all_reduce_in_arena",
+                        lambda *args: calls.append(args[0].numel()) or real(*args))
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(STEPS, world_size, BATCH, 128, generator=generator, dtype=torch.float64)
+    y = torch.randn(STEPS, world_size, BATCH, 8, generator=generator, dtype=torch.float64)
+    build = lambda: nn.Sequential(nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 8)).double()  # noqa: E731
+
+    def body(comm):
+        model = gradsync.DataParallel(seeded(4, build), group=comm, algorithm="shm", gradient_as_bucket_view=True,
+                                      bucket_cap_mb=0.1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+        for step in range(STEPS):
+            optimizer.zero_grad(set_to_none=step % 2 == 0)
+            F.mse_loss(model(x[step, comm.rank]), y[step, comm.rank]).backward()
+            optimizer.step()
+        return [p.detach().clone() for p in model.parameters()], [b.shared for b in model._reducer.buckets]
+
+    per_rank = run_threads(world_size, body, timeout_s=60)
+    reference = seeded(4, build)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR, momentum=0.9)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        for rank in range(world_size):
+            (F.mse_loss(reference(x[step, rank]), y[step, rank]) / world_size).backward()
+        optimizer.step()
+    for rank, (params, shared) in enumerate(per_rank):
+        assert all(shared), shared
+        for actual, expected in zip(params, reference.parameters()):
+            _close(actual, expected.detach(), f"rank {rank} parameter")
+        assert not lists_differ(params, per_rank[0][0])
+    assert calls and max(calls) * 8 > 64 * 2**10, calls  # the in-place path ran on the big bucket

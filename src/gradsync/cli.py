@@ -88,7 +88,8 @@ def _add_allreduce_bench_options(parser: argparse.ArgumentParser) -> None:
     add("--algorithms", default=None,
         help="comma-separated; native is always measured for the ratio; 'mpi' adds MPI_Allreduce "
         "measured in the same processes (needs pip install 'gradsync[mpi]') (default "
-        "ring,tree,halving_doubling,hierarchical,shm,native, plus mpi when mpi4py is installed)")
+        "ring,tree,halving_doubling,hierarchical,shm,shm_zero_copy,native, plus mpi when mpi4py is "
+        "installed; shm_zero_copy: shm on data already in shared memory, as zero-copy buckets)")
     add("--repetitions", type=int, default=5, help="timed repetitions per point; the median is "
         "reported (default %(default)s)")
     add("--ranks-per-node", type=int, default=None, help="pretend nodes of this many ranks for "
@@ -104,7 +105,8 @@ def _add_train_bench_options(parser: argparse.ArgumentParser) -> None:
     add("--model", default="cnn,mlp", help="comma-separated: cnn (MNIST-1D CNN, batch 128 per rank), "
         "mlp (1024-4096-4096-1024-10, ~25.2M parameters, batch 64 per rank) (default %(default)s)")
     add("--algorithms", default="ring,native", help="gradsync AllReduce algorithms, one row each; torch "
-        "DDP is always measured (default %(default)s)")
+        "DDP is always measured; shm_zero_copy = shm with gradient_as_bucket_view (buckets in shared "
+        "memory) (default %(default)s)")
     add("--steps", type=int, default=100, help="timed steps per measurement for cnn; mlp runs steps // 5 "
         "(default %(default)s)")
     add("--warmup", type=int, default=3, help="untimed steps before each measurement (default %(default)s)")

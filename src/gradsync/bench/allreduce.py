@@ -31,7 +31,8 @@ _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB"
 MIN_NBYTES, MAX_NBYTES = 4, 2**30
 TARGET_BYTES_PER_REP = 8 * 2**20  # iterations per repetition: enough calls to move ~8 MiB
 MAX_ITERATIONS = 100
-DEFAULT_ALGORITHMS = "ring,tree,halving_doubling,hierarchical,shm,native"
+DEFAULT_ALGORITHMS = "ring,tree,halving_doubling,hierarchical,shm,shm_zero_copy,native"
+ZERO_COPY = "shm_zero_copy"  # shm on a buffer that already lies in shared memory (api.shared_buffer)
 
 
 def parse_nbytes(text: str) -> int:
@@ -68,12 +69,14 @@ def _iterations(nbytes: int) -> int:
 
 
 def _time_once(comm: Communicator, tensor: torch.Tensor, algorithm: str, iterations: int,
-               mpi_all_reduce=None) -> float:
+               mpi_all_reduce=None, shared: torch.Tensor | None = None) -> float:
     api.all_reduce(torch.zeros(1), comm, algorithm="native", verify=False)  # line the ranks up
     started = time.perf_counter()
     for _ in range(iterations):
         if algorithm == MPI_COLUMN:
             mpi_all_reduce(tensor)
+        elif algorithm == ZERO_COPY:
+            api.all_reduce(shared, comm, algorithm="shm", verify=False)
         else:
             api.all_reduce(tensor, comm, algorithm=algorithm, verify=False)
     return (time.perf_counter() - started) / iterations
@@ -89,19 +92,25 @@ def sweep(comm: Communicator, sizes: list[int], algorithms: list[str], repetitio
     ``"mpi"`` among ``algorithms`` times MPI_Allreduce (the processes must run under mpiexec).
     """
     mpi_all_reduce = MpiAllReduce() if MPI_COLUMN in algorithms else None
+    arena = None
+    if ZERO_COPY in algorithms:  # the data already lies in shared memory, as DataParallel's buckets do
+        arena = api.shared_buffer(comm, max(max(sizes), 4))
+        if arena is None:
+            raise ValueError(f"{ZERO_COPY} needs every rank on one machine")
     rows = []
     world_size = comm.world_size
     for nbytes in sizes:
         tensor = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32)
+        shared = arena[:tensor.numel() * 4].view(torch.float32) if arena is not None else None
         iterations = _iterations(nbytes)
         times: dict[str, list[float]] = {name: [] for name in algorithms}
         sent: dict[str, float] = {}
         for name in algorithms:  # warm-up: buffers, connections, caches
-            _time_once(comm, tensor, name, 1, mpi_all_reduce)
+            _time_once(comm, tensor, name, 1, mpi_all_reduce, shared)
         for _ in range(repetitions):
             for name in algorithms:
                 before = comm.stats.bytes_sent
-                seconds = _time_once(comm, tensor, name, iterations, mpi_all_reduce)
+                seconds = _time_once(comm, tensor, name, iterations, mpi_all_reduce, shared)
                 sent[name] = (comm.stats.bytes_sent - before) / iterations
                 times[name].append(_slowest_rank(comm, seconds))
         median = {name: statistics.median(values) for name, values in times.items()}
@@ -165,9 +174,9 @@ def _parse_options(nproc: int, sizes: str, algorithms: str | None, repetitions: 
     for name in names:
         if name == MPI_COLUMN and not mpi_available():
             raise ValueError("--algorithms mpi needs mpi4py and mpiexec: pip install 'gradsync[mpi]'")
-        if name not in api.ALGORITHMS and name != MPI_COLUMN:
+        if name not in api.ALGORITHMS + (MPI_COLUMN, ZERO_COPY):
             raise ValueError(f"unknown algorithm {name!r} in --algorithms; choose from "
-                             f"{', '.join(api.ALGORITHMS + (MPI_COLUMN,))}")
+                             f"{', '.join(api.ALGORITHMS + (ZERO_COPY, MPI_COLUMN))}")
     if "native" not in names:
         names.append("native")
     if ranks_per_node is None:

@@ -43,7 +43,8 @@ DDP_BUCKET_CAP_MB = 25.0                      # torch's default, equal to gradsy
 LR = 0.01
 DATA_SEED = 1234                              # rank r draws its batch from DATA_SEED + r
 MODEL_SEED = 0
-MEMORY_STEPS = 3                              # steps run before reading the peak RSS
+MEMORY_STEPS = 3
+ZERO_COPY = "shm_zero_copy"  # DataParallel(algorithm="shm", gradient_as_bucket_view=True)                              # steps run before reading the peak RSS
 
 
 def build_bench_model(name: str) -> nn.Module:
@@ -73,6 +74,8 @@ def make_batch(model: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def wrap(impl: str, algorithm: str, module: nn.Module, gradient_as_bucket_view: bool = False) -> nn.Module:
     """Wrap ``module`` for ``impl``: "local" (unwrapped), "gradsync" (DataParallel) or "ddp"."""
+    if impl == "gradsync" and algorithm == ZERO_COPY:  # buckets in shared memory, reduced in place
+        return gradsync.DataParallel(module, algorithm="shm", gradient_as_bucket_view=True)
     if impl == "gradsync":
         return gradsync.DataParallel(module, algorithm=algorithm,
                                      gradient_as_bucket_view=gradient_as_bucket_view)
@@ -282,9 +285,9 @@ def _parse_options(nproc: str, models: str, algorithms: str, steps: int, warmup:
             raise ValueError(f"unknown model {name!r} in --model; choose from {', '.join(BENCH_MODELS)}")
     names = _split(algorithms)
     for name in names:
-        if name not in gradsync.ALGORITHMS:
+        if name not in gradsync.ALGORITHMS + (ZERO_COPY,):
             raise ValueError(f"unknown algorithm {name!r} in --algorithms; choose from "
-                             f"{', '.join(gradsync.ALGORITHMS)}")
+                             f"{', '.join(gradsync.ALGORITHMS + (ZERO_COPY,))}")
     for option, value, low in (("--steps", steps, 1), ("--warmup", warmup, 0), ("--rounds", rounds, 1)):
         if value < low:
             raise ValueError(f"{option} must be >= {low}, got {value}")

@@ -125,7 +125,9 @@ def all_reduce(flat: torch.Tensor, call: CollectiveCall) -> None:
 
     Up to ``SMALL_MESSAGE_BYTES`` every rank sums every region itself, in rank
     order (one barrier; the same additions in the same order give bitwise
-    equal results); above, reduce-scatter + all-gather through the regions.
+    equal results); above, a tensor that lies in the group's arena
+    (:func:`allocate_shared`) is reduced in place, anything else goes
+    reduce-scatter + all-gather through the regions.
 
     Collective: every rank must call this in the same order with equal ``numel``.
 
@@ -133,13 +135,13 @@ def all_reduce(flat: torch.Tensor, call: CollectiveCall) -> None:
         ValueError: the ranks are not on one machine; CollectiveTimeoutError.
     """
     segment = _segment(call)
+    if flat.numel() * flat.element_size() <= SMALL_MESSAGE_BYTES:  # one barrier beats no copy here
+        _all_reduce_small(flat, segment, call)
+        return
     arena = call.shm_state.arena
     offset = arena.offset_in_own_region(flat) if arena is not None else None
     if offset is not None:
         _all_reduce_in_arena(flat, arena, offset, call)
-        return
-    if flat.numel() * flat.element_size() <= SMALL_MESSAGE_BYTES:
-        _all_reduce_small(flat, segment, call)
         return
     rank, world_size, dtype = call.rank, call.world_size, flat.dtype
     for start, stop in _slices(flat.numel(), segment, dtype):
