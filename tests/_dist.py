@@ -204,7 +204,7 @@ def _join_or_report(processes, payloads: dict, may_exit: set, deadline: float) -
 
 def run_threads(world_size: int, fn: Callable, timeout_s: float = 20,
                 collective_timeout_s: float | None = None, *, segment_bytes: int | None = None,
-                ranks_per_node: int | None = None, world=None) -> list:
+                ranks_per_node: int | None = None, world=None, intra_node_algorithm: str = "ring") -> list:
     """Run ``fn(comm)`` for every rank of a :class:`ThreadWorld` on its own thread.
 
     Args:
@@ -216,6 +216,7 @@ def run_threads(world_size: int, fn: Callable, timeout_s: float = 20,
             (half of ``timeout_s`` when None, so a hang surfaces as a collective error first).
         segment_bytes: the communicators' pipelining unit (None: Communicator's default).
         ranks_per_node: ranks per pretend node for ``hierarchical`` (None: one node).
+        intra_node_algorithm: ``hierarchical`` inside a node: "ring" or "shm".
         world: makes each rank's transport with ``world.transport(rank)``
             (None: a new ``ThreadWorld(world_size)``).
 
@@ -229,7 +230,7 @@ def run_threads(world_size: int, fn: Callable, timeout_s: float = 20,
     world = ThreadWorld(world_size) if world is None else world
     if collective_timeout_s is None:
         collective_timeout_s = timeout_s / 2
-    options = {"ranks_per_node": ranks_per_node}
+    options = {"ranks_per_node": ranks_per_node, "intra_node_algorithm": intra_node_algorithm}
     if segment_bytes is not None:
         options["segment_bytes"] = segment_bytes
     comms = [Communicator(world.transport(rank), timeout_s=collective_timeout_s, **options)

@@ -43,6 +43,7 @@ class Variant:
     short_message_bytes: int | None = None  # override of halving_doubling.SHORT_MESSAGE_BYTES
     segment_bytes: int | None = None  # Communicator(segment_bytes=...)
     shm_region_bytes: int | None = None  # override of gradsync.transport.shm.DEFAULT_REGION_BYTES
+    intra_node_algorithm: str = "ring"  # Communicator(intra_node_algorithm=...) for hierarchical
 
     def fits(self, world_size: int) -> bool:
         return self.ranks_per_node is None or world_size % self.ranks_per_node == 0
@@ -58,6 +59,8 @@ VARIANTS = {
     "hierarchical-rpn1": Variant("hierarchical", ranks_per_node=1),
     "hierarchical-rpn2": Variant("hierarchical", ranks_per_node=2),
     "hierarchical-rpn3": Variant("hierarchical", ranks_per_node=3),
+    "hierarchical-shm-rpn2": Variant("hierarchical", ranks_per_node=2, intra_node_algorithm="shm"),
+    "hierarchical-shm-rpn3": Variant("hierarchical", ranks_per_node=3, intra_node_algorithm="shm"),
     "shm": Variant("shm"),
     "shm-small-regions": Variant("shm", shm_region_bytes=4096),  # several slices, both buffer sets
     "native": Variant("native"),
@@ -99,7 +102,8 @@ def run_variant(variant: Variant, world_size: int, fn, *, segment_bytes: int | N
     """``run_threads(world_size, fn)`` on communicators configured for ``variant``."""
     with selected_path(variant):
         return run_threads(world_size, fn, segment_bytes=segment_bytes or variant.segment_bytes,
-                           ranks_per_node=variant.ranks_per_node, **kwargs)
+                           ranks_per_node=variant.ranks_per_node,
+                           intra_node_algorithm=variant.intra_node_algorithm, **kwargs)
 
 
 def variant_names_for(world_size: int, table=VARIANTS) -> list[str]:

@@ -640,3 +640,28 @@ def test_shm_killed_rank_raises_timeout_naming_it_and_leaves_no_name(victim):
             assert f"peer rank {victim}" in message and peer == victim, what
             assert elapsed_s <= KILL_TIMEOUT_S + KILL_SLACK_S, f"{what} after {elapsed_s:.2f} s"
     assert _shm_names_of(pids, os.listdir(SHM_DIR)) == [], "segment names left in /dev/shm"
+
+
+def _hierarchical_shm_scenario(numel):
+    """4 ranks as 2 pretend nodes of 2: shared memory inside a node, Gloo point-to-point across."""
+    base = default_communicator()
+    comm = gradsync.Communicator(base.transport, base.timeout_s, ranks_per_node=2, intra_node_algorithm="shm")
+    try:
+        tensor = torch.arange(numel, dtype=torch.float32) * (comm.rank + 1)
+        collectives_api.all_reduce(tensor, comm, algorithm="hierarchical")
+        return hashlib.sha256(tensor.numpy().tobytes()).hexdigest(), comm.stats.bytes_sent
+    finally:
+        comm.close()
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("numel", [5, 1_000_003])
+def test_hierarchical_with_shm_inside_nodes_in_real_processes(numel):
+    """hierarchical with intra_node_algorithm="shm": exact sums, and only 1/L of the data goes point-to-point."""
+    results = run_world(4, _hierarchical_shm_scenario, numel, timeout_s=100)
+    expected = torch.arange(numel, dtype=torch.float32) * sum(range(1, 5))
+    digest = hashlib.sha256(expected.numpy().tobytes()).hexdigest()
+    assert [result[0] for result in results] == [digest] * 4
+    if numel > 1000:  # across 2 nodes each rank all-reduces half the vector with its peer: numel/2 floats
+        assert all(result[1] <= 4 * numel for result in results), [result[1] for result in results]

@@ -55,7 +55,7 @@ class CollectiveCall:
                  timeout_s: float, workspace: Workspace, *, segment_bytes: int = 2**20,
                  ranks_per_node: int | None = None, deadline: float | None = None,
                  reported_rank: tuple[int, int] | None = None, inter_node_algorithm: str = "ring",
-                 shm_state=None):
+                 shm_state=None, intra_node_algorithm: str = "ring", node_shm_states: dict | None = None):
         self.transport = transport
         self.rank = transport.rank
         self.world_size = transport.world_size
@@ -70,12 +70,14 @@ class CollectiveCall:
         self.ranks_per_node = ranks_per_node or transport.world_size
         self.inter_node_algorithm = inter_node_algorithm
         self.shm_state = shm_state  # the group's shared-memory segment holder (algorithm "shm")
+        self.intra_node_algorithm = intra_node_algorithm
+        self.node_shm_states = node_shm_states if node_shm_states is not None else {}
 
-    def sub(self, members: list[int], algorithm: str) -> "CollectiveCall":
+    def sub(self, members: list[int], algorithm: str, shm_state=None) -> "CollectiveCall":
         """The same call restricted to ``members`` (parent ranks), sharing deadline and workspace."""
         return CollectiveCall(SubTransport(self.transport, members), self.op_name, algorithm,
                               self.timeout_s, self.workspace, segment_bytes=self.segment_bytes,
-                              deadline=self.deadline, reported_rank=self.reported_rank)
+                              deadline=self.deadline, reported_rank=self.reported_rank, shm_state=shm_state)
 
     def segment_numel(self, element_size: int) -> int:
         """Elements per pipelining segment (at least one)."""

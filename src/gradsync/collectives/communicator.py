@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from gradsync.collectives.call import CollectiveCall, Workspace
-from gradsync.collectives.hierarchical import INTER_NODE_ALGORITHMS
+from gradsync.collectives.hierarchical import INTER_NODE_ALGORITHMS, INTRA_NODE_ALGORITHMS
 from gradsync.collectives.shm import ShmState
 from gradsync.transport.base import Transport, TransportStats
 
@@ -30,9 +30,11 @@ class Communicator:
         ranks_per_node: ranks per node for ``hierarchical`` (None: all ranks on one
             node; a smaller value lets one machine pretend to be several nodes).
             Ranks ``[k*ranks_per_node, (k+1)*ranks_per_node)`` form node k.
+        intra_node_algorithm: what ``hierarchical`` runs inside a node: "ring"
+            (reduce-scatter and all-gather over the transport) or "shm" (shared memory;
+            the ranks of a node must share a machine).
         inter_node_algorithm: what ``hierarchical`` runs across nodes: "ring",
-            "tree" or "halving_doubling" (inside a node it is always the ring's
-            reduce-scatter and all-gather).
+            "tree" or "halving_doubling".
 
     Raises:
         ValueError: ``timeout_s`` or ``segment_bytes`` is not positive, or
@@ -42,7 +44,7 @@ class Communicator:
 
     def __init__(self, transport: Transport, timeout_s: float = DEFAULT_TIMEOUT_S, *,
                  segment_bytes: int = DEFAULT_SEGMENT_BYTES, ranks_per_node: int | None = None,
-                 inter_node_algorithm: str = "ring"):
+                 inter_node_algorithm: str = "ring", intra_node_algorithm: str = "ring"):
         check_timeout(timeout_s)
         if not segment_bytes > 0:
             raise ValueError(f"segment_bytes must be > 0, got {segment_bytes}")
@@ -56,6 +58,11 @@ class Communicator:
         self.transport = transport
         self.timeout_s = float(timeout_s)
         self.inter_node_algorithm = inter_node_algorithm
+        if intra_node_algorithm not in INTRA_NODE_ALGORITHMS:
+            raise ValueError(f"unknown intra_node_algorithm {intra_node_algorithm!r}; choose one of "
+                             f"{', '.join(INTRA_NODE_ALGORITHMS)}")
+        self.intra_node_algorithm = intra_node_algorithm
+        self.node_shm_states: dict[tuple[int, ...], ShmState] = {}  # hierarchical's per-node segments
         self.segment_bytes = int(segment_bytes)
         self.ranks_per_node = ranks_per_node or world_size
         self.workspace = Workspace()
@@ -81,8 +88,12 @@ class Communicator:
             check_timeout(timeout_s)
         return CollectiveCall(self.transport, op_name, algorithm, float(timeout_s), self.workspace,
                               segment_bytes=self.segment_bytes, ranks_per_node=self.ranks_per_node,
-                              inter_node_algorithm=self.inter_node_algorithm, shm_state=self.shm_state)
+                              inter_node_algorithm=self.inter_node_algorithm, shm_state=self.shm_state,
+                              intra_node_algorithm=self.intra_node_algorithm,
+                              node_shm_states=self.node_shm_states)
 
     def close(self) -> None:
         """Release the shared-memory segment, if any (its name is already gone from /dev/shm)."""
         self.shm_state.close()
+        for state in self.node_shm_states.values():
+            state.close()
