@@ -387,10 +387,3 @@ class Reducer:
         self.exposed_comm_seconds += min(time.perf_counter() - started, comm_s)
         if not self.rebuilt:
             self._rebuild([], [])
-
-    def close(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None

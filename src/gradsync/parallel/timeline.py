@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable
 
@@ -37,17 +36,6 @@ class Timeline:
             bucket: int = -1, nbytes: int = 0) -> None:
         """Record a span of ``kind`` (one of ``KINDS``); times are ``time.perf_counter()`` seconds."""
         self._spans.append((KINDS.index(kind), THREADS.index(thread), start_s, end_s, bucket, nbytes))
-
-    @contextmanager
-    def span(self, kind: str, thread: str = "main"):
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add(kind, started, time.perf_counter(), thread)
-
-    def __len__(self) -> int:
-        return len(self._spans)
 
     def rows(self) -> torch.Tensor:
         """The spans as a ``(num_spans, ROW_NUMEL)`` float64 tensor with wall-clock microseconds."""
