@@ -87,7 +87,7 @@ def _add_allreduce_bench_options(parser: argparse.ArgumentParser) -> None:
         "(default %(default)s)")
     add("--algorithms", default=None,
         help="comma-separated; native is always measured for the ratio; 'mpi' adds MPI_Allreduce "
-        "measured in the same processes (needs pip install 'gradsync[mpi]') (default "
+        "measured in the same processes (needs pip install -e '.[mpi]' in the clone, or 'gradsync[mpi]') (default "
         "ring,tree,halving_doubling,hierarchical,shm,shm_zero_copy,native, plus mpi when mpi4py is "
         "installed; shm_zero_copy: shm on data already in shared memory, as zero-copy buckets)")
     add("--repetitions", type=int, default=5, help="timed repetitions per point; the median is "

@@ -173,7 +173,8 @@ def _parse_options(nproc: int, sizes: str, algorithms: str | None, repetitions: 
     names = [name.strip() for name in algorithms.split(",")]
     for name in names:
         if name == MPI_COLUMN and not mpi_available():
-            raise ValueError("--algorithms mpi needs mpi4py and mpiexec: pip install 'gradsync[mpi]'")
+            raise ValueError("--algorithms mpi needs mpi4py and mpiexec: pip install -e '.[mpi]' in the "
+                             "clone, or 'gradsync[mpi]'")
         if name not in api.ALGORITHMS + (MPI_COLUMN, ZERO_COPY):
             raise ValueError(f"unknown algorithm {name!r} in --algorithms; choose from "
                              f"{', '.join(api.ALGORITHMS + (ZERO_COPY, MPI_COLUMN))}")
