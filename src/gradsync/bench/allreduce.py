@@ -12,15 +12,14 @@ warm-up first, fewer iterations for large messages).
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
 import gradsync
+from gradsync.bench.output import claim_json_path, write_json
 from gradsync.bench.mpi import MPI_COLUMN, MpiAllReduce, mpi_available, run_with_mpiexec
 from gradsync.collectives import api
 from gradsync.collectives.communicator import Communicator
@@ -151,12 +150,6 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_json(path: str, rows: list[dict]) -> None:
-    with open(path, "w", encoding="utf-8") as file:
-        json.dump(rows, file, indent=2)
-        file.write("\n")
-
-
 def _parse_options(nproc: int, sizes: str, algorithms: str | None, repetitions: int,
                    ranks_per_node: int | None, segment_bytes: int | None) -> tuple[list[int], list[str], int]:
     if nproc < 1:
@@ -196,12 +189,7 @@ def run_sweep(*, nproc: int, sizes: str, algorithms: str | None, repetitions: in
 
     size_list, names, ranks_per_node = _parse_options(nproc, sizes, algorithms, repetitions,
                                                       ranks_per_node, segment_bytes)
-    if json_path:
-        try:
-            Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-            Path(json_path).write_text("")  # fail now, not after the sweep
-        except OSError as exc:
-            raise ValueError(f"--json {json_path} is not writable: {exc.strerror or exc}") from None
+    claim_json_path(json_path)
     print(f"# gradsync bench allreduce: world_size={nproc} ranks_per_node={ranks_per_node} float32, "
           f"1 thread per rank, median of {repetitions} interleaved repetitions", flush=True)
     if MPI_COLUMN in names:  # MPI_COMM_WORLD needs processes started by mpiexec

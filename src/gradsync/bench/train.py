@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import copy
 import gc
-import json
 import resource
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +30,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import gradsync
+from gradsync.bench.output import claim_json_path, write_json
 
 BENCH_MODELS = ("cnn", "mlp")
 BATCH_PER_RANK = {"cnn": 128, "mlp": 64}      # samples per rank per step
@@ -308,12 +307,7 @@ def run_bench(*, nproc: str, models: str, algorithms: str, steps: int, warmup: i
     from gradsync.launch import launch_local
 
     world_sizes, model_names, names = _parse_options(nproc, models, algorithms, steps, warmup, rounds)
-    if json_path:
-        try:
-            Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-            Path(json_path).write_text("")  # fail now, not after the benchmark
-        except OSError as exc:
-            raise ValueError(f"--json {json_path} is not writable: {exc.strerror or exc}") from None
+    claim_json_path(json_path)
     print(f"# gradsync bench train: models {', '.join(model_names)}; steps "
           f"{', '.join(f'{m} {steps_for(m, steps)}' for m in model_names)} after {warmup} warm-up; "
           f"median of {rounds} alternating rounds; SGD lr {LR}, fixed random data", flush=True)
@@ -328,7 +322,5 @@ def run_bench(*, nproc: str, models: str, algorithms: str, steps: int, warmup: i
         print(format_memory_table(memory_rows))
         rows += memory_rows
     if json_path:
-        with open(json_path, "w", encoding="utf-8") as file:
-            json.dump(rows, file, indent=2)
-            file.write("\n")
+        write_json(json_path, rows)
     return rows

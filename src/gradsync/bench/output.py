@@ -1,0 +1,27 @@
+"""The benchmarks' ``--json FILE``: claimed before any process starts, written at the end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def claim_json_path(path: str | None) -> None:
+    """Create ``path`` (and its folders) now, so a bad path fails before the benchmark runs.
+
+    Raises:
+        ValueError: the file cannot be written.
+    """
+    if not path:
+        return
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text("")
+    except OSError as exc:
+        raise ValueError(f"--json {path} is not writable: {exc.strerror or exc}") from None
+
+
+def write_json(path: str, rows: list[dict]) -> None:
+    with open(path, "w", encoding="utf-8") as file:
+        json.dump(rows, file, indent=2)
+        file.write("\n")
