@@ -5,6 +5,7 @@
 ('ring', 'tree', 'halving_doubling', 'hierarchical', 'shm', 'native', 'auto')
 """
 
+from gradsync import compression
 from gradsync.api import all_gather, all_reduce, broadcast, comm_stats, reduce_scatter
 from gradsync.collectives import ALGORITHMS, OPS, Communicator
 from gradsync.errors import CollectiveMismatchError, CollectiveTimeoutError, GradsyncError, NotInitializedError
@@ -14,7 +15,7 @@ from gradsync.process_group import init, is_initialized, rank, shutdown, world_s
 __version__ = "0.1.0"
 
 __all__ = [
-    "ALGORITHMS", "OPS", "CollectiveMismatchError", "CollectiveTimeoutError", "Communicator",
+    "ALGORITHMS", "OPS", "CollectiveMismatchError", "CollectiveTimeoutError", "Communicator", "compression",
     "DataParallel", "GradsyncError", "NotInitializedError", "all_gather", "all_reduce", "broadcast", "comm_stats",
     "init", "is_initialized", "rank", "reduce_scatter", "shutdown", "world_size",
 ]

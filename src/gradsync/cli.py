@@ -7,6 +7,7 @@ import sys
 
 from gradsync import __version__
 from gradsync.collectives.api import ALGORITHMS
+from gradsync.compression import COMPRESSIONS
 from gradsync.errors import CollectiveMismatchError, CollectiveTimeoutError, GradsyncError
 from gradsync.train.config import LR_SCHEDULES, OPTIMIZERS, TrainConfig
 from gradsync.train.models import MODELS
@@ -43,6 +44,15 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         "(default %(default)s)")
     add("--gradient-as-bucket-view", action="store_true",
         help="make each .grad a view into its bucket (one copy of the gradients fewer)")
+    add("--compression", default=d.compression, metavar="{" + ",".join(COMPRESSIONS) + "}",
+        help="gradient compression: fp16/bf16 (16-bit values), onebit (signs + error feedback), topk "
+        "(largest entries + error feedback), powersgd (low rank + error feedback) (default %(default)s)")
+    add("--topk-ratio", type=float, default=d.topk_ratio, help="fraction of each bucket topk sends "
+        "(default %(default)s)")
+    add("--powersgd-rank", type=int, default=d.powersgd_rank, help="approximation rank of powersgd "
+        "(default %(default)s)")
+    add("--compression-warmup-steps", type=int, default=d.compression_warmup_steps, help="exact AllReduce "
+        "for the first optimizer steps, compression after (1-bit Adam's warm-up) (default %(default)s)")
     add("--trace", default=None, metavar="FILE", help="write a Chrome trace (chrome://tracing, Perfetto) "
         "of forward, backward, bucket AllReduces and optimizer steps, one track per rank")
     add("--seed", type=int, default=d.seed, help="seed for model init and shuffling (default %(default)s)")

@@ -17,6 +17,7 @@ import torch
 
 from gradsync.collectives import broadcast as tree_broadcast
 from gradsync.collectives import auto, halving_doubling, hierarchical, native, ring, shm, tree
+from gradsync.collectives.all_to_all import all_to_all as _all_to_all
 from gradsync.collectives.call import CollectiveCall
 from gradsync.collectives.check import verify_layout
 from gradsync.collectives.chunking import chunk_bounds
@@ -258,6 +259,40 @@ def reduce_scatter(tensor: torch.Tensor, comm: Communicator, *, op: str = "sum",
     return chunk.to(tensor.dtype, copy=True)
 
 
+@torch.no_grad()
+def all_to_all(sends: list[torch.Tensor], receives: list[torch.Tensor], comm: Communicator, *,
+               timeout: float | None = None) -> list[torch.Tensor]:
+    """Send ``sends[p]`` to rank p and receive rank p's message into ``receives[p]`` (MPI_Alltoall).
+
+    Args:
+        sends: ``world_size`` tensors (any shapes); ``sends[p]`` goes to rank p.
+        receives: ``world_size`` contiguous tensors, ``receives[p]`` with the
+            numel and dtype of rank p's ``sends[rank]``; written in place.
+        timeout: seconds for the whole call (None: the communicator's default).
+
+    Returns:
+        ``receives``.
+
+    Raises:
+        ValueError: a list does not hold ``world_size`` tensors, or a receive
+        buffer is not contiguous; CollectiveTimeoutError.
+
+    The sizes are not compared across ranks (callers derive them from a
+    layout every rank already agreed on, as compressors do from buckets).
+
+    Collective: every rank must call this in the same order.
+    """
+    world_size = comm.world_size
+    if len(sends) != world_size or len(receives) != world_size:
+        raise ValueError(f"all_to_all needs {world_size} send and receive tensors, got "
+                         f"{len(sends)} and {len(receives)}")
+    if not all(tensor.is_contiguous() for tensor in receives):
+        raise ValueError("all_to_all receive buffers must be contiguous")
+    call = comm.new_call("all_to_all", "pairwise", timeout)
+    _all_to_all([tensor.contiguous() for tensor in sends], receives, call)
+    return receives
+
+
 def shared_buffer(comm: Communicator, nbytes: int) -> torch.Tensor | None:
     """A ``(nbytes,)`` uint8 buffer in shared memory that ``all_reduce(..., algorithm="shm")``
     reduces without copying in (DataParallel's zero-copy buckets), or None when the ranks are not
@@ -267,5 +302,5 @@ def shared_buffer(comm: Communicator, nbytes: int) -> torch.Tensor | None:
     return shm.allocate_shared(comm.new_call("shared_buffer", "shm"), nbytes)
 
 
-__all__ = ["ALGORITHMS", "OPS", "SUPPORTED_DTYPES", "all_gather", "all_reduce", "broadcast",
+__all__ = ["ALGORITHMS", "OPS", "SUPPORTED_DTYPES", "all_gather", "all_reduce", "all_to_all", "broadcast",
            "chunk_bounds", "reduce_scatter", "shared_buffer", "validate_algorithm", "validate_op"]

@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 from gradsync.collectives import api as collectives
+from gradsync.compression import COMPRESSIONS, Compressor
+from gradsync.compression import make as make_compressor
 from gradsync.errors import GradsyncError
 from gradsync.parallel.reducer import Reducer
 from gradsync.parallel.replicas import broadcast_tensors, verify_parameters
@@ -33,7 +35,13 @@ class DataParallel(nn.Module):
         bucket_cap_mb: most MiB of gradients per bucket (> 0); the first
             bucket is capped at 1 MiB so communication starts early (as DDP).
         algorithm: the AllReduce algorithm, a name in ``gradsync.ALGORITHMS``.
-        compression: reserved for gradient compressors; only None is accepted.
+        compression: None (exact AllReduce), a :class:`gradsync.compression.Compressor`
+            instance (``FP16()``, ``BF16()``, ``OneBit()``, ``TopK(ratio)``,
+            ``PowerSGD(rank)``; one instance per model) or one of their names
+            in ``gradsync.compression.COMPRESSIONS`` (default settings). Each
+            bucket is then averaged by the compressor (which divides once);
+            ``algorithm`` carries the parts it sends uncompressed. Its
+            per-rank state is ``model.compression.state_dict()``.
         broadcast_buffers: copy rank 0's buffers (BatchNorm statistics) to
             every rank before each forward with grad enabled, as DDP does;
             forwards under ``no_grad`` (evaluation) do not communicate.
@@ -43,7 +51,9 @@ class DataParallel(nn.Module):
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.
-        ValueError: bad ``bucket_cap_mb``, unknown ``algorithm``, or a compressor.
+        ValueError: bad ``bucket_cap_mb``, unknown ``algorithm`` or compression
+            name, a compressor already used by another model.
+        TypeError: ``compression`` is neither None, a name nor a Compressor.
         CollectiveMismatchError: replicas differ (on every rank, naming the
             first differing parameter).
 
@@ -70,11 +80,10 @@ class DataParallel(nn.Module):
             raise TypeError(f"DataParallel wraps a torch.nn.Module, got {type(module).__name__}")
         _check_bucket_cap_mb(bucket_cap_mb)
         collectives.validate_algorithm(algorithm)
-        if compression is not None:
-            raise ValueError("DataParallel: gradient compression is not available in this version; "
-                             "pass compression=None")
+        compression = _resolve_compression(compression)
         self.module = module
         self.algorithm = algorithm
+        self.compression = compression
         self.broadcast_buffers = broadcast_buffers
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.comm = resolve_group(group)
@@ -87,7 +96,10 @@ class DataParallel(nn.Module):
         broadcast_tensors([param.data for param in module.parameters()] + list(module.buffers()),
                           self.comm)
         self._reducer = Reducer(named, self.comm, algorithm, int(bucket_cap_mb * 2**20),
-                                gradient_as_bucket_view, should_sync=lambda: not self._sync_disabled)
+                                gradient_as_bucket_view, should_sync=lambda: not self._sync_disabled,
+                                compression=compression)
+        if compression is not None:
+            compression.attach(self)
 
     # -- forward ---------------------------------------------------------------------------------
 
@@ -249,6 +261,17 @@ def _check_bucket_cap_mb(bucket_cap_mb) -> None:
     if not (ok and 0 < bucket_cap_mb < math.inf and int(bucket_cap_mb * 2**20) >= 1):
         raise ValueError(f"bucket_cap_mb must be a finite number of MiB, at least one byte "
                          f"(> {1 / 2**20:.1e}), got {bucket_cap_mb!r}")
+
+
+def _resolve_compression(compression) -> Compressor | None:
+    if isinstance(compression, str):
+        compression = make_compressor(compression)
+    if compression is None:
+        return None
+    if not isinstance(compression, Compressor):
+        raise TypeError(f"compression must be None, a name ({', '.join(COMPRESSIONS)}) or a "
+                        f"gradsync.compression.Compressor such as OneBit(), got {type(compression).__name__}")
+    return compression
 
 
 def _tensors_in(output):

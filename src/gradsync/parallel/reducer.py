@@ -37,6 +37,7 @@ import torch
 
 from gradsync.collectives import api as collectives
 from gradsync.collectives.communicator import Communicator
+from gradsync.compression.base import BucketLayout, Compressor
 from gradsync.errors import GradsyncError
 from gradsync.parallel.bucketing import DEFAULT_FIRST_BUCKET_CAP_BYTES, assign_buckets, default_order
 
@@ -98,11 +99,13 @@ class Reducer:
         bucket_cap_bytes: cap per bucket (bytes).
         gradient_as_bucket_view: make ``.grad`` a view of the bucket (no second copy).
         should_sync: called in each hook; False under ``no_sync()``.
+        compression: a :class:`~gradsync.compression.Compressor` that averages
+            each bucket instead of ``algorithm``'s AllReduce, or None.
     """
 
     def __init__(self, named_params: Sequence[tuple[str, torch.Tensor]], comm: Communicator,
                  algorithm: str, bucket_cap_bytes: int, gradient_as_bucket_view: bool,
-                 should_sync: Callable[[], bool]):
+                 should_sync: Callable[[], bool], compression: Compressor | None = None):
         self.names = [name for name, _ in named_params]
         self.params = [param for _, param in named_params]
         self.comm = comm
@@ -110,6 +113,7 @@ class Reducer:
         self.bucket_cap_bytes = bucket_cap_bytes
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.should_sync = should_sync
+        self.compression = compression
         self.divisor = comm.world_size  # ranks whose gradients are averaged (fewer under join)
         self.timeline = None            # a Timeline to record bucket spans in, or None
         self.comm_seconds = 0.0         # summed AllReduce time of all buckets (comm thread)
@@ -140,6 +144,8 @@ class Reducer:
             for index, view in zip(bucket.param_indices, bucket.views):
                 self._bucket_of[index] = bucket.index
                 self._views[index] = view
+        self.layouts = [BucketLayout(tuple(self.names[i] for i in indices),
+                                     tuple(self.params[i].shape for i in indices)) for indices in assignment]
         if self.gradient_as_bucket_view:  # from copies: new views may overlap the old ones
             for index, param in enumerate(self.params):
                 if grads[index] is not None:
@@ -151,7 +157,8 @@ class Reducer:
         """Zero-copy buckets: with ``algorithm="shm"`` and bucket views, float32/float64 buckets live in
         a shared arena the shm AllReduce reads in place. None per bucket otherwise."""
         storages: list[torch.Tensor | None] = [None] * len(assignment)
-        if not (self.gradient_as_bucket_view and self.algorithm == "shm" and self.comm.world_size > 1):
+        if not (self.gradient_as_bucket_view and self.algorithm == "shm" and self.comm.world_size > 1
+                and self.compression is None):
             return storages
         sizes = []
         for b, indices in enumerate(assignment):
@@ -246,7 +253,9 @@ class Reducer:
             raise _SkippedAfterFailure(f"bucket {bucket_index} skipped after an earlier bucket failed")
         started = time.perf_counter()
         try:
-            if divisor == self.comm.world_size:
+            if self.compression is not None:
+                self._reduce_compressed(flat, bucket_index, divisor)
+            elif divisor == self.comm.world_size:
                 collectives.all_reduce(flat, self.comm, op="avg", algorithm=self.algorithm, verify=False)
             else:  # join: ranks without data send zeros; divide first so fp16 sums cannot overflow
                 flat.div_(divisor)
@@ -259,6 +268,14 @@ class Reducer:
             self.timeline.add("allreduce", started, ended, thread=thread, bucket=bucket_index,
                               nbytes=flat.numel() * flat.element_size())
         return bucket_index, started, ended
+
+    def _reduce_compressed(self, flat: torch.Tensor, bucket_index: int, divisor: int) -> None:
+        """The compressor averages the gradients; the used flags (last bucket) are summed exactly."""
+        layout = self.layouts[bucket_index]
+        self.compression.reduce(flat[:layout.numel], layout, self.comm, divisor, self.algorithm)
+        flags = flat[layout.numel:]
+        if flags.numel():
+            collectives.all_reduce(flags, self.comm, op="sum", algorithm=self.algorithm, verify=False)
 
     # -- end of backward -------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from gradsync.collectives.api import ALGORITHMS
+from gradsync.compression import COMPRESSIONS
 from gradsync.train.data import DEFAULT_NUM_SAMPLES
 from gradsync.train.models import MODELS
 
@@ -32,6 +33,10 @@ class TrainConfig:
     algorithm: str = "ring"         # AllReduce algorithm for the gradients
     bucket_cap_mb: float = 25.0     # MiB of gradients per bucket
     gradient_as_bucket_view: bool = False  # .grad is a view into its bucket (saves a gradient copy)
+    compression: str = "none"       # none | fp16 | bf16 | onebit | topk | powersgd
+    topk_ratio: float = 0.01        # fraction of each bucket that topk sends
+    powersgd_rank: int = 2          # approximation rank of powersgd
+    compression_warmup_steps: int = 0  # exact AllReduce for the first steps, then compression
     trace: str | None = None        # Chrome trace file written at the end (rank 0 gathers all ranks)
     seed: int = 0                   # model init, shuffling
     timeout: float = 300.0          # seconds any collective may wait for a peer
@@ -68,6 +73,12 @@ def validate(config: TrainConfig) -> None:
         (config.model in MODELS, f"unknown --model {config.model!r}; choose one of {', '.join(MODELS)}"),
         (config.algorithm in ALGORITHMS,
          f"unknown --algorithm {config.algorithm!r}; choose one of {', '.join(ALGORITHMS)}"),
+        (config.compression in COMPRESSIONS,
+         f"unknown --compression {config.compression!r}; choose one of {', '.join(COMPRESSIONS)}"),
+        (0 < config.topk_ratio <= 1, f"--topk-ratio must be in (0, 1], got {config.topk_ratio}"),
+        (config.powersgd_rank >= 1, f"--powersgd-rank must be >= 1, got {config.powersgd_rank}"),
+        (config.compression_warmup_steps >= 0,
+         f"--compression-warmup-steps must be >= 0, got {config.compression_warmup_steps}"),
         (config.optimizer in OPTIMIZERS,
          f"unknown --optimizer {config.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}"),
         (config.lr_schedule in LR_SCHEDULES,

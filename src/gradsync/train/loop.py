@@ -30,6 +30,7 @@ from torch.utils.data import BatchSampler, DistributedSampler
 from tqdm import tqdm
 
 import gradsync
+from gradsync.compression import make as make_compressor
 from gradsync.train.config import TrainConfig, validate_against_data
 from gradsync.train.data import load
 from gradsync.train.metrics import (METRICS_FILE, SUMMARY_FILE, MetricsLog, StepTimes, read_metrics,
@@ -69,7 +70,10 @@ class Trainer:
         validate_against_data(config, self.world_size, len(self.data.y_train))
         self.model = gradsync.DataParallel(build_model(config.model), bucket_cap_mb=config.bucket_cap_mb,
                                            algorithm=config.algorithm,
-                                           gradient_as_bucket_view=config.gradient_as_bucket_view)
+                                           gradient_as_bucket_view=config.gradient_as_bucket_view,
+                                           compression=make_compressor(config.compression, config.topk_ratio,
+                                                                       config.powersgd_rank,
+                                                                       config.compression_warmup_steps))
         self.timeline = Timeline(self.rank) if config.trace else None
         self.model.timeline = self.timeline
         self.optimizer = self._make_optimizer()
@@ -221,6 +225,7 @@ class Trainer:
             "final_test_loss": epochs[-1]["test_loss"],
             "final_train_loss": epochs[-1]["train_loss"],
             "world_size": self.world_size,
+            "compression": self.config.compression,
             "steps": self.step,
             "samples": samples,
             "samples_per_s": samples / train_wall_s if train_wall_s > 0 else math.nan,
