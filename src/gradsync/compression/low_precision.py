@@ -61,7 +61,7 @@ def fp16_scale(values: torch.Tensor) -> float:
     """The power of two that maps ``max |values|`` into [2^14, 2^15) (1.0 for empty, zero or non-finite)."""
     if values.numel() == 0:
         return 1.0
-    largest = float(values.abs().max())
+    largest = float(torch.linalg.vector_norm(values, math.inf))  # max |x|, without an |x| copy
     if largest == 0 or not math.isfinite(largest):
         return 1.0
     exponent = math.frexp(largest)[1]  # largest < 2^exponent

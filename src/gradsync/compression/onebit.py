@@ -45,7 +45,7 @@ def pack_signs(values: torch.Tensor, out: torch.Tensor) -> None:
 
 def unpack_signs(packed: torch.Tensor, numel: int, out: torch.Tensor) -> None:
     """Write +1 / -1 for each of the ``numel`` bits of ``packed`` (1 = +1) into ``out`` (``(numel,)``)."""
-    table = _SIGNS_OF_BYTE.to(out.device)  # (256, 8)
+    table = _SIGNS_OF_BYTE.to(device=out.device, dtype=out.dtype)  # (256, 8)
     whole = numel // 8
     torch.index_select(table, 0, packed[:whole].long(), out=out[:whole * 8].view(whole, 8))
     if numel > whole * 8:
@@ -98,9 +98,11 @@ class SignCodec:
     def _block_means(self, values: torch.Tensor) -> torch.Tensor:
         numel, size = values.numel(), self.block_numel
         whole = numel // size
-        means = values[:whole * size].view(whole, size).abs().mean(dim=1, dtype=torch.float32)
+        # vector_norm(ord=1) reads the values once and allocates no |x| copy
+        means = torch.linalg.vector_norm(values[:whole * size].view(whole, size), 1, dim=1).div_(size).float()
         if numel > whole * size:
-            means = torch.cat([means, values[whole * size:].abs().mean(dtype=torch.float32).view(1)])
+            tail = values[whole * size:]
+            means = torch.cat([means, (torch.linalg.vector_norm(tail, 1) / tail.numel()).float().view(1)])
         return means
 
     def decode(self, payload: torch.Tensor, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
