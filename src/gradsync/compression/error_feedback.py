@@ -29,6 +29,7 @@ class ErrorFeedback:
     def __init__(self):
         self._regions: dict[_Key, tuple[BucketLayout, torch.Tensor]] = {}
         self._loose: dict[str, torch.Tensor] = {}  # name -> flat residual not yet in a region
+        self._shapes: dict[str, torch.Size] = {}   # name -> parameter shape (state_dict's tensors)
 
     def residual(self, layout: BucketLayout, start: int, stop: int, like: torch.Tensor) -> torch.Tensor:
         """The ``(stop - start,)`` residual of ``layout``'s region, created (zeros, or from
@@ -37,7 +38,7 @@ class ErrorFeedback:
         entry = self._regions.get(key)
         if entry is not None:
             return entry[1]
-        self._dissolve(set(layout.names))
+        self._dissolve(layout, start, stop)
         buffer = torch.zeros(stop - start, dtype=like.dtype, device=like.device)
         for name, offset, numel in zip(layout.names, layout.offsets, layout.numels):
             saved = self._loose.get(name)
@@ -50,6 +51,7 @@ class ErrorFeedback:
             if lo < hi:
                 buffer[lo - start:hi - start] = saved[lo - offset:hi - offset]
         self._regions[key] = (layout, buffer)
+        self._shapes.update(zip(layout.names, layout.shapes))
         return buffer
 
     def compensate(self, layout: BucketLayout, flat: torch.Tensor, start: int = 0) -> torch.Tensor:
@@ -71,21 +73,28 @@ class ErrorFeedback:
         torch.sub(flat, transmitted, out=residual)
         return transmitted
 
-    def _dissolve(self, names: set[str]) -> None:
-        """Move every region holding any of ``names`` back into per-name residuals (a rebuild)."""
-        for key in [key for key in self._regions if names.intersection(key[0])]:
-            layout, buffer = self._regions.pop(key)
-            for name, piece in _pieces(layout, key[1], key[2], buffer, self._loose).items():
+    def _dissolve(self, layout: BucketLayout, start: int, stop: int) -> None:
+        """Move every region that conflicts with ``layout``'s ``[start, stop)`` back into per-name
+        residuals (a rebuild): regions of other layouts sharing a name, and overlapping regions of
+        this layout. Disjoint regions of the same layout (PowerSGD's matrices) stay."""
+        names = set(layout.names)
+
+        def conflicts(key: _Key) -> bool:
+            if key[0] == layout.names:
+                return key[1] < stop and start < key[2]
+            return bool(names.intersection(key[0]))
+
+        for key in [key for key in self._regions if conflicts(key)]:
+            region_layout, buffer = self._regions.pop(key)
+            for name, piece in _pieces(region_layout, key[1], key[2], buffer, self._loose).items():
                 self._loose[name] = piece
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """``{parameter name: residual shaped like the parameter}``; zeros where this rank keeps none."""
         merged = {name: tensor.clone() for name, tensor in self._loose.items()}
-        shapes = {}
         for (names, start, stop), (layout, buffer) in self._regions.items():
             merged.update(_pieces(layout, start, stop, buffer, merged))
-            shapes.update(zip(layout.names, layout.shapes))
-        return {name: tensor.view(shapes[name]) if name in shapes else tensor for name, tensor in merged.items()}
+        return {name: tensor.view(self._shapes.get(name, tensor.shape)) for name, tensor in merged.items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for name, tensor in state.items():
@@ -94,6 +103,7 @@ class ErrorFeedback:
                                 f"{type(tensor).__name__}")
         self._regions.clear()
         self._loose = {name: tensor.detach().reshape(-1).clone() for name, tensor in state.items()}
+        self._shapes = {name: tensor.shape for name, tensor in state.items()}
 
 
 def _pieces(layout: BucketLayout, start: int, stop: int, buffer: torch.Tensor,

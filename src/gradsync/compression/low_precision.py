@@ -19,6 +19,7 @@ import math
 
 import torch
 
+from gradsync.collectives.call import Workspace
 from gradsync.collectives.communicator import Communicator
 from gradsync.compression import two_phase
 from gradsync.compression.base import BucketLayout, Compressor
@@ -34,6 +35,7 @@ class CastCodec:
     def __init__(self, dtype: torch.dtype, scaled: bool):
         self.dtype = dtype
         self.header_nbytes = _HEADER_NBYTES if scaled else 0
+        self._scratch = Workspace()
 
     def payload_nbytes(self, numel: int) -> int:
         return self.header_nbytes + numel * self.dtype.itemsize
@@ -45,7 +47,9 @@ class CastCodec:
             return
         scale = fp16_scale(values)
         payload[:_HEADER_NBYTES].view(torch.float32)[0] = scale
-        data.copy_(values * scale)  # scale in float32 first: exact, a power of two
+        scaled = self._scratch.get(values.numel(), values.dtype, values.device)
+        torch.mul(values, scale, out=scaled)  # in float32 first: exact (a power of two), then round once
+        data.copy_(scaled)
 
     def decode(self, payload: torch.Tensor, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """The ``(numel,)`` values, written into ``out`` when given (float32 otherwise)."""
@@ -61,9 +65,10 @@ def fp16_scale(values: torch.Tensor) -> float:
     """The power of two that maps ``max |values|`` into [2^14, 2^15) (1.0 for empty, zero or non-finite)."""
     if values.numel() == 0:
         return 1.0
-    largest = float(torch.linalg.vector_norm(values, math.inf))  # max |x|, without an |x| copy
-    if largest == 0 or not math.isfinite(largest):
+    low, high = (float(bound) for bound in torch.aminmax(values))  # one pass, no |x| copy
+    if not (math.isfinite(low) and math.isfinite(high)) or low == high == 0:
         return 1.0
+    largest = max(-low, high)
     exponent = math.frexp(largest)[1]  # largest < 2^exponent
     shift = max(-_SCALE_EXPONENT_LIMIT, min(_SCALE_EXPONENT_LIMIT, _FP16_TOP_EXPONENT - exponent))
     return math.ldexp(1.0, shift)

@@ -7,10 +7,12 @@ dimension x the rest), with error feedback e:
 
     M <- M + e;  P <- M Q;  all-reduce P (sum);  P <- orthogonalise(P)
     Q <- M^T P;  all-reduce Q (sum) / ranks;     approximation = P Q^T
-    e <- M - approximation;  keep Q for the next step (warm start)
+    e <- M - P (M^T P)^T (this rank's own projection);  keep Q for the next step (warm start)
 
 After the orthogonalisation P is the same on every rank, so P Q^T is the
 average of the ranks' projections onto span(P): the average, divided once.
+(With every rank contributing, the residuals sum to PyTorch's M - approximation
+summed over ranks; under join a rank without data keeps its own residual.)
 Per matrix (n + m) · r values travel instead of n · m. Parameters where that
 saves less than half (1-D biases, tiny or thin matrices) are summed
 uncompressed, in the same all-reduce as the P matrices.
@@ -92,17 +94,20 @@ class PowerSGD(Compressor):
             p = sums[offset:offset + matrix.p.numel()].view_as(matrix.p)
             offset += p.numel()
             matrix.p = torch.linalg.qr(p, mode="reduced").Q
-        qs = torch.cat([(matrix.view.T @ matrix.p).view(-1) for matrix in matrices])
+        local_qs = [matrix.view.T @ matrix.p for matrix in matrices]
+        qs = torch.cat([q.view(-1) for q in local_qs])
         collectives.all_reduce(qs, comm, op="sum", algorithm=algorithm, verify=False)
         qs /= divisor
         offset = 0
-        for matrix in matrices:
+        for matrix, local_q in zip(matrices, local_qs):
             q = qs[offset:offset + matrix.view.shape[1] * matrix.rank].view(-1, matrix.rank)
             offset += q.numel()
             self.q[matrix.name] = q.clone()
-            approximation = matrix.p @ q.T
-            torch.sub(matrix.view.view(-1), approximation.view(-1), out=matrix.residual)
-            matrix.view.copy_(approximation)
+            # the residual is what this rank did not transmit, M - P (M^T P)^T: the ranks' projections
+            # sum to divisor x the approximation also under join (divisor < world size), where
+            # M - approximation would take the average away from ranks that sent nothing
+            torch.sub(matrix.view.view(-1), (matrix.p @ local_q.T).view(-1), out=matrix.residual)
+            matrix.view.copy_(matrix.p @ q.T)
 
     def _split(self, flat: torch.Tensor, layout: BucketLayout) -> tuple[list[_Matrix], list[torch.Tensor]]:
         matrices, plain = [], []
