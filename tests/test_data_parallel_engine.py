@@ -605,3 +605,19 @@ def test_zero_copy_buckets_reduce_in_place_and_match_single_process(world_size, 
             _close(actual, expected.detach(), f"rank {rank} parameter")
         assert not lists_differ(params, per_rank[0][0])
     assert calls and max(calls) * 8 > 64 * 2**10, calls  # the in-place path ran on the big bucket
+
+
+def test_dropped_model_is_freed_with_its_buckets():
+    """Parameters keep their hooks in C++, out of the cycle collector's sight: the hooks must not hold
+    the reducer, or every DataParallel (buckets, compressor state) would live forever."""
+    import gc
+    import weakref
+
+    def body(comm):
+        model = gradsync.DataParallel(torch.nn.Linear(8, 4), group=comm, compression="onebit")
+        model(torch.randn(3, 8)).sum().backward()
+        return [weakref.ref(model), weakref.ref(model._reducer), weakref.ref(model.compression)]
+
+    refs = run_threads(2, body)
+    gc.collect()  # here, not in the rank threads: a collection already running in another thread is skipped
+    assert [[ref() is None for ref in rank_refs] for rank_refs in refs] == [[True, True, True]] * 2

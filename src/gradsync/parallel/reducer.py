@@ -30,6 +30,7 @@ waiting for the next layer's bias, ~100 ms later.
 from __future__ import annotations
 
 import time
+import weakref
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Callable, Sequence
 
@@ -89,6 +90,23 @@ class _SkippedAfterFailure(GradsyncError):
     """A bucket not reduced because an earlier bucket of the same round failed."""
 
 
+def _weak_hook(reducer: "Reducer") -> Callable[[torch.Tensor], None]:
+    """A post-accumulate-grad hook that reaches ``reducer`` through a weak reference.
+
+    A parameter keeps its hooks in C++, where Python's cycle collector cannot
+    see them: a hook holding the reducer strongly would keep the reducer, its
+    buckets and the parameters alive forever after the model is dropped.
+    """
+    reference = weakref.ref(reducer)
+
+    def hook(param: torch.Tensor) -> None:
+        alive = reference()
+        if alive is not None:
+            alive._on_grad_ready(param)
+
+    return hook
+
+
 class Reducer:
     """Bucketed, overlapped gradient averaging for one module's parameters.
 
@@ -125,8 +143,8 @@ class Reducer:
         self._executor: ThreadPoolExecutor | None = None
         self._shadow: dict[int, torch.Tensor] = {}
         self._build(assign_buckets(self.params, bucket_cap_bytes, DEFAULT_FIRST_BUCKET_CAP_BYTES))
-        self._hooks = [param.register_post_accumulate_grad_hook(self._on_grad_ready)
-                       for param in self.params]
+        hook = _weak_hook(self)  # hooks live in C++, out of the garbage collector's sight: a strong
+        self._hooks = [param.register_post_accumulate_grad_hook(hook) for param in self.params]  # one leaks
 
     # -- buckets ---------------------------------------------------------------------------------
 
@@ -274,8 +292,10 @@ class Reducer:
         layout = self.layouts[bucket_index]
         self.compression.reduce(flat[:layout.numel], layout, self.comm, divisor, self.algorithm)
         flags = flat[layout.numel:]
-        if flags.numel():
-            collectives.all_reduce(flags, self.comm, op="sum", algorithm=self.algorithm, verify=False)
+        if flags.numel():  # 0/1 per parameter: one byte each is exact up to 255 ranks
+            counts = flags.to(torch.uint8 if self.comm.world_size < 256 else torch.int32)
+            collectives.all_reduce(counts, self.comm, op="sum", algorithm=self.algorithm, verify=False)
+            flags.copy_(counts)
 
     # -- end of backward -------------------------------------------------------------------------
 
