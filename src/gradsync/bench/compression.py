@@ -55,6 +55,7 @@ def run_accuracy(compression: str, warmup_steps: int, nproc: int, epochs: int, o
             "bytes_per_step": statistics.median(step_bytes),
             "mean_bytes_per_step": statistics.fmean(step_bytes),
             "compression_warmup_steps": config.compression_warmup_steps, "steps": summary["steps"],
+            "samples_per_step": config.global_batch_size(nproc),
             "test_accuracy_per_epoch": [r["test_accuracy"] for r in records if r["kind"] == "epoch"],
             "run_folder": str(out_dir / compression)}
 
@@ -103,13 +104,21 @@ def throughput_worker(compressions: list[str], steps: int, warmup: int, rounds: 
                  "bytes_per_step": statistics.median(r["bytes_per_step"] for r in measured),
                  "comm_s_per_step": statistics.median(r["comm_s_per_step"] for r in measured),
                  "num_parameters": sum(p.numel() for p in initial.parameters()), "steps": steps,
+                 "samples_per_step": samples / steps,
                  "rounds": rounds} for name, measured in runs.items()]
     finally:
         gradsync.shutdown()
 
 
 def add_ratios(rows: list[dict]) -> list[dict]:
-    """Add ``bytes_reduction`` (x fewer), ``speedup`` and ``accuracy_delta_pp`` against the "none" row."""
+    """Add ``bytes_reduction`` (x fewer), ``speedup``, ``accuracy_delta_pp`` and ``break_even_gbit_s``
+    against the "none" row.
+
+    ``break_even_gbit_s`` = bytes saved per step / extra seconds per step: on
+    a link slower than this (and with communication not hidden by compute),
+    the compressor's saved transfer time would pay for its extra work. None
+    when the compressor is not slower here.
+    """
     base = next((row for row in rows if row["compression"] == "none"), None)
     for row in rows:
         row["bytes_reduction"] = base["bytes_per_step"] / row["bytes_per_step"] if base and row["bytes_per_step"] \
@@ -117,7 +126,17 @@ def add_ratios(rows: list[dict]) -> list[dict]:
         row["speedup"] = row["samples_per_s"] / base["samples_per_s"] if base else None
         if row["test_accuracy"] is not None and base:
             row["accuracy_delta_pp"] = 100 * (row["test_accuracy"] - base["test_accuracy"])
+        row["break_even_gbit_s"] = _break_even_gbit_s(row, base) if base else None
     return rows
+
+
+def _break_even_gbit_s(row: dict, base: dict) -> float | None:
+    samples_per_step = base.get("samples_per_step") or 1.0  # cancels: both rows share the batch
+    extra_s = samples_per_step / row["samples_per_s"] - samples_per_step / base["samples_per_s"]
+    saved_bytes = base["bytes_per_step"] - row["bytes_per_step"]
+    if extra_s <= 0 or saved_bytes <= 0:
+        return None
+    return 8 * saved_bytes / extra_s / 1e9
 
 
 def _fmt(value, spec: str) -> str:
@@ -138,13 +157,15 @@ def format_accuracy_table(rows: list[dict]) -> str:
 
 def format_throughput_table(rows: list[dict]) -> str:
     header = (f"{'model':>5} {'world_size':>10} {'compression':>11} {'samples/s':>9} {'speed vs none':>13} "
-              f"{'bytes/step':>12} {'x fewer':>8} {'comm_ms/step':>12}")
+              f"{'bytes/step':>12} {'x fewer':>8} {'comm_ms/step':>12} {'break-even Gb/s':>15}")
     lines = [header, "-" * len(header)]
     for row in rows:
         lines.append(f"{row['model']:>5} {row['world_size']:>10} {row['compression']:>11} "
                      f"{row['samples_per_s']:>9.1f} {_fmt(row['speedup'], '.2f'):>12}x "
                      f"{row['bytes_per_step']:>12.0f} {_fmt(row['bytes_reduction'], '.1f'):>8} "
-                     f"{1e3 * row['comm_s_per_step']:>12.1f}")
+                     f"{1e3 * row['comm_s_per_step']:>12.1f} {_fmt(row.get('break_even_gbit_s'), '.2f'):>15}")
+    lines.append("# break-even: the link speed under which the bytes saved would pay for the compressor's extra "
+                 "time per step (communication not hidden by compute)")
     return "\n".join(lines)
 
 
