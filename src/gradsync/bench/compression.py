@@ -208,7 +208,7 @@ def run_bench(*, compressions: str, nproc: int, epochs: int, warmup_steps: int, 
     """Validate, run both parts, print the tables and the plot path, write JSON; return all rows."""
     from gradsync.launch import launch_local
 
-    names = _parse(compressions, nproc=(nproc, 1), epochs=(epochs, 1), warmup_steps=(warmup_steps, 0),
+    names = _parse(compressions, nproc=(nproc, 1), epochs=(epochs, 1), compression_warmup_steps=(warmup_steps, 0),
                    throughput_nproc=(throughput_nproc, 1), throughput_steps=(throughput_steps, 1),
                    rounds=(rounds, 1))
     claim_json_path(json_path)

@@ -1,0 +1,83 @@
+"""``gradsync bench compression``: bad options fail fast; a small run writes rows, a table and a plot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from gradsync.bench import compression as compression_bench
+from gradsync.cli import main
+
+
+def _main(argv, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, captured.out, captured.err)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--compressions", "bogus"], "bogus"),
+    (["--compressions", ","], "--compressions"),
+    (["--nproc", "0"], "--nproc"),
+    (["--epochs", "0"], "--epochs"),
+    (["--compression-warmup-steps", "-1"], "--compression-warmup-steps"),
+    (["--throughput-nproc", "0"], "--throughput-nproc"),
+    (["--throughput-steps", "0"], "--throughput-steps"),
+    (["--rounds", "0"], "--rounds"),
+])
+def test_bench_compression_rejects_bad_options_with_one_line(args, needle, capsys):
+    """Each bad option: exit 2 and one error line naming it, before any process starts."""
+    result = _main(["bench", "compression", *args], capsys)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in result.stderr, result.stderr
+
+
+def test_ratios_against_the_uncompressed_row():
+    """x fewer bytes, speed and the break-even link speed follow from the rows' own numbers."""
+    rows = compression_bench.add_ratios([
+        {"compression": "none", "bytes_per_step": 1000.0, "samples_per_s": 100.0, "test_accuracy": 0.9,
+         "samples_per_step": 10},
+        {"compression": "onebit", "bytes_per_step": 40.0, "samples_per_s": 50.0, "test_accuracy": 0.88,
+         "samples_per_step": 10},
+        {"compression": "fp16", "bytes_per_step": 500.0, "samples_per_s": 200.0, "test_accuracy": None,
+         "samples_per_step": 10},
+    ])
+    none, onebit, fp16 = rows
+    assert none["bytes_reduction"] == 1 and none["speedup"] == 1 and none["break_even_gbit_s"] is None
+    assert onebit["bytes_reduction"] == pytest.approx(25.0) and onebit["speedup"] == pytest.approx(0.5)
+    assert onebit["accuracy_delta_pp"] == pytest.approx(-2.0)
+    # 960 bytes saved per step for 0.1 s more per step (0.2 s against 0.1 s)
+    assert onebit["break_even_gbit_s"] == pytest.approx(8 * 960 / 0.1 / 1e9)
+    assert fp16["break_even_gbit_s"] is None and "accuracy_delta_pp" not in fp16  # faster: no break-even
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(240)
+def test_bench_compression_small_run_writes_rows_table_and_plot(tmp_path, capsys):
+    """Two compressors, tiny accuracy runs and one MLP step: rows carry the issue's keys, bytes drop ~28x."""
+    out, rows_path = tmp_path / "bench", tmp_path / "rows.json"
+    result = _main(["bench", "compression", "--compressions", "none,onebit", "--nproc", "2", "--epochs", "1",
+                    "--num-samples", "400", "--compression-warmup-steps", "0", "--throughput-nproc", "2",
+                    "--throughput-steps", "1", "--rounds", "1", "--out", str(out), "--json", str(rows_path)],
+                   capsys)
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(rows_path.read_text())
+    assert [(row["kind"], row["compression"]) for row in rows] == [
+        ("accuracy", "none"), ("accuracy", "onebit"), ("throughput", "none"), ("throughput", "onebit")]
+    for row in rows:
+        assert {"model", "compression", "test_accuracy", "bytes_per_step", "samples_per_s"} <= set(row), row
+        assert row["samples_per_s"] > 0 and row["bytes_per_step"] > 0
+    accuracy_none, accuracy_onebit, throughput_none, throughput_onebit = rows
+    assert accuracy_none["model"] == "cnn" and 0 <= accuracy_onebit["test_accuracy"] <= 1
+    assert len(accuracy_onebit["test_accuracy_per_epoch"]) == 1
+    assert throughput_onebit["model"] == "mlp" and throughput_onebit["test_accuracy"] is None
+    # 25.2M float32 parameters: 1.125 bits per value against 32 (a few flag and header bytes aside)
+    assert 27 < throughput_none["bytes_per_step"] / throughput_onebit["bytes_per_step"] < 29
+    assert (out / "compression_accuracy.png").stat().st_size > 0
+    assert compression_bench.format_accuracy_table(rows[:2]).splitlines()[0] in result.stdout
