@@ -29,6 +29,7 @@ def _main(argv, capsys):
     (["--throughput-nproc", "0"], "--throughput-nproc"),
     (["--throughput-steps", "0"], "--throughput-steps"),
     (["--rounds", "0"], "--rounds"),
+    (["--num-samples", "5"], "--num-samples"),
 ])
 def test_bench_compression_rejects_bad_options_with_one_line(args, needle, capsys):
     """Each bad option: exit 2 and one error line naming it, before any process starts."""

@@ -32,7 +32,7 @@ import gradsync
 from gradsync.bench.output import claim_json_path, write_json
 from gradsync.bench.train import BATCH_PER_RANK, LR, MODEL_SEED, build_bench_model, make_batch, train_steps
 from gradsync.compression import COMPRESSIONS, make
-from gradsync.train.config import TrainConfig
+from gradsync.train.config import TrainConfig, validate
 from gradsync.train.metrics import METRICS_FILE, SUMMARY_FILE
 
 DEFAULT_WARMUP_STEPS = 375   # 20% of the main job's 1875 steps (1-bit Adam warms up for 15-25%)
@@ -211,10 +211,11 @@ def run_bench(*, compressions: str, nproc: int, epochs: int, warmup_steps: int, 
     names = _parse(compressions, nproc=(nproc, 1), epochs=(epochs, 1), compression_warmup_steps=(warmup_steps, 0),
                    throughput_nproc=(throughput_nproc, 1), throughput_steps=(throughput_steps, 1),
                    rounds=(rounds, 1))
+    options = {} if num_samples is None else {"num_samples": num_samples}
+    validate(TrainConfig(nproc=nproc, epochs=epochs, **options))  # the accuracy runs' options, before any run
     claim_json_path(json_path)
     out_dir = Path(out) if out else Path(tempfile.mkdtemp(prefix="gradsync-bench-compression-"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    options = {} if num_samples is None else {"num_samples": num_samples}
     rows: list[dict] = []
     if accuracy:
         print(f"# gradsync bench compression: main job (MNIST-1D CNN, {nproc} workers, {epochs} epochs, AdamW "
