@@ -139,7 +139,7 @@ def test_error_feedback_step_keeps_what_transmit_leaves_out():
     restored.load_state_dict({"a": torch.zeros(4), "b": torch.zeros(5)})
     with pytest.raises(ValueError, match="'a' has 4 elements"):
         restored.residual(layout, 0, 11, old)
-    with pytest.raises(TypeError, match="'a'"):
+    with pytest.raises(ValueError, match="'a'"):
         restored.load_state_dict({"a": [0.0] * 6})
 
 

@@ -11,6 +11,7 @@ checkpoint taken with other buckets.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -76,14 +77,20 @@ class Compressor:
             raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
         self.warmup_steps = warmup_steps
         self.steps: dict[str, int] = {}  # reductions done per parameter name
-        self._owner: int | None = None
+        self._owner: weakref.ref | None = None
 
     def attach(self, owner: object) -> None:
-        """Bind to one model; a second model sharing this instance would mix their state."""
-        if self._owner is not None and self._owner != id(owner):
+        """Bind to one model; a second live model sharing this instance would mix their state."""
+        current = self._owner() if self._owner is not None else None
+        if current is not None and current is not owner:
             raise ValueError(f"this {type(self).__name__} compressor already serves another model; "
                              f"give each DataParallel its own instance")
-        self._owner = id(owner)
+        self._owner = weakref.ref(owner)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_owner"] = None  # a copy serves no model yet
+        return state
 
     @torch.no_grad()
     def reduce(self, flat: torch.Tensor, layout: BucketLayout, comm: Communicator, divisor: int,
@@ -140,7 +147,11 @@ class Compressor:
         if not isinstance(state, dict) or set(state) != expected:
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"{type(self).__name__}.load_state_dict expects keys {sorted(expected)}, got {got}")
-        self.steps = {str(name): int(count) for name, count in state["steps"].items()}
+        steps = state["steps"]
+        if not isinstance(steps, dict) or not all(isinstance(count, int) and count >= 0 for count in steps.values()):
+            raise ValueError(f"{type(self).__name__} state 'steps' must be a dict of counts >= 0 keyed by "
+                             f"parameter name, got {steps!r:.80}")
+        self.steps = {str(name): int(count) for name, count in steps.items()}
         self._load_state_dict(state)
 
     def _state_dict(self) -> dict:
@@ -150,5 +161,4 @@ class Compressor:
         pass
 
     def __repr__(self) -> str:
-        warmup = f"warmup_steps={self.warmup_steps}" if self.warmup_steps else ""
-        return f"{type(self).__name__}({warmup})"
+        return f"{type(self).__name__}(warmup_steps={self.warmup_steps})"

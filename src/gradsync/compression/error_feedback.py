@@ -71,6 +71,7 @@ class ErrorFeedback:
         residual = self.compensate(layout, flat, start)
         transmitted = transmit(flat)
         torch.sub(flat, transmitted, out=residual)
+        forget_non_finite(residual)
         return transmitted
 
     def _dissolve(self, layout: BucketLayout, start: int, stop: int) -> None:
@@ -97,13 +98,31 @@ class ErrorFeedback:
         return {name: tensor.view(self._shapes.get(name, tensor.shape)) for name, tensor in merged.items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore :meth:`state_dict`'s output (sizes are checked when a bucket first uses them).
+
+        Raises:
+            ValueError: ``state`` is not a dict of floating-point tensors keyed by name.
+        """
+        if not isinstance(state, dict):
+            raise ValueError(f"error-feedback state must be a dict of tensors keyed by parameter name, got "
+                             f"{type(state).__name__}")
         for name, tensor in state.items():
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"error-feedback state for {name!r} must be a tensor, got "
-                                f"{type(tensor).__name__}")
+            if not isinstance(name, str) or not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+                raise ValueError(f"error-feedback state for {name!r} must be a floating-point tensor, got "
+                                 f"{getattr(tensor, 'dtype', type(tensor).__name__)}")
         self._regions.clear()
         self._loose = {name: tensor.detach().reshape(-1).clone() for name, tensor in state.items()}
         self._shapes = {name: tensor.shape for name, tensor in state.items()}
+
+
+def forget_non_finite(residual: torch.Tensor) -> None:
+    """Zero the residual's inf/NaN entries in place.
+
+    A step with overflowing gradients (the kind AMP's GradScaler skips) still
+    yields non-finite averages, so the caller sees it; but a NaN kept in the
+    residual would be added to every later gradient and never leave.
+    """
+    residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def _pieces(layout: BucketLayout, start: int, stop: int, buffer: torch.Tensor,

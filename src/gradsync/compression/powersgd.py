@@ -27,7 +27,7 @@ import torch
 from gradsync.collectives import api as collectives
 from gradsync.collectives.communicator import Communicator
 from gradsync.compression.base import BucketLayout, Compressor
-from gradsync.compression.error_feedback import ErrorFeedback
+from gradsync.compression.error_feedback import ErrorFeedback, forget_non_finite
 
 MIN_COMPRESSION_RATE = 2  # compress only where (n + m) · r is under half of n · m (as PyTorch)
 
@@ -59,7 +59,7 @@ class PowerSGD(Compressor):
         seed: seed of the initial Q matrices (equal on every rank).
 
     Raises:
-        ValueError: ``rank`` is not a positive int.
+        ValueError: ``rank`` is not a positive int, or ``seed`` is not an int in [0, 2**32).
 
     State (:meth:`state_dict`): ``{"residual": {name: tensor shaped like the
     parameter}, "q": {name: (m, r) warm-start matrix}}`` for compressed parameters.
@@ -71,6 +71,8 @@ class PowerSGD(Compressor):
         super().__init__(warmup_steps)
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ValueError(f"PowerSGD rank must be an int >= 1, got {rank!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+            raise ValueError(f"PowerSGD seed must be an int in [0, 2**32), got {seed!r}")
         self.rank = rank
         self.seed = seed
         self.feedback = ErrorFeedback()
@@ -102,11 +104,15 @@ class PowerSGD(Compressor):
         for matrix, local_q in zip(matrices, local_qs):
             q = qs[offset:offset + matrix.view.shape[1] * matrix.rank].view(-1, matrix.rank)
             offset += q.numel()
-            self.q[matrix.name] = q.clone()
+            if bool(torch.isfinite(q).all()):  # equal on every rank: all keep it or all start afresh
+                self.q[matrix.name] = q.clone()
+            else:
+                self.q.pop(matrix.name, None)
             # the residual is what this rank did not transmit, M - P (M^T P)^T: the ranks' projections
             # sum to divisor x the approximation also under join (divisor < world size), where
             # M - approximation would take the average away from ranks that sent nothing
             torch.sub(matrix.view.view(-1), (matrix.p @ local_q.T).view(-1), out=matrix.residual)
+            forget_non_finite(matrix.residual)
             matrix.view.copy_(matrix.p @ q.T)
 
     def _split(self, flat: torch.Tensor, layout: BucketLayout) -> tuple[list[_Matrix], list[torch.Tensor]]:
@@ -135,8 +141,11 @@ class PowerSGD(Compressor):
         return {"residual": self.feedback.state_dict(), "q": {name: q.clone() for name, q in self.q.items()}}
 
     def _load_state_dict(self, state: dict) -> None:
+        q = state["q"]
+        if not isinstance(q, dict) or not all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in q.values()):
+            raise ValueError("PowerSGD state 'q' must be a dict of (m, r) tensors keyed by parameter name")
         self.feedback.load_state_dict(state["residual"])
-        self.q = {name: q.detach().clone() for name, q in state["q"].items()}
+        self.q = {name: tensor.detach().clone() for name, tensor in q.items()}
 
     def __repr__(self) -> str:
-        return f"PowerSGD(rank={self.rank}, warmup_steps={self.warmup_steps})"
+        return f"PowerSGD(rank={self.rank}, seed={self.seed}, warmup_steps={self.warmup_steps})"

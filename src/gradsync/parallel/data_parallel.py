@@ -23,7 +23,7 @@ from gradsync.compression import COMPRESSIONS, Compressor
 from gradsync.compression import make as make_compressor
 from gradsync.errors import GradsyncError
 from gradsync.parallel.reducer import Reducer
-from gradsync.parallel.replicas import broadcast_tensors, verify_parameters
+from gradsync.parallel.replicas import broadcast_tensors, verify_parameters, verify_settings
 from gradsync.process_group import resolve_group
 
 
@@ -92,6 +92,9 @@ class DataParallel(nn.Module):
         self._buffer_src = 0
         self._other_comm_seconds = 0.0  # buffer broadcasts and join bookkeeping (all exposed)
         verify_parameters(list(module.named_parameters()) + list(module.named_buffers()), self.comm)
+        verify_settings({"algorithm": algorithm, "bucket_cap_mb": bucket_cap_mb, "compression": compression,
+                         "broadcast_buffers": broadcast_buffers,
+                         "gradient_as_bucket_view": gradient_as_bucket_view}, self.comm)
         named = [(name, param) for name, param in module.named_parameters() if param.requires_grad]
         broadcast_tensors([param.data for param in module.parameters()] + list(module.buffers()),
                           self.comm)

@@ -67,6 +67,34 @@ def verify_parameters(named_tensors: Sequence[tuple[str, torch.Tensor]], comm: C
                 f"{comm.rank}): {detail}")
 
 
+_SETTING_NBYTES = 120  # each setting's "name=value" text, truncated
+
+
+def verify_settings(settings: dict[str, object], comm: Communicator) -> None:
+    """Raise CollectiveMismatchError on every rank unless all ranks pass equal ``settings``.
+
+    Ranks that bucket or compress differently would exchange messages of
+    different sizes, which Gloo answers by aborting the process; this names
+    the first differing setting and each rank's value instead.
+
+    Collective: every rank must call this with the same keys.
+    """
+    if comm.world_size == 1:
+        return
+    texts = [f"{name}={value}" for name, value in settings.items()]
+    table = torch.zeros(len(texts), _SETTING_NBYTES, dtype=torch.uint8)
+    for row, text in zip(table, texts):
+        encoded = text.encode()[:_SETTING_NBYTES]
+        row[:len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+    gathered = collectives.all_gather(table, comm)
+    for index, text in enumerate(texts):
+        values = [bytes(part[index].tolist()).rstrip(b"\0").decode(errors="replace") for part in gathered]
+        if any(value != values[0] for value in values):
+            detail = "; ".join(f"rank {rank} has {value}" for rank, value in enumerate(values))
+            raise CollectiveMismatchError(f"DataParallel: ranks were constructed with different "
+                                          f"{text.split('=')[0]}: {detail}")
+
+
 def broadcast_tensors(tensors: Sequence[torch.Tensor], comm: Communicator, src: int = 0,
                       verify: bool = True) -> None:
     """Overwrite every rank's ``tensors`` with rank ``src``'s values, one message per dtype/device.
