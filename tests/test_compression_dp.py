@@ -291,8 +291,9 @@ def test_cli_rejects_bad_compression_options(args, needle, tmp_path, capsys, mon
 def test_cli_onebit_run_sends_far_fewer_bytes(tmp_path):
     """A 2-worker onebit run records its compression, and each step's bytes_sent is below a tenth of
     what a float32 ring AllReduce of the model's gradients sends (4 bytes per parameter at 2 ranks);
-    the summary's per-step average, which also spreads the start-up broadcast over the 5 steps,
-    stays below one such AllReduce."""
+    the summary's per-step average counts only the steps' traffic (not the start-up broadcast), so it
+    is close to rank 0's step mean (ranks differ only by the one-off bucket-order broadcast of step 1,
+    which rank 0 sends)."""
     out = tmp_path / "run"
     result = subprocess.run([sys.executable, "-m", "gradsync", "train", "--nproc", "2", "--model", "mlp",
                              "--epochs", "1", "--num-samples", "200", "--batch-size", "16", "--compression",
@@ -305,5 +306,6 @@ def test_cli_onebit_run_sends_far_fewer_bytes(tmp_path):
     ring_bytes = 4 * summary["num_parameters"]  # 2 (p - 1) / p x 4 bytes per float at p = 2
     assert len(steps) == summary["steps"] >= 3
     assert all(0 < r["bytes_sent"] < ring_bytes / 10 for r in steps), [r["bytes_sent"] for r in steps]
-    assert 0 < summary["bytes_sent_per_step"] < ring_bytes
+    rank0_mean = sum(r["bytes_sent"] for r in steps) / len(steps)
+    assert rank0_mean * 0.97 < summary["bytes_sent_per_step"] <= rank0_mean
     assert all(math.isfinite(r["loss"]) for r in steps)

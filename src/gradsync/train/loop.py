@@ -84,6 +84,7 @@ class Trainer:
         self.scheduler = self._make_scheduler(self.steps_per_epoch * config.epochs)
         self.times = StepTimes()
         self.step = 0
+        self.step_bytes_sent = 0  # bytes this rank sent inside optimizer steps (gradient sync)
         self.log = MetricsLog(self.out_dir / METRICS_FILE) if self.is_main else None
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
@@ -168,13 +169,15 @@ class Trainer:
         comm_s = self.model.comm_seconds - comm_before
         exposed_s = self.model.exposed_comm_seconds - exposed_before
         self.times.add(forward_s, backward_s, comm_s, exposed_s, t4 - t3)
+        step_bytes = self.model.comm.stats.bytes_sent - bytes_before
+        self.step_bytes_sent += step_bytes
         self.step += 1
         if self.log:
             bytes_total = self.model.comm.stats.bytes_sent
             self.log.write({"kind": "step", "epoch": epoch, "step": self.step, "loss": step_loss, "lr": lr,
                             "forward_s": forward_s, "backward_s": backward_s, "comm_s": comm_s,
                             "exposed_comm_s": exposed_s, "optimizer_s": t4 - t3,
-                            "bytes_sent": bytes_total - bytes_before, "bytes_sent_total": bytes_total})
+                            "bytes_sent": step_bytes, "bytes_sent_total": bytes_total})
         return step_loss
 
     def _record(self, kind: str, start_s: float, end_s: float) -> None:
@@ -211,8 +214,8 @@ class Trainer:
         stats = self.model.comm.stats
         t = self.times
         own = torch.tensor([t.compute_s, t.comm_s, stats.bytes_sent, stats.bytes_received, t.exposed_comm_s,
-                            t.forward_s, t.backward_s, t.optimizer_s], dtype=torch.float64)
-        per_rank = torch.stack(gradsync.all_gather(own))  # (world_size, 8)
+                            t.forward_s, t.backward_s, t.optimizer_s, self.step_bytes_sent], dtype=torch.float64)
+        per_rank = torch.stack(gradsync.all_gather(own))  # (world_size, 9)
         self._write_trace()
         if not self.is_main:
             return None
@@ -238,7 +241,8 @@ class Trainer:
             "forward_s": per_rank[:, 5].mean().item(),
             "backward_s": per_rank[:, 6].mean().item(),
             "optimizer_s": per_rank[:, 7].mean().item(),
-            "bytes_sent_per_step": per_rank[:, 2].mean().item() / max(self.step, 1),
+            # inside the steps only: the start-up broadcast and evaluation sums are not per-step traffic
+            "bytes_sent_per_step": per_rank[:, 8].mean().item() / max(self.step, 1),
             "bytes_sent_per_rank": [int(v) for v in per_rank[:, 2].tolist()],
             "bytes_received_per_rank": [int(v) for v in per_rank[:, 3].tolist()],
             "per_rank_compute_s": per_rank[:, 0].tolist(),
