@@ -30,6 +30,7 @@ def _main(argv, capsys):
     (["--throughput-steps", "0"], "--throughput-steps"),
     (["--rounds", "0"], "--rounds"),
     (["--num-samples", "5"], "--num-samples"),
+    (["--no-accuracy", "--no-throughput"], "nothing to run"),
 ])
 def test_bench_compression_rejects_bad_options_with_one_line(args, needle, capsys):
     """Each bad option: exit 2 and one error line naming it, before any process starts."""
@@ -37,6 +38,14 @@ def test_bench_compression_rejects_bad_options_with_one_line(args, needle, capsy
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in result.stderr, result.stderr
+
+
+def test_bench_compression_out_must_be_a_folder(tmp_path, capsys):
+    """--out naming a file: exit 2 and one line, before any run."""
+    path = tmp_path / "a-file"
+    path.write_text("")
+    result = _main(["bench", "compression", "--out", str(path)], capsys)
+    assert result.returncode == 2 and "not a folder" in result.stderr, result.stderr
 
 
 def test_ratios_against_the_uncompressed_row():

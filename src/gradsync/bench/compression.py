@@ -48,6 +48,9 @@ def run_accuracy(compression: str, warmup_steps: int, nproc: int, epochs: int, o
                          compression_warmup_steps=0 if compression == "none" else warmup_steps,
                          out=str(out_dir / compression), **options)
     summary = run_job(config)
+    if summary["steps"] <= config.compression_warmup_steps:
+        print(f"# warning: {compression}: the run's {summary['steps']} steps all fall in the "
+              f"{config.compression_warmup_steps} warm-up steps: nothing was compressed", flush=True)
     records = [json.loads(line) for line in (out_dir / compression / METRICS_FILE).read_text().splitlines()]
     step_bytes = [r["bytes_sent"] for r in records if r["kind"] == "step"]
     return {"kind": "accuracy", "model": config.model, "compression": compression, "world_size": nproc,
@@ -151,7 +154,7 @@ def format_accuracy_table(rows: list[dict]) -> str:
         lines.append(f"{row['model']:>5} {row['compression']:>11} {100 * row['test_accuracy']:>10.2f} "
                      f"{_fmt(row.get('accuracy_delta_pp'), '+.2f'):>10} {row['bytes_per_step']:>11.0f} "
                      f"{_fmt(row['bytes_reduction'], '.1f'):>8} {row['mean_bytes_per_step']:>15.0f} "
-                     f"{row['samples_per_s']:>9.0f} {_fmt(row['speedup'], '.2f'):>12}x")
+                     f"{row['samples_per_s']:>9.0f} {_fmt(row['speedup'], '.2f') + 'x':>13}")
     return "\n".join(lines)
 
 
@@ -161,7 +164,7 @@ def format_throughput_table(rows: list[dict]) -> str:
     lines = [header, "-" * len(header)]
     for row in rows:
         lines.append(f"{row['model']:>5} {row['world_size']:>10} {row['compression']:>11} "
-                     f"{row['samples_per_s']:>9.1f} {_fmt(row['speedup'], '.2f'):>12}x "
+                     f"{row['samples_per_s']:>9.1f} {_fmt(row['speedup'], '.2f') + 'x':>13} "
                      f"{row['bytes_per_step']:>12.0f} {_fmt(row['bytes_reduction'], '.1f'):>8} "
                      f"{1e3 * row['comm_s_per_step']:>12.1f} {_fmt(row.get('break_even_gbit_s'), '.2f'):>15}")
     lines.append("# break-even: the link speed under which the bytes saved would pay for the compressor's extra "
@@ -211,6 +214,10 @@ def run_bench(*, compressions: str, nproc: int, epochs: int, warmup_steps: int, 
     names = _parse(compressions, nproc=(nproc, 1), epochs=(epochs, 1), compression_warmup_steps=(warmup_steps, 0),
                    throughput_nproc=(throughput_nproc, 1), throughput_steps=(throughput_steps, 1),
                    rounds=(rounds, 1))
+    if not (accuracy or throughput):
+        raise ValueError("--no-accuracy and --no-throughput leave nothing to run")
+    if out and Path(out).exists() and not Path(out).is_dir():
+        raise ValueError(f"--out {out} exists and is not a folder")
     options = {} if num_samples is None else {"num_samples": num_samples}
     validate(TrainConfig(nproc=nproc, epochs=epochs, **options))  # the accuracy runs' options, before any run
     claim_json_path(json_path)
