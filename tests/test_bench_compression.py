@@ -3,21 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
 from gradsync.bench import compression as compression_bench
-from gradsync.cli import main
-
-
-def _main(argv, capsys):
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    captured = capsys.readouterr()
-    return subprocess.CompletedProcess(argv, code, captured.out, captured.err)
+from test_bench import _main
 
 
 @pytest.mark.parametrize("args, needle", [

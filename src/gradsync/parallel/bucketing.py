@@ -1,4 +1,4 @@
-"""Assign parameters to gradient buckets: a pure function, kept apart from the reducer.
+"""Gradient buckets: which parameters go together (a pure function) and the flat buffer they share.
 
 Buckets are filled in the order gradients are expected to become ready:
 reverse registration order before the first iteration, the observed order
@@ -85,3 +85,29 @@ def assign_buckets(params: Sequence[torch.Tensor], bucket_cap_bytes: int,
 
 def _is_first(buckets: list[list[int]], members: list[int]) -> bool:
     return bool(buckets) and buckets[0] is members
+
+
+class Bucket:
+    """One flat buffer: the gradients of ``params`` back to back, then optional per-parameter flags.
+
+    ``flat`` has shape ``(grad_numel + num_flags,)`` and the parameters' dtype;
+    ``views[k]`` is ``params[k]``'s slice shaped like the parameter.
+    """
+
+    def __init__(self, index: int, param_indices: list[int], params: list[torch.Tensor], num_flags: int,
+                 storage: torch.Tensor | None = None):
+        self.index = index
+        self.param_indices = param_indices
+        self.grad_numel = sum(param.numel() for param in params)
+        numel, dtype = self.grad_numel + num_flags, params[0].dtype
+        self.shared = storage is not None
+        if storage is None:
+            self.flat = torch.zeros(numel, dtype=dtype, device=params[0].device)
+        else:  # uint8 bytes in shared memory (zero-copy buckets)
+            self.flat = storage[:numel * dtype.itemsize].view(dtype)
+            self.flat.zero_()
+        self.flags = self.flat[self.grad_numel:]
+        self.views, offset = [], 0
+        for param in params:
+            self.views.append(self.flat[offset:offset + param.numel()].view_as(param))
+            offset += param.numel()

@@ -40,36 +40,10 @@ from gradsync.collectives import api as collectives
 from gradsync.collectives.communicator import Communicator
 from gradsync.compression.base import BucketLayout, Compressor
 from gradsync.errors import GradsyncError
-from gradsync.parallel.bucketing import DEFAULT_FIRST_BUCKET_CAP_BYTES, assign_buckets, default_order
+from gradsync.parallel.bucketing import DEFAULT_FIRST_BUCKET_CAP_BYTES, Bucket, assign_buckets, default_order
 
 PAUSE_S = 0.002                # a gap in backward long enough to hide a bucket's AllReduce in
 MIN_SPLIT_BYTES = 2**20        # smaller buckets are latency-bound: splitting them costs more than it hides
-
-
-class Bucket:
-    """One flat buffer: the gradients of ``params`` back to back, then optional per-parameter flags.
-
-    ``flat`` has shape ``(grad_numel + num_flags,)`` and the parameters' dtype;
-    ``views[k]`` is ``params[k]``'s slice shaped like the parameter.
-    """
-
-    def __init__(self, index: int, param_indices: list[int], params: list[torch.Tensor], num_flags: int,
-                 storage: torch.Tensor | None = None):
-        self.index = index
-        self.param_indices = param_indices
-        self.grad_numel = sum(param.numel() for param in params)
-        numel, dtype = self.grad_numel + num_flags, params[0].dtype
-        self.shared = storage is not None
-        if storage is None:
-            self.flat = torch.zeros(numel, dtype=dtype, device=params[0].device)
-        else:  # uint8 bytes in shared memory (zero-copy buckets)
-            self.flat = storage[:numel * dtype.itemsize].view(dtype)
-            self.flat.zero_()
-        self.flags = self.flat[self.grad_numel:]
-        self.views, offset = [], 0
-        for param in params:
-            self.views.append(self.flat[offset:offset + param.numel()].view_as(param))
-            offset += param.numel()
 
 
 class _Round:
