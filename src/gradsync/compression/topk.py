@@ -84,7 +84,7 @@ class TopK(Compressor):
             kept = values[indices].to(torch.float32)
             payload[:k] = kept.view(torch.int32)
             payload[k:] = indices.to(torch.int32)
-            transmitted = torch.zeros_like(values)
+            transmitted = magnitudes.zero_()  # the scratch is free again: no bucket-sized allocation per step
             transmitted[indices] = kept.to(values.dtype)
             return transmitted
 
