@@ -1,4 +1,4 @@
-"""Command line: ``gradsync train`` and ``gradsync bench allreduce|train|compression`` (argparse only, no logic)."""
+"""Command line: ``gradsync train`` and ``gradsync bench allreduce|train|compression|modes`` (argparse only, no logic)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from gradsync import __version__
 from gradsync.collectives.api import ALGORITHMS
 from gradsync.compression import COMPRESSIONS
 from gradsync.errors import CollectiveMismatchError, CollectiveTimeoutError, GradsyncError
-from gradsync.train.config import LR_SCHEDULES, OPTIMIZERS, TrainConfig
+from gradsync.train.config import LR_SCHEDULES, MODES, OPTIMIZERS, TrainConfig
 from gradsync.train.models import MODELS
 
 _DEFAULTS = TrainConfig()
@@ -26,6 +26,18 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
     d = _DEFAULTS
     add = parser.add_argument
     add("--nproc", type=int, default=d.nproc, help="worker processes on this machine (default %(default)s)")
+    add("--mode", default=d.mode, metavar="{" + ",".join(MODES) + "}",
+        help="sync: AllReduce the gradients every step; async: a parameter server (one extra process, the "
+        "last rank) applies each worker's gradient on arrival; local-sgd: workers step alone and average "
+        "parameters every --sync-every steps (default %(default)s)")
+    add("--max-staleness", type=int, default=d.max_staleness, metavar="S", help="async: no applied gradient "
+        "is more than S versions stale; faster workers wait (default: unbounded)")
+    add("--staleness-lr", action="store_true", help="async: divide the learning rate by each gradient's "
+        "staleness (Zhang et al. 2016)")
+    add("--sync-every", type=int, default=d.sync_every, metavar="H", help="local-sgd: optimizer steps between "
+        "parameter averages (default %(default)s)")
+    add("--straggler", default=None, metavar="RANK:FACTOR", help="make worker RANK's compute take FACTOR "
+        "times as long (it sleeps in proportion), e.g. 1:3")
     add("--model", default=d.model, metavar="{" + ",".join(MODELS) + "}", help="model (default %(default)s)")
     add("--epochs", type=int, default=d.epochs, help="passes over the training data (default %(default)s)")
     add("--batch-size", type=int, default=d.batch_size, help="samples per worker per micro-batch "
@@ -92,7 +104,31 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train the main job (MNIST-1D CNN, 4 workers) once per compressor and print test "
                     "accuracy, bytes sent per step and samples/s relative to no compression, with a plot "
                     "of test accuracy per epoch; then time every compressor on the ~25M-parameter MLP."))
+    _add_modes_bench_options(benches.add_parser(
+        "modes", help="sync vs async (parameter server) vs local SGD, with and without a straggler",
+        description="Train the main job (MNIST-1D CNN, 4 workers) in sync mode, async mode per staleness "
+                    "bound and local SGD per H, each without and with worker rank 1 slowed down; print "
+                    "samples/s, seconds to 85%% test accuracy, final accuracy and staleness, and plot test "
+                    "accuracy against wall time."))
     return parser
+
+
+def _add_modes_bench_options(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--staleness-bounds", default="none,4", help="async runs, one per --max-staleness value; none = "
+        "unbounded; empty: no async runs (default %(default)s)")
+    add("--sync-every", default="4,16", help="local-sgd runs, one per H; empty: none (default %(default)s)")
+    add("--straggler-factor", type=float, default=3.0, help="worker rank 1's compute takes this many times "
+        "as long in the second set of runs; 1: skip them (default %(default)s)")
+    add("--staleness-lr", action="store_true", help="async runs divide the lr by the staleness")
+    add("--nproc", type=int, default=4, help="workers (default %(default)s)")
+    add("--epochs", type=int, default=_DEFAULTS.epochs, help="(default %(default)s)")
+    add("--lr", type=float, default=None, help="learning rate of every run (default: the main job's)")
+    add("--num-samples", type=int, default=None, help="MNIST-1D samples (default: the main job's)")
+    add("--target", type=float, default=0.85, help="test accuracy whose first crossing is timed "
+        "(default %(default)s)")
+    add("--out", default=None, help="folder for the run folders and the plot (default: a new temporary folder)")
+    add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
 
 
 def _add_compression_bench_options(parser: argparse.ArgumentParser) -> None:
@@ -196,7 +232,18 @@ def bench_compression(args: argparse.Namespace) -> int:
     return 0
 
 
-_BENCHES = {"allreduce": bench_allreduce, "train": bench_train, "compression": bench_compression}
+def bench_modes(args: argparse.Namespace) -> int:
+    from gradsync.bench.modes import run_bench
+
+    run_bench(staleness_bounds=args.staleness_bounds, sync_every=args.sync_every,
+              straggler_factor=args.straggler_factor, nproc=args.nproc, epochs=args.epochs,
+              num_samples=args.num_samples, lr=args.lr, staleness_lr=args.staleness_lr, target=args.target,
+              out=args.out, json_path=args.json)
+    return 0
+
+
+_BENCHES = {"allreduce": bench_allreduce, "train": bench_train, "compression": bench_compression,
+            "modes": bench_modes}
 
 
 def main(argv: list[str] | None = None) -> int:

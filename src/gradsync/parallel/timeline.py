@@ -19,7 +19,7 @@ from typing import Iterable
 
 import torch
 
-KINDS = ("forward", "backward", "optimizer", "allreduce", "eval")
+KINDS = ("forward", "backward", "optimizer", "allreduce", "eval", "average")
 THREADS = ("main", "comm")
 ROW_NUMEL = 6  # kind, thread, start (wall-clock µs), duration (µs), bucket (-1: none), bytes
 

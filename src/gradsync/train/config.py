@@ -10,6 +10,7 @@ from gradsync.compression import COMPRESSIONS
 from gradsync.train.data import DEFAULT_NUM_SAMPLES
 from gradsync.train.models import MODELS
 
+MODES = ("sync", "async", "local-sgd")
 OPTIMIZERS = ("sgd", "adam")
 LR_SCHEDULES = ("cosine", "constant")
 MAX_NUM_SAMPLES = 500_000
@@ -21,7 +22,12 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0
 class TrainConfig:
     """What ``gradsync train`` runs. Defaults are the main job (DESIGN.md §4)."""
 
-    nproc: int = 4                  # worker processes on this machine
+    nproc: int = 4                  # worker processes on this machine (async adds one server process)
+    mode: str = "sync"              # sync (AllReduce every step) | async (parameter server) | local-sgd
+    max_staleness: int | None = None  # async: bound on an applied gradient's staleness (None: unbounded)
+    staleness_lr: bool = False      # async: divide the lr by the gradient's staleness (Zhang et al. 2016)
+    sync_every: int = 4             # local-sgd: optimizer steps between parameter averages (H)
+    straggler: str | None = None    # "RANK:FACTOR": worker RANK's compute takes FACTOR times as long
     model: str = "cnn"              # logreg | mlp | cnn
     epochs: int = 15                # passes over the training split
     batch_size: int = 32            # samples per worker per micro-batch
@@ -47,6 +53,33 @@ class TrainConfig:
 
     def global_batch_size(self, world_size: int) -> int:
         return self.batch_size * self.accumulate * world_size
+
+    def num_workers(self, world_size: int) -> int:
+        """Processes that compute gradients: all of them, except the server in async mode."""
+        return world_size - 1 if self.mode == "async" else world_size
+
+    def world_size(self) -> int:
+        """Processes ``gradsync train`` starts locally for ``nproc`` workers."""
+        return self.nproc + 1 if self.mode == "async" else self.nproc
+
+    def main_rank(self, world_size: int) -> int:
+        """The rank that writes the run folder: the server (last rank) in async mode, else rank 0."""
+        return world_size - 1 if self.mode == "async" else 0
+
+    def straggler_rank_factor(self) -> tuple[int, float] | None:
+        """``(rank, factor)`` parsed from ``straggler`` (ValueError if malformed), or None."""
+        if self.straggler is None:
+            return None
+        rank_text, sep, factor_text = str(self.straggler).partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            rank, factor = int(rank_text), float(factor_text)
+        except ValueError:
+            raise ValueError(f"--straggler must be RANK:FACTOR (e.g. 1:3), got {self.straggler!r}") from None
+        if rank < 0 or not 1 <= factor < math.inf:
+            raise ValueError(f"--straggler {self.straggler}: RANK must be >= 0 and FACTOR a finite number >= 1")
+        return rank, factor
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -87,10 +120,42 @@ def validate(config: TrainConfig) -> None:
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+    _validate_mode(config)
+
+
+def _validate_mode(config: TrainConfig) -> None:
+    """Mode-specific options: each belongs to one mode, and a straggler must be a worker."""
+    d = TrainConfig()
+    if config.mode not in MODES:
+        raise ValueError(f"unknown --mode {config.mode!r}; choose one of {', '.join(MODES)}")
+    only = {"async": [("--max-staleness", config.max_staleness, d.max_staleness),
+                      ("--staleness-lr", config.staleness_lr, d.staleness_lr)],
+            "local-sgd": [("--sync-every", config.sync_every, d.sync_every)],
+            "sync": [("--compression", config.compression, d.compression),
+                     ("--gradient-as-bucket-view", config.gradient_as_bucket_view, d.gradient_as_bucket_view)]}
+    for mode, options in only.items():
+        for flag, value, default in options:
+            if config.mode != mode and value != default:
+                raise ValueError(f"{flag} applies to --mode {mode}, not --mode {config.mode}")
+    if config.max_staleness is not None and (isinstance(config.max_staleness, bool)
+                                             or not isinstance(config.max_staleness, int)
+                                             or config.max_staleness < 0):
+        raise ValueError(f"--max-staleness must be an int >= 0, got {config.max_staleness}")
+    if isinstance(config.sync_every, bool) or not isinstance(config.sync_every, int) or config.sync_every < 1:
+        raise ValueError(f"--sync-every must be an int >= 1, got {config.sync_every}")
+    if config.mode == "async" and config.trace is not None:
+        raise ValueError("--trace records bucket AllReduces: use it with --mode sync or local-sgd")
+    config.straggler_rank_factor()
 
 
 def validate_against_data(config: TrainConfig, world_size: int, num_train: int) -> None:
-    """Check that every rank gets at least one full optimizer step per epoch."""
+    """Check that every worker gets at least one full optimizer step per epoch, and the straggler exists."""
+    if config.mode == "async" and world_size < 2:
+        raise ValueError("--mode async needs a server and at least one worker: 2 or more processes")
+    world_size = config.num_workers(world_size)  # the data is shared among the workers only
+    straggler = config.straggler_rank_factor()
+    if straggler is not None and straggler[0] >= world_size:
+        raise ValueError(f"--straggler rank {straggler[0]} is not a worker: workers are ranks 0..{world_size - 1}")
     if world_size > num_train:
         raise ValueError(f"world size {world_size} is larger than the {num_train} training samples")
     per_rank = -(-num_train // world_size)  # DistributedSampler pads to equal shares

@@ -84,19 +84,20 @@ def run_job(config: TrainConfig) -> dict | None:
     """
     validate(config)
     torchrun = under_torchrun()
-    world_size = int(os.environ["WORLD_SIZE"]) if torchrun else config.nproc
+    world_size = int(os.environ["WORLD_SIZE"]) if torchrun else config.world_size()
     validate_against_data(config, world_size, data.num_train_samples(config.num_samples))
     if config.trace is not None:
         config.trace = str(check_trace_path(config.trace))
     data_path = data.prepare(config.data_dir, config.num_samples)
-    writes_folder = not torchrun or os.environ.get("RANK", "0") == "0"
-    if not writes_folder:  # only rank 0 writes the run folder
+    writes_folder = not torchrun or int(os.environ.get("RANK", "0")) == config.main_rank(world_size)
+    if not writes_folder:  # only rank 0 (the server in async mode) writes the run folder
         return run_worker(config, str(data_path), str(config.out or "runs/unused"))
     out_dir, created = claim_out_dir(config.out)
     config.out = str(out_dir)
     try:
         if torchrun:
             return run_worker(config, str(data_path), str(out_dir))
-        return launch_local(config.nproc, run_worker, config, str(data_path), str(out_dir))[0]
+        results = launch_local(world_size, run_worker, config, str(data_path), str(out_dir))
+        return results[config.main_rank(world_size)]
     finally:
         release_out_dir(out_dir, created)

@@ -35,6 +35,7 @@ from gradsync.train.config import TrainConfig, validate_against_data
 from gradsync.train.data import load
 from gradsync.train.metrics import (METRICS_FILE, SUMMARY_FILE, MetricsLog, StepTimes, read_metrics,
                                     write_summary)
+from gradsync.parallel.staleness import StalenessStats
 from gradsync.parallel.timeline import Timeline, trace_events, write_trace
 from gradsync.train.models import build_model
 from gradsync.train.plots import plot_run
@@ -55,8 +56,45 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def make_optimizer(params, config: TrainConfig) -> torch.optim.Optimizer:
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=config.lr, momentum=0.9, weight_decay=config.weight_decay)
+    return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total_steps: int):
+    if config.lr_schedule == "cosine":
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total_steps, 1))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+
+def straggler_factor(config: TrainConfig, rank: int) -> float:
+    """How many times as long this worker's compute takes (1.0 unless it is ``--straggler``'s rank)."""
+    straggler = config.straggler_rank_factor()
+    return straggler[1] if straggler is not None and straggler[0] == rank else 1.0
+
+
+def straggle(factor: float, compute_s: float) -> float:
+    """Sleep ``(factor - 1) * compute_s`` seconds (a slow worker's extra time); returns the seconds slept."""
+    extra_s = (factor - 1.0) * compute_s
+    if extra_s > 0:
+        time.sleep(extra_s)
+    return max(extra_s, 0.0)
+
+
+def build_replica(config: TrainConfig) -> torch.nn.Module:
+    """The model wrapped for the mode: DataParallel (sync) or LocalSGD (local-sgd)."""
+    module = build_model(config.model)
+    if config.mode == "local-sgd":
+        return gradsync.LocalSGD(module, sync_every=config.sync_every, algorithm=config.algorithm)
+    compressor = make_compressor(config.compression, config.topk_ratio, config.powersgd_rank,
+                                 config.compression_warmup_steps)
+    return gradsync.DataParallel(module, bucket_cap_mb=config.bucket_cap_mb, algorithm=config.algorithm,
+                                 gradient_as_bucket_view=config.gradient_as_bucket_view, compression=compressor)
+
+
 class Trainer:
-    """One worker's view of the data-parallel job (rank 0 also writes the run folder)."""
+    """One worker's view of a sync or local-sgd job (rank 0 also writes the run folder)."""
 
     def __init__(self, config: TrainConfig, data_path: Path, out_dir: Path):
         self.config = config
@@ -68,35 +106,22 @@ class Trainer:
         seed_everything(config.seed)
         self.data = load(data_path)
         validate_against_data(config, self.world_size, len(self.data.y_train))
-        self.model = gradsync.DataParallel(build_model(config.model), bucket_cap_mb=config.bucket_cap_mb,
-                                           algorithm=config.algorithm,
-                                           gradient_as_bucket_view=config.gradient_as_bucket_view,
-                                           compression=make_compressor(config.compression, config.topk_ratio,
-                                                                       config.powersgd_rank,
-                                                                       config.compression_warmup_steps))
+        self.model = build_replica(config)
+        self.local_sgd = config.mode == "local-sgd"
+        self.straggler_factor = straggler_factor(config, self.rank)
+        self.staleness = StalenessStats()  # sync: 0; local-sgd: local steps since the last average
         self.timeline = Timeline(self.rank) if config.trace else None
         self.model.timeline = self.timeline
-        self.optimizer = self._make_optimizer()
+        self.optimizer = make_optimizer(self.model.parameters(), config)
         self.sampler = DistributedSampler(self.data.train_dataset(), num_replicas=self.world_size,
                                           rank=self.rank, shuffle=True, seed=config.seed)
         self.batches = BatchSampler(self.sampler, config.batch_size, drop_last=True)
         self.steps_per_epoch = len(self.batches) // config.accumulate
-        self.scheduler = self._make_scheduler(self.steps_per_epoch * config.epochs)
+        self.scheduler = make_scheduler(self.optimizer, config, self.steps_per_epoch * config.epochs)
         self.times = StepTimes()
         self.step = 0
         self.step_bytes_sent = 0  # bytes this rank sent inside optimizer steps (gradient sync)
         self.log = MetricsLog(self.out_dir / METRICS_FILE) if self.is_main else None
-
-    def _make_optimizer(self) -> torch.optim.Optimizer:
-        params, c = self.model.parameters(), self.config
-        if c.optimizer == "sgd":
-            return torch.optim.SGD(params, lr=c.lr, momentum=0.9, weight_decay=c.weight_decay)
-        return torch.optim.AdamW(params, lr=c.lr, weight_decay=c.weight_decay)
-
-    def _make_scheduler(self, total_steps: int):
-        if self.config.lr_schedule == "cosine":
-            return torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, T_max=max(total_steps, 1))
-        return torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0)
 
     def run(self) -> dict | None:
         """Train for ``config.epochs`` epochs; rank 0 returns the summary, others None."""
@@ -107,6 +132,8 @@ class Trainer:
         epoch_records = []
         for epoch in range(self.config.epochs):
             train_loss = self._train_epoch(epoch, bar)
+            if self.local_sgd and self.model.local_steps:  # evaluate the average, as the paper does
+                self.model.average()
             eval_started = time.perf_counter()
             test_loss, test_accuracy = self._evaluate()
             self._record("eval", eval_started, time.perf_counter())
@@ -159,6 +186,8 @@ class Trainer:
             forward_s += t1 - t0
             backward_s += t2 - t1
             step_loss += loss.item()
+        exposed_s = self.model.exposed_comm_seconds - exposed_before
+        straggle(self.straggler_factor, forward_s + backward_s - exposed_s)
         t3 = time.perf_counter()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -166,6 +195,12 @@ class Trainer:
         self.scheduler.step()
         t4 = time.perf_counter()
         self._record("optimizer", t3, t4)
+        if self.local_sgd:  # the gradient just applied had not seen the others' last local_steps steps
+            self.staleness.record(self.model.local_steps)
+            if self.model.step():
+                self._record("average", t4, time.perf_counter())
+        else:
+            self.staleness.record(0)
         comm_s = self.model.comm_seconds - comm_before
         exposed_s = self.model.exposed_comm_seconds - exposed_before
         self.times.add(forward_s, backward_s, comm_s, exposed_s, t4 - t3)
@@ -228,7 +263,10 @@ class Trainer:
             "final_test_loss": epochs[-1]["test_loss"],
             "final_train_loss": epochs[-1]["train_loss"],
             "world_size": self.world_size,
+            "mode": self.config.mode,
+            "num_workers": self.world_size,
             "compression": self.config.compression,
+            **self.staleness.as_dict(),
             "steps": self.step,
             "samples": samples,
             "samples_per_s": samples / train_wall_s if train_wall_s > 0 else math.nan,
@@ -263,7 +301,11 @@ def run_worker(config: TrainConfig, data_path: str, out_dir: str) -> dict | None
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     gradsync.init(timeout=config.timeout)
     try:
-        summary = Trainer(config, Path(data_path), Path(out_dir)).run()
+        if config.mode == "async":
+            from gradsync.train.async_loop import run_async_role
+            summary = run_async_role(config, Path(data_path), Path(out_dir))
+        else:
+            summary = Trainer(config, Path(data_path), Path(out_dir)).run()
     except gradsync.CollectiveTimeoutError as exc:
         if not exc.timed_out:
             # A closed connection is the echo of another worker's failure: let

@@ -8,6 +8,9 @@ in-process threads in tests (``thread.py``) and, later, over a simulator.
 
 Messages between one ordered pair of ranks are matched in posting order
 (FIFO), as in Gloo and MPI: algorithms rely on it instead of tags.
+Collectives use tag 0. The parameter server's messages, whose order across
+peers is not known in advance, travel on their own tags and are received with
+:meth:`TaggedTransport.irecv_any` (a receive from whichever peer sends first).
 """
 
 from __future__ import annotations
@@ -94,3 +97,29 @@ class Transport(Protocol):
 
     def backend_broadcast(self, tensor: torch.Tensor, src: int, timeout_s: float) -> None:
         """Copy ``src``'s ``tensor`` into every rank's ``tensor`` with the backend's own call."""
+
+
+class AnySourceHandle(Protocol):
+    """A receive from any peer in flight; ``source`` is the sender's rank once ``wait`` returned."""
+
+    source: int
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until a message arrived; raise :class:`PeerFailure` (peer -1) after ``timeout_s``."""
+
+
+class TaggedTransport(Transport, Protocol):
+    """A transport that also carries tagged messages and receives from any source.
+
+    Messages match on (peer, tag), FIFO within each; a tag > 0 never matches
+    the collectives' tag 0, so tagged traffic and collectives share a group.
+    """
+
+    def isend_tagged(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle:
+        """Start sending ``tensor`` to ``peer`` on ``tag``."""
+
+    def irecv_tagged(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle:
+        """Start receiving ``peer``'s next message on ``tag`` into ``tensor``."""
+
+    def irecv_any(self, tensor: torch.Tensor, tag: int) -> AnySourceHandle:
+        """Start receiving the next message on ``tag`` from whichever peer sends first."""

@@ -12,6 +12,8 @@ processes. A rank that never calls is a silent peer: waits on it time out.
 from __future__ import annotations
 
 import queue
+import threading
+import time
 
 import torch
 
@@ -27,12 +29,33 @@ class ThreadWorld:
         self.world_size = world_size
         self._mailboxes = {(src, dst): queue.Queue()
                            for src in range(world_size) for dst in range(world_size)}
+        # tagged messages: (dst, tag) -> [(src, tensor), ...] in arrival order
+        self._tagged: dict[tuple[int, int], list[tuple[int, torch.Tensor]]] = {}
+        self._tagged_arrival = threading.Condition()
 
     def transport(self, rank: int) -> "ThreadTransport":
         return ThreadTransport(self, rank)
 
     def mailbox(self, src: int, dst: int) -> queue.Queue:
         return self._mailboxes[(src, dst)]
+
+    def put_tagged(self, src: int, dst: int, tag: int, tensor: torch.Tensor) -> None:
+        with self._tagged_arrival:
+            self._tagged.setdefault((dst, tag), []).append((src, tensor))
+            self._tagged_arrival.notify_all()
+
+    def take_tagged(self, dst: int, tag: int, src: int | None, timeout_s: float) -> tuple[int, torch.Tensor]:
+        """Remove and return the first ``(src, tensor)`` on (dst, tag), from ``src`` or any source."""
+        deadline = time.monotonic() + max(timeout_s, 0.0)
+        with self._tagged_arrival:
+            while True:
+                waiting = self._tagged.get((dst, tag), [])
+                for index, (sender, tensor) in enumerate(waiting):
+                    if src is None or sender == src:
+                        return waiting.pop(index)
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._tagged_arrival.wait(left):
+                    raise PeerFailure(-1 if src is None else src, "timed out waiting for it", True)
 
 
 class _Done:
@@ -54,12 +77,29 @@ class _RecvHandle:
             payload = self._mailbox.get(timeout=max(timeout_s, 0.0))
         except queue.Empty:
             raise PeerFailure(self._peer, "timed out waiting for it", True) from None
-        if payload.numel() != self._tensor.numel() or payload.dtype != self._tensor.dtype:
-            raise PeerFailure(self._peer, f"message of {payload.numel()} x {payload.dtype} does not "
-                              f"fit the receive buffer of {self._tensor.numel()} x {self._tensor.dtype}",
-                              False)
+        _check_fits(payload, self._tensor, self._peer)
         self._tensor.copy_(payload.view_as(self._tensor))
         self._done = True
+
+
+def _check_fits(payload: torch.Tensor, tensor: torch.Tensor, peer: int) -> None:
+    if payload.numel() != tensor.numel() or payload.dtype != tensor.dtype:
+        raise PeerFailure(peer, f"message of {payload.numel()} x {payload.dtype} does not "
+                          f"fit the receive buffer of {tensor.numel()} x {tensor.dtype}", False)
+
+
+class _TaggedRecvHandle:
+    def __init__(self, world: ThreadWorld, dst: int, tag: int, tensor: torch.Tensor, src: int | None):
+        self._world, self._dst, self._tag, self._tensor, self._src = world, dst, tag, tensor, src
+        self.source = -1
+
+    def wait(self, timeout_s: float) -> None:
+        if self.source >= 0:
+            return
+        sender, payload = self._world.take_tagged(self._dst, self._tag, self._src, timeout_s)
+        _check_fits(payload, self._tensor, sender)
+        self._tensor.copy_(payload.view_as(self._tensor))
+        self.source = sender
 
 
 class ThreadTransport:
@@ -81,6 +121,19 @@ class ThreadTransport:
     def irecv(self, tensor: torch.Tensor, peer: int) -> _RecvHandle:
         self.stats.record_recv(tensor.numel() * tensor.element_size())
         return _RecvHandle(self._world.mailbox(peer, self.rank), tensor, peer)
+
+    def isend_tagged(self, tensor: torch.Tensor, peer: int, tag: int) -> _Done:
+        self._world.put_tagged(self.rank, peer, tag, tensor.detach().clone())
+        self.stats.record_send(tensor.numel() * tensor.element_size())
+        return _Done()
+
+    def irecv_tagged(self, tensor: torch.Tensor, peer: int, tag: int) -> _TaggedRecvHandle:
+        self.stats.record_recv(tensor.numel() * tensor.element_size())
+        return _TaggedRecvHandle(self._world, self.rank, tag, tensor, peer)
+
+    def irecv_any(self, tensor: torch.Tensor, tag: int) -> _TaggedRecvHandle:
+        self.stats.record_recv(tensor.numel() * tensor.element_size())
+        return _TaggedRecvHandle(self._world, self.rank, tag, tensor, None)
 
     def backend_all_reduce(self, tensor: torch.Tensor, timeout_s: float) -> None:
         """Sum by exchanging whole tensors with every peer, adding in rank order."""

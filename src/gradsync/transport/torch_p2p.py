@@ -55,6 +55,22 @@ class _WorkHandle:
             raise PeerFailure(self._peer, reason, timed_out) from exc
 
 
+class _AnySourceHandle:
+    """Gloo's receive from any source (``irecv`` without ``src``); the sender is known after ``wait``."""
+
+    def __init__(self, work):
+        self._work = work
+        self.source = -1
+
+    def wait(self, timeout_s: float) -> None:
+        try:
+            self._work.wait(timeout=_timedelta(timeout_s))
+        except RuntimeError as exc:
+            reason, timed_out = _classify(exc)
+            raise PeerFailure(-1, reason, timed_out) from exc
+        self.source = self._work._source_rank()
+
+
 class TorchP2PTransport:
     """A :class:`~gradsync.transport.base.Transport` over one torch.distributed group.
 
@@ -78,6 +94,23 @@ class TorchP2PTransport:
         work = _post(dist.irecv, tensor, peer, group=self.group, group_src=peer)
         self.stats.record_recv(tensor.numel() * tensor.element_size())
         return _WorkHandle(work, peer)
+
+    def isend_tagged(self, tensor: torch.Tensor, peer: int, tag: int) -> _WorkHandle:
+        work = _post(dist.isend, tensor, peer, group=self.group, group_dst=peer, tag=tag)
+        self.stats.record_send(tensor.numel() * tensor.element_size())
+        return _WorkHandle(work, peer)
+
+    def irecv_tagged(self, tensor: torch.Tensor, peer: int, tag: int) -> _WorkHandle:
+        work = _post(dist.irecv, tensor, peer, group=self.group, group_src=peer, tag=tag)
+        self.stats.record_recv(tensor.numel() * tensor.element_size())
+        return _WorkHandle(work, peer)
+
+    def irecv_any(self, tensor: torch.Tensor, tag: int) -> _AnySourceHandle:
+        if self.group is not None:
+            raise ValueError("a receive from any source needs the default group")
+        work = _post(dist.irecv, tensor, -1, tag=tag)
+        self.stats.record_recv(tensor.numel() * tensor.element_size())
+        return _AnySourceHandle(work)
 
     def backend_all_reduce(self, tensor: torch.Tensor, timeout_s: float) -> None:
         work = dist.all_reduce(tensor, group=self.group, async_op=True)

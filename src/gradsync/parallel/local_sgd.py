@@ -1,0 +1,128 @@
+"""Local SGD: every worker steps its own optimizer; parameters are averaged every H steps.
+
+Lin et al. 2018, "Don't use large mini-batches, use local SGD"; Stich 2019,
+"Local SGD converges fast and communicates little". The middle ground
+between synchronous data parallelism (H = 1: with SGD, plain or with
+momentum, averaging the parameters after every step equals averaging the
+gradients) and independent training. Torch's counterpart is
+``PeriodicModelAverager`` / ``PostLocalSGDOptimizer``.
+
+>>> import torch, gradsync
+>>> from gradsync.transport.thread import ThreadWorld
+>>> comm = gradsync.Communicator(ThreadWorld(1).transport(0))
+>>> model = LocalSGD(torch.nn.Linear(2, 1), sync_every=4, group=comm)
+>>> [model.step() for _ in range(4)]
+[False, False, False, True]
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from gradsync import collectives
+from gradsync.parallel.replicas import broadcast_tensors, verify_parameters, verify_settings
+from gradsync.process_group import resolve_group
+
+
+class LocalSGD(nn.Module):
+    """Wrap ``module`` for local SGD; call :meth:`step` after every ``optimizer.step()``.
+
+    Gradients are never communicated: build the optimizer on
+    ``model.parameters()`` as for a single process. Every ``sync_every``-th
+    :meth:`step` replaces every rank's parameters (and floating-point
+    buffers) by their average over the group, in one AllReduce per dtype.
+    Optimizer state (momentum, Adam moments) stays per rank, as in Lin et al.
+
+    Args:
+        module: the model; rank 0's parameters and buffers are broadcast at construction.
+        sync_every: H, optimizer steps between averages (int >= 1).
+        group: None (the default group), a Communicator or a torch ProcessGroup.
+        algorithm: the AllReduce algorithm of the averages (a name in ``gradsync.ALGORITHMS``).
+        timeout: seconds an average may take (None: the group's timeout).
+
+    Attributes:
+        local_steps: steps since the last average (0 right after one).
+        averages: averages done so far.
+        comm_seconds: seconds spent averaging (the caller waits for all of it).
+
+    Raises:
+        ValueError: bad ``sync_every`` or ``algorithm``; ranks disagree on them.
+        CollectiveMismatchError: parameter shapes or dtypes differ across ranks.
+        CollectiveTimeoutError: (from ``step``/``average``) a peer did not take part in time.
+    """
+
+    def __init__(self, module: nn.Module, sync_every: int, group=None, algorithm: str = "ring",
+                 timeout: float | None = None):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"LocalSGD wraps a torch.nn.Module, got {type(module).__name__}")
+        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
+        collectives.validate_algorithm(algorithm)
+        self.module = module
+        self.sync_every = sync_every
+        self.algorithm = algorithm
+        self.timeout = timeout
+        self.comm = resolve_group(group)
+        tensors = list(module.named_parameters()) + list(module.named_buffers())
+        verify_parameters(tensors, self.comm)
+        verify_settings({"sync_every": sync_every, "algorithm": algorithm}, self.comm)
+        broadcast_tensors([t.data for _, t in tensors], self.comm)
+        self._averaged = [t for _, t in tensors if t.dtype.is_floating_point]
+        self._flat = {}  # (dtype, device) -> flat buffer, allocated once
+        self.local_steps = 0
+        self.averages = 0
+        self.comm_seconds = 0.0
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @property
+    def exposed_comm_seconds(self) -> float:
+        """All of ``comm_seconds``: an average blocks the step that calls it."""
+        return self.comm_seconds
+
+    @contextmanager
+    def no_sync(self):
+        """No-op (gradients are never synchronized); kept so loops written for DataParallel run unchanged."""
+        yield
+
+    def step(self) -> bool:
+        """Count one local optimizer step; average the parameters if it was the H-th. Returns whether it did."""
+        self.local_steps += 1
+        if self.local_steps < self.sync_every:
+            return False
+        self.average()
+        return True
+
+    @torch.no_grad()
+    def average(self) -> None:
+        """Replace parameters and floating buffers by their mean over the group now (collective)."""
+        started = time.perf_counter()
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for tensor in self._averaged:
+            groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+        for key, members in groups.items():
+            flat = self._flat_buffer(key, sum(t.numel() for t in members))
+            offset = 0
+            for tensor in members:
+                flat[offset:offset + tensor.numel()].copy_(tensor.reshape(-1))
+                offset += tensor.numel()
+            collectives.all_reduce(flat, self.comm, op="avg", algorithm=self.algorithm, timeout=self.timeout,
+                                   verify=self.averages == 0)
+            offset = 0
+            for tensor in members:
+                tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+                offset += tensor.numel()
+        self.local_steps = 0
+        self.averages += 1
+        self.comm_seconds += time.perf_counter() - started
+
+    def _flat_buffer(self, key: tuple, numel: int) -> torch.Tensor:
+        if key not in self._flat:
+            self._flat[key] = torch.empty(numel, dtype=key[0], device=key[1])
+        return self._flat[key]

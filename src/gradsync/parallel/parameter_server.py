@@ -1,0 +1,220 @@
+"""The parameter server of asynchronous data parallelism (Dean et al. 2012, Downpour SGD).
+
+One rank holds the parameters and the optimizer. Each worker pulls the
+current parameters, computes a gradient on the step the server assigned, and
+pushes it; the server applies every gradient as it arrives, without waiting
+for the other workers, and replies with fresh parameters and the next step.
+Staleness is bounded by :class:`~gradsync.parallel.staleness.StalenessGate`
+(``max_staleness``) and recorded for every applied gradient.
+
+Run :meth:`ParameterServer.serve` on the server rank and
+:class:`~gradsync.parallel.async_worker.AsyncWorker` on every other rank::
+
+    if gradsync.rank() == server_rank:
+        server = ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.1), total_steps=1000)
+        server.serve()                      # returns when every step was applied
+    else:
+        worker = AsyncWorker(model, server_rank=server_rank)
+        step = worker.pull()
+        while step is not None:
+            loss = loss_fn(model(x[step]), y[step]); loss.backward()
+            step = worker.push(loss.item())
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from typing import Callable
+
+import torch
+from torch import nn
+
+from gradsync.parallel.ps_protocol import (PARAMS, PULL, PUSH, STOP, TAG_GRADIENT, TAG_PARAMETERS, TAG_REPLY,
+                                           TAG_REQUEST, check_layout, flatten_into_views, new_header,
+                                           peer_error, trainable_parameters)
+from gradsync.parallel.staleness import StalenessGate, StalenessStats
+from gradsync.process_group import resolve_group
+from gradsync.transport.base import PeerFailure
+
+
+class ParameterServer:
+    """Holds the trainable parameters and the optimizer; applies each worker's gradient on arrival.
+
+    Args:
+        module: the model; its trainable parameters (one floating dtype) become
+            views into one flat buffer that is sent to workers as is.
+        optimizer: built on ``module``'s parameters; stepped once per applied gradient.
+        total_steps: gradients to apply in all (>= 0); steps ``0 .. total_steps-1``
+            are handed to workers in order, each exactly once.
+        group: the group of the server and its workers (None: the default group).
+        workers: worker ranks (default: every other rank of the group).
+        max_staleness: bound on the staleness of applied gradients, in versions
+            (None: unbounded). See :class:`~gradsync.parallel.staleness.StalenessGate`.
+        staleness_aware_lr: divide the learning rate by the gradient's staleness
+            (when > 1) for its update (Zhang et al. 2016).
+        scheduler: an lr scheduler stepped after every applied gradient.
+        timeout: seconds a worker may take between receiving parameters and
+            pushing its gradient (default: the group's timeout).
+
+    Attributes:
+        version: gradients applied so far (the parameters' version).
+        staleness: a :class:`~gradsync.parallel.staleness.StalenessStats`.
+        applied_per_worker: ``{worker rank: gradients applied}``.
+        losses: the loss each worker sent with each applied gradient, in order.
+
+    Raises:
+        ValueError: bad arguments; a worker's model differs from the server's.
+        CollectiveTimeoutError: (from ``serve``) a worker sent nothing within
+            ``timeout`` after it was given work, or its connection failed;
+            the message names it ("peer rank 3").
+    """
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, total_steps: int, group=None,
+                 workers: list[int] | None = None, max_staleness: int | None = None,
+                 staleness_aware_lr: bool = False, scheduler=None, timeout: float | None = None):
+        if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 0:
+            raise ValueError(f"total_steps must be an int >= 0, got {total_steps!r}")
+        self.comm = resolve_group(group)
+        self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        self.workers = self._check_workers(workers)
+        self.params = trainable_parameters(module)
+        self.flat = flatten_into_views(self.params)
+        self.grad_buffer = torch.zeros(self.flat.numel() + 1, dtype=self.flat.dtype, device=self.flat.device)
+        for param, grad in zip(self.params, self._grad_views()):
+            param.grad = grad
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.total_steps = total_steps
+        self.gate = StalenessGate(max_staleness)
+        self.staleness_aware_lr = staleness_aware_lr
+        self.timeout_s = self.comm.timeout_s if timeout is None else float(timeout)
+        if not 0 < self.timeout_s < math.inf:
+            raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout}")
+        self.version = 0
+        self.next_step = 0
+        self.staleness = StalenessStats()
+        self.applied_per_worker = {w: 0 for w in self.workers}
+        self.losses: list[float] = []
+        self._waiting: deque[int] = deque()   # workers whose next parameters the gate holds back
+        self._deadline: dict[int, float] = {}  # worker -> when it must have sent its next request
+        self._stopped: set[int] = set()
+
+    def _check_workers(self, workers: list[int] | None) -> list[int]:
+        if workers is None:
+            return [r for r in range(self.world_size) if r != self.rank]
+        workers = list(workers)
+        bad = [w for w in workers if not (isinstance(w, int) and 0 <= w < self.world_size and w != self.rank)]
+        if bad or len(set(workers)) != len(workers) or not workers:
+            raise ValueError(f"workers must be distinct ranks of the group other than the server's "
+                             f"({self.rank}), got {workers}")
+        return workers
+
+    def _grad_views(self) -> list[torch.Tensor]:
+        views, offset = [], 0
+        for param in self.params:
+            views.append(self.grad_buffer[offset:offset + param.numel()].view_as(param))
+            offset += param.numel()
+        return views
+
+    def serve(self, on_update: Callable[[int, int, float, int], None] | None = None) -> None:
+        """Answer workers until all ``total_steps`` gradients are applied and every worker was told to stop.
+
+        Args:
+            on_update: called after each applied gradient as
+                ``on_update(worker, version, loss, staleness)`` (e.g. to evaluate every epoch).
+        """
+        started = time.monotonic()
+        self._deadline = {w: started + self.timeout_s for w in self.workers}
+        while len(self._stopped) < len(self.workers):
+            worker, header = self._next_request()
+            if header[0] == PULL:
+                check_layout(self.params, int(header[3]), worker, "parameter server")
+            elif header[0] == PUSH:
+                staleness, loss = self._apply(worker, int(header[1]))
+                if on_update is not None:
+                    on_update(worker, self.version, loss, staleness)
+            else:
+                raise ValueError(f"parameter server: worker rank {worker} sent unknown request {header.tolist()}")
+            self._waiting.append(worker)
+            self._answer_waiting()
+
+    def _next_request(self) -> tuple[int, torch.Tensor]:
+        """Receive the next header from whichever worker sends first, within the earliest deadline."""
+        expected = {w: d for w, d in self._deadline.items() if w not in self._stopped and w not in self._waiting}
+        late = min(expected, key=expected.get)
+        header = new_header()
+        handle = self.comm.transport.irecv_any(header, TAG_REQUEST)
+        try:
+            handle.wait(max(expected[late] - time.monotonic(), 0.0))
+        except PeerFailure as failure:
+            failure = PeerFailure(late, "sent no request in time: it died, hangs or is slower than the "
+                                  "timeout" if failure.timed_out else failure.reason, failure.timed_out)
+            raise peer_error(failure, "serve", self.rank, self.world_size, self.timeout_s) from None
+        worker = handle.source
+        if worker not in expected:
+            raise ValueError(f"parameter server: unexpected request from rank {worker} "
+                             f"({'already stopped' if worker in self._stopped else 'not a worker'})")
+        return worker, header
+
+    def _apply(self, worker: int, version_read: int) -> tuple[int, float]:
+        """Receive ``worker``'s gradient and take one optimizer step with it."""
+        if worker not in self.gate.in_flight:
+            raise ValueError(f"parameter server: worker rank {worker} pushed a gradient it was not asked for")
+        handle = self.comm.transport.irecv_tagged(self.grad_buffer, worker, TAG_GRADIENT)
+        self._wait(handle, worker, "receive gradient")
+        expected = self.gate.finish(worker)
+        if version_read != expected:
+            raise ValueError(f"parameter server: worker rank {worker} computed on version {version_read}, "
+                             f"it was sent version {expected}")
+        staleness = self.version - version_read
+        self._step(staleness)
+        self.staleness.record(staleness)
+        self.applied_per_worker[worker] += 1
+        loss = float(self.grad_buffer[-1])
+        self.losses.append(loss)
+        self.version += 1
+        return staleness, loss
+
+    def _step(self, staleness: int) -> None:
+        scale = 1.0 / staleness if self.staleness_aware_lr and staleness > 1 else 1.0
+        groups = self.optimizer.param_groups
+        scheduled = [group["lr"] for group in groups]
+        for group in groups:
+            group["lr"] = group["lr"] * scale
+        self.optimizer.step()
+        for group, lr in zip(groups, scheduled):
+            group["lr"] = lr
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def _answer_waiting(self) -> None:
+        """Give parameters (or stop) to waiting workers, oldest first, as far as the gate allows."""
+        while self._waiting:
+            worker = self._waiting[0]
+            if self.next_step >= self.total_steps:
+                self._reply(worker, STOP)
+                self._stopped.add(worker)
+            elif self.gate.may_start(self.version):
+                self.gate.start(worker, self.version)
+                self._reply(worker, PARAMS)
+                self.next_step += 1
+            else:
+                return
+            self._waiting.popleft()
+
+    def _reply(self, worker: int, kind: int) -> None:
+        header = torch.tensor([kind, self.version, self.next_step, 0], dtype=torch.int64)
+        transport = self.comm.transport
+        handles = [transport.isend_tagged(header, worker, TAG_REPLY)]
+        if kind == PARAMS:
+            handles.append(transport.isend_tagged(self.flat, worker, TAG_PARAMETERS))
+        for handle in handles:  # the parameters change with the next gradient: finish sending first
+            self._wait(handle, worker, "send parameters")
+        self._deadline[worker] = time.monotonic() + self.timeout_s
+
+    def _wait(self, handle, worker: int, what: str) -> None:
+        try:
+            handle.wait(self.timeout_s)
+        except PeerFailure as failure:
+            raise peer_error(failure, what, self.rank, self.world_size, self.timeout_s, peer=worker) from None
