@@ -115,12 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_modes_bench_options(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--staleness-bounds", default="none,4", help="async runs, one per --max-staleness value; none = "
-        "unbounded; empty: no async runs (default %(default)s)")
+    add("--staleness-bounds", default="none,4,none+lr", help="async runs, one per --max-staleness value; none = "
+        "unbounded; a +lr suffix adds --staleness-lr; empty: no async runs (default %(default)s)")
     add("--sync-every", default="4,16", help="local-sgd runs, one per H; empty: none (default %(default)s)")
     add("--straggler-factor", type=float, default=3.0, help="worker rank 1's compute takes this many times "
         "as long in the second set of runs; 1: skip them (default %(default)s)")
-    add("--staleness-lr", action="store_true", help="async runs divide the lr by the staleness")
+    add("--staleness-lr", action="store_true", help="every async run divides the lr by the staleness")
     add("--nproc", type=int, default=4, help="workers (default %(default)s)")
     add("--epochs", type=int, default=_DEFAULTS.epochs, help="(default %(default)s)")
     add("--lr", type=float, default=None, help="learning rate of every run (default: the main job's)")

@@ -3,7 +3,8 @@
 Trains the main job (MNIST-1D CNN, ``gradsync train`` defaults: 4 workers,
 AdamW lr 1e-2 with cosine decay, 15 epochs, seed 0) once per setting:
 sync; async with each staleness bound (``none`` = unbounded); local SGD
-with each H; every one without a straggler and with worker rank 1 slowed by
+with each H (a bound ending in ``+lr`` also divides the lr by the
+staleness, Zhang et al. 2016); every one without a straggler and with worker rank 1 slowed by
 ``--straggler-factor``. Prints one table (samples/s, seconds until the test
 accuracy first reaches the target, final accuracy, staleness) and one PNG of
 test accuracy against wall time. Wall time includes the per-epoch
@@ -31,8 +32,9 @@ def parse_settings(staleness_bounds: str, sync_every: str) -> list[dict]:
     """The runs' mode options: sync, async per bound, local-sgd per H (ValueError on a bad list)."""
     settings = [{"mode": "sync"}]
     for text in _items(staleness_bounds, "--staleness-bounds"):
-        bound = None if text == "none" else _int(text, "--staleness-bounds", 0)
-        settings.append({"mode": "async", "max_staleness": bound})
+        bound_text, lr_suffix = (text[:-3], True) if text.endswith("+lr") else (text, False)
+        bound = None if bound_text == "none" else _int(bound_text, "--staleness-bounds", 0)
+        settings.append({"mode": "async", "max_staleness": bound, "staleness_lr": lr_suffix})
     for text in _items(sync_every, "--sync-every"):
         settings.append({"mode": "local-sgd", "sync_every": _int(text, "--sync-every", 1)})
     return settings
@@ -58,7 +60,8 @@ def _int(text: str, option: str, low: int) -> int:
 def label(setting: dict) -> str:
     if setting["mode"] == "async":
         bound = setting["max_staleness"]
-        return "async" + ("" if bound is None else f" s<={bound}")
+        return ("async" + ("" if bound is None else f" s<={bound}")
+                + (" lr/s" if setting.get("staleness_lr") else ""))
     if setting["mode"] == "local-sgd":
         return f"local-sgd H={setting['sync_every']}"
     return "sync"
@@ -73,13 +76,14 @@ def run_setting(setting: dict, factor: float, out_dir: Path, options: dict, targ
     """Train once; return the table row."""
     from gradsync.train.job import run_job
 
-    name = label(setting).replace(" ", "_").replace("<=", "") + f"_straggler{factor:g}"
+    name = label(setting).replace(" ", "_").replace("<=", "").replace("/", "_") + f"_straggler{factor:g}"
     straggler = f"{STRAGGLER_RANK}:{factor:g}" if factor > 1 else None
     config = TrainConfig(progress=False, out=str(out_dir / name), straggler=straggler, **setting, **options)
     summary = run_job(config)
     records = [json.loads(line) for line in (out_dir / name / METRICS_FILE).read_text().splitlines()]
     epochs = [r for r in records if r["kind"] == "epoch"]
     return {"label": label(setting), "mode": setting["mode"], "max_staleness": setting.get("max_staleness"),
+            "staleness_lr": setting.get("staleness_lr", False),
             "sync_every": setting.get("sync_every"), "straggler": factor, "num_workers": config.nproc,
             "samples_per_s": summary["samples_per_s"], "seconds_to_target": seconds_to(epochs, target),
             f"seconds_to_{round(100 * target)}": seconds_to(epochs, target), "target_accuracy": target,
@@ -135,7 +139,7 @@ def plot_curves(rows: list[dict], path: Path, target: float) -> Path:
     return path
 
 
-def run_bench(*, staleness_bounds: str = "none,4", sync_every: str = "4,16", straggler_factor: float = 3.0,
+def run_bench(*, staleness_bounds: str = "none,4,none+lr", sync_every: str = "4,16", straggler_factor: float = 3.0,
               nproc: int = 4, epochs: int = 15, num_samples: int | None = None, lr: float | None = None,
               staleness_lr: bool = False, target: float = 0.85, out: str | None = None,
               json_path: str | None = None) -> list[dict]:
@@ -154,8 +158,8 @@ def run_bench(*, staleness_bounds: str = "none,4", sync_every: str = "4,16", str
     options.update({} if num_samples is None else {"num_samples": num_samples})
     options.update({} if lr is None else {"lr": lr})
     for setting in settings:  # every run's options, before any run
-        extra = {"staleness_lr": True} if staleness_lr and setting["mode"] == "async" else {}
-        setting.update(extra)
+        if staleness_lr and setting["mode"] == "async":
+            setting["staleness_lr"] = True
         validate(TrainConfig(**setting, **options))
     claim_json_path(json_path)
     out_dir = Path(out) if out else Path(tempfile.mkdtemp(prefix="gradsync-bench-modes-"))
