@@ -143,13 +143,15 @@ class ParameterServer:
         """Receive the next header from whichever worker sends first, within the earliest deadline."""
         expected = {w: d for w, d in self._deadline.items() if w not in self._stopped and w not in self._waiting}
         late = min(expected, key=expected.get)
+        silent = PeerFailure(late, "sent no request in time: it died, hangs or is slower than the timeout", True)
+        if time.monotonic() > expected[late]:  # even while the other workers keep pushing
+            raise peer_error(silent, "serve", self.rank, self.world_size, self.timeout_s)
         header = new_header()
         handle = self.comm.transport.irecv_any(header, TAG_REQUEST)
         try:
             handle.wait(max(expected[late] - time.monotonic(), 0.0))
         except PeerFailure as failure:
-            failure = PeerFailure(late, "sent no request in time: it died, hangs or is slower than the "
-                                  "timeout" if failure.timed_out else failure.reason, failure.timed_out)
+            failure = silent if failure.timed_out else failure  # a failed any-source receive names no peer
             raise peer_error(failure, "serve", self.rank, self.world_size, self.timeout_s) from None
         worker = handle.source
         if worker not in expected:
