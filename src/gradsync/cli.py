@@ -32,8 +32,9 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         "parameters every --sync-every steps (default %(default)s)")
     add("--max-staleness", type=int, default=d.max_staleness, metavar="S", help="async: no applied gradient "
         "is more than S versions stale; faster workers wait (default: unbounded)")
-    add("--staleness-lr", action="store_true", help="async: divide the learning rate by each gradient's "
-        "staleness (Zhang et al. 2016)")
+    add("--staleness-lr", action=argparse.BooleanOptionalAction, default=d.staleness_lr,
+        help="async: divide the learning rate by each gradient's staleness (Zhang et al. 2016); "
+        "--no-staleness-lr applies every gradient at the full lr, as Downpour SGD (default: on)")
     add("--sync-every", type=int, default=d.sync_every, metavar="H", help="local-sgd: optimizer steps between "
         "parameter averages (default %(default)s)")
     add("--straggler", default=None, metavar="RANK:FACTOR", help="make worker RANK's compute take FACTOR "

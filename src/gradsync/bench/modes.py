@@ -159,7 +159,7 @@ def run_bench(*, staleness_bounds: str = "none,4,none+lr", sync_every: str = "4,
     options.update({} if lr is None else {"lr": lr})
     for setting in settings:  # every run's options, before any run
         if staleness_lr and setting["mode"] == "async":
-            setting["staleness_lr"] = True
+            setting["staleness_lr"] = True  # else as the list says: plain Downpour unless "+lr"
         validate(TrainConfig(**setting, **options))
     claim_json_path(json_path)
     out_dir = Path(out) if out else Path(tempfile.mkdtemp(prefix="gradsync-bench-modes-"))

@@ -25,7 +25,7 @@ class TrainConfig:
     nproc: int = 4                  # worker processes on this machine (async adds one server process)
     mode: str = "sync"              # sync (AllReduce every step) | async (parameter server) | local-sgd
     max_staleness: int | None = None  # async: bound on an applied gradient's staleness (None: unbounded)
-    staleness_lr: bool = False      # async: divide the lr by the gradient's staleness (Zhang et al. 2016)
+    staleness_lr: bool = True       # async: divide the lr by the gradient's staleness (Zhang et al. 2016)
     sync_every: int = 4             # local-sgd: optimizer steps between parameter averages (H)
     straggler: str | None = None    # "RANK:FACTOR": worker RANK's compute takes FACTOR times as long
     model: str = "cnn"              # logreg | mlp | cnn
@@ -129,7 +129,7 @@ def _validate_mode(config: TrainConfig) -> None:
     if config.mode not in MODES:
         raise ValueError(f"unknown --mode {config.mode!r}; choose one of {', '.join(MODES)}")
     only = {"async": [("--max-staleness", config.max_staleness, d.max_staleness),
-                      ("--staleness-lr", config.staleness_lr, d.staleness_lr)],
+                      ("--no-staleness-lr", config.staleness_lr, d.staleness_lr)],
             "local-sgd": [("--sync-every", config.sync_every, d.sync_every)],
             "sync": [("--compression", config.compression, d.compression),
                      ("--gradient-as-bucket-view", config.gradient_as_bucket_view, d.gradient_as_bucket_view)]}
