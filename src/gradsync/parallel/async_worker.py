@@ -14,7 +14,7 @@ import time
 import torch
 from torch import nn
 
-from gradsync.parallel.ps_protocol import (PARAMS, PULL, PUSH, STOP, TAG_GRADIENT, TAG_PARAMETERS, TAG_REPLY,
+from gradsync.parallel.ps_protocol import (check_transport, PARAMS, PULL, PUSH, STOP, TAG_GRADIENT, TAG_PARAMETERS, TAG_REPLY,
                                            TAG_REQUEST, flatten_into_views, gather_gradients, new_header,
                                            peer_error, trainable_parameters)
 from gradsync.process_group import resolve_group
@@ -47,6 +47,7 @@ class AsyncWorker:
 
     def __init__(self, module: nn.Module, group=None, server_rank: int = 0, timeout: float | None = None):
         self.comm = resolve_group(group)
+        check_transport(self.comm)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         if not (isinstance(server_rank, int) and 0 <= server_rank < self.world_size) or server_rank == self.rank:
             raise ValueError(f"server_rank must be another rank of the group of {self.world_size}, "

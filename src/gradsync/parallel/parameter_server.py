@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from gradsync.parallel.ps_protocol import (PARAMS, PULL, PUSH, STOP, TAG_GRADIENT, TAG_PARAMETERS, TAG_REPLY,
+from gradsync.parallel.ps_protocol import (check_transport, PARAMS, PULL, PUSH, STOP, TAG_GRADIENT, TAG_PARAMETERS, TAG_REPLY,
                                            TAG_REQUEST, check_layout, flatten_into_views, new_header,
                                            peer_error, trainable_parameters)
 from gradsync.parallel.staleness import StalenessGate, StalenessStats
@@ -77,6 +77,7 @@ class ParameterServer:
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 0:
             raise ValueError(f"total_steps must be an int >= 0, got {total_steps!r}")
         self.comm = resolve_group(group)
+        check_transport(self.comm)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.workers = self._check_workers(workers)
         self.params = trainable_parameters(module)

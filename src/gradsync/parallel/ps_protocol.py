@@ -32,6 +32,18 @@ def new_header() -> torch.Tensor:
     return torch.zeros(HEADER_NUMEL, dtype=torch.int64)
 
 
+def check_transport(comm) -> None:
+    """The protocol needs tagged messages and a receive from any source (Gloo, or the thread transport).
+
+    Raises:
+        ValueError: the group's transport cannot carry it (NCCL matches neither tags nor any source).
+    """
+    transport = comm.transport
+    if getattr(transport, "backend", None) == "nccl" or not hasattr(transport, "irecv_any"):
+        raise ValueError("the parameter server needs a transport with tagged, any-source receives: "
+                         "use gradsync.init(backend='gloo') (CPU tensors)")
+
+
 def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
     """The parameters the server owns, in registration order (shared ones once).
 
