@@ -1,4 +1,4 @@
-"""Command line: ``gradsync train`` and ``gradsync bench allreduce|train|compression|modes`` (argparse only, no logic)."""
+"""Command line: ``gradsync train``, ``gradsync bench allreduce|train|compression|modes`` (argparse only)."""
 
 from __future__ import annotations
 

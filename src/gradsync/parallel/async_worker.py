@@ -14,9 +14,9 @@ import time
 import torch
 from torch import nn
 
-from gradsync.parallel.ps_protocol import (check_transport, PARAMS, PULL, PUSH, STOP, TAG_GRADIENT, TAG_PARAMETERS, TAG_REPLY,
-                                           TAG_REQUEST, flatten_into_views, gather_gradients, new_header,
-                                           peer_error, trainable_parameters)
+from gradsync.parallel.ps_protocol import (PARAMS, PULL, PUSH, STOP, TAG_GRADIENT, TAG_PARAMETERS, TAG_REPLY,
+                                           TAG_REQUEST, check_transport, flatten_into_views,
+                                           gather_gradients, new_header, peer_error, trainable_parameters)
 from gradsync.process_group import resolve_group
 from gradsync.transport.base import PeerFailure
 

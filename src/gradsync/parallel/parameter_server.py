@@ -31,9 +31,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from gradsync.parallel.ps_protocol import (check_transport, PARAMS, PULL, PUSH, STOP, TAG_GRADIENT, TAG_PARAMETERS, TAG_REPLY,
-                                           TAG_REQUEST, check_layout, flatten_into_views, new_header,
-                                           peer_error, trainable_parameters)
+from gradsync.parallel.ps_protocol import (PARAMS, PULL, PUSH, STOP, TAG_GRADIENT, TAG_PARAMETERS, TAG_REPLY,
+                                           TAG_REQUEST, check_layout, check_transport, flatten_into_views,
+                                           new_header, peer_error, trainable_parameters)
 from gradsync.parallel.staleness import StalenessGate, StalenessStats
 from gradsync.process_group import resolve_group
 from gradsync.transport.base import PeerFailure
