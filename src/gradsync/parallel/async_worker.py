@@ -73,7 +73,8 @@ class AsyncWorker:
         return self._exchange(header, None)
 
     def push(self, loss: float = math.nan) -> int | None:
-        """Send the gradients in ``.grad`` (and ``loss``); return the next step, or None when done.
+        """Send the gradients in ``.grad`` (and ``loss``); return the next step, or None when done
+        (then the module holds the server's final parameters).
 
         ``.grad`` is reset to None afterwards; parameters without a gradient
         count as zero. On return the module holds the new parameters.
@@ -97,17 +98,17 @@ class AsyncWorker:
             sends.append(transport.isend_tagged(gradient, server, TAG_GRADIENT))
         reply = new_header()
         self._wait(transport.irecv_tagged(reply, server, TAG_REPLY), "receive reply")
-        if reply[0] == PARAMS:
-            self._wait(transport.irecv_tagged(self.flat, server, TAG_PARAMETERS), "receive parameters")
+        if reply[0] not in (PARAMS, STOP):
+            raise ValueError(f"worker rank {self.rank}: unknown reply {reply.tolist()} from the server")
+        self._wait(transport.irecv_tagged(self.flat, server, TAG_PARAMETERS), "receive parameters")
         for handle in sends:
             self._wait(handle, "send request")
         self.wait_s += time.perf_counter() - started
-        if reply[0] == STOP:
+        self.version = int(reply[1])
+        if reply[0] == STOP:  # the module now holds the final parameters
             self._stopped, self.step = True, None
             return None
-        if reply[0] != PARAMS:
-            raise ValueError(f"worker rank {self.rank}: unknown reply {reply.tolist()} from the server")
-        self.version, self.step = int(reply[1]), int(reply[2])
+        self.step = int(reply[2])
         return self.step
 
     def _wait(self, handle, what: str) -> None:

@@ -81,6 +81,8 @@ class ParameterServer:
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.workers = self._check_workers(workers)
         self.params = trainable_parameters(module)
+        names = {id(param): name for name, param in module.named_parameters()}
+        self.named_params = [(names[id(param)], param) for param in self.params]
         self.flat = flatten_into_views(self.params)
         self.grad_buffer = torch.zeros(self.flat.numel() + 1, dtype=self.flat.dtype, device=self.flat.device)
         for param, grad in zip(self.params, self._grad_views()):
@@ -118,12 +120,18 @@ class ParameterServer:
             offset += param.numel()
         return views
 
-    def serve(self, on_update: Callable[[int, int, float, int], None] | None = None) -> None:
+    def serve(self, on_update: Callable[[int, int, float, int], None] | None = None) -> dict[str, torch.Tensor]:
         """Answer workers until all ``total_steps`` gradients are applied and every worker was told to stop.
+
+        Workers that ask for work once none is left wait until the last
+        gradient is applied; then each gets the final parameters with its stop.
 
         Args:
             on_update: called after each applied gradient as
                 ``on_update(worker, version, loss, staleness)`` (e.g. to evaluate every epoch).
+
+        Returns:
+            The final trainable parameters by name (copies; ``module`` holds them too).
         """
         started = time.monotonic()
         self._deadline = {w: started + self.timeout_s for w in self.workers}
@@ -139,6 +147,7 @@ class ParameterServer:
                 raise ValueError(f"parameter server: worker rank {worker} sent unknown request {header.tolist()}")
             self._waiting.append(worker)
             self._answer_waiting()
+        return {name: param.detach().clone() for name, param in self.named_params}
 
     def _next_request(self) -> tuple[int, torch.Tensor]:
         """Receive the next header from whichever worker sends first, within the earliest deadline."""
@@ -196,6 +205,8 @@ class ParameterServer:
         while self._waiting:
             worker = self._waiting[0]
             if self.next_step >= self.total_steps:
+                if self.gate.in_flight:  # the final parameters are not final yet
+                    return
                 self._reply(worker, STOP)
                 self._stopped.add(worker)
             elif self.gate.may_start(self.version):
@@ -207,11 +218,11 @@ class ParameterServer:
             self._waiting.popleft()
 
     def _reply(self, worker: int, kind: int) -> None:
+        """Send ``kind`` and the parameters (to compute on, or the final ones with STOP)."""
         header = torch.tensor([kind, self.version, self.next_step, 0], dtype=torch.int64)
         transport = self.comm.transport
-        handles = [transport.isend_tagged(header, worker, TAG_REPLY)]
-        if kind == PARAMS:
-            handles.append(transport.isend_tagged(self.flat, worker, TAG_PARAMETERS))
+        handles = [transport.isend_tagged(header, worker, TAG_REPLY),
+                   transport.isend_tagged(self.flat, worker, TAG_PARAMETERS)]
         for handle in handles:  # the parameters change with the next gradient: finish sending first
             self._wait(handle, worker, "send parameters")
         self._deadline[worker] = time.monotonic() + self.timeout_s

@@ -11,7 +11,7 @@ Worker -> server header: ``[kind, version_read, step, 0]``; kind is
 ``PULL`` (first contact, no payload) or ``PUSH`` (a gradient follows).
 Server -> worker header: ``[kind, version, step, 0]``; kind is ``PARAMS``
 (parameters follow; compute the gradient of ``step``) or ``STOP`` (no more
-work; nothing follows).
+work; the final parameters follow, sent once every gradient is applied).
 """
 
 from __future__ import annotations
