@@ -56,7 +56,9 @@ class ParameterServer:
             (when > 1) for its update (Zhang et al. 2016).
         scheduler: an lr scheduler stepped after every applied gradient.
         timeout: seconds a worker may take between receiving parameters and
-            pushing its gradient (default: the group's timeout).
+            pushing its gradient (default: the group's timeout); time the
+            server itself spends applying gradients or in ``on_update`` is not
+            held against a worker whose request is already waiting.
 
     Attributes:
         version: gradients applied so far (the parameters' version).
@@ -100,7 +102,10 @@ class ParameterServer:
         self.applied_per_worker = {w: 0 for w in self.workers}
         self.losses: list[float] = []
         self._waiting: deque[int] = deque()   # workers whose next parameters the gate holds back
-        self._deadline: dict[int, float] = {}  # worker -> when it must have sent its next request
+        # A worker's timeout runs from the server's reply, minus the time the server then spent busy
+        # (optimizer steps, on_update): a busy server never blames a worker whose request is queued.
+        self._busy_s = 0.0
+        self._replied_at: dict[int, tuple[float, float]] = {}  # worker -> (monotonic time, _busy_s) of reply
         self._stopped: set[int] = set()
 
     def _check_workers(self, workers: list[int] | None) -> list[int]:
@@ -133,16 +138,17 @@ class ParameterServer:
         Returns:
             The final trainable parameters by name (copies; ``module`` holds them too).
         """
-        started = time.monotonic()
-        self._deadline = {w: started + self.timeout_s for w in self.workers}
+        self._replied_at = {w: (time.monotonic(), self._busy_s) for w in self.workers}
         while len(self._stopped) < len(self.workers):
             worker, header = self._next_request()
             if header[0] == PULL:
                 check_layout(self.params, int(header[3]), worker, "parameter server")
             elif header[0] == PUSH:
+                started = time.monotonic()
                 staleness, loss = self._apply(worker, int(header[1]))
                 if on_update is not None:
                     on_update(worker, self.version, loss, staleness)
+                self._busy_s += time.monotonic() - started
             else:
                 raise ValueError(f"parameter server: worker rank {worker} sent unknown request {header.tolist()}")
             self._waiting.append(worker)
@@ -150,21 +156,23 @@ class ParameterServer:
         return {name: param.detach().clone() for name, param in self.named_params}
 
     def _next_request(self) -> tuple[int, torch.Tensor]:
-        """Receive the next header from whichever worker sends first, within the earliest deadline."""
-        expected = {w: d for w, d in self._deadline.items() if w not in self._stopped and w not in self._waiting}
-        late = min(expected, key=expected.get)
+        """Receive the next header from whichever worker sends first, within the earliest worker's timeout."""
+        now = time.monotonic()
+        left_s = {w: self.timeout_s - (now - at) + (self._busy_s - busy_at)
+                  for w, (at, busy_at) in self._replied_at.items() if w not in self._stopped and w not in self._waiting}
+        late = min(left_s, key=left_s.get)
         silent = PeerFailure(late, "sent no request in time: it died, hangs or is slower than the timeout", True)
-        if time.monotonic() > expected[late]:  # even while the other workers keep pushing
+        if left_s[late] <= 0:  # even while the other workers keep pushing
             raise peer_error(silent, "serve", self.rank, self.world_size, self.timeout_s)
         header = new_header()
         handle = self.comm.transport.irecv_any(header, TAG_REQUEST)
         try:
-            handle.wait(max(expected[late] - time.monotonic(), 0.0))
+            handle.wait(left_s[late])
         except PeerFailure as failure:
             failure = silent if failure.timed_out else failure  # a failed any-source receive names no peer
             raise peer_error(failure, "serve", self.rank, self.world_size, self.timeout_s) from None
         worker = handle.source
-        if worker not in expected:
+        if worker not in left_s:
             raise ValueError(f"parameter server: unexpected request from rank {worker} "
                              f"({'already stopped' if worker in self._stopped else 'not a worker'})")
         return worker, header
@@ -225,7 +233,7 @@ class ParameterServer:
                    transport.isend_tagged(self.flat, worker, TAG_PARAMETERS)]
         for handle in handles:  # the parameters change with the next gradient: finish sending first
             self._wait(handle, worker, "send parameters")
-        self._deadline[worker] = time.monotonic() + self.timeout_s
+        self._replied_at[worker] = (time.monotonic(), self._busy_s)
 
     def _wait(self, handle, worker: int, what: str) -> None:
         try:
