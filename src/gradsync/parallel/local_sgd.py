@@ -69,8 +69,8 @@ class LocalSGD(nn.Module):
         self.timeout = timeout
         self.comm = resolve_group(group)
         tensors = list(module.named_parameters()) + list(module.named_buffers())
-        verify_parameters(tensors, self.comm)
-        verify_settings({"sync_every": sync_every, "algorithm": algorithm}, self.comm)
+        verify_parameters(tensors, self.comm, owner="LocalSGD")
+        verify_settings({"sync_every": sync_every, "algorithm": algorithm}, self.comm, owner="LocalSGD")
         broadcast_tensors([t.data for _, t in tensors], self.comm)
         self._averaged = [t for _, t in tensors if t.dtype.is_floating_point]
         self._flat = {}  # (dtype, device) -> flat buffer, allocated once

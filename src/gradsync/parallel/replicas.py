@@ -39,7 +39,8 @@ def _render(row: list[int], name_row: list[int]) -> str:
     return text if row[0] == name_row[0] else f"a differently named tensor with {text}"
 
 
-def verify_parameters(named_tensors: Sequence[tuple[str, torch.Tensor]], comm: Communicator) -> None:
+def verify_parameters(named_tensors: Sequence[tuple[str, torch.Tensor]], comm: Communicator,
+                      owner: str = "DataParallel") -> None:
     """Raise CollectiveMismatchError on every rank unless all ranks hold the same named tensors.
 
     Names, shapes, dtypes and ``requires_grad`` are compared in order; the
@@ -63,14 +64,14 @@ def verify_parameters(named_tensors: Sequence[tuple[str, torch.Tensor]], comm: C
             mine = per_rank[comm.rank]
             detail = "; ".join(f"rank {rank} has {_render(row, mine)}" for rank, row in enumerate(per_rank))
             raise CollectiveMismatchError(
-                f"DataParallel: replicas differ at parameter or buffer {index} ({name!r} on rank "
+                f"{owner}: replicas differ at parameter or buffer {index} ({name!r} on rank "
                 f"{comm.rank}): {detail}")
 
 
 _SETTING_NBYTES = 120  # each setting's "name=value" text, truncated
 
 
-def verify_settings(settings: dict[str, object], comm: Communicator) -> None:
+def verify_settings(settings: dict[str, object], comm: Communicator, owner: str = "DataParallel") -> None:
     """Raise CollectiveMismatchError on every rank unless all ranks pass equal ``settings``.
 
     Ranks that bucket or compress differently would exchange messages of
@@ -91,7 +92,7 @@ def verify_settings(settings: dict[str, object], comm: Communicator) -> None:
         values = [bytes(part[index].tolist()).rstrip(b"\0").decode(errors="replace") for part in gathered]
         if any(value != values[0] for value in values):
             detail = "; ".join(f"rank {rank} has {value}" for rank, value in enumerate(values))
-            raise CollectiveMismatchError(f"DataParallel: ranks were constructed with different "
+            raise CollectiveMismatchError(f"{owner}: ranks were constructed with different "
                                           f"{text.split('=')[0]}: {detail}")
 
 
