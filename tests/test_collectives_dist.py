@@ -346,7 +346,7 @@ REINIT_TIMEOUT_S = 2.0
 
 def _rank_reinit(slow_rank, delay_s):
     """all_reduce, leave the group (``slow_rank`` ``delay_s`` later than the others), join again, all_reduce."""
-    rank, world_size = gradsync.rank(), gradsync.world_size()
+    rank = gradsync.rank()
     first = gradsync.all_reduce(torch.full((2,), rank + 1.0))
     if rank == slow_rank:
         time.sleep(delay_s)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradsync
-from _dist import RankError, run_threads, run_world
+from _dist import run_threads, run_world
 from _reference import bitwise_difference
 from gradsync.transport.thread import ThreadWorld
 

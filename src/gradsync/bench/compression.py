@@ -33,7 +33,7 @@ from gradsync.bench.output import claim_json_path, write_json
 from gradsync.bench.train import BATCH_PER_RANK, LR, MODEL_SEED, build_bench_model, make_batch, train_steps
 from gradsync.compression import COMPRESSIONS, make
 from gradsync.train.config import TrainConfig, validate
-from gradsync.train.metrics import METRICS_FILE, SUMMARY_FILE
+from gradsync.train.metrics import METRICS_FILE
 
 DEFAULT_WARMUP_STEPS = 375   # 20% of the main job's 1875 steps (1-bit Adam warms up for 15-25%)
 THROUGHPUT_MODEL = "mlp"

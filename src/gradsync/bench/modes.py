@@ -132,7 +132,7 @@ def plot_curves(rows: list[dict], path: Path, target: float) -> Path:
     axes.axhline(100 * target, color="grey", lw=0.8, ls=":")
     axes.set(xlabel="wall time (s)", ylabel="test accuracy (%)", ylim=(0, 100),
              title=f"MNIST-1D CNN, {rows[0]['num_workers']} workers: sync vs async vs local SGD")
-    axes.legend(fontsize=7, ncol=2)
+    axes.legend(fontsize=7, ncol=2, loc="center right")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
