@@ -20,6 +20,7 @@ import time
 
 import pytest
 import torch
+from torch import nn
 import torch.nn.functional as F
 
 import gradsync
@@ -115,6 +116,51 @@ def test_server_rank_zero_and_explicit_workers_threads():
     assert set(server["applied"]) == {1, 3}
     assert torch.equal(server["params"], torch.full((total_steps,), -1.0))
     assert results[1]["pushes"] + results[3]["pushes"] == server["version"] == total_steps
+
+
+class _NormedLinear(nn.Module):
+    """BatchNorm then a linear layer: running statistics (float buffers) and an int64 counter."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(3)
+        self.linear = nn.Linear(3, 1)
+
+    def forward(self, x):
+        return self.linear(self.norm(x))
+
+
+@pytest.mark.timeout(30)
+def test_batchnorm_statistics_follow_the_latest_push_and_end_equal_everywhere():
+    """Buffers travel with the gradients: the server's running mean is the last pusher's, not its initial zeros."""
+    total_steps = 12
+
+    def body(comm):
+        torch.manual_seed(0)
+        model = _NormedLinear()
+        if comm.rank == 0:
+            server = gradsync.ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.1), total_steps,
+                                              group=comm, max_staleness=0)  # serial: the order is known
+            server.serve()
+            return {name: t.detach().clone() for name, t in model.state_dict().items()}
+        worker = gradsync.AsyncWorker(model, group=comm, server_rank=0)
+        step = worker.pull()
+        while step is not None:
+            x = torch.full((4, 3), 10.0 * comm.rank) + torch.arange(4.0)[:, None]  # batch mean 11.5 or 21.5
+            model(x).sum().backward()
+            step = worker.push()
+        return {name: t.detach().clone() for name, t in model.state_dict().items()}
+
+    results = run_threads(3, body, timeout_s=20)
+    server = results[0]
+    assert not torch.equal(server["norm.running_mean"], torch.zeros(3))
+    for name, value in server.items():
+        if value.dtype.is_floating_point:  # parameters and running statistics: identical everywhere
+            for worker in results[1:]:
+                assert torch.equal(worker[name], value), name
+    # 12 updates, each moving the running mean 10% of the way toward a batch mean of 11.5 or 21.5:
+    # 11.5 * (1 - 0.9**12) = 8.2 <= mean <= 21.5 * (1 - 0.9**12) = 15.3 (a server that kept its own would be 0)
+    assert 11.5 * (1 - 0.9**12) - 1e-4 <= float(server["norm.running_mean"][0]) <= 21.5 * (1 - 0.9**12) + 1e-4
 
 
 @pytest.mark.timeout(30)

@@ -53,7 +53,7 @@ def test_worker_with_a_different_model_is_named():
 
 def test_check_layout_message():
     with pytest.raises(ValueError, match="worker rank 4 has 7 .* the server 3"):
-        check_layout([nn.Parameter(torch.zeros(3))], 7, 4, "parameter server")
+        check_layout(3, 7, 4, "parameter server")
 
 
 def _busy_worker(comm, compute_s: float, timeout: float):

@@ -16,7 +16,8 @@ from torch import nn
 
 from gradsync.parallel.ps_protocol import (PARAMS, PULL, PUSH, STOP, TAG_GRADIENT, TAG_PARAMETERS, TAG_REPLY,
                                            TAG_REQUEST, check_transport, flatten_into_views,
-                                           gather_gradients, new_header, peer_error, trainable_parameters)
+                                           gather_gradients, new_header, peer_error, shared_buffers,
+                                           trainable_parameters)
 from gradsync.process_group import resolve_group
 from gradsync.transport.base import PeerFailure
 
@@ -26,8 +27,10 @@ class AsyncWorker:
 
     Args:
         module: the same architecture as the server's; its trainable parameters
-            become views into one flat buffer that the server's replies are
-            received into (frozen parameters and buffers stay this worker's own).
+            and floating-point buffers of their dtype become views into one flat
+            buffer that the server's replies are received into. Pushes carry
+            the buffers too (BatchNorm statistics), so every worker continues
+            from the latest pusher's; frozen parameters stay this worker's own.
         group: the group of the server and its workers (None: the default group).
         server_rank: the server's rank in ``group``.
         timeout: seconds to wait for the server's reply, which includes any
@@ -54,7 +57,8 @@ class AsyncWorker:
                              f"got {server_rank} on rank {self.rank}")
         self.server_rank = server_rank
         self.params = trainable_parameters(module)
-        self.flat = flatten_into_views(self.params)
+        self.params_numel = sum(p.numel() for p in self.params)
+        self.flat = flatten_into_views(self.params + shared_buffers(module, self.params))
         self.send_buffer = torch.zeros(self.flat.numel() + 1, dtype=self.flat.dtype, device=self.flat.device)
         self.timeout_s = self.comm.timeout_s if timeout is None else float(timeout)
         if not 0 < self.timeout_s < math.inf:
@@ -83,6 +87,7 @@ class AsyncWorker:
             raise RuntimeError("push() needs a step from pull() or the previous push(); "
                                + ("the server said stop" if self._stopped else "call pull() first"))
         gather_gradients(self.params, self.send_buffer)
+        self.send_buffer[self.params_numel:-1].copy_(self.flat[self.params_numel:])  # buffers, for the server
         self.send_buffer[-1] = loss
         for param in self.params:
             param.grad = None

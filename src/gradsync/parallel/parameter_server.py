@@ -33,7 +33,7 @@ from torch import nn
 
 from gradsync.parallel.ps_protocol import (PARAMS, PULL, PUSH, STOP, TAG_GRADIENT, TAG_PARAMETERS, TAG_REPLY,
                                            TAG_REQUEST, check_layout, check_transport, flatten_into_views,
-                                           new_header, peer_error, trainable_parameters)
+                                           new_header, peer_error, shared_buffers, trainable_parameters)
 from gradsync.parallel.staleness import StalenessGate, StalenessStats
 from gradsync.process_group import resolve_group
 from gradsync.transport.base import PeerFailure
@@ -43,8 +43,11 @@ class ParameterServer:
     """Holds the trainable parameters and the optimizer; applies each worker's gradient on arrival.
 
     Args:
-        module: the model; its trainable parameters (one floating dtype) become
-            views into one flat buffer that is sent to workers as is.
+        module: the model; its trainable parameters (one floating dtype) and
+            its buffers of that dtype become views into one flat buffer that is
+            sent to workers as is. Buffers (BatchNorm statistics) follow the
+            latest worker to push, as DataParallel's follow rank 0; frozen
+            parameters are not sent (each rank keeps its own).
         optimizer: built on ``module``'s parameters; stepped once per applied gradient.
         total_steps: gradients to apply in all (>= 0); steps ``0 .. total_steps-1``
             are handed to workers in order, each exactly once.
@@ -85,7 +88,9 @@ class ParameterServer:
         self.params = trainable_parameters(module)
         names = {id(param): name for name, param in module.named_parameters()}
         self.named_params = [(names[id(param)], param) for param in self.params]
-        self.flat = flatten_into_views(self.params)
+        self.params_numel = sum(p.numel() for p in self.params)
+        self.flat = flatten_into_views(self.params + shared_buffers(module, self.params))
+        # a push: gradients (params_numel), the worker's buffers, the loss
         self.grad_buffer = torch.zeros(self.flat.numel() + 1, dtype=self.flat.dtype, device=self.flat.device)
         for param, grad in zip(self.params, self._grad_views()):
             param.grad = grad
@@ -142,7 +147,7 @@ class ParameterServer:
         while len(self._stopped) < len(self.workers):
             worker, header = self._next_request()
             if header[0] == PULL:
-                check_layout(self.params, int(header[3]), worker, "parameter server")
+                check_layout(self.flat.numel(), int(header[3]), worker, "parameter server")
             elif header[0] == PUSH:
                 started = time.monotonic()
                 staleness, loss = self._apply(worker, int(header[1]))
@@ -188,6 +193,7 @@ class ParameterServer:
             raise ValueError(f"parameter server: worker rank {worker} computed on version {version_read}, "
                              f"it was sent version {expected}")
         staleness = self.version - version_read
+        self.flat[self.params_numel:].copy_(self.grad_buffer[self.params_numel:-1])  # the pusher's buffers
         self._step(staleness)
         self.staleness.record(staleness)
         self.applied_per_worker[worker] += 1

@@ -1,9 +1,11 @@
 """What the parameter server and its workers say to each other: fixed-layout headers and flat tensors.
 
 No pickled objects cross the wire: every message is an int64 header of
-``HEADER_NUMEL`` fields, optionally followed by one flat tensor of the model's
-trainable parameters (from the server) or gradients (from a worker, with the
-micro-batch loss as one extra element). Each kind of message has its own tag,
+``HEADER_NUMEL`` fields, optionally followed by one flat tensor: from the
+server, the model's trainable parameters then its floating-point buffers of
+the same dtype (BatchNorm statistics); from a worker, the gradients, then its
+buffers (the server adopts the latest worker's, as DataParallel adopts rank
+0's), then the micro-batch loss as one extra element. Each kind of message has its own tag,
 so the server can receive headers from whichever worker sends first while
 gradients and replies are matched per worker.
 
@@ -65,15 +67,20 @@ def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
     return params
 
 
-def flatten_into_views(params: list[nn.Parameter]) -> torch.Tensor:
-    """Copy ``params`` into one flat buffer and make each parameter a view of it; returns the buffer."""
-    flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+def shared_buffers(module: nn.Module, params: list[nn.Parameter]) -> list[torch.Tensor]:
+    """The buffers that travel with the parameters: floating point, of the parameters' dtype and device."""
+    return [b for b in module.buffers() if b.dtype == params[0].dtype and b.device == params[0].device]
+
+
+def flatten_into_views(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Copy ``tensors`` into one flat buffer and make each a view of it (in place: ``.data``); returns it."""
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=tensors[0].device)
     offset = 0
-    for param in params:
-        view = flat[offset:offset + param.numel()].view_as(param)
-        view.copy_(param.data)
-        param.data = view
-        offset += param.numel()
+    for tensor in tensors:
+        view = flat[offset:offset + tensor.numel()].view_as(tensor)
+        view.copy_(tensor.data)
+        tensor.data = view
+        offset += tensor.numel()
     return flat
 
 
@@ -89,10 +96,9 @@ def gather_gradients(params: list[nn.Parameter], out: torch.Tensor) -> None:
         offset += param.numel()
 
 
-def check_layout(params: list[nn.Parameter], peer_numel: int, peer: int, role: str) -> None:
-    numel = sum(p.numel() for p in params)
+def check_layout(numel: int, peer_numel: int, peer: int, role: str) -> None:
     if numel != peer_numel:
-        raise ValueError(f"{role}: worker rank {peer} has {peer_numel} trainable parameter elements, "
+        raise ValueError(f"{role}: worker rank {peer} has {peer_numel} trainable parameter and buffer elements, "
                          f"the server {numel}: the models differ")
 
 
