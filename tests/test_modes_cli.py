@@ -295,6 +295,9 @@ def test_local_sgd_every_step_matches_sync(tmp_path, env, capsys):
     (["--compression", "fp16", "--mode", "async"], ["--compression", "sync"]),
     (["--compression", "fp16", "--mode", "local-sgd"], ["--compression", "sync"]),
     (["--trace", "trace.json", "--mode", "async"], ["--trace", "sync"]),
+    (["--algorithm", "tree", "--mode", "async"], ["--algorithm", "async"]),
+    (["--bucket-cap-mb", "5", "--mode", "local-sgd"], ["--bucket-cap-mb", "local-sgd"]),
+    (["--mode", "async", "--batch-size", "500", "--num-samples", "400"], ["320 training samples", "500"]),
 ])
 @pytest.mark.timeout(60)
 def test_mode_options_rejected_with_one_line(args, needles, tmp_path, env, capsys):

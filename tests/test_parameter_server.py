@@ -397,3 +397,35 @@ def test_async_logistic_regression_reaches_the_sync_optimum():
 # --------------------------------------------------------------------------------------------------
 # Errors
 # --------------------------------------------------------------------------------------------------
+
+
+class _FrozenFirst(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.Parameter(torch.randn(3), requires_grad=False)
+        self.weight = nn.Parameter(torch.zeros(3))
+
+
+@pytest.mark.timeout(30)
+def test_frozen_parameters_follow_the_server():
+    """Ranks built with different seeds compute with the server's frozen values and end with them."""
+    def body(comm):
+        torch.manual_seed(comm.rank)  # every rank's frozen tensor differs at first
+        model = _FrozenFirst()
+        if comm.rank == 0:
+            server = gradsync.ParameterServer(model, torch.optim.SGD([model.weight], lr=1.0), 6, group=comm)
+            server.serve()
+            return model.frozen.detach().clone(), None
+        worker = gradsync.AsyncWorker(model, group=comm, server_rank=0)
+        step, seen = worker.pull(), []
+        while step is not None:
+            seen.append(model.frozen.detach().clone())
+            model.weight.grad = torch.ones(3)
+            step = worker.push()
+        return model.frozen.detach().clone(), seen
+
+    results = run_threads(3, body, timeout_s=20)
+    server_frozen = results[0][0]
+    for frozen, seen in results[1:]:
+        assert torch.equal(frozen, server_frozen)
+        assert seen and all(torch.equal(value, server_frozen) for value in seen)

@@ -18,7 +18,7 @@ from torch import nn
 import gradsync
 from _dist import run_threads, run_world
 from gradsync.collectives import Communicator
-from gradsync.parallel.ps_protocol import check_layout
+from gradsync.parallel.ps_protocol import SharedModel
 from gradsync.transport.thread import ThreadWorld
 
 
@@ -47,13 +47,22 @@ def test_worker_with_a_different_model_is_named():
     exc = results[0][0]
     assert isinstance(exc, ValueError), results[0]
     assert "worker rank 2" in str(exc) and "11" in str(exc) and "10" in str(exc), exc
-    # the mismatched worker gets no reply: it times out naming the server instead of hanging
-    assert isinstance(results[2][0], gradsync.CollectiveTimeoutError) and "peer rank 0" in str(results[2][0])
+    # the mismatched worker is told at once instead of waiting out its timeout
+    assert isinstance(results[2][0], ValueError) and "rejected" in str(results[2][0]), results[2]
+    assert results[2][2] < 1.0
 
 
-def test_check_layout_message():
-    with pytest.raises(ValueError, match="worker rank 4 has 7 .* the server 3"):
-        check_layout(3, 7, 4, "parameter server")
+@pytest.mark.parametrize("worker_model, needle", [
+    (lambda: Vector(4, dtype=torch.float64), "dtype torch.float64 != torch.float32"),
+    (lambda: nn.Sequential(nn.Linear(2, 1, bias=False), nn.Linear(2, 1, bias=False)), "shapes"),
+    (lambda: Vector(5), "numel .* 5 != 4"),
+])
+def test_model_check_names_what_differs(worker_model, needle):
+    """Same element count but other dtype or shapes is refused too, before any payload could abort Gloo."""
+    server = SharedModel(Vector(4))
+    with pytest.raises(ValueError, match=f"worker rank 3's model differs .*{needle}"):
+        server.check_peer(list(SharedModel(worker_model()).signature), 3)
+    server.check_peer(list(SharedModel(Vector(4)).signature), 3)  # the same model passes
 
 
 def _busy_worker(comm, compute_s: float, timeout: float):
@@ -351,3 +360,58 @@ def test_staleness_aware_lr_divides_by_staleness():
     plain = _staleness_lr_run(False, lr)
     assert plain["updates"][0] >= 3
     assert torch.equal(plain["params"], torch.full((9,), -lr))
+
+
+class _SubgroupTransport(_UntaggedTransport):
+    """A tagged transport that, like TorchP2PTransport on a torch subgroup, has a ``group``."""
+
+    group = object()
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def test_subgroup_is_rejected_at_construction_on_both_sides():
+    """Gloo's any-source receive needs the default group: say so before anyone waits."""
+    world = ThreadWorld(2)
+    model = Vector(3)
+    with pytest.raises(ValueError, match="default group"):
+        gradsync.ParameterServer(model, torch.optim.SGD(model.parameters(), lr=1.0), 5,
+                                 group=Communicator(_SubgroupTransport(world.transport(0))))
+    with pytest.raises(ValueError, match="default group"):
+        gradsync.AsyncWorker(Vector(3), group=Communicator(_SubgroupTransport(world.transport(1))), server_rank=0)
+
+
+def test_optimizer_must_hold_the_module_parameters():
+    world = ThreadWorld(2)
+    with pytest.raises(ValueError, match="does not hold 1 of the module's 1 trainable parameters"):
+        gradsync.ParameterServer(Vector(3), torch.optim.SGD(Vector(3).parameters(), lr=1.0), 5,
+                                 group=thread_comm(world, 0))
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        gradsync.ParameterServer(Vector(3), "sgd", 5, group=thread_comm(world, 0))
+
+
+@pytest.mark.timeout(30)
+def test_zero_grad_in_on_update_does_not_stop_training_and_serve_runs_once():
+    """optimizer.zero_grad() (set_to_none) inside on_update must not make later steps skip every parameter."""
+    total_steps = 9
+
+    def body(comm):
+        if comm.rank == 0:
+            model = Vector(total_steps)
+            optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+            server = gradsync.ParameterServer(model, optimizer, total_steps, group=comm)
+            server.serve(on_update=lambda *args: optimizer.zero_grad(set_to_none=True))
+            again = catch(server.serve)[0]
+            return model.weight.detach().clone(), again
+        model = Vector(total_steps)
+        worker = gradsync.AsyncWorker(model, group=comm, server_rank=0)
+        step = worker.pull()
+        while step is not None:
+            model.weight.grad = one_hot(total_steps, step)
+            step = worker.push()
+        return None
+
+    params, again = run_threads(3, body, timeout_s=20)[0]
+    assert torch.equal(params, torch.full((total_steps,), -1.0))
+    assert isinstance(again, RuntimeError) and "once" in str(again)

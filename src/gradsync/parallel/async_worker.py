@@ -14,10 +14,9 @@ import time
 import torch
 from torch import nn
 
-from gradsync.parallel.ps_protocol import (PARAMS, PULL, PUSH, STOP, TAG_GRADIENT, TAG_PARAMETERS, TAG_REPLY,
-                                           TAG_REQUEST, check_transport, flatten_into_views,
-                                           gather_gradients, new_header, peer_error, shared_buffers,
-                                           trainable_parameters)
+from gradsync.parallel.ps_protocol import (PARAMS, PULL, PUSH, REJECT, STOP, TAG_GRADIENT, TAG_PARAMETERS, TAG_REPLY,
+                                           TAG_REQUEST, SharedModel, check_transport, gather_gradients,
+                                           new_header, peer_error)
 from gradsync.process_group import resolve_group
 from gradsync.transport.base import PeerFailure
 
@@ -34,13 +33,15 @@ class AsyncWorker:
         group: the group of the server and its workers (None: the default group).
         server_rank: the server's rank in ``group``.
         timeout: seconds to wait for the server's reply, which includes any
-            time the staleness bound holds this worker back (default: the group's timeout).
+            time the staleness bound holds this worker back (default: the group's
+            timeout).
 
     Attributes:
         version: the version of the parameters in ``module``.
         step: the step the current gradient belongs to (None before ``pull`` and after stop).
         pushes: gradients pushed.
-        wait_s: seconds spent waiting for replies (communication plus staleness-bound waits).
+        wait_s: seconds spent waiting for replies to pushes (communication plus
+            staleness-bound waits; the first pull's wait for the server to start is not counted).
 
     Raises:
         ValueError: ``server_rank`` is this rank or outside the group; bad module.
@@ -56,10 +57,9 @@ class AsyncWorker:
             raise ValueError(f"server_rank must be another rank of the group of {self.world_size}, "
                              f"got {server_rank} on rank {self.rank}")
         self.server_rank = server_rank
-        self.params = trainable_parameters(module)
-        self.params_numel = sum(p.numel() for p in self.params)
-        self.flat = flatten_into_views(self.params + shared_buffers(module, self.params))
-        self.send_buffer = torch.zeros(self.flat.numel() + 1, dtype=self.flat.dtype, device=self.flat.device)
+        self.shared = SharedModel(module)
+        self.params, self.flat = self.shared.params, self.shared.flat
+        self.send_buffer = torch.zeros(self.shared.push_numel, dtype=self.flat.dtype, device=self.flat.device)
         self.timeout_s = self.comm.timeout_s if timeout is None else float(timeout)
         if not 0 < self.timeout_s < math.inf:
             raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout}")
@@ -69,12 +69,23 @@ class AsyncWorker:
         self.wait_s = 0.0
         self._stopped = False
 
-    def pull(self) -> int | None:
-        """First contact: receive the parameters and the first step (None: nothing to do)."""
+    def pull(self, timeout: float | None = None) -> int | None:
+        """First contact: receive the parameters and the first step (None: nothing to do).
+
+        Args:
+            timeout: seconds to wait for the server this once (default: the
+                worker's ``timeout``); give more when the server may still be
+                starting, as ``gradsync train`` does (60 s at least, as ``gradsync.init``).
+
+        Raises:
+            RuntimeError: called twice. ValueError: the server rejected this
+            worker (its model differs). CollectiveTimeoutError: no answer in time.
+        """
         if self.version >= 0 or self._stopped:
             raise RuntimeError("pull() starts the exchange once; after it, push() returns the next step")
-        header = torch.tensor([PULL, -1, -1, self.flat.numel()], dtype=torch.int64)
-        return self._exchange(header, None)
+        numel, dtype_code, shapes_crc = self.shared.signature
+        header = torch.tensor([PULL, dtype_code, shapes_crc, numel], dtype=torch.int64)
+        return self._exchange(header, None, self.timeout_s if timeout is None else float(timeout))
 
     def push(self, loss: float = math.nan) -> int | None:
         """Send the gradients in ``.grad`` (and ``loss``); return the next step, or None when done
@@ -87,7 +98,8 @@ class AsyncWorker:
             raise RuntimeError("push() needs a step from pull() or the previous push(); "
                                + ("the server said stop" if self._stopped else "call pull() first"))
         gather_gradients(self.params, self.send_buffer)
-        self.send_buffer[self.params_numel:-1].copy_(self.flat[self.params_numel:])  # buffers, for the server
+        start, end = self.shared.params_numel, self.shared.params_numel + self.shared.buffers_numel
+        self.send_buffer[start:end].copy_(self.flat[start:end])  # this worker's buffers, for the server
         self.send_buffer[-1] = loss
         for param in self.params:
             param.grad = None
@@ -95,20 +107,26 @@ class AsyncWorker:
         self.pushes += 1
         return self._exchange(header, self.send_buffer)
 
-    def _exchange(self, header: torch.Tensor, gradient: torch.Tensor | None) -> int | None:
+    def _exchange(self, header: torch.Tensor, gradient: torch.Tensor | None,
+                  timeout_s: float | None = None) -> int | None:
         transport, server = self.comm.transport, self.server_rank
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         started = time.perf_counter()
         sends = [transport.isend_tagged(header, server, TAG_REQUEST)]
         if gradient is not None:
             sends.append(transport.isend_tagged(gradient, server, TAG_GRADIENT))
         reply = new_header()
-        self._wait(transport.irecv_tagged(reply, server, TAG_REPLY), "receive reply")
+        self._wait(transport.irecv_tagged(reply, server, TAG_REPLY), "receive reply", timeout_s)
+        if reply[0] == REJECT:
+            raise ValueError(f"worker rank {self.rank}: the parameter server (rank {server}) rejected this worker: "
+                             f"its model differs from the server's (see the server's error)")
         if reply[0] not in (PARAMS, STOP):
             raise ValueError(f"worker rank {self.rank}: unknown reply {reply.tolist()} from the server")
-        self._wait(transport.irecv_tagged(self.flat, server, TAG_PARAMETERS), "receive parameters")
+        self._wait(transport.irecv_tagged(self.flat, server, TAG_PARAMETERS), "receive parameters", timeout_s)
         for handle in sends:
-            self._wait(handle, "send request")
-        self.wait_s += time.perf_counter() - started
+            self._wait(handle, "send request", timeout_s)
+        if gradient is not None:  # the first pull waits for the server to start: not communication
+            self.wait_s += time.perf_counter() - started
         self.version = int(reply[1])
         if reply[0] == STOP:  # the module now holds the final parameters
             self._stopped, self.step = True, None
@@ -116,9 +134,8 @@ class AsyncWorker:
         self.step = int(reply[2])
         return self.step
 
-    def _wait(self, handle, what: str) -> None:
+    def _wait(self, handle, what: str, timeout_s: float) -> None:
         try:
-            handle.wait(self.timeout_s)
+            handle.wait(timeout_s)
         except PeerFailure as failure:
-            raise peer_error(failure, what, self.rank, self.world_size, self.timeout_s,
-                             peer=self.server_rank) from None
+            raise peer_error(failure, what, self.rank, self.world_size, timeout_s, peer=self.server_rank) from None

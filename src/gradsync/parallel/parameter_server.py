@@ -31,12 +31,21 @@ from typing import Callable
 import torch
 from torch import nn
 
-from gradsync.parallel.ps_protocol import (PARAMS, PULL, PUSH, STOP, TAG_GRADIENT, TAG_PARAMETERS, TAG_REPLY,
-                                           TAG_REQUEST, check_layout, check_transport, flatten_into_views,
-                                           new_header, peer_error, shared_buffers, trainable_parameters)
+from gradsync.parallel.ps_protocol import (PARAMS, PULL, PUSH, REJECT, STOP, TAG_GRADIENT, TAG_PARAMETERS, TAG_REPLY,
+                                           TAG_REQUEST, SharedModel, check_transport, new_header, peer_error)
 from gradsync.parallel.staleness import StalenessGate, StalenessStats
 from gradsync.process_group import resolve_group
 from gradsync.transport.base import PeerFailure
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    missing = sum(id(p) not in stepped for p in params)
+    if missing:
+        raise ValueError(f"the optimizer does not hold {missing} of the module's {len(params)} trainable "
+                         f"parameters: build it on module.parameters()")
 
 
 class ParameterServer:
@@ -70,7 +79,9 @@ class ParameterServer:
         losses: the loss each worker sent with each applied gradient, in order.
 
     Raises:
-        ValueError: bad arguments; a worker's model differs from the server's.
+        ValueError: bad arguments; the optimizer misses a trainable parameter;
+            (from ``serve``) a worker's model differs from the server's in
+            element count, dtype or shapes.
         CollectiveTimeoutError: (from ``serve``) a worker sent nothing within
             ``timeout`` after it was given work, or its connection failed;
             the message names it ("peer rank 3").
@@ -85,16 +96,15 @@ class ParameterServer:
         check_transport(self.comm)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.workers = self._check_workers(workers)
-        self.params = trainable_parameters(module)
+        self.shared = SharedModel(module)
+        self.params, self.flat = self.shared.params, self.shared.flat
         names = {id(param): name for name, param in module.named_parameters()}
         self.named_params = [(names[id(param)], param) for param in self.params]
-        self.params_numel = sum(p.numel() for p in self.params)
-        self.flat = flatten_into_views(self.params + shared_buffers(module, self.params))
-        # a push: gradients (params_numel), the worker's buffers, the loss
-        self.grad_buffer = torch.zeros(self.flat.numel() + 1, dtype=self.flat.dtype, device=self.flat.device)
-        for param, grad in zip(self.params, self._grad_views()):
-            param.grad = grad
+        _check_optimizer(optimizer, self.params)
+        self.push_buffer = torch.zeros(self.shared.push_numel, dtype=self.flat.dtype, device=self.flat.device)
+        self.grad_views = self._grad_views()
         self.optimizer, self.scheduler = optimizer, scheduler
+        self.last_lr = math.nan  # the lr of the last applied gradient (after any staleness scaling)
         self.total_steps = total_steps
         self.gate = StalenessGate(max_staleness)
         self.staleness_aware_lr = staleness_aware_lr
@@ -112,6 +122,7 @@ class ParameterServer:
         self._busy_s = 0.0
         self._replied_at: dict[int, tuple[float, float]] = {}  # worker -> (monotonic time, _busy_s) of reply
         self._stopped: set[int] = set()
+        self._served = False
 
     def _check_workers(self, workers: list[int] | None) -> list[int]:
         if workers is None:
@@ -126,7 +137,7 @@ class ParameterServer:
     def _grad_views(self) -> list[torch.Tensor]:
         views, offset = [], 0
         for param in self.params:
-            views.append(self.grad_buffer[offset:offset + param.numel()].view_as(param))
+            views.append(self.push_buffer[offset:offset + param.numel()].view_as(param))
             offset += param.numel()
         return views
 
@@ -142,12 +153,18 @@ class ParameterServer:
 
         Returns:
             The final trainable parameters by name (copies; ``module`` holds them too).
+
+        Raises:
+            RuntimeError: called a second time.
         """
+        if self._served:
+            raise RuntimeError("serve() runs once: its workers were told to stop")
+        self._served = True
         self._replied_at = {w: (time.monotonic(), self._busy_s) for w in self.workers}
         while len(self._stopped) < len(self.workers):
             worker, header = self._next_request()
             if header[0] == PULL:
-                check_layout(self.flat.numel(), int(header[3]), worker, "parameter server")
+                self._admit(worker, header[1:].tolist())
             elif header[0] == PUSH:
                 started = time.monotonic()
                 staleness, loss = self._apply(worker, int(header[1]))
@@ -159,6 +176,19 @@ class ParameterServer:
             self._waiting.append(worker)
             self._answer_waiting()
         return {name: param.detach().clone() for name, param in self.named_params}
+
+    def _admit(self, worker: int, signature: list[int]) -> None:
+        """Check a new worker's model; a differing one is told (so it need not time out) and named."""
+        try:
+            self.shared.check_peer([signature[2], signature[0], signature[1]], worker)
+        except ValueError:
+            reject = torch.tensor([REJECT, 0, 0, 0], dtype=torch.int64)
+            handle = self.comm.transport.isend_tagged(reject, worker, TAG_REPLY)
+            try:
+                handle.wait(min(self.timeout_s, 5.0))
+            except PeerFailure:
+                pass  # it is gone anyway; the ValueError below says why it was refused
+            raise
 
     def _next_request(self) -> tuple[int, torch.Tensor]:
         """Receive the next header from whichever worker sends first, within the earliest worker's timeout."""
@@ -186,18 +216,19 @@ class ParameterServer:
         """Receive ``worker``'s gradient and take one optimizer step with it."""
         if worker not in self.gate.in_flight:
             raise ValueError(f"parameter server: worker rank {worker} pushed a gradient it was not asked for")
-        handle = self.comm.transport.irecv_tagged(self.grad_buffer, worker, TAG_GRADIENT)
+        handle = self.comm.transport.irecv_tagged(self.push_buffer, worker, TAG_GRADIENT)
         self._wait(handle, worker, "receive gradient")
         expected = self.gate.finish(worker)
         if version_read != expected:
             raise ValueError(f"parameter server: worker rank {worker} computed on version {version_read}, "
                              f"it was sent version {expected}")
         staleness = self.version - version_read
-        self.flat[self.params_numel:].copy_(self.grad_buffer[self.params_numel:-1])  # the pusher's buffers
+        start, end = self.shared.params_numel, self.shared.params_numel + self.shared.buffers_numel
+        self.flat[start:end].copy_(self.push_buffer[start:end])  # the pusher's buffers
         self._step(staleness)
         self.staleness.record(staleness)
         self.applied_per_worker[worker] += 1
-        loss = float(self.grad_buffer[-1])
+        loss = float(self.push_buffer[-1])
         self.losses.append(loss)
         self.version += 1
         return staleness, loss
@@ -208,6 +239,9 @@ class ParameterServer:
         scheduled = [group["lr"] for group in groups]
         for group in groups:
             group["lr"] = group["lr"] * scale
+        self.last_lr = groups[0]["lr"]
+        for param, grad in zip(self.params, self.grad_views):  # zero_grad(set_to_none) may have dropped them
+            param.grad = grad
         self.optimizer.step()
         for group, lr in zip(groups, scheduled):
             group["lr"] = lr

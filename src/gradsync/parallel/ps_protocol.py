@@ -2,21 +2,25 @@
 
 No pickled objects cross the wire: every message is an int64 header of
 ``HEADER_NUMEL`` fields, optionally followed by one flat tensor: from the
-server, the model's trainable parameters then its floating-point buffers of
-the same dtype (BatchNorm statistics); from a worker, the gradients, then its
-buffers (the server adopts the latest worker's, as DataParallel adopts rank
-0's), then the micro-batch loss as one extra element. Each kind of message has its own tag,
+server, its :class:`SharedModel` buffer (trainable parameters, floating-point
+buffers such as BatchNorm statistics, frozen parameters); from a worker, the
+gradients, then its buffers (the server adopts the latest worker's, as
+DataParallel adopts rank 0's), then the micro-batch loss as one extra element. Each kind of message has its own tag,
 so the server can receive headers from whichever worker sends first while
 gradients and replies are matched per worker.
 
-Worker -> server header: ``[kind, version_read, step, 0]``; kind is
-``PULL`` (first contact, no payload) or ``PUSH`` (a gradient follows).
+Worker -> server header: ``[PUSH, version_read, step, 0]`` (a gradient
+follows) or, at first contact, ``[PULL, dtype code, shapes CRC, numel]``
+(see :class:`SharedModel`; nothing follows).
 Server -> worker header: ``[kind, version, step, 0]``; kind is ``PARAMS``
-(parameters follow; compute the gradient of ``step``) or ``STOP`` (no more
-work; the final parameters follow, sent once every gradient is applied).
+(parameters follow; compute the gradient of ``step``), ``STOP`` (no more
+work; the final parameters follow, sent once every gradient is applied) or
+``REJECT`` (the worker's model differs; nothing follows).
 """
 
 from __future__ import annotations
+
+import zlib
 
 import torch
 from torch import nn
@@ -26,7 +30,7 @@ from gradsync.transport.base import PeerFailure
 
 HEADER_NUMEL = 4
 PULL, PUSH = 1, 2
-PARAMS, STOP = 1, 2
+PARAMS, STOP, REJECT = 1, 2, 3
 TAG_REQUEST, TAG_GRADIENT, TAG_REPLY, TAG_PARAMETERS = 101, 102, 103, 104
 
 
@@ -35,15 +39,19 @@ def new_header() -> torch.Tensor:
 
 
 def check_transport(comm) -> None:
-    """The protocol needs tagged messages and a receive from any source (Gloo, or the thread transport).
+    """The protocol needs tagged messages and a receive from any source (Gloo's default group, or threads).
 
     Raises:
-        ValueError: the group's transport cannot carry it (NCCL matches neither tags nor any source).
+        ValueError: NCCL (matches neither tags nor any source) or a torch
+        subgroup (Gloo's any-source receive works on the default group only).
     """
     transport = comm.transport
     if getattr(transport, "backend", None) == "nccl" or not hasattr(transport, "irecv_any"):
         raise ValueError("the parameter server needs a transport with tagged, any-source receives: "
                          "use gradsync.init(backend='gloo') (CPU tensors)")
+    if getattr(transport, "group", None) is not None:
+        raise ValueError("the parameter server and its workers must use the default group (group=None): "
+                         "Gloo receives from any source only there")
 
 
 def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
@@ -67,9 +75,47 @@ def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
     return params
 
 
-def shared_buffers(module: nn.Module, params: list[nn.Parameter]) -> list[torch.Tensor]:
-    """The buffers that travel with the parameters: floating point, of the parameters' dtype and device."""
-    return [b for b in module.buffers() if b.dtype == params[0].dtype and b.device == params[0].device]
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class SharedModel:
+    """A module's tensors as the server and its workers share them: one flat buffer of views.
+
+    Order: trainable parameters (``params_numel`` elements; their gradients
+    are pushed), floating-point buffers of the same dtype and device
+    (``buffers_numel``; pushed too: the server keeps the latest worker's),
+    frozen parameters of that dtype (the server's are sent, never pushed).
+    ``signature`` = (numel, dtype code, CRC of the shapes) is compared at a
+    worker's first request, so models that differ fail before any payload moves.
+    """
+
+    def __init__(self, module: nn.Module):
+        self.params = trainable_parameters(module)
+        kind = (self.params[0].dtype, self.params[0].device)
+        self.buffers = [b for b in module.buffers() if (b.dtype, b.device) == kind]
+        frozen = [p for p in module.parameters() if not p.requires_grad and (p.dtype, p.device) == kind]
+        tensors = self.params + self.buffers + frozen
+        self.params_numel = sum(p.numel() for p in self.params)
+        self.buffers_numel = sum(b.numel() for b in self.buffers)
+        self.flat = flatten_into_views(tensors)
+        shapes = ";".join(",".join(map(str, t.shape)) for t in tensors)
+        dtype_code = _DTYPES.index(kind[0]) if kind[0] in _DTYPES else len(_DTYPES)
+        self.signature = (self.flat.numel(), dtype_code, zlib.crc32(shapes.encode()))
+
+    @property
+    def push_numel(self) -> int:
+        """Elements of a push: gradients, buffers, the loss."""
+        return self.params_numel + self.buffers_numel + 1
+
+    def check_peer(self, signature: list[int], peer: int) -> None:
+        """Raise ValueError naming ``peer`` and what differs if its model's signature is not this one's."""
+        names = ("numel of trainable parameters, buffers and frozen parameters", "dtype", "shapes")
+        for name, mine, theirs in zip(names, self.signature, signature):
+            if mine != theirs:
+                if name == "dtype":
+                    mine, theirs = (_DTYPES[i] if i < len(_DTYPES) else "other" for i in (mine, theirs))
+                raise ValueError(f"parameter server: worker rank {peer}'s model differs from the server's: "
+                                 f"{name} {theirs} != {mine}")
 
 
 def flatten_into_views(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -94,12 +140,6 @@ def gather_gradients(params: list[nn.Parameter], out: torch.Tensor) -> None:
         else:
             part.copy_(param.grad.reshape(-1))
         offset += param.numel()
-
-
-def check_layout(numel: int, peer_numel: int, peer: int, role: str) -> None:
-    if numel != peer_numel:
-        raise ValueError(f"{role}: worker rank {peer} has {peer_numel} trainable parameter and buffer elements, "
-                         f"the server {numel}: the models differ")
 
 
 def peer_error(failure: PeerFailure, what: str, rank: int, world_size: int, timeout_s: float,

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import gradsync
+from gradsync.process_group import MIN_STARTUP_TIMEOUT_S
 from gradsync.train.config import TrainConfig, validate_against_data
 from gradsync.train.data import Splits, load
 from gradsync.train.loop import (make_optimizer, make_scheduler, seed_everything, straggle, straggler_factor,
@@ -70,7 +71,7 @@ def _work(config: TrainConfig, model: torch.nn.Module, data: Splits, server_rank
     factor = straggler_factor(config, gradsync.rank())
     compute_s = slept_s = 0.0
     cache: dict = {}
-    step = worker.pull()
+    step = worker.pull(timeout=max(config.timeout, MIN_STARTUP_TIMEOUT_S))  # the server may still be starting
     while step is not None:
         started = time.perf_counter()
         indices = step_indices(config, len(data.y_train), step, cache)
@@ -124,7 +125,7 @@ class _Server:
         return self._summary(rows, wall_s)
 
     def _on_update(self, worker: int, version: int, loss: float, staleness: int) -> None:
-        lr = self.server.optimizer.param_groups[0]["lr"]
+        lr = self.server.last_lr  # as applied: after the staleness scaling, before the scheduler step
         self.log.write({"kind": "step", "step": version, "worker": worker, "loss": loss,
                         "staleness": staleness, "lr": lr, "elapsed_s": time.perf_counter() - self.started})
         self.bar.update(1)

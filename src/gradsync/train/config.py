@@ -145,6 +145,10 @@ def _validate_mode(config: TrainConfig) -> None:
         raise ValueError(f"--sync-every must be an int >= 1, got {config.sync_every}")
     if config.mode == "async" and config.trace is not None:
         raise ValueError("--trace records bucket AllReduces: use it with --mode sync or local-sgd")
+    if config.mode == "async" and config.algorithm != d.algorithm:
+        raise ValueError("--algorithm applies to --mode sync and local-sgd: async sends gradients to the server")
+    if config.mode != "sync" and config.bucket_cap_mb != d.bucket_cap_mb:
+        raise ValueError(f"--bucket-cap-mb applies to --mode sync, not --mode {config.mode}")
     config.straggler_rank_factor()
 
 
@@ -156,6 +160,12 @@ def validate_against_data(config: TrainConfig, world_size: int, num_train: int) 
     straggler = config.straggler_rank_factor()
     if straggler is not None and straggler[0] >= world_size:
         raise ValueError(f"--straggler rank {straggler[0]} is not a worker: workers are ranks 0..{world_size - 1}")
+    needed = config.batch_size * config.accumulate
+    if config.mode == "async":  # the workers take batches from one shared shuffle
+        if num_train < needed:
+            raise ValueError(f"the {num_train} training samples are fewer than one step's --batch-size "
+                             f"{config.batch_size} x --accumulate {config.accumulate} = {needed}")
+        return
     if world_size > num_train:
         raise ValueError(f"world size {world_size} is larger than the {num_train} training samples")
     per_rank = -(-num_train // world_size)  # DistributedSampler pads to equal shares

@@ -203,7 +203,9 @@ class Trainer:
             self.staleness.record(0)
         comm_s = self.model.comm_seconds - comm_before
         exposed_s = self.model.exposed_comm_seconds - exposed_before
-        self.times.add(forward_s, backward_s, comm_s, exposed_s, t4 - t3)
+        # local SGD communicates only in the average, after the optimizer step: not inside backward
+        self.times.add(forward_s, backward_s, comm_s, exposed_s, t4 - t3,
+                       outside_comm_s=exposed_s if self.local_sgd else 0.0)
         step_bytes = self.model.comm.stats.bytes_sent - bytes_before
         self.step_bytes_sent += step_bytes
         self.step += 1

@@ -52,18 +52,21 @@ class StepTimes:
     comm_s: float = 0.0      # communication time, overlapped with backward or not
     exposed_comm_s: float = 0.0  # the part of comm_s the step waited for
     optimizer_s: float = 0.0
+    outside_comm_s: float = 0.0  # exposed communication outside forward/backward/optimizer (local SGD's average)
 
     @property
     def compute_s(self) -> float:
-        return self.forward_s + self.backward_s - self.exposed_comm_s + self.optimizer_s
+        inside = self.exposed_comm_s - self.outside_comm_s
+        return self.forward_s + self.backward_s - inside + self.optimizer_s
 
     def add(self, forward_s: float, backward_s: float, comm_s: float, exposed_comm_s: float,
-            optimizer_s: float) -> None:
+            optimizer_s: float, outside_comm_s: float = 0.0) -> None:
         self.forward_s += forward_s
         self.backward_s += backward_s
         self.comm_s += comm_s
         self.exposed_comm_s += exposed_comm_s
         self.optimizer_s += optimizer_s
+        self.outside_comm_s += outside_comm_s
 
 
 def write_summary(path: Path, summary: dict) -> None:

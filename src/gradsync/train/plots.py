@@ -23,7 +23,7 @@ def plot_run(records: list[dict], summary: dict, out_dir: Path) -> list[Path]:
 def _plot_loss(steps: list[dict], epochs: list[dict], path: Path) -> Path:
     figure, axes = plt.subplots(figsize=(7, 4))
     axes.plot([r["step"] for r in steps], [r["loss"] for r in steps], lw=0.6, alpha=0.5,
-              label="train loss, rank 0 (per step)")
+              label="train loss per step (rank 0; async: the pushing worker's)")
     if epochs and steps:
         steps_per_epoch = max(r["step"] for r in steps) / len(epochs)
         x = [(r["epoch"] + 1) * steps_per_epoch for r in epochs]
