@@ -63,6 +63,8 @@ class AsyncWorker:
         self.timeout_s = self.comm.timeout_s if timeout is None else float(timeout)
         if not 0 < self.timeout_s < math.inf:
             raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout}")
+        self._push_header = torch.tensor([PUSH, 0, 0, 0], dtype=torch.int64)
+        self._reply = new_header()
         self.version = -1
         self.step: int | None = None
         self.pushes = 0
@@ -103,7 +105,8 @@ class AsyncWorker:
         self.send_buffer[-1] = loss
         for param in self.params:
             param.grad = None
-        header = torch.tensor([PUSH, self.version, self.step, 0], dtype=torch.int64)
+        header = self._push_header  # reused: _exchange waits for its sends before returning
+        header[1], header[2] = self.version, self.step
         self.pushes += 1
         return self._exchange(header, self.send_buffer)
 
@@ -115,7 +118,7 @@ class AsyncWorker:
         sends = [transport.isend_tagged(header, server, TAG_REQUEST)]
         if gradient is not None:
             sends.append(transport.isend_tagged(gradient, server, TAG_GRADIENT))
-        reply = new_header()
+        reply = self._reply
         self._wait(transport.irecv_tagged(reply, server, TAG_REPLY), "receive reply", timeout_s)
         if reply[0] == REJECT:
             raise ValueError(f"worker rank {self.rank}: the parameter server (rank {server}) rejected this worker: "

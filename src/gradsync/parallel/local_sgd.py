@@ -72,8 +72,12 @@ class LocalSGD(nn.Module):
         verify_parameters(tensors, self.comm, owner="LocalSGD")
         verify_settings({"sync_every": sync_every, "algorithm": algorithm}, self.comm, owner="LocalSGD")
         broadcast_tensors([t.data for _, t in tensors], self.comm)
-        self._averaged = [t for _, t in tensors if t.dtype.is_floating_point]
-        self._flat = {}  # (dtype, device) -> flat buffer, allocated once
+        self._groups: dict[tuple, list[torch.Tensor]] = {}  # (dtype, device) -> floating tensors averaged
+        for _, tensor in tensors:
+            if tensor.dtype.is_floating_point:
+                self._groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+        self._flat = {key: torch.empty(sum(t.numel() for t in members), dtype=key[0], device=key[1])
+                      for key, members in self._groups.items()}  # one buffer per group, allocated once
         self.local_steps = 0
         self.averages = 0
         self.comm_seconds = 0.0
@@ -103,11 +107,8 @@ class LocalSGD(nn.Module):
     def average(self) -> None:
         """Replace parameters and floating buffers by their mean over the group now (collective)."""
         started = time.perf_counter()
-        groups: dict[tuple, list[torch.Tensor]] = {}
-        for tensor in self._averaged:
-            groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
-        for key, members in groups.items():
-            flat = self._flat_buffer(key, sum(t.numel() for t in members))
+        for key, members in self._groups.items():
+            flat = self._flat[key]
             offset = 0
             for tensor in members:
                 flat[offset:offset + tensor.numel()].copy_(tensor.reshape(-1))
@@ -121,8 +122,3 @@ class LocalSGD(nn.Module):
         self.local_steps = 0
         self.averages += 1
         self.comm_seconds += time.perf_counter() - started
-
-    def _flat_buffer(self, key: tuple, numel: int) -> torch.Tensor:
-        if key not in self._flat:
-            self._flat[key] = torch.empty(numel, dtype=key[0], device=key[1])
-        return self._flat[key]

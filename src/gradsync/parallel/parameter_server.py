@@ -101,6 +101,7 @@ class ParameterServer:
         names = {id(param): name for name, param in module.named_parameters()}
         self.named_params = [(names[id(param)], param) for param in self.params]
         _check_optimizer(optimizer, self.params)
+        self._request, self._reply_header = new_header(), new_header()  # reused: each exchange finishes first
         self.push_buffer = torch.zeros(self.shared.push_numel, dtype=self.flat.dtype, device=self.flat.device)
         self.grad_views = self._grad_views()
         self.optimizer, self.scheduler = optimizer, scheduler
@@ -199,7 +200,7 @@ class ParameterServer:
         silent = PeerFailure(late, "sent no request in time: it died, hangs or is slower than the timeout", True)
         if left_s[late] <= 0:  # even while the other workers keep pushing
             raise peer_error(silent, "serve", self.rank, self.world_size, self.timeout_s)
-        header = new_header()
+        header = self._request
         handle = self.comm.transport.irecv_any(header, TAG_REQUEST)
         try:
             handle.wait(left_s[late])
@@ -267,7 +268,8 @@ class ParameterServer:
 
     def _reply(self, worker: int, kind: int) -> None:
         """Send ``kind`` and the parameters (to compute on, or the final ones with STOP)."""
-        header = torch.tensor([kind, self.version, self.next_step, 0], dtype=torch.int64)
+        header = self._reply_header
+        header[0], header[1], header[2] = kind, self.version, self.next_step
         transport = self.comm.transport
         handles = [transport.isend_tagged(header, worker, TAG_REPLY),
                    transport.isend_tagged(self.flat, worker, TAG_PARAMETERS)]
