@@ -71,6 +71,18 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
     add("--seed", type=int, default=d.seed, help="seed for model init and shuffling (default %(default)s)")
     add("--timeout", type=float, default=d.timeout, help="seconds a collective may wait for a peer "
         "(default %(default)s)")
+    add("--max-restarts", type=int, default=d.max_restarts, help="restart the workers from the newest "
+        "checkpoint up to this many times when one fails or hangs (default %(default)s)")
+    add("--checkpoint-dir", default=None, metavar="DIR", help="write checkpoints here and resume from the "
+        "newest complete one on start (default: <run folder>/checkpoints when --max-restarts > 0)")
+    add("--checkpoint-every", type=int, default=d.checkpoint_every, metavar="K", help="optimizer steps between "
+        "checkpoints (default %(default)s)")
+    add("--keep-checkpoints", type=int, default=d.keep_checkpoints, metavar="N", help="complete checkpoints "
+        "to keep (default %(default)s)")
+    add("--fail-at", default=None, metavar="RANK:STEP", help="fault injection: worker RANK dies at optimizer "
+        "step STEP, on the first attempt only")
+    add("--hang-at", default=None, metavar="RANK:STEP", help="fault injection: worker RANK hangs at optimizer "
+        "step STEP, on the first attempt only (the others time out after --timeout)")
     add("--num-samples", type=int, default=d.num_samples, help="MNIST-1D samples to draw, 80%% train / "
         "20%% test (default %(default)s; 5000 is the paper's split)")
     add("--data-dir", default=None, help="cache for generated data (default $GRADSYNC_DATA_DIR or "

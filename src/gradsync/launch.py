@@ -89,5 +89,9 @@ def _failure_text(failure) -> str:
     if isinstance(message, dict):
         message = message.get("message", "")
     if not message:
-        message = f"exit code {failure.exitcode} (killed or crashed without a Python error)"
+        from gradsync.fault.injection import INJECTED_EXIT_CODE
+
+        cause = ("injected by --fail-at" if failure.exitcode == INJECTED_EXIT_CODE
+                 else "killed or crashed without a Python error")
+        message = f"exit code {failure.exitcode} ({cause})"
     return str(message).strip()

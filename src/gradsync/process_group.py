@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from gradsync.collectives.communicator import DEFAULT_TIMEOUT_S, Communicator
 from gradsync.errors import NotInitializedError
+from gradsync.fault.hang import HangDetector
 from gradsync.transport.torch_p2p import TorchP2PTransport
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -79,13 +80,15 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT_S) -> Communica
     if not 0 < timeout < math.inf:
         raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout}")
     backend = _resolve_backend(backend)
+    store = None
     if not dist.is_initialized():
-        _init_torch_distributed(backend, timeout)
+        store = _init_torch_distributed(backend, timeout)
         _Default.owns_process_group = True
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     transport = TorchP2PTransport(None)
-    _Default.communicator = Communicator(transport, timeout_s=timeout,
+    detector = HangDetector(store, transport.rank, transport.world_size) if store is not None else None
+    _Default.communicator = Communicator(transport, timeout_s=timeout, hang_detector=detector,
                                          ranks_per_node=_ranks_per_node(transport.world_size))
     return _Default.communicator
 
@@ -98,12 +101,13 @@ def _ranks_per_node(world_size: int) -> int | None:
     return None
 
 
-def _init_torch_distributed(backend: str, timeout: float) -> None:
+def _init_torch_distributed(backend: str, timeout: float):
+    """Start torch.distributed; returns this group's store namespace (None for a one-process group)."""
     present = [name for name in _REQUIRED_ENV if name in os.environ]
     if not present:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=datetime.timedelta(seconds=timeout))
-        return
+        return None
     missing = [name for name in _REQUIRED_ENV if name not in os.environ]
     if missing:
         raise ValueError(f"environment variables {', '.join(missing)} are not set "
@@ -113,9 +117,12 @@ def _init_torch_distributed(backend: str, timeout: float) -> None:
         raise ValueError(f"RANK={rank} must be in [0, WORLD_SIZE={world_size})")
     store = _rendezvous_store(rank, world_size, timeout)
     _Default.init_generation += 1
-    generation_store = dist.PrefixStore(f"gradsync/init{_Default.init_generation}", store)
+    # The elastic agent's store outlives a restart: a new attempt must not read the last one's addresses.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    generation_store = dist.PrefixStore(f"gradsync/attempt{attempt}/init{_Default.init_generation}", store)
     dist.init_process_group(backend, store=generation_store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=max(timeout, MIN_STARTUP_TIMEOUT_S)))
+    return dist.PrefixStore("gradsync/hang", generation_store)
 
 
 def _rendezvous_store(rank: int, world_size: int, timeout: float):

@@ -55,7 +55,8 @@ class CollectiveCall:
                  timeout_s: float, workspace: Workspace, *, segment_bytes: int = 2**20,
                  ranks_per_node: int | None = None, deadline: float | None = None,
                  reported_rank: tuple[int, int] | None = None, inter_node_algorithm: str = "ring",
-                 shm_state=None, intra_node_algorithm: str = "ring", node_shm_states: dict | None = None):
+                 shm_state=None, intra_node_algorithm: str = "ring", node_shm_states: dict | None = None,
+                 hang_detector=None):
         self.transport = transport
         self.rank = transport.rank
         self.world_size = transport.world_size
@@ -72,12 +73,14 @@ class CollectiveCall:
         self.shm_state = shm_state  # the group's shared-memory segment holder (algorithm "shm")
         self.intra_node_algorithm = intra_node_algorithm
         self.node_shm_states = node_shm_states if node_shm_states is not None else {}
+        self.hang_detector = hang_detector  # names the rank that hung (fault.hang); None: the waited-for peer
 
     def sub(self, members: list[int], algorithm: str, shm_state=None) -> "CollectiveCall":
         """The same call restricted to ``members`` (parent ranks), sharing deadline and workspace."""
         return CollectiveCall(SubTransport(self.transport, members), self.op_name, algorithm,
                               self.timeout_s, self.workspace, segment_bytes=self.segment_bytes,
-                              deadline=self.deadline, reported_rank=self.reported_rank, shm_state=shm_state)
+                              deadline=self.deadline, reported_rank=self.reported_rank, shm_state=shm_state,
+                              hang_detector=self.hang_detector)
 
     def segment_numel(self, element_size: int) -> int:
         """Elements per pipelining segment (at least one)."""
@@ -131,12 +134,23 @@ class CollectiveCall:
         self.wait_on(sending, step)
 
     def failure(self, failure: PeerFailure, step: str) -> CollectiveTimeoutError:
-        """Build the error for a failed wait on ``failure.peer`` during ``step``."""
+        """Build the error for a failed wait on ``failure.peer`` during ``step``.
+
+        On a timeout with a hang detector, the error names the rank that did
+        not reach the collective rather than the neighbour this rank waited for.
+        """
         peer = "an unknown peer" if failure.peer < 0 else f"peer rank {failure.peer}"
         rank, world_size = self.reported_rank
+        blamed, reason = failure.peer, f"{peer} {failure.reason} at {step}"
+        silent = self.hang_detector.silent_ranks() if failure.timed_out and self.hang_detector else None
+        if silent:
+            blamed = failure.peer if failure.peer in silent else silent[0]
+            others = f" (also silent: ranks {', '.join(map(str, silent[1:]))})" if len(silent) > 1 else ""
+            waited = "" if blamed == failure.peer else f" waiting for rank {failure.peer}"
+            reason = (f"peer rank {blamed} stopped responding: it never reached this call{others}; "
+                      f"this rank timed out at {step}{waited}")
         message = (f"{self.op_name} (algorithm={self.algorithm}) on rank {rank} of "
-                   f"{world_size}: {peer} {failure.reason} at {step} "
-                   f"(timeout {self.timeout_s:g} s)")
+                   f"{world_size}: {reason} (timeout {self.timeout_s:g} s)")
         return CollectiveTimeoutError(message, op=self.op_name, algorithm=self.algorithm,
-                                      rank=rank, peer=failure.peer, step=step,
+                                      rank=rank, peer=blamed, step=step,
                                       timed_out=failure.timed_out)

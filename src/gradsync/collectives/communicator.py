@@ -33,6 +33,9 @@ class Communicator:
         intra_node_algorithm: what ``hierarchical`` runs inside a node: "ring"
             (reduce-scatter and all-gather over the transport) or "shm" (shared memory;
             the ranks of a node must share a machine).
+        hang_detector: a :class:`~gradsync.fault.hang.HangDetector`; on a
+            timeout, errors then name the rank that never reached the call
+            (None: the peer this rank waited for).
         inter_node_algorithm: what ``hierarchical`` runs across nodes: "ring",
             "tree" or "halving_doubling".
 
@@ -44,7 +47,7 @@ class Communicator:
 
     def __init__(self, transport: Transport, timeout_s: float = DEFAULT_TIMEOUT_S, *,
                  segment_bytes: int = DEFAULT_SEGMENT_BYTES, ranks_per_node: int | None = None,
-                 inter_node_algorithm: str = "ring", intra_node_algorithm: str = "ring"):
+                 inter_node_algorithm: str = "ring", intra_node_algorithm: str = "ring", hang_detector=None):
         check_timeout(timeout_s)
         if not segment_bytes > 0:
             raise ValueError(f"segment_bytes must be > 0, got {segment_bytes}")
@@ -67,6 +70,7 @@ class Communicator:
         self.ranks_per_node = ranks_per_node or world_size
         self.workspace = Workspace()
         self.shm_state = ShmState()
+        self.hang_detector = hang_detector
 
     @property
     def rank(self) -> int:
@@ -90,7 +94,7 @@ class Communicator:
                               segment_bytes=self.segment_bytes, ranks_per_node=self.ranks_per_node,
                               inter_node_algorithm=self.inter_node_algorithm, shm_state=self.shm_state,
                               intra_node_algorithm=self.intra_node_algorithm,
-                              node_shm_states=self.node_shm_states)
+                              node_shm_states=self.node_shm_states, hang_detector=self.hang_detector)
 
     def close(self) -> None:
         """Release the shared-memory segment, if any (its name is already gone from /dev/shm)."""

@@ -69,7 +69,8 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _serialize(state: dict) -> bytes:
+def serialize(state: dict) -> bytes:
+    """``torch.save`` into bytes."""
     buffer = io.BytesIO()
     torch.save(state, buffer)
     return buffer.getvalue()
@@ -104,7 +105,7 @@ def save(root: str | Path, step: int, shared_state: dict | None, rank_state: dic
         raise ValueError(f"keep must be an int >= 1, got {keep!r}")
     folder = step_dir(root, step)
     folder.mkdir(parents=True, exist_ok=True)
-    own = _serialize(rank_state)
+    own = serialize(rank_state)
     write_atomic(folder / rank_file(comm.rank), own)
     record = torch.tensor(list(_digest(own)) + list(len(own).to_bytes(8, "little")), dtype=torch.uint8)
     records = collectives.all_gather(record, comm) if comm.world_size > 1 else [record]
@@ -112,7 +113,7 @@ def save(root: str | Path, step: int, shared_state: dict | None, rank_state: dic
         files = {rank_file(rank): {"sha256": bytes(r[:32].tolist()).hex(),
                                    "nbytes": int.from_bytes(bytes(r[32:].tolist()), "little")}
                  for rank, r in enumerate(records)}
-        shared = _serialize(shared_state if shared_state is not None else {})
+        shared = serialize(shared_state if shared_state is not None else {})
         write_atomic(folder / SHARED_FILE, shared)
         files[SHARED_FILE] = {"sha256": _digest(shared).hex(), "nbytes": len(shared)}
         manifest = {"format": FORMAT_VERSION, "step": step, "world_size": comm.world_size, "files": files}

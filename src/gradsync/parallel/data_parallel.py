@@ -254,6 +254,25 @@ class DataParallel(nn.Module):
         return self._reducer.bucket_numels
 
     @property
+    def bucket_layout(self) -> list[list[int]] | None:
+        """Parameter indices per bucket once rebuilt after the first backward (None before).
+
+        The layout fixes where each gradient sits in a bucket, and so the
+        order in which the ring sums it; a checkpoint saves it so that a
+        resumed job sums exactly as the uninterrupted one would.
+        """
+        return [list(bucket) for bucket in self._reducer.assignment] if self._reducer.rebuilt else None
+
+    @bucket_layout.setter
+    def bucket_layout(self, layout: list[list[int]]) -> None:
+        """Use ``layout`` (from :attr:`bucket_layout`, the same on every rank) instead of rebuilding.
+
+        Raises:
+            ValueError: ``layout`` is not a partition of the parameter indices.
+        """
+        self._reducer.set_layout([[int(index) for index in bucket] for bucket in layout])
+
+    @property
     def last_bucket_spans(self) -> list[tuple[int, float, float]]:
         """(bucket index, start, end) of each bucket's AllReduce in the last sync, ``time.perf_counter`` seconds."""
         return self._reducer.last_bucket_spans

@@ -376,6 +376,19 @@ class Reducer:
         if assignment != self.assignment:
             self._build(assignment)
 
+    def set_layout(self, assignment: list[list[int]]) -> None:
+        """Adopt a saved bucket layout and skip the rebuild (every rank must pass the same one)."""
+        flat = [index for bucket in assignment for index in bucket]
+        if sorted(flat) != list(range(len(self.params))) or not all(assignment):
+            raise ValueError(f"a bucket layout must split the indices 0..{len(self.params) - 1} into "
+                             f"non-empty buckets, got {assignment}")
+        kinds = [{(self.params[i].dtype, self.params[i].device) for i in bucket} for bucket in assignment]
+        if any(len(kind) > 1 for kind in kinds):
+            raise ValueError("a bucket layout must not mix parameter dtypes or devices in one bucket")
+        self.rebuilt = True
+        if assignment != self.assignment:
+            self._build(assignment)
+
     def shadow_round(self, divisor: int) -> None:
         """Take part in the other ranks' gradient sync with zeros (this rank has joined)."""
         if not self.buckets:

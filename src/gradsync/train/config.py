@@ -46,6 +46,12 @@ class TrainConfig:
     trace: str | None = None        # Chrome trace file written at the end (rank 0 gathers all ranks)
     seed: int = 0                   # model init, shuffling
     timeout: float = 300.0          # seconds any collective may wait for a peer
+    max_restarts: int = 0           # times the elastic agent restarts the workers after a failure
+    checkpoint_dir: str | None = None  # checkpoints (default <out>/checkpoints when --max-restarts > 0)
+    checkpoint_every: int = 100     # optimizer steps between checkpoints
+    keep_checkpoints: int = 2       # complete checkpoints kept; older ones are pruned
+    fail_at: str | None = None      # "RANK:STEP": that worker dies at that step (first attempt only)
+    hang_at: str | None = None      # "RANK:STEP": that worker hangs at that step (first attempt only)
     num_samples: int = DEFAULT_NUM_SAMPLES  # MNIST-1D samples drawn (80% train, 20% test)
     data_dir: str | None = None     # cache for the generated arrays
     out: str | None = None          # run folder (default runs/<timestamp>)
@@ -80,6 +86,27 @@ class TrainConfig:
         if rank < 0 or not 1 <= factor < math.inf:
             raise ValueError(f"--straggler {self.straggler}: RANK must be >= 0 and FACTOR a finite number >= 1")
         return rank, factor
+
+    def fault_rank_step(self, which: str) -> tuple[int, int] | None:
+        """``(rank, step)`` parsed from ``fail_at`` or ``hang_at`` (ValueError if malformed), or None."""
+        text = getattr(self, which)
+        if text is None:
+            return None
+        flag = "--" + which.replace("_", "-")
+        rank_text, sep, step_text = str(text).partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            rank, step = int(rank_text), int(step_text)
+        except ValueError:
+            raise ValueError(f"{flag} must be RANK:STEP (e.g. 1:40), got {text!r}") from None
+        if rank < 0 or step < 1:
+            raise ValueError(f"{flag} {text}: RANK must be >= 0 and STEP >= 1 (steps count from 1)")
+        return rank, step
+
+    def checkpointing(self) -> bool:
+        """Whether this job writes checkpoints (it does when it may restart)."""
+        return self.checkpoint_dir is not None or self.max_restarts > 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -121,6 +148,44 @@ def validate(config: TrainConfig) -> None:
         if not ok:
             raise ValueError(message)
     _validate_mode(config)
+    _validate_fault_tolerance(config)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _validate_fault_tolerance(config: TrainConfig) -> None:
+    """Restarts, checkpoints and fault injection (issue-8 options)."""
+    d = TrainConfig()
+    if not _is_int(config.max_restarts) or config.max_restarts < 0:
+        raise ValueError(f"--max-restarts must be an int >= 0, got {config.max_restarts}")
+    if not _is_int(config.checkpoint_every) or config.checkpoint_every < 1:
+        raise ValueError(f"--checkpoint-every must be an int >= 1 (optimizer steps), got {config.checkpoint_every}")
+    if not _is_int(config.keep_checkpoints) or config.keep_checkpoints < 1:
+        raise ValueError(f"--keep-checkpoints must be an int >= 1, got {config.keep_checkpoints}")
+    if config.checkpoint_dir is not None and not str(config.checkpoint_dir).strip():
+        raise ValueError("--checkpoint-dir needs a folder name, got an empty string")
+    if not config.checkpointing():
+        for flag, value, default in [("--checkpoint-every", config.checkpoint_every, d.checkpoint_every),
+                                     ("--keep-checkpoints", config.keep_checkpoints, d.keep_checkpoints)]:
+            if value != default:
+                raise ValueError(f"{flag} needs --checkpoint-dir or --max-restarts")
+    if config.mode == "async":
+        for flag, used in [("--checkpoint-dir", config.checkpoint_dir is not None),
+                           ("--max-restarts", config.max_restarts > 0), ("--fail-at", config.fail_at is not None),
+                           ("--hang-at", config.hang_at is not None)]:
+            if used:
+                raise ValueError(f"{flag} applies to --mode sync and local-sgd: the parameter server "
+                                 "does not checkpoint (a restart would lose its updates)")
+    config.fault_rank_step("fail_at")
+    config.fault_rank_step("hang_at")
+
+
+def total_steps(config: TrainConfig, world_size: int, num_train: int) -> int:
+    """Optimizer steps of a sync or local-sgd job (DistributedSampler pads to equal shares)."""
+    per_rank = -(-num_train // world_size)
+    return per_rank // config.batch_size // config.accumulate * config.epochs
 
 
 def _validate_mode(config: TrainConfig) -> None:
@@ -173,3 +238,11 @@ def validate_against_data(config: TrainConfig, world_size: int, num_train: int) 
     if per_rank < needed:
         raise ValueError(f"each of the {world_size} workers gets {per_rank} training samples, fewer than "
                          f"--batch-size {config.batch_size} x --accumulate {config.accumulate} = {needed}")
+    last_step = total_steps(config, world_size, num_train)
+    for which in ("fail_at", "hang_at"):
+        fault = config.fault_rank_step(which)
+        flag = "--" + which.replace("_", "-")
+        if fault is not None and fault[0] >= world_size:
+            raise ValueError(f"{flag} rank {fault[0]} is not a worker: workers are ranks 0..{world_size - 1}")
+        if fault is not None and fault[1] > last_step:
+            raise ValueError(f"{flag} step {fault[1]} is after the job's last step {last_step}")

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import time
+import warnings
 from pathlib import Path
 
-from gradsync.launch import launch_local
-from gradsync.train import data
+from gradsync.fault import checkpoint
+from gradsync.launch import WorkerFailedError, launch_local
+from gradsync.train import data, resume
 from gradsync.train.config import TrainConfig, validate, validate_against_data
 from gradsync.train.loop import run_worker
 from gradsync.train.metrics import METRICS_FILE
@@ -75,6 +78,32 @@ def check_trace_path(trace: str) -> Path:
     return path
 
 
+def check_checkpoint_dir(folder: str | Path) -> Path:
+    """Create the checkpoint folder if needed and prove it writable; returns its absolute path.
+
+    Raises:
+        ValueError: it cannot be created or written (the message names it).
+    """
+    path = Path(folder).expanduser().resolve()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise ValueError(f"--checkpoint-dir {folder} is not a writable folder: {exc.strerror or exc}") from None
+    return path
+
+
+def check_resumable(config: TrainConfig, world_size: int) -> None:
+    """Refuse, before any worker starts, a checkpoint folder holding another job's or another world size's."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", checkpoint.CheckpointWarning)  # rank 0 reports them when it resumes
+        found = checkpoint.latest(config.checkpoint_dir)
+    if found is not None:
+        saved = found.load_shared()
+        resume.check_compatible(saved.get("config", {}), config, world_size, found.world_size, found.folder)
+
+
 def run_job(config: TrainConfig) -> dict | None:
     """Run the whole job; returns rank 0's summary (None on other torchrun ranks).
 
@@ -88,6 +117,9 @@ def run_job(config: TrainConfig) -> dict | None:
     validate_against_data(config, world_size, data.num_train_samples(config.num_samples))
     if config.trace is not None:
         config.trace = str(check_trace_path(config.trace))
+    if config.checkpoint_dir is not None:
+        config.checkpoint_dir = str(check_checkpoint_dir(config.checkpoint_dir))
+        check_resumable(config, world_size)
     data_path = data.prepare(config.data_dir, config.num_samples)
     writes_folder = not torchrun or int(os.environ.get("RANK", "0")) == config.main_rank(world_size)
     if not writes_folder:  # only rank 0 (the server in async mode) writes the run folder
@@ -95,9 +127,26 @@ def run_job(config: TrainConfig) -> dict | None:
     out_dir, created = claim_out_dir(config.out)
     config.out = str(out_dir)
     try:
+        if config.checkpointing() and config.checkpoint_dir is None:
+            config.checkpoint_dir = str(check_checkpoint_dir(out_dir / "checkpoints"))
         if torchrun:
             return run_worker(config, str(data_path), str(out_dir))
-        results = launch_local(world_size, run_worker, config, str(data_path), str(out_dir))
+        try:
+            results = launch_local(world_size, run_worker, config, str(data_path), str(out_dir),
+                                   max_restarts=config.max_restarts)
+        except WorkerFailedError as failure:
+            raise _with_restarts(failure, config.max_restarts) from None
         return results[config.main_rank(world_size)]
     finally:
         release_out_dir(out_dir, created)
+
+
+def _with_restarts(failure: WorkerFailedError, max_restarts: int) -> WorkerFailedError:
+    """The agent gives up only when every restart is used: say how many that was."""
+    if max_restarts == 0:
+        used = "with no restart allowed (--max-restarts 0)"
+    else:
+        used = f"after {max_restarts} restart{'s' if max_restarts > 1 else ''} (all of --max-restarts {max_restarts})"
+    error = WorkerFailedError(failure.rank, f"{failure.message} [the job stopped {used}]")
+    error.restarts = max_restarts
+    return error

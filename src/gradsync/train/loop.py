@@ -19,6 +19,7 @@ import math
 import os
 import random
 import signal
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -31,6 +32,10 @@ from tqdm import tqdm
 
 import gradsync
 from gradsync.compression import make as make_compressor
+from gradsync.fault import checkpoint
+from gradsync.fault.events import EventLog
+from gradsync.fault.injection import FaultPlan, attempt
+from gradsync.train import resume
 from gradsync.train.config import TrainConfig, validate_against_data
 from gradsync.train.data import load
 from gradsync.train.metrics import (METRICS_FILE, SUMMARY_FILE, MetricsLog, StepTimes, read_metrics,
@@ -42,6 +47,7 @@ from gradsync.train.plots import plot_run
 
 
 ECHO_DELAY_S = 3.0
+MODEL_FILE = "model.pt"  # the final model's state_dict, written by rank 0
 
 
 def threads_per_worker(local_world_size: int) -> int:
@@ -121,53 +127,125 @@ class Trainer:
         self.times = StepTimes()
         self.step = 0
         self.step_bytes_sent = 0  # bytes this rank sent inside optimizer steps (gradient sync)
-        self.log = MetricsLog(self.out_dir / METRICS_FILE) if self.is_main else None
+        self.bytes_offset = (0, 0)  # (sent, received) before this attempt's transport counted (a resume)
+        self.epoch_records: list[dict] = []
+        self.eval_s = 0.0
+        self.checkpoint_s = 0.0
+        self.started = time.perf_counter()
+        self.events = EventLog(self.out_dir)
+        self.faults = FaultPlan(self.rank, config.fault_rank_step("fail_at"), config.fault_rank_step("hang_at"),
+                                self.events)
+        self.checkpoint_root = Path(config.checkpoint_dir) if config.checkpointing() else None
+        self.resumed_from = None  # the checkpoint this attempt started from
+        self.position = self._resume()  # (epoch, steps done in it, its running loss)
+        self.log = self._open_log() if self.is_main else None
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def _resume(self) -> tuple[int, int, torch.Tensor]:
+        """Load the newest complete checkpoint, if any (collective: rank 0 chooses, all load it)."""
+        start = (0, 0, torch.zeros(2, dtype=torch.float64))
+        if self.checkpoint_root is None:
+            return start
+        found = checkpoint.latest(self.checkpoint_root) if self.is_main else None
+        chosen = torch.tensor([found.step if found else -1], dtype=torch.int64)
+        gradsync.broadcast(chosen, src=0)
+        if int(chosen) < 0:
+            return start
+        found = found or checkpoint.verify(checkpoint.step_dir(self.checkpoint_root, int(chosen)))
+        shared = found.load_shared()
+        resume.check_compatible(shared["config"], self.config, self.world_size, found.world_size, found.folder)
+        own = found.load_rank(self.rank)
+        resume.restore(self, shared, own)
+        self.resumed_from = found
+        self.started = time.perf_counter() - float(shared["elapsed_s"])
+        return int(shared["epoch"]), int(shared["steps_in_epoch"]), own["epoch_loss"]
+
+    def _open_log(self) -> MetricsLog:
+        if self.checkpoint_root is None:
+            return MetricsLog(self.out_dir / METRICS_FILE)
+        text = self.resumed_from.load_shared()["metrics_text"] if self.resumed_from else ""
+        return MetricsLog(self.out_dir / METRICS_FILE, resumed_text=text)
+
+    def _save_checkpoint(self, epoch: int, steps_in_epoch: int, epoch_loss: torch.Tensor) -> None:
+        started = time.perf_counter()
+        shared = resume.shared_state(self, epoch, steps_in_epoch) if self.is_main else None
+        checkpoint.save(self.checkpoint_root, self.step, shared, resume.rank_state(self, epoch_loss), self.model.comm,
+                        keep=self.config.keep_checkpoints)
+        self.checkpoint_s += time.perf_counter() - started
+        if self.is_main:
+            self.events.write({"event": "checkpoint", "step": self.step, "attempt": attempt(),
+                               "seconds": time.perf_counter() - started})
+
+    def elapsed_s(self) -> float:
+        """Wall seconds of training so far, attempts before a resume included (their lost work not)."""
+        return time.perf_counter() - self.started
+
+    def _announce_resume(self) -> None:
+        if self.resumed_from is None or not self.is_main:
+            return
+        total = self.steps_per_epoch * self.config.epochs
+        print(f"gradsync: attempt {attempt() + 1}: resuming from {self.resumed_from.folder} "
+              f"(step {self.step} of {total})", file=sys.stderr, flush=True)
+        self.events.write({"event": "resumed", "from_step": self.step, "attempt": attempt(),
+                           "checkpoint": str(self.resumed_from.folder)})
 
     def run(self) -> dict | None:
         """Train for ``config.epochs`` epochs; rank 0 returns the summary, others None."""
-        bar = tqdm(total=self.steps_per_epoch * self.config.epochs, desc="train", unit="step",
+        bar = tqdm(total=self.steps_per_epoch * self.config.epochs, initial=self.step, desc="train", unit="step",
                    disable=not (self.is_main and self.config.progress), dynamic_ncols=True)
-        started = time.perf_counter()
-        eval_s = 0.0
-        epoch_records = []
-        for epoch in range(self.config.epochs):
-            train_loss = self._train_epoch(epoch, bar)
+        self._announce_resume()
+        first_epoch, steps_done, epoch_loss = self.position
+        for epoch in range(first_epoch, self.config.epochs):
+            skip = steps_done if epoch == first_epoch else 0
+            loss = epoch_loss if epoch == first_epoch else torch.zeros(2, dtype=torch.float64)
+            train_loss = self._train_epoch(epoch, bar, skip, loss)
             if self.local_sgd and self.model.local_steps:  # evaluate the average, as the paper does
                 self.model.average()
             eval_started = time.perf_counter()
             test_loss, test_accuracy = self._evaluate()
             self._record("eval", eval_started, time.perf_counter())
-            eval_s += time.perf_counter() - eval_started
+            self.eval_s += time.perf_counter() - eval_started
             record = {"kind": "epoch", "epoch": epoch, "train_loss": train_loss, "test_loss": test_loss,
-                      "test_accuracy": test_accuracy, "elapsed_s": time.perf_counter() - started}
-            epoch_records.append(record)
+                      "test_accuracy": test_accuracy, "elapsed_s": self.elapsed_s()}
+            self.epoch_records.append(record)
             if self.log:
                 self.log.write(record)
             bar.set_postfix(loss=f"{train_loss:.3f}", test_acc=f"{100 * test_accuracy:.1f}%")
         bar.close()
-        wall_s = time.perf_counter() - started
-        summary = self._summary(epoch_records, wall_s, wall_s - eval_s)
+        wall_s = self.elapsed_s()
+        summary = self._summary(self.epoch_records, wall_s, wall_s - self.eval_s)
         if self.log:
             self.log.close()
+            checkpoint.write_atomic(self.out_dir / MODEL_FILE, checkpoint.serialize(self.model.module.state_dict()))
         return summary
 
-    def _train_epoch(self, epoch: int, bar) -> float:
+    def _train_epoch(self, epoch: int, bar, skip_steps: int, loss_sum: torch.Tensor) -> float:
+        """Run the epoch's optimizer steps after the first ``skip_steps`` (done before a resume)."""
         self.sampler.set_epoch(epoch)
         self.model.train()
-        loss_sum = torch.zeros(2, dtype=torch.float64)  # (sum of step losses, steps)
+        loss_sum = loss_sum.clone()  # (sum of step losses, steps)
         micro_batches = []
+        steps_in_epoch = 0
         for indices in self.batches:
             micro_batches.append(indices)
             if len(micro_batches) < self.config.accumulate:
+                continue
+            steps_in_epoch += 1
+            if steps_in_epoch <= skip_steps:
+                micro_batches = []
                 continue
             loss = self._optimizer_step(epoch, micro_batches)
             micro_batches = []
             loss_sum += torch.tensor([loss, 1.0], dtype=torch.float64)
             bar.update(1)
+            if self.checkpoint_root is not None and self.step % self.config.checkpoint_every == 0:
+                self._save_checkpoint(epoch, steps_in_epoch, loss_sum)
         gradsync.all_reduce(loss_sum, op="sum")
         return float(loss_sum[0] / loss_sum[1])
 
     def _optimizer_step(self, epoch: int, micro_batches: list[list[int]]) -> float:
+        self.faults.before_step(self.step + 1)
         forward_s = backward_s = 0.0
         comm_before, exposed_before = self.model.comm_seconds, self.model.exposed_comm_seconds
         bytes_before = self.model.comm.stats.bytes_sent
@@ -210,7 +288,7 @@ class Trainer:
         self.step_bytes_sent += step_bytes
         self.step += 1
         if self.log:
-            bytes_total = self.model.comm.stats.bytes_sent
+            bytes_total = self.bytes_offset[0] + self.model.comm.stats.bytes_sent
             self.log.write({"kind": "step", "epoch": epoch, "step": self.step, "loss": step_loss, "lr": lr,
                             "forward_s": forward_s, "backward_s": backward_s, "comm_s": comm_s,
                             "exposed_comm_s": exposed_s, "optimizer_s": t4 - t3,
@@ -250,7 +328,8 @@ class Trainer:
     def _summary(self, epochs: list[dict], wall_s: float, train_wall_s: float) -> dict | None:
         stats = self.model.comm.stats
         t = self.times
-        own = torch.tensor([t.compute_s, t.comm_s, stats.bytes_sent, stats.bytes_received, t.exposed_comm_s,
+        bytes_sent, bytes_received = self.bytes_offset[0] + stats.bytes_sent, self.bytes_offset[1] + stats.bytes_received
+        own = torch.tensor([t.compute_s, t.comm_s, bytes_sent, bytes_received, t.exposed_comm_s,
                             t.forward_s, t.backward_s, t.optimizer_s, self.step_bytes_sent], dtype=torch.float64)
         per_rank = torch.stack(gradsync.all_gather(own))  # (world_size, 9)
         self._write_trace()
@@ -270,6 +349,9 @@ class Trainer:
             "compression": self.config.compression,
             **self.staleness.as_dict(),
             "steps": self.step,
+            "restarts": attempt(),
+            "resumed_from_step": self.resumed_from.step if self.resumed_from else None,
+            "checkpoint_s": self.checkpoint_s,
             "samples": samples,
             "samples_per_s": samples / train_wall_s if train_wall_s > 0 else math.nan,
             "wall_s": wall_s,
@@ -309,6 +391,10 @@ def run_worker(config: TrainConfig, data_path: str, out_dir: str) -> dict | None
         else:
             summary = Trainer(config, Path(data_path), Path(out_dir)).run()
     except gradsync.CollectiveTimeoutError as exc:
+        EventLog(out_dir).write({"event": "detected", "rank": gradsync.rank(), "peer": exc.peer,
+                                 "timed_out": exc.timed_out, "error": str(exc), "attempt": attempt()})
+        if exc.timed_out:  # a hang: say which rank, as the agent's restart does not
+            print(f"gradsync: {exc}", file=sys.stderr, flush=True)
         if not exc.timed_out:
             # A closed connection is the echo of another worker's failure: let
             # that worker's exit reach the launcher first, so it reports the cause.

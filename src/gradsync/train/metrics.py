@@ -24,15 +24,35 @@ SUMMARY_FILE = "summary.json"
 
 
 class MetricsLog:
-    """Append-only JSON-lines writer (rank 0 only); flushed every record so a crash loses nothing."""
+    """Append-only JSON-lines writer (rank 0 only); flushed every record so a crash loses nothing.
 
-    def __init__(self, path: Path):
+    Args:
+        path: the ``metrics.jsonl`` file.
+        resumed_text: the file's content at the checkpoint a job resumes from;
+            the file is replaced by it (atomically), so records of steps done
+            after that checkpoint by a failed attempt disappear and no step
+            appears twice.
+    """
+
+    def __init__(self, path: Path, resumed_text: str | None = None):
         self.path = Path(path)
+        self._lines: list[str] = []
+        if resumed_text is not None:
+            from gradsync.fault.checkpoint import write_atomic
+
+            write_atomic(self.path, resumed_text.encode())
+            self._lines = resumed_text.splitlines(keepends=True)
         self._file = open(self.path, "a", encoding="utf-8")
 
     def write(self, record: dict) -> None:
-        self._file.write(json.dumps(record) + "\n")
+        line = json.dumps(record) + "\n"
+        self._lines.append(line)
+        self._file.write(line)
         self._file.flush()
+
+    def text(self) -> str:
+        """Everything written so far (what a checkpoint keeps)."""
+        return "".join(self._lines)
 
     def close(self) -> None:
         self._file.close()

@@ -1,0 +1,70 @@
+"""Fault injection for tests and demos: ``--fail-at RANK:STEP`` and ``--hang-at RANK:STEP``.
+
+A fault fires when worker RANK is about to run optimizer step STEP (steps
+count from 1), only on the first attempt (``TORCHELASTIC_RESTART_COUNT`` is 0),
+so the restarted job runs through. ``GRADSYNC_FAULT_ATTEMPTS=N`` makes it fire
+on the first N attempts instead, which lets tests exhaust ``--max-restarts``.
+
+- fail: the process writes a line to stderr and ends at once with exit code
+  :data:`INJECTED_EXIT_CODE`, without closing its connections: a crash.
+- hang: the process writes a line to stderr and sleeps until it is killed,
+  holding its connections open: the others see silence, not a closed socket.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from gradsync.fault.events import EventLog
+
+INJECTED_EXIT_CODE = 17
+ATTEMPTS_ENV = "GRADSYNC_FAULT_ATTEMPTS"
+
+
+def attempt() -> int:
+    """This worker's attempt, counted from 0 (the elastic agent's restart count)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def _fault_attempts() -> int:
+    value = os.environ.get(ATTEMPTS_ENV, "1")
+    try:
+        return max(int(value), 0)
+    except ValueError:
+        raise ValueError(f"{ATTEMPTS_ENV}={value!r} must be an integer") from None
+
+
+class FaultPlan:
+    """The faults this rank injects.
+
+    Args:
+        rank: this worker's rank.
+        fail_at, hang_at: ``(rank, step)`` or None.
+        events: where the fault is recorded (with its wall-clock time) before it fires.
+    """
+
+    def __init__(self, rank: int, fail_at: tuple[int, int] | None, hang_at: tuple[int, int] | None,
+                 events: EventLog | None = None):
+        armed = attempt() < _fault_attempts()
+        self.fail_step = fail_at[1] if armed and fail_at and fail_at[0] == rank else None
+        self.hang_step = hang_at[1] if armed and hang_at and hang_at[0] == rank else None
+        self.rank = rank
+        self.events = events
+
+    def before_step(self, step: int) -> None:
+        """Call before optimizer step ``step`` (1-based); fails or hangs if this is the planned step."""
+        if step == self.fail_step:
+            self._announce("kill", step, f"injected failure (--fail-at {self.rank}:{step}): exiting")
+            os._exit(INJECTED_EXIT_CODE)
+        if step == self.hang_step:
+            self._announce("hang", step, f"injected hang (--hang-at {self.rank}:{step}): sleeping until stopped")
+            while True:
+                time.sleep(3600)
+
+    def _announce(self, kind: str, step: int, what: str) -> None:
+        if self.events is not None:
+            self.events.write({"event": "fault", "fault": kind, "rank": self.rank, "step": step,
+                               "attempt": attempt()})
+        print(f"gradsync: rank {self.rank}, step {step}: {what}", file=sys.stderr, flush=True)
