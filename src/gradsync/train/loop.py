@@ -391,8 +391,9 @@ def run_worker(config: TrainConfig, data_path: str, out_dir: str) -> dict | None
         else:
             summary = Trainer(config, Path(data_path), Path(out_dir)).run()
     except gradsync.CollectiveTimeoutError as exc:
-        EventLog(out_dir).write({"event": "detected", "rank": gradsync.rank(), "peer": exc.peer,
-                                 "timed_out": exc.timed_out, "error": str(exc), "attempt": attempt()})
+        if config.checkpointing() or config.fail_at or config.hang_at:
+            EventLog(out_dir).write({"event": "detected", "rank": gradsync.rank(), "peer": exc.peer,
+                                     "timed_out": exc.timed_out, "error": str(exc), "attempt": attempt()})
         if exc.timed_out:  # a hang: say which rank, as the agent's restart does not
             print(f"gradsync: {exc}", file=sys.stderr, flush=True)
         if not exc.timed_out:
