@@ -1,4 +1,4 @@
-"""Command line: ``gradsync train``, ``gradsync bench allreduce|train|compression|modes`` (argparse only)."""
+"""Command line: ``gradsync train``, ``gradsync bench allreduce|train|compression|modes|faults`` (argparse only)."""
 
 from __future__ import annotations
 
@@ -123,7 +123,28 @@ def build_parser() -> argparse.ArgumentParser:
                     "bound and local SGD per H, each without and with worker rank 1 slowed down; print "
                     "samples/s, seconds to 85%% test accuracy, final accuracy and staleness, and plot test "
                     "accuracy against wall time."))
+    _add_faults_bench_options(benches.add_parser(
+        "faults", help="seconds to detect and recover from a killed and a hung worker, steps recomputed",
+        description="Train the main job three times with checkpoints and --max-restarts 1: without a fault, "
+                    "with a worker killed (--fail-at) and with a worker hung (--hang-at); print the seconds to "
+                    "detect each fault and to be training again, the steps recomputed, and whether the final "
+                    "parameters equal the run without a fault bit for bit."))
     return parser
+
+
+def _add_faults_bench_options(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--nproc", type=int, default=4, help="workers (default %(default)s)")
+    add("--epochs", type=int, default=3, help="(default %(default)s)")
+    add("--checkpoint-every", type=int, default=25, help="optimizer steps between checkpoints (default %(default)s)")
+    add("--timeout", type=float, default=5.0, help="collective timeout, seconds: what a hang costs to detect "
+        "(default %(default)s)")
+    add("--fault-rank", type=int, default=1, help="the worker that dies or hangs (default %(default)s)")
+    add("--fault-step", type=int, default=None, help="the step it dies or hangs at (default: mid-run, the step "
+        "before a checkpoint, so the most steps are recomputed)")
+    add("--num-samples", type=int, default=None, help="MNIST-1D samples (default: the main job's)")
+    add("--out", default=None, help="folder for the run folders (default: a new temporary folder)")
+    add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
 
 
 def _add_modes_bench_options(parser: argparse.ArgumentParser) -> None:
@@ -255,8 +276,17 @@ def bench_modes(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_faults(args: argparse.Namespace) -> int:
+    from gradsync.bench.faults import run_bench
+
+    run_bench(nproc=args.nproc, epochs=args.epochs, checkpoint_every=args.checkpoint_every, timeout=args.timeout,
+              fault_rank=args.fault_rank, fault_step=args.fault_step, num_samples=args.num_samples, out=args.out,
+              json_path=args.json)
+    return 0
+
+
 _BENCHES = {"allreduce": bench_allreduce, "train": bench_train, "compression": bench_compression,
-            "modes": bench_modes}
+            "modes": bench_modes, "faults": bench_faults}
 
 
 def main(argv: list[str] | None = None) -> int:

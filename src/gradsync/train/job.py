@@ -113,6 +113,9 @@ def run_job(config: TrainConfig) -> dict | None:
     """
     validate(config)
     torchrun = under_torchrun()
+    if torchrun and config.max_restarts:
+        raise ValueError("under torchrun, give --max-restarts to torchrun (its agent restarts the workers) and "
+                         "--checkpoint-dir to gradsync train (each worker resumes from it)")
     world_size = int(os.environ["WORLD_SIZE"]) if torchrun else config.world_size()
     validate_against_data(config, world_size, data.num_train_samples(config.num_samples))
     if config.trace is not None:

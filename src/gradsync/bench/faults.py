@@ -1,0 +1,132 @@
+"""``gradsync bench faults``: what a kill and a hang cost, measured on the main job with restarts.
+
+Three runs of the same job (same seed, checkpoints every K steps): one
+without a fault, one where a worker dies (``--fail-at``) and one where a
+worker hangs (``--hang-at``), each with ``--max-restarts 1``. From the run
+folder's ``events.jsonl`` (wall-clock times written by the workers):
+
+- ``detect_s``: fault -> first worker that raised for it (a closed
+  connection for a kill, the timeout naming the hung rank for a hang);
+- ``recover_s``: fault -> the restarted workers have loaded the checkpoint
+  and start the next step ("training again");
+- ``steps_recomputed``: steps finished after the checkpoint the job resumed
+  from and lost with the failed attempt (at most K);
+- ``params_equal``: the final model equals the uninterrupted run's bit for bit.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from gradsync.bench.output import claim_json_path, write_json
+from gradsync.fault.events import read_events
+from gradsync.train import data
+from gradsync.train.config import TrainConfig, total_steps, validate, validate_against_data
+from gradsync.train.loop import MODEL_FILE
+
+FAULTS = ("kill", "hang")
+
+
+def default_fault_step(last_step: int, checkpoint_every: int) -> int:
+    """Mid-run, just before a checkpoint would be written: the most work a fault can lose."""
+    middle = max(last_step // 2, checkpoint_every)
+    return min(middle - middle % checkpoint_every + checkpoint_every, last_step)
+
+
+def run_one(config: TrainConfig) -> tuple[dict, float]:
+    from gradsync.train.job import run_job
+
+    started = time.perf_counter()
+    summary = run_job(config)
+    return summary, time.perf_counter() - started
+
+
+def params_equal(run_a: Path, run_b: Path) -> bool:
+    a = torch.load(run_a / MODEL_FILE, weights_only=True)
+    b = torch.load(run_b / MODEL_FILE, weights_only=True)
+    return a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+
+
+def measure(events: list[dict]) -> dict:
+    """detect_s, recover_s and steps_recomputed from one run's events (None where an event is missing)."""
+    fault = next((e for e in events if e["event"] == "fault"), None)
+    if fault is None:
+        raise RuntimeError("the fault never fired: no 'fault' event in events.jsonl")
+    detected = [e["time"] for e in events if e["event"] == "detected" and e["attempt"] == fault["attempt"]]
+    resumed = next((e for e in events if e["event"] == "resumed" and e["attempt"] > fault["attempt"]), None)
+    return {"detect_s": min(detected) - fault["time"] if detected else None,
+            "recover_s": resumed["time"] - fault["time"] if resumed else None,
+            "resumed_from_step": resumed["from_step"] if resumed else None,
+            "steps_recomputed": (fault["step"] - 1 - resumed["from_step"]) if resumed else None,
+            "blamed": sorted({e["peer"] for e in events if e["event"] == "detected"})}
+
+
+def run_bench(*, nproc: int = 4, epochs: int = 3, checkpoint_every: int = 25, timeout: float = 5.0,
+              fault_rank: int = 1, fault_step: int | None = None, num_samples: int | None = None,
+              out: str | None = None, json_path: str | None = None) -> list[dict]:
+    """Run the baseline, the kill and the hang; print the table; write JSON rows (one per fault)."""
+    base = TrainConfig(nproc=nproc, epochs=epochs, checkpoint_every=checkpoint_every, timeout=timeout,
+                       max_restarts=1, progress=False)
+    if num_samples is not None:
+        base.num_samples = num_samples
+    validate(base)
+    last_step = total_steps(base, nproc, data.num_train_samples(base.num_samples))
+    step = default_fault_step(last_step, checkpoint_every) if fault_step is None else fault_step
+    for which in ("fail_at", "hang_at"):
+        validate_against_data(TrainConfig(**{**base.to_dict(), which: f"{fault_rank}:{step}"}), nproc,
+                              data.num_train_samples(base.num_samples))
+    claim_json_path(json_path)
+    out_dir = Path(out) if out else Path(tempfile.mkdtemp(prefix="gradsync-bench-faults-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"# gradsync bench faults: MNIST-1D CNN, {nproc} workers, {epochs} epochs ({last_step} steps), "
+          f"checkpoint every {checkpoint_every} steps, --timeout {timeout:g} s, fault on rank {fault_rank} "
+          f"at step {step}, --max-restarts 1; runs in {out_dir}", flush=True)
+    runs = {}
+    for fault in ("none",) + FAULTS:
+        folder = out_dir / fault
+        option = {"kill": {"fail_at": f"{fault_rank}:{step}"},
+                  "hang": {"hang_at": f"{fault_rank}:{step}"}}.get(fault, {})
+        config = TrainConfig(**{**base.to_dict(), **option, "out": str(folder),
+                                "checkpoint_dir": str(folder / "checkpoints")})
+        summary, wall_s = run_one(config)
+        runs[fault] = (folder, summary, wall_s)
+        print(f"# done: {fault}", flush=True)
+    baseline_folder, baseline_summary, baseline_wall_s = runs["none"]
+    rows = []
+    for fault in FAULTS:
+        folder, summary, wall_s = runs[fault]
+        rows.append({"fault": fault, "rank": fault_rank, "step": step, "num_workers": nproc,
+                     "timeout_s": timeout, "checkpoint_every": checkpoint_every, **measure(read_events(folder)),
+                     "params_equal": params_equal(folder, baseline_folder),
+                     "test_accuracy": summary["final_test_accuracy"],
+                     "baseline_test_accuracy": baseline_summary["final_test_accuracy"],
+                     "job_s": wall_s, "baseline_job_s": baseline_wall_s, "extra_s": wall_s - baseline_wall_s,
+                     "checkpoint_s": baseline_summary["checkpoint_s"], "run_folder": str(folder)})
+    print(format_table(rows))
+    if json_path:
+        write_json(json_path, rows)
+    return rows
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(rows: list[dict]) -> str:
+    header = (f"{'fault':>5} {'rank:step':>9} {'timeout s':>9} {'detect s':>8} {'recover s':>9} "
+              f"{'recomputed':>10} {'ckpt every':>10} {'params equal':>12} {'job s':>6} {'no-fault s':>10} "
+              f"{'extra s':>7}")
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        lines.append(f"{row['fault']:>5} {str(row['rank']) + ':' + str(row['step']):>9} {row['timeout_s']:>9g} "
+                     f"{_fmt(row['detect_s'], '.2f'):>8} {_fmt(row['recover_s'], '.2f'):>9} "
+                     f"{_fmt(row['steps_recomputed'], 'd'):>10} {row['checkpoint_every']:>10d} "
+                     f"{str(row['params_equal']):>12} {row['job_s']:>6.1f} {row['baseline_job_s']:>10.1f} "
+                     f"{row['extra_s']:>7.1f}")
+    checkpoint_s = rows[0]["checkpoint_s"] if rows else 0.0
+    lines.append(f"# checkpoints cost {checkpoint_s:.2f} s in total in the run without a fault")
+    return "\n".join(lines)
