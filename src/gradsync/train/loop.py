@@ -137,35 +137,13 @@ class Trainer:
                                 self.events)
         self.checkpoint_root = Path(config.checkpoint_dir) if config.checkpointing() else None
         self.resumed_from = None  # the checkpoint this attempt started from
-        self.position = self._resume()  # (epoch, steps done in it, its running loss)
-        self.log = self._open_log() if self.is_main else None
+        self.position, metrics_text = resume.load_latest(self)  # (epoch, steps done in it, its running loss)
+        if self.is_main:  # a resumed log holds the checkpoint's records only: no step twice
+            self.log = MetricsLog(self.out_dir / METRICS_FILE, resumed_text=metrics_text)
+        else:
+            self.log = None
 
     # -- checkpoints -----------------------------------------------------------------------------
-
-    def _resume(self) -> tuple[int, int, torch.Tensor]:
-        """Load the newest complete checkpoint, if any (collective: rank 0 chooses, all load it)."""
-        start = (0, 0, torch.zeros(2, dtype=torch.float64))
-        if self.checkpoint_root is None:
-            return start
-        found = checkpoint.latest(self.checkpoint_root) if self.is_main else None
-        chosen = torch.tensor([found.step if found else -1], dtype=torch.int64)
-        gradsync.broadcast(chosen, src=0)
-        if int(chosen) < 0:
-            return start
-        found = found or checkpoint.verify(checkpoint.step_dir(self.checkpoint_root, int(chosen)))
-        shared = found.load_shared()
-        resume.check_compatible(shared["config"], self.config, self.world_size, found.world_size, found.folder)
-        own = found.load_rank(self.rank)
-        resume.restore(self, shared, own)
-        self.resumed_from = found
-        self.started = time.perf_counter() - float(shared["elapsed_s"])
-        return int(shared["epoch"]), int(shared["steps_in_epoch"]), own["epoch_loss"]
-
-    def _open_log(self) -> MetricsLog:
-        if self.checkpoint_root is None:
-            return MetricsLog(self.out_dir / METRICS_FILE)
-        text = self.resumed_from.load_shared()["metrics_text"] if self.resumed_from else ""
-        return MetricsLog(self.out_dir / METRICS_FILE, resumed_text=text)
 
     def _save_checkpoint(self, epoch: int, steps_in_epoch: int, epoch_loss: torch.Tensor) -> None:
         started = time.perf_counter()
@@ -181,20 +159,12 @@ class Trainer:
         """Wall seconds of training so far, attempts before a resume included (their lost work not)."""
         return time.perf_counter() - self.started
 
-    def _announce_resume(self) -> None:
-        if self.resumed_from is None or not self.is_main:
-            return
-        total = self.steps_per_epoch * self.config.epochs
-        print(f"gradsync: attempt {attempt() + 1}: resuming from {self.resumed_from.folder} "
-              f"(step {self.step} of {total})", file=sys.stderr, flush=True)
-        self.events.write({"event": "resumed", "from_step": self.step, "attempt": attempt(),
-                           "checkpoint": str(self.resumed_from.folder)})
-
     def run(self) -> dict | None:
         """Train for ``config.epochs`` epochs; rank 0 returns the summary, others None."""
         bar = tqdm(total=self.steps_per_epoch * self.config.epochs, initial=self.step, desc="train", unit="step",
                    disable=not (self.is_main and self.config.progress), dynamic_ncols=True)
-        self._announce_resume()
+        if self.resumed_from is not None and self.is_main:
+            resume.announce(self)
         first_epoch, steps_done, epoch_loss = self.position
         for epoch in range(first_epoch, self.config.epochs):
             skip = steps_done if epoch == first_epoch else 0

@@ -16,11 +16,16 @@ with ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import random
+import sys
+import time
 from dataclasses import asdict
 
 import numpy as np
 import torch
 
+import gradsync
+from gradsync.fault import checkpoint
+from gradsync.fault.injection import attempt
 from gradsync.train.config import TrainConfig
 
 # Options that define the training trajectory: a checkpoint only resumes a job that agrees on all of them.
@@ -124,3 +129,44 @@ def restore(trainer, shared: dict, own: dict) -> None:
                             int(own["bytes_received"]) - stats.bytes_received)
     trainer.eval_s = float(shared["eval_s"])
     set_rng_state(own["rng"])
+
+
+def load_latest(trainer) -> tuple[tuple[int, int, torch.Tensor], str | None]:
+    """Restore the newest complete checkpoint into ``trainer``, if checkpointing (collective).
+
+    Rank 0 chooses (corrupt or partial newer ones are skipped with a
+    warning) and broadcasts the step, so every rank loads the same one.
+
+    Returns:
+        ``(epoch, optimizer steps done in it, this rank's running epoch loss)``
+        to continue from, and the ``metrics.jsonl`` text to start the log
+        with (None: not checkpointing, append to the file as it is).
+
+    Raises:
+        ValueError: the checkpoint belongs to another job or world size.
+    """
+    start = (0, 0, torch.zeros(2, dtype=torch.float64))
+    if trainer.checkpoint_root is None:
+        return start, None
+    found = checkpoint.latest(trainer.checkpoint_root) if trainer.is_main else None
+    chosen = torch.tensor([found.step if found else -1], dtype=torch.int64)
+    gradsync.broadcast(chosen, src=0)
+    if int(chosen) < 0:
+        return start, ""
+    found = found or checkpoint.verify(checkpoint.step_dir(trainer.checkpoint_root, int(chosen)))
+    shared = found.load_shared()
+    check_compatible(shared["config"], trainer.config, trainer.world_size, found.world_size, found.folder)
+    own = found.load_rank(trainer.rank)
+    restore(trainer, shared, own)
+    trainer.resumed_from = found
+    trainer.started = time.perf_counter() - float(shared["elapsed_s"])
+    return (int(shared["epoch"]), int(shared["steps_in_epoch"]), own["epoch_loss"]), shared["metrics_text"]
+
+
+def announce(trainer) -> None:
+    """Rank 0 says where it resumed (stderr and ``events.jsonl``)."""
+    total = trainer.steps_per_epoch * trainer.config.epochs
+    print(f"gradsync: attempt {attempt() + 1}: resuming from {trainer.resumed_from.folder} "
+          f"(step {trainer.step} of {total})", file=sys.stderr, flush=True)
+    trainer.events.write({"event": "resumed", "from_step": trainer.step, "attempt": attempt(),
+                          "checkpoint": str(trainer.resumed_from.folder)})
