@@ -88,7 +88,7 @@ def _failure_text(failure) -> str:
     message = failure.message
     if isinstance(message, dict):
         message = message.get("message", "")
-    if not message:
+    if not message or message.startswith("To enable traceback see"):  # torch 2.13: no error file written
         from gradsync.fault.injection import INJECTED_EXIT_CODE
 
         cause = ("injected by --fail-at" if failure.exitcode == INJECTED_EXIT_CODE

@@ -20,6 +20,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -353,6 +354,9 @@ def run_worker(config: TrainConfig, data_path: str, out_dir: str) -> dict | None
         # Ctrl-C reaches the whole process group; the elastic agent stops the
         # workers itself, so a worker's own KeyboardInterrupt would only print a traceback.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # tqdm's default lock is a multiprocessing semaphore; a worker that is killed (a fault, a
+    # restart) cannot unregister it, and the launcher then warns about "leaked semaphore objects".
+    tqdm.set_lock(threading.RLock())
     gradsync.init(timeout=config.timeout)
     try:
         if config.mode == "async":
