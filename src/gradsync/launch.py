@@ -9,6 +9,7 @@ failing rank's exception text.
 from __future__ import annotations
 
 import logging
+import re
 import socket
 import tempfile
 import uuid
@@ -62,7 +63,12 @@ def launch_local(nproc: int, entry: Callable, *args, max_restarts: int = 0) -> d
             return elastic_launch(config, entry)(*args)
         except ChildFailedError as exc:
             rank, failure = _root_cause(exc.failures)
-            raise WorkerFailedError(rank, _failure_text(failure)) from None
+            text = _failure_text(failure)
+            hung = re.search(r"peer rank (\d+) stopped responding", text)
+            if hung and int(hung.group(1)) != rank:  # the timed-out rank is a witness, not the cause
+                raise WorkerFailedError(int(hung.group(1)), f"it stopped responding; rank {rank} reported: "
+                                                            f"{text}") from None
+            raise WorkerFailedError(rank, text) from None
         except SignalException:
             raise KeyboardInterrupt from None
 

@@ -184,6 +184,8 @@ class Trainer:
                 self.log.write(record)
             bar.set_postfix(loss=f"{train_loss:.3f}", test_acc=f"{100 * test_accuracy:.1f}%")
         bar.close()
+        if self.checkpoint_root is not None:  # the finished job: running it again only writes the folder
+            self._save_checkpoint(self.config.epochs, 0, torch.zeros(2, dtype=torch.float64))
         wall_s = self.elapsed_s()
         summary = self._summary(self.epoch_records, wall_s, wall_s - self.eval_s)
         if self.log:
