@@ -58,10 +58,11 @@ def test_format_table_prints_one_line_per_fault_and_dashes_for_missing_values():
 @pytest.mark.parametrize("args, needle", [
     (["--checkpoint-every", "0"], "--checkpoint-every"),
     (["--timeout", "0"], "--timeout"),
-    (["--fault-rank", "4"], "rank 4 is not a worker"),
-    (["--fault-step", "0"], "STEP >= 1"),
-    (["--fault-step", "100000"], "after the job's last step"),
+    (["--fault-rank", "4"], "--fault-rank 4 is not a worker"),
+    (["--fault-step", "0"], "--fault-step must be in [1, 375]"),
+    (["--fault-step", "100000"], "--fault-step must be in [1, 375]"),
     (["--nproc", "0"], "--nproc"),
+    (["--nproc", "1"], "--nproc must be >= 2"),
 ])
 @pytest.mark.timeout(60)
 def test_bench_faults_rejects_bad_options_before_any_run(args, needle, tmp_path, capsys):
@@ -69,3 +70,13 @@ def test_bench_faults_rejects_bad_options_before_any_run(args, needle, tmp_path,
     assert result.returncode == 2, result.stderr
     assert needle in result.stderr, result.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(60)
+def test_bench_faults_refuses_an_out_folder_with_earlier_runs_or_a_file(tmp_path, capsys):
+    (tmp_path / "hang").mkdir()
+    result = _main(["bench", "faults", "--out", str(tmp_path)], capsys)
+    assert result.returncode == 2 and "already holds bench faults runs (hang)" in result.stderr, result.stderr
+    (tmp_path / "afile").write_text("x")
+    result = _main(["bench", "faults", "--out", str(tmp_path / "afile")], capsys)
+    assert result.returncode == 2 and "is a file, not a folder" in result.stderr, result.stderr

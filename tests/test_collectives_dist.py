@@ -11,13 +11,15 @@ error reporting get worlds of their own.
 """
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
 import gradsync
-from _dist import RankError, run_world
+from _dist import RankError, free_port, run_world
 from _reference import bitwise_difference, closed_form_input, closed_form_result, reference_all_reduce
 from gradsync.process_group import default_communicator
 
@@ -337,6 +339,39 @@ def test_all_reduce_dist_dead_rank_raises_naming_peer():
                          collective_timeout_s=COLLECTIVE_TIMEOUT_S, may_exit=[dead_rank])
     assert outcomes[dead_rank] is None
     _check_fault_outcomes(outcomes, dead_rank, world_size)
+
+
+_NATIVE_SILENT_PEER = """
+import sys, time, torch, gradsync
+gradsync.init(backend="gloo", timeout=2.0)
+if gradsync.rank() == 1:
+    time.sleep(60)  # silent, its socket open
+try:
+    gradsync.all_reduce(torch.ones(8), algorithm="native")
+except gradsync.CollectiveTimeoutError as exc:
+    print(exc.peer, exc, flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_native_timeout_names_the_silent_rank_and_the_process_exits_promptly(tmp_path):
+    """The backend's own all_reduce names no peer; the hang detector still names the silent rank."""
+    script = tmp_path / "native_silent_peer.py"
+    script.write_text(_NATIVE_SILENT_PEER)
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    silent = subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": "1"})
+    try:
+        started = time.monotonic()
+        waiting = subprocess.run([sys.executable, str(script)], env={**env, "RANK": "0"}, capture_output=True,
+                                 text=True, timeout=50)
+        elapsed_s = time.monotonic() - started
+    finally:
+        silent.kill()
+        silent.wait()
+    peer, _, message = waiting.stdout.strip().partition(" ")
+    assert peer == "1" and "peer rank 1 stopped responding" in message, waiting.stdout + waiting.stderr
+    assert "rank -1" not in message, message
+    assert elapsed_s < 20, f"rank 0 took {elapsed_s:.1f} s to time out and exit (timeout 2 s)"
 
 
 # ---------------------------------------------------------------- leaving and joining again

@@ -373,3 +373,20 @@ def test_hung_worker_is_named_by_the_others_and_the_job_recovers(baseline, env, 
     assert resumed["attempt"] == 1 and HANG_STEP - CHECKPOINT_EVERY <= resumed["from_step"] < HANG_STEP
     _assert_same_model(job.out, baseline.out)
     _assert_same_trajectory(job.out, baseline.out, _total_steps(2))
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S)
+def test_hang_under_the_native_algorithm_ends_the_job_soon_after_detection(env, tmp_path):
+    """Gloo's own all_reduce must give up with --timeout: it used to hold the workers ~60 s after detection."""
+    for other in _STARTED:  # alone, like the other timed test
+        other.wait()
+    started = time.monotonic()
+    job = _Job(tmp_path, _train_args(2, "--algorithm", "native", "--timeout", str(HANG_TIMEOUT_S),
+                                     "--hang-at", f"{FAULT_RANK}:5"), env)
+    result = job.wait()
+    elapsed_s = time.monotonic() - started
+    assert result.returncode == 1, result.stderr
+    error = [line for line in result.stderr.splitlines() if line.startswith("gradsync train: error")]
+    assert len(error) == 1 and f"worker rank {FAULT_RANK} failed: it stopped responding" in error[0], result.stderr
+    assert "rank -1" not in error[0], error[0]
+    assert elapsed_s < 45, f"the job took {elapsed_s:.0f} s (start-up ~10 s, detection {HANG_TIMEOUT_S + 1.5} s)"

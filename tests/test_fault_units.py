@@ -9,6 +9,7 @@ which must refuse them before launching anything.
 from __future__ import annotations
 
 import io
+import os
 import json
 import random
 import threading
@@ -409,3 +410,37 @@ def test_unwritable_checkpoint_dir_is_one_line_exit_2(run_train, tmp_path, below
     _assert_nothing_started(out, tmp_path)
     assert blocker.read_text() == "a regular file"
 
+
+
+# ---------------------------------------------------------------- run folders across torchrun restarts
+
+def test_torchrun_out_dir_is_named_after_the_run_id(monkeypatch):
+    from gradsync.train.job import torchrun_out_dir
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "3f2a-b1")
+    assert torchrun_out_dir() == os.path.join("runs", "torchrun-3f2a-b1")
+    for placeholder in ("none", "", "../x"):
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", placeholder)
+        assert torchrun_out_dir() is None
+
+
+def test_claim_out_dir_reuse_takes_over_a_claimed_folder_and_refuses_files(tmp_path):
+    from gradsync.train.job import claim_out_dir
+
+    folder, created = claim_out_dir(str(tmp_path / "run"))
+    assert created
+    with pytest.raises(ValueError, match="already holds a run"):
+        claim_out_dir(str(folder))
+    assert claim_out_dir(str(folder), reuse=True) == (folder, False)  # a restarted attempt continues it
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        claim_out_dir(str(tmp_path / "file"))
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "1.5"])
+def test_malformed_fault_attempts_variable_is_an_error_before_any_worker(value, monkeypatch):
+    from gradsync.fault.injection import ATTEMPTS_ENV, check_environment
+
+    monkeypatch.setenv(ATTEMPTS_ENV, value)
+    with pytest.raises(ValueError, match=ATTEMPTS_ENV):
+        check_environment()

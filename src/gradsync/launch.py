@@ -8,9 +8,13 @@ failing rank's exception text.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import re
+import signal
 import socket
+import sys
 import tempfile
 import uuid
 from typing import Any, Callable
@@ -22,6 +26,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from gradsync.errors import GradsyncError
 
+_PR_SET_PDEATHSIG = 1
 _NOISY_LOGGERS = ("torch.distributed.elastic", "torch.distributed.elastic.agent.server.api",
                   "torch.multiprocessing", "torch.distributed.launcher")
 
@@ -33,6 +38,23 @@ class WorkerFailedError(GradsyncError):
         super().__init__(f"worker rank {rank} failed: {message}")
         self.rank = rank
         self.message = message
+
+
+def die_with_launcher() -> None:
+    """Have the kernel kill this worker if the process that started it dies (Linux ``PR_SET_PDEATHSIG``).
+
+    A launcher killed with SIGKILL cannot stop its workers; without this they
+    would train on, then wait forever for the agent that is gone.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the launcher died before prctl took effect
+        os._exit(1)
 
 
 def free_port() -> int:

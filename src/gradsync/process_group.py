@@ -84,6 +84,11 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT_S) -> Communica
     if not dist.is_initialized():
         store = _init_torch_distributed(backend, timeout)
         _Default.owns_process_group = True
+        if backend == "gloo":
+            # Joining used the longer start-up timeout. From now on Gloo's own collectives (the
+            # native algorithm) must give up with ours: a pending one blocks process exit until
+            # Gloo's timeout, so a hang would hold the job long after it was detected.
+            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout))
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     transport = TorchP2PTransport(None)

@@ -74,13 +74,22 @@ def run_bench(*, nproc: int = 4, epochs: int = 3, checkpoint_every: int = 25, ti
     if num_samples is not None:
         base.num_samples = num_samples
     validate(base)
+    if nproc < 2:
+        raise ValueError(f"--nproc must be >= 2 (a fault needs a survivor to detect it), got {nproc}")
+    validate_against_data(base, nproc, data.num_train_samples(base.num_samples))
     last_step = total_steps(base, nproc, data.num_train_samples(base.num_samples))
     step = default_fault_step(last_step, checkpoint_every) if fault_step is None else fault_step
-    for which in ("fail_at", "hang_at"):
-        validate_against_data(TrainConfig(**{**base.to_dict(), which: f"{fault_rank}:{step}"}), nproc,
-                              data.num_train_samples(base.num_samples))
-    claim_json_path(json_path)
+    if not 0 <= fault_rank < nproc:
+        raise ValueError(f"--fault-rank {fault_rank} is not a worker: workers are ranks 0..{nproc - 1}")
+    if not 1 <= step <= last_step:
+        raise ValueError(f"--fault-step must be in [1, {last_step}] (the job's steps), got {step}")
     out_dir = Path(out) if out else Path(tempfile.mkdtemp(prefix="gradsync-bench-faults-"))
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out {out_dir} is a file, not a folder")
+    taken = [fault for fault in ("none",) + FAULTS if (out_dir / fault).exists()]
+    if taken:
+        raise ValueError(f"--out {out_dir} already holds bench faults runs ({', '.join(taken)}); choose another folder")
+    claim_json_path(json_path)
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"# gradsync bench faults: MNIST-1D CNN, {nproc} workers, {epochs} epochs ({last_step} steps), "
           f"checkpoint every {checkpoint_every} steps, --timeout {timeout:g} s, fault on rank {fault_rank} "

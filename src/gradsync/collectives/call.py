@@ -146,7 +146,7 @@ class CollectiveCall:
         if silent:
             blamed = failure.peer if failure.peer in silent else silent[0]
             others = f" (also silent: ranks {', '.join(map(str, silent[1:]))})" if len(silent) > 1 else ""
-            waited = "" if blamed == failure.peer else f" waiting for rank {failure.peer}"
+            waited = "" if blamed == failure.peer or failure.peer < 0 else f" waiting for rank {failure.peer}"
             reason = (f"peer rank {blamed} stopped responding: it never reached this call{others}; "
                       f"this rank timed out at {step}{waited}")
         message = (f"{self.op_name} (algorithm={self.algorithm}) on rank {rank} of "

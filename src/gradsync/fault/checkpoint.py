@@ -50,15 +50,23 @@ def step_dir(root: Path, step: int) -> Path:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file, fsync and rename (then fsync the folder)."""
+    """Write ``data`` to ``path`` through a temporary file, fsync and rename (then fsync the folder).
+
+    Raises:
+        OSError: naming ``path`` (disk full, no permission, ...); the temporary file is removed.
+    """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    try:
+        with open(tmp, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OSError(exc.errno, f"writing {path} failed: {exc.strerror or exc}") from None
 
 
 def _fsync_dir(folder: Path) -> None:

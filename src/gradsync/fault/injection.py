@@ -14,7 +14,6 @@ on the first N attempts instead, which lets tests exhaust ``--max-restarts``.
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 from gradsync.fault.events import EventLog
@@ -31,9 +30,17 @@ def attempt() -> int:
 def _fault_attempts() -> int:
     value = os.environ.get(ATTEMPTS_ENV, "1")
     try:
-        return max(int(value), 0)
+        attempts = int(value)
     except ValueError:
-        raise ValueError(f"{ATTEMPTS_ENV}={value!r} must be an integer") from None
+        attempts = -1
+    if attempts < 0:
+        raise ValueError(f"environment variable {ATTEMPTS_ENV}={value!r} must be an integer >= 0")
+    return attempts
+
+
+def check_environment() -> None:
+    """Raise ValueError now, before any worker starts, if ``GRADSYNC_FAULT_ATTEMPTS`` is malformed."""
+    _fault_attempts()
 
 
 class FaultPlan:
@@ -67,4 +74,4 @@ class FaultPlan:
         if self.events is not None:
             self.events.write({"event": "fault", "fault": kind, "rank": self.rank, "step": step,
                                "attempt": attempt()})
-        print(f"gradsync: rank {self.rank}, step {step}: {what}", file=sys.stderr, flush=True)
+        os.write(2, f"gradsync: rank {self.rank}, step {step}: {what}\n".encode())

@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 
 from gradsync.fault import checkpoint
+from gradsync.fault.injection import attempt, check_environment
 from gradsync.launch import WorkerFailedError, launch_local
 from gradsync.train import data, resume
 from gradsync.train.config import TrainConfig, validate, validate_against_data
@@ -35,8 +36,22 @@ def default_out_dir() -> Path:
     return path
 
 
-def claim_out_dir(out: str | None) -> tuple[Path, bool]:
+def torchrun_out_dir() -> str | None:
+    """The default run folder under torchrun: named after the job's run id, so a restart finds it again.
+
+    None (a timestamped folder) when the run id is torchrun's placeholder "none".
+    """
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if run_id in ("", "none") or not all(c.isalnum() or c in "-_." for c in run_id):
+        return None
+    return str(Path("runs") / f"torchrun-{run_id}")
+
+
+def claim_out_dir(out: str | None, reuse: bool = False) -> tuple[Path, bool]:
     """Create the run folder and claim it by creating ``metrics.jsonl`` exclusively.
+
+    With ``reuse`` (a restarted attempt of the same job) a folder that
+    already holds the run is taken over instead.
 
     Returns:
         The folder and whether this call created it.
@@ -47,9 +62,11 @@ def claim_out_dir(out: str | None) -> tuple[Path, bool]:
     """
     path = Path(out) if out else default_out_dir()
     created = not path.exists()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--out {path} is a file, not a folder")
     try:
         path.mkdir(parents=True, exist_ok=True)
-        (path / METRICS_FILE).touch(exist_ok=False)
+        (path / METRICS_FILE).touch(exist_ok=reuse)
     except FileExistsError:
         raise ValueError(f"--out {path} already holds a run ({METRICS_FILE}); choose another folder") from None
     except OSError as exc:
@@ -85,6 +102,8 @@ def check_checkpoint_dir(folder: str | Path) -> Path:
         ValueError: it cannot be created or written (the message names it).
     """
     path = Path(folder).expanduser().resolve()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--checkpoint-dir {folder} is a file, not a folder")
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
@@ -112,6 +131,7 @@ def run_job(config: TrainConfig) -> dict | None:
         WorkerFailedError: a worker failed.
     """
     validate(config)
+    check_environment()
     torchrun = under_torchrun()
     if torchrun and config.max_restarts:
         raise ValueError("under torchrun, give --max-restarts to torchrun (its agent restarts the workers) and "
@@ -124,10 +144,13 @@ def run_job(config: TrainConfig) -> dict | None:
         config.checkpoint_dir = str(check_checkpoint_dir(config.checkpoint_dir))
         check_resumable(config, world_size)
     data_path = data.prepare(config.data_dir, config.num_samples)
+    if torchrun and config.out is None:
+        config.out = torchrun_out_dir()
     writes_folder = not torchrun or int(os.environ.get("RANK", "0")) == config.main_rank(world_size)
     if not writes_folder:  # only rank 0 (the server in async mode) writes the run folder
         return run_worker(config, str(data_path), str(config.out or "runs/unused"))
-    out_dir, created = claim_out_dir(config.out)
+    # torchrun restarts this whole function: a restarted rank 0 continues the folder it claimed
+    out_dir, created = claim_out_dir(config.out, reuse=torchrun and attempt() > 0)
     config.out = str(out_dir)
     try:
         if config.checkpointing() and config.checkpoint_dir is None:

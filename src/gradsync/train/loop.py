@@ -19,7 +19,6 @@ import math
 import os
 import random
 import signal
-import sys
 import threading
 import time
 from contextlib import nullcontext
@@ -33,6 +32,7 @@ from tqdm import tqdm
 
 import gradsync
 from gradsync.compression import make as make_compressor
+from gradsync.launch import die_with_launcher
 from gradsync.fault import checkpoint
 from gradsync.fault.events import EventLog
 from gradsync.fault.injection import FaultPlan, attempt
@@ -164,7 +164,7 @@ class Trainer:
         """Train for ``config.epochs`` epochs; rank 0 returns the summary, others None."""
         bar = tqdm(total=self.steps_per_epoch * self.config.epochs, initial=self.step, desc="train", unit="step",
                    disable=not (self.is_main and self.config.progress), dynamic_ncols=True)
-        if self.resumed_from is not None and self.is_main:
+        if self.is_main:
             resume.announce(self)
         first_epoch, steps_done, epoch_loss = self.position
         for epoch in range(first_epoch, self.config.epochs):
@@ -212,7 +212,8 @@ class Trainer:
             micro_batches = []
             loss_sum += torch.tensor([loss, 1.0], dtype=torch.float64)
             bar.update(1)
-            if self.checkpoint_root is not None and self.step % self.config.checkpoint_every == 0:
+            last = epoch == self.config.epochs - 1 and steps_in_epoch == self.steps_per_epoch  # saved after eval
+            if self.checkpoint_root is not None and self.step % self.config.checkpoint_every == 0 and not last:
                 self._save_checkpoint(epoch, steps_in_epoch, loss_sum)
         gradsync.all_reduce(loss_sum, op="sum")
         return float(loss_sum[0] / loss_sum[1])
@@ -356,6 +357,7 @@ def run_worker(config: TrainConfig, data_path: str, out_dir: str) -> dict | None
         # Ctrl-C reaches the whole process group; the elastic agent stops the
         # workers itself, so a worker's own KeyboardInterrupt would only print a traceback.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        die_with_launcher()
     # tqdm's default lock is a multiprocessing semaphore; a worker that is killed (a fault, a
     # restart) cannot unregister it, and the launcher then warns about "leaked semaphore objects".
     tqdm.set_lock(threading.RLock())
@@ -371,7 +373,7 @@ def run_worker(config: TrainConfig, data_path: str, out_dir: str) -> dict | None
             EventLog(out_dir).write({"event": "detected", "rank": gradsync.rank(), "peer": exc.peer,
                                      "timed_out": exc.timed_out, "error": str(exc), "attempt": attempt()})
         if exc.timed_out:  # a hang: say which rank, as the agent's restart does not
-            print(f"gradsync: {exc}", file=sys.stderr, flush=True)
+            resume.say(str(exc))
         if not exc.timed_out:
             # A closed connection is the echo of another worker's failure: let
             # that worker's exit reach the launcher first, so it reports the cause.

@@ -15,9 +15,10 @@ with ``torch.load(weights_only=True)``.
 
 from __future__ import annotations
 
+import os
 import random
-import sys
 import time
+import warnings
 from dataclasses import asdict
 
 import numpy as np
@@ -29,9 +30,12 @@ from gradsync.fault.injection import attempt
 from gradsync.train.config import TrainConfig
 
 # Options that define the training trajectory: a checkpoint only resumes a job that agrees on all of them.
+# The AllReduce algorithm and bucketing fix the order in which gradients are summed: another
+# order gives other bits, so they count too.
 RESUME_FIELDS = ("mode", "model", "epochs", "batch_size", "accumulate", "lr", "lr_schedule", "optimizer",
                  "weight_decay", "seed", "num_samples", "sync_every", "compression", "topk_ratio",
-                 "powersgd_rank", "compression_warmup_steps")
+                 "powersgd_rank", "compression_warmup_steps", "algorithm", "bucket_cap_mb",
+                 "gradient_as_bucket_view")
 STATE_FORMAT = 1
 
 
@@ -148,7 +152,7 @@ def load_latest(trainer) -> tuple[tuple[int, int, torch.Tensor], str | None]:
     start = (0, 0, torch.zeros(2, dtype=torch.float64))
     if trainer.checkpoint_root is None:
         return start, None
-    found = checkpoint.latest(trainer.checkpoint_root) if trainer.is_main else None
+    found = _latest_reporting_skips(trainer.checkpoint_root) if trainer.is_main else None
     chosen = torch.tensor([found.step if found else -1], dtype=torch.int64)
     gradsync.broadcast(chosen, src=0)
     if int(chosen) < 0:
@@ -163,10 +167,29 @@ def load_latest(trainer) -> tuple[tuple[int, int, torch.Tensor], str | None]:
     return (int(shared["epoch"]), int(shared["steps_in_epoch"]), own["epoch_loss"]), shared["metrics_text"]
 
 
+def _latest_reporting_skips(root):
+    """:func:`checkpoint.latest`, each skipped checkpoint reported on one stderr line."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", checkpoint.CheckpointWarning)
+        found = checkpoint.latest(root)
+    for warning in caught:
+        say(f"{warning.category.__name__}: {warning.message}")
+    return found
+
+
+def say(line: str) -> None:
+    """One line on stderr in one write, so lines from several workers never interleave."""
+    os.write(2, f"gradsync: {line}\n".encode())
+
+
 def announce(trainer) -> None:
-    """Rank 0 says where it resumed (stderr and ``events.jsonl``)."""
+    """Rank 0 says where this attempt starts (stderr and ``events.jsonl``); silent on a fresh first attempt."""
     total = trainer.steps_per_epoch * trainer.config.epochs
-    print(f"gradsync: attempt {attempt() + 1}: resuming from {trainer.resumed_from.folder} "
-          f"(step {trainer.step} of {total})", file=sys.stderr, flush=True)
+    if trainer.resumed_from is not None:
+        say(f"attempt {attempt() + 1}: resuming from {trainer.resumed_from.folder} (step {trainer.step} of {total})")
+    elif attempt() > 0:
+        say(f"attempt {attempt() + 1}: no checkpoint yet; starting again from step 0 of {total}")
+    else:
+        return
     trainer.events.write({"event": "resumed", "from_step": trainer.step, "attempt": attempt(),
-                          "checkpoint": str(trainer.resumed_from.folder)})
+                          "checkpoint": str(trainer.resumed_from.folder) if trainer.resumed_from else None})
