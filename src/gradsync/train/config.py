@@ -76,13 +76,7 @@ class TrainConfig:
         """``(rank, factor)`` parsed from ``straggler`` (ValueError if malformed), or None."""
         if self.straggler is None:
             return None
-        rank_text, sep, factor_text = str(self.straggler).partition(":")
-        try:
-            if not sep:
-                raise ValueError
-            rank, factor = int(rank_text), float(factor_text)
-        except ValueError:
-            raise ValueError(f"--straggler must be RANK:FACTOR (e.g. 1:3), got {self.straggler!r}") from None
+        rank, factor = _rank_pair(self.straggler, "--straggler", "FACTOR", float, "1:3")
         if rank < 0 or not 1 <= factor < math.inf:
             raise ValueError(f"--straggler {self.straggler}: RANK must be >= 0 and FACTOR a finite number >= 1")
         return rank, factor
@@ -93,13 +87,7 @@ class TrainConfig:
         if text is None:
             return None
         flag = "--" + which.replace("_", "-")
-        rank_text, sep, step_text = str(text).partition(":")
-        try:
-            if not sep:
-                raise ValueError
-            rank, step = int(rank_text), int(step_text)
-        except ValueError:
-            raise ValueError(f"{flag} must be RANK:STEP (e.g. 1:40), got {text!r}") from None
+        rank, step = _rank_pair(text, flag, "STEP", int, "1:40")
         if rank < 0 or step < 1:
             raise ValueError(f"{flag} {text}: RANK must be >= 0 and STEP >= 1 (steps count from 1)")
         return rank, step
@@ -110,6 +98,17 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _rank_pair(text, flag: str, second: str, kind, example: str) -> tuple:
+    """Parse ``"RANK:VALUE"`` into ``(int, kind)``; ValueError naming ``flag`` if malformed."""
+    rank_text, sep, value_text = str(text).partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return int(rank_text), kind(value_text)
+    except ValueError:
+        raise ValueError(f"{flag} must be RANK:{second} (e.g. {example}), got {text!r}") from None
 
 
 def validate(config: TrainConfig) -> None:
