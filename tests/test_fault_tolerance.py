@@ -358,6 +358,8 @@ def test_hung_worker_is_named_by_the_others_and_the_job_recovers(baseline, env, 
                                      "--hang-at", f"{FAULT_RANK}:{HANG_STEP}"), env)
     result = job.succeeded()
     assert f"injected hang (--hang-at {FAULT_RANK}:{HANG_STEP})" in result.stderr, result.stderr
+    named = [line for line in result.stderr.splitlines() if "CollectiveTimeoutError" in line]
+    assert named and all(f"peer rank {FAULT_RANK} stopped responding" in line for line in named), result.stderr
     events = read_events(job.out)
     fault = _one(events, event="fault")
     assert (fault["fault"], fault["rank"], fault["step"], fault["attempt"]) == ("hang", FAULT_RANK, HANG_STEP, 0)

@@ -373,7 +373,7 @@ def run_worker(config: TrainConfig, data_path: str, out_dir: str) -> dict | None
             EventLog(out_dir).write({"event": "detected", "rank": gradsync.rank(), "peer": exc.peer,
                                      "timed_out": exc.timed_out, "error": str(exc), "attempt": attempt()})
         if exc.timed_out:  # a hang: say which rank, as the agent's restart does not
-            resume.say(str(exc))
+            resume.say(f"{type(exc).__name__}: {exc}")
         if not exc.timed_out:
             # A closed connection is the echo of another worker's failure: let
             # that worker's exit reach the launcher first, so it reports the cause.
