@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 import gradsync
-from gradsync.bench.output import claim_json_path, write_json
+from gradsync.bench.output import claim_json_path, fmt_optional, write_json
 from gradsync.bench.train import BATCH_PER_RANK, LR, MODEL_SEED, build_bench_model, make_batch, train_steps
 from gradsync.compression import COMPRESSIONS, make
 from gradsync.train.config import TrainConfig, validate
@@ -142,9 +142,6 @@ def _break_even_gbit_s(row: dict, base: dict) -> float | None:
     return 8 * saved_bytes / extra_s / 1e9
 
 
-def _fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
 
 def format_accuracy_table(rows: list[dict]) -> str:
     header = (f"{'model':>5} {'compression':>11} {'test acc %':>10} {'vs none pp':>10} {'bytes/step':>11} "
@@ -152,9 +149,9 @@ def format_accuracy_table(rows: list[dict]) -> str:
     lines = [header, "-" * len(header)]
     for row in rows:
         lines.append(f"{row['model']:>5} {row['compression']:>11} {100 * row['test_accuracy']:>10.2f} "
-                     f"{_fmt(row.get('accuracy_delta_pp'), '+.2f'):>10} {row['bytes_per_step']:>11.0f} "
-                     f"{_fmt(row['bytes_reduction'], '.1f'):>8} {row['mean_bytes_per_step']:>15.0f} "
-                     f"{row['samples_per_s']:>9.0f} {_fmt(row['speedup'], '.2f') + 'x':>13}")
+                     f"{fmt_optional(row.get('accuracy_delta_pp'), '+.2f'):>10} {row['bytes_per_step']:>11.0f} "
+                     f"{fmt_optional(row['bytes_reduction'], '.1f'):>8} {row['mean_bytes_per_step']:>15.0f} "
+                     f"{row['samples_per_s']:>9.0f} {fmt_optional(row['speedup'], '.2f') + 'x':>13}")
     return "\n".join(lines)
 
 
@@ -164,9 +161,9 @@ def format_throughput_table(rows: list[dict]) -> str:
     lines = [header, "-" * len(header)]
     for row in rows:
         lines.append(f"{row['model']:>5} {row['world_size']:>10} {row['compression']:>11} "
-                     f"{row['samples_per_s']:>9.1f} {_fmt(row['speedup'], '.2f') + 'x':>13} "
-                     f"{row['bytes_per_step']:>12.0f} {_fmt(row['bytes_reduction'], '.1f'):>8} "
-                     f"{1e3 * row['comm_s_per_step']:>12.1f} {_fmt(row.get('break_even_gbit_s'), '.2f'):>15}")
+                     f"{row['samples_per_s']:>9.1f} {fmt_optional(row['speedup'], '.2f') + 'x':>13} "
+                     f"{row['bytes_per_step']:>12.0f} {fmt_optional(row['bytes_reduction'], '.1f'):>8} "
+                     f"{1e3 * row['comm_s_per_step']:>12.1f} {fmt_optional(row.get('break_even_gbit_s'), '.2f'):>15}")
     lines.append("# break-even: the link speed under which the bytes saved would pay for the compressor's extra "
                  "time per step (communication not hidden by compute)")
     return "\n".join(lines)

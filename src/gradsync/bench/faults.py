@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from gradsync.bench.output import claim_json_path, write_json
+from gradsync.bench.output import claim_json_path, fmt_optional, write_json
 from gradsync.fault.events import read_events
 from gradsync.train import data
 from gradsync.train.config import TrainConfig, total_steps, validate, validate_against_data
@@ -121,9 +121,6 @@ def run_bench(*, nproc: int = 4, epochs: int = 3, checkpoint_every: int = 25, ti
     return rows
 
 
-def _fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
 
 def format_table(rows: list[dict]) -> str:
     header = (f"{'fault':>5} {'rank:step':>9} {'timeout s':>9} {'detect s':>8} {'recover s':>9} "
@@ -132,8 +129,8 @@ def format_table(rows: list[dict]) -> str:
     lines = [header, "-" * len(header)]
     for row in rows:
         lines.append(f"{row['fault']:>5} {str(row['rank']) + ':' + str(row['step']):>9} {row['timeout_s']:>9g} "
-                     f"{_fmt(row['detect_s'], '.2f'):>8} {_fmt(row['recover_s'], '.2f'):>9} "
-                     f"{_fmt(row['steps_recomputed'], 'd'):>10} {row['checkpoint_every']:>10d} "
+                     f"{fmt_optional(row['detect_s'], '.2f'):>8} {fmt_optional(row['recover_s'], '.2f'):>9} "
+                     f"{fmt_optional(row['steps_recomputed'], 'd'):>10} {row['checkpoint_every']:>10d} "
                      f"{str(row['params_equal']):>12} {row['job_s']:>6.1f} {row['baseline_job_s']:>10.1f} "
                      f"{row['extra_s']:>7.1f}")
     checkpoint_s = rows[0]["checkpoint_s"] if rows else 0.0

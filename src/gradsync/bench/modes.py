@@ -21,7 +21,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from gradsync.bench.output import claim_json_path, write_json
+from gradsync.bench.output import claim_json_path, fmt_optional, write_json
 from gradsync.train.config import TrainConfig, validate
 from gradsync.train.metrics import METRICS_FILE
 
@@ -94,9 +94,6 @@ def run_setting(setting: dict, factor: float, out_dir: Path, options: dict, targ
             "run_folder": str(out_dir / name)}
 
 
-def _fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
 
 def format_table(rows: list[dict]) -> str:
     target = round(100 * rows[0]["target_accuracy"]) if rows else 85
@@ -107,7 +104,7 @@ def format_table(rows: list[dict]) -> str:
     for row in rows:
         ratio = row["samples_per_s"] / sync[row["straggler"]] if row["straggler"] in sync else None
         lines.append(f"{row['label']:>17} {row['straggler']:>8g}x {row['samples_per_s']:>9.0f} "
-                     f"{_fmt(ratio, '.2f') + 'x':>7} {_fmt(row['seconds_to_target'], '.1f'):>8} "
+                     f"{fmt_optional(ratio, '.2f') + 'x':>7} {fmt_optional(row['seconds_to_target'], '.1f'):>8} "
                      f"{100 * row['test_accuracy']:>10.2f} {100 * row['best_test_accuracy']:>6.2f} "
                      f"{row['staleness_mean']:>10.2f} {row['staleness_max']:>9d} {row['wall_s']:>6.1f}")
     return "\n".join(lines)

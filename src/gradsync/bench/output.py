@@ -25,3 +25,8 @@ def write_json(path: str, rows: list[dict]) -> None:
     with open(path, "w", encoding="utf-8") as file:
         json.dump(rows, file, indent=2)
         file.write("\n")
+
+
+def fmt_optional(value, spec: str) -> str:
+    """``format(value, spec)``, or "-" for a value that was not measured (None)."""
+    return "-" if value is None else format(value, spec)

@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import gradsync
-from gradsync.bench.output import claim_json_path, write_json
+from gradsync.bench.output import claim_json_path, fmt_optional, write_json
 
 BENCH_MODELS = ("cnn", "mlp")
 BATCH_PER_RANK = {"cnn": 128, "mlp": 64}      # samples per rank per step
@@ -226,9 +226,6 @@ def _current_rss_mib() -> float:
         return float("nan")
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
 
 def format_table(rows: list[dict]) -> str:
     """Render throughput rows as an aligned text table (times per step in ms)."""
@@ -240,8 +237,8 @@ def format_table(rows: list[dict]) -> str:
         comm = None if row["comm_s_per_step"] is None else row["comm_s_per_step"] * 1e3
         exposed = None if row["exposed_comm_s_per_step"] is None else row["exposed_comm_s_per_step"] * 1e3
         lines.append(f"{row['model']:>6} {row['world_size']:>10} {row['impl']:>9} {row['algorithm']:>17} "
-                     f"{row['samples_per_s']:>10.0f} {row['ratio_to_ddp']:>11.2f}x {_fmt(comm, '.2f'):>12} "
-                     f"{_fmt(exposed, '.2f'):>15} {_fmt(row['exposed_comm_fraction'], '.2f'):>12} "
+                     f"{row['samples_per_s']:>10.0f} {row['ratio_to_ddp']:>11.2f}x {fmt_optional(comm, '.2f'):>12} "
+                     f"{fmt_optional(exposed, '.2f'):>15} {fmt_optional(row['exposed_comm_fraction'], '.2f'):>12} "
                      f"{100 * row['step_overhead_fraction']:>15.1f}")
     baselines = {(row["model"], row["world_size"]): row["local_step_s"] for row in rows}
     lines += [f"# local compute-only step ({model}, world_size {ws}): {seconds * 1e3:.2f} ms"
@@ -261,7 +258,7 @@ def format_memory_table(rows: list[dict]) -> str:
         saving = None if saving is None else saving - row["peak_rss_mib"]
         lines.append(f"{row['model']:>6} {row['world_size']:>10} {row['impl']:>9} "
                      f"{str(row['gradient_as_bucket_view']):>23} {row['peak_rss_mib']:>19.1f} "
-                     f"{_fmt(saving, '.1f'):>21} {row['rss_after_mib']:>20.1f}")
+                     f"{fmt_optional(saving, '.1f'):>21} {row['rss_after_mib']:>20.1f}")
     return "\n".join(lines)
 
 
