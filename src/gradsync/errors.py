@@ -1,15 +1,27 @@
 """Errors raised by gradsync.
 
+Every runtime failure derives from :class:`GradsyncError`, so one
+``except gradsync.GradsyncError`` catches a timeout, a mismatch across ranks
+and a dead peer alike; each also keeps the standard base a caller would
+expect (``TimeoutError``, ``ValueError``). Bad arguments are not runtime
+failures: they raise plain ``ValueError`` / ``TypeError``.
+
 Every collective failure names what a user needs to find the culprit: the
 operation, the algorithm, this rank and the peer rank it waited for.
 """
 
 
-class GradsyncError(RuntimeError):
-    """Base class for gradsync runtime errors that are not a bad argument."""
+class GradsyncError(Exception):
+    """Base class for gradsync runtime errors that are not a bad argument.
+
+    It derives from ``Exception``, not ``RuntimeError``: a timeout is an
+    ``OSError`` (``TimeoutError``) and a mismatch a ``ValueError``, and
+    making them ``RuntimeError`` as well would let code that catches torch's
+    own ``RuntimeError`` swallow them.
+    """
 
 
-class CollectiveTimeoutError(TimeoutError):
+class CollectiveTimeoutError(GradsyncError, TimeoutError):
     """A peer did not answer in time, or its connection closed (it died).
 
     The message names the operation, the algorithm, the step inside the
@@ -30,13 +42,28 @@ class CollectiveTimeoutError(TimeoutError):
         self.step = step
 
 
-class CollectiveMismatchError(ValueError):
+class CollectiveMismatchError(GradsyncError, ValueError):
     """Ranks called the same collective with tensors of different layout.
 
     Raised on every rank of the group, before any tensor is modified; the
     group stays usable afterwards. The message names the ranks and what
     differs (shape, dtype, op, algorithm or src).
     """
+
+
+class PeerFailure(GradsyncError):
+    """A transport-level wait on ``peer`` failed: timed out, or the peer is gone.
+
+    Transports raise it; collectives turn it into a
+    :class:`CollectiveTimeoutError` naming the operation (so callers of the
+    public API never see it).
+    """
+
+    def __init__(self, peer: int, reason: str, timed_out: bool):
+        super().__init__(f"peer rank {peer}: {reason}")
+        self.peer = peer
+        self.reason = reason
+        self.timed_out = timed_out
 
 
 class NotInitializedError(GradsyncError):

@@ -20,15 +20,7 @@ from typing import Protocol
 
 import torch
 
-
-class PeerFailure(Exception):
-    """A wait on a transfer with ``peer`` failed: timed out, or peer gone."""
-
-    def __init__(self, peer: int, reason: str, timed_out: bool):
-        super().__init__(f"peer rank {peer}: {reason}")
-        self.peer = peer
-        self.reason = reason
-        self.timed_out = timed_out
+from gradsync.errors import PeerFailure  # re-exported: transports raise it
 
 
 @dataclass

@@ -37,6 +37,8 @@ import _posixshmem
 
 import torch
 
+from gradsync.errors import GradsyncError
+
 LINE_BYTES = 64
 DEFAULT_REGION_BYTES = 4 * 2**20   # per rank and set: messages go through in slices of this size
 _SPINS = 100                       # counter checks (~0.2 µs each) before yielding the core
@@ -119,7 +121,7 @@ def remove_leftovers(shm_dir: str = "/dev/shm") -> list[str]:
     return removed
 
 
-class ShmPeerTimeout(Exception):
+class ShmPeerTimeout(GradsyncError, TimeoutError):
     """A rank did not reach a barrier in time (``peer`` is its rank)."""
 
     def __init__(self, peer: int):
