@@ -30,7 +30,7 @@ from _strict_transport import MODES, StrictWorld
 from gradsync import CollectiveMismatchError, CollectiveTimeoutError, Communicator
 from gradsync.collectives import api as collectives_api
 from gradsync.collectives import auto, halving_doubling
-from gradsync.transport import shm as shm_transport
+from gradsync.transport import shm_segment as shm_transport
 from gradsync.transport.thread import ThreadWorld
 
 
@@ -42,7 +42,7 @@ class Variant:
     ranks_per_node: int | None = None  # Communicator(ranks_per_node=...)
     short_message_bytes: int | None = None  # override of halving_doubling.SHORT_MESSAGE_BYTES
     segment_bytes: int | None = None  # Communicator(segment_bytes=...)
-    shm_region_bytes: int | None = None  # override of gradsync.transport.shm.DEFAULT_REGION_BYTES
+    shm_region_bytes: int | None = None  # override of gradsync.transport.shm_segment.DEFAULT_REGION_BYTES
     intra_node_algorithm: str = "ring"  # Communicator(intra_node_algorithm=...) for hierarchical
 
     def fits(self, world_size: int) -> bool:

@@ -40,7 +40,7 @@ from _reference import (ALL_DTYPES, FLOAT_DTYPES, SENTINEL, assert_bitwise_equal
 from gradsync import CollectiveMismatchError, CollectiveTimeoutError
 from gradsync.collectives import api as collectives_api
 from gradsync.process_group import default_communicator
-from gradsync.transport import shm as shm_transport
+from gradsync.transport import shm_segment as shm_transport
 
 SHM_DIR = "/dev/shm"
 WORLD_SIZES = (1, 2, 3, 4, 5)

@@ -1,6 +1,6 @@
 """Collectives through a shared-memory segment, for groups whose ranks all run on one machine.
 
-The segment (:mod:`gradsync.transport.shm`) holds two sets of one region per
+The segment (:mod:`gradsync.transport.shm_segment`) holds two sets of one region per
 rank. A message goes through in slices of one region; consecutive slices,
 across calls too, alternate between the sets, so a rank may fill the next
 slice while a slower rank still reads the previous one.
@@ -27,8 +27,8 @@ import torch
 from gradsync.collectives.call import CollectiveCall
 from gradsync.collectives.chunking import chunk_bounds, segment_bounds
 from gradsync.transport.base import PeerFailure
-from gradsync.transport import shm as shm_transport
-from gradsync.transport.shm import ShmPeerTimeout, ShmSegment, host_id
+from gradsync.transport import shm_segment as shm_transport
+from gradsync.transport.shm_segment import ShmPeerTimeout, ShmSegment, host_id
 
 _NAME_BYTES = 64
 SMALL_MESSAGE_BYTES = 64 * 2**10  # every rank sums every region: p-fold adds, but one barrier

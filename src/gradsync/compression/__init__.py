@@ -10,7 +10,7 @@ rank's residuals keyed by parameter name, for checkpoints.
 
 from __future__ import annotations
 
-from gradsync.compression.base import BucketLayout, Compressor
+from gradsync.compression.compressor import BucketLayout, Compressor
 from gradsync.compression.error_feedback import ErrorFeedback
 from gradsync.compression.low_precision import BF16, FP16
 from gradsync.compression.onebit import OneBit

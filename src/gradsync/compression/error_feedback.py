@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from gradsync.compression.base import BucketLayout
+from gradsync.compression.compressor import BucketLayout
 
 _Key = tuple[tuple[str, ...], int, int]
 

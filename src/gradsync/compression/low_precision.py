@@ -22,7 +22,7 @@ import torch
 from gradsync.collectives.call import Workspace
 from gradsync.collectives.communicator import Communicator
 from gradsync.compression import two_phase
-from gradsync.compression.base import BucketLayout, Compressor
+from gradsync.compression.compressor import BucketLayout, Compressor
 
 _HEADER_NBYTES = 4          # float32 scale (fp16 only)
 _FP16_TOP_EXPONENT = 15     # the largest magnitude is scaled below 2^15 < 65504

@@ -19,7 +19,7 @@ import torch
 from gradsync.collectives.call import Workspace
 from gradsync.collectives.communicator import Communicator
 from gradsync.compression import two_phase
-from gradsync.compression.base import BucketLayout, Compressor
+from gradsync.compression.compressor import BucketLayout, Compressor
 from gradsync.compression.error_feedback import ErrorFeedback
 
 DEFAULT_BLOCK_NUMEL = 32   # elements per scale: 1 + 4/32 bits per element, 28.4x fewer than float32

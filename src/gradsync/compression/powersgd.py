@@ -26,7 +26,7 @@ import torch
 
 from gradsync.collectives import api as collectives
 from gradsync.collectives.communicator import Communicator
-from gradsync.compression.base import BucketLayout, Compressor
+from gradsync.compression.compressor import BucketLayout, Compressor
 from gradsync.compression.error_feedback import ErrorFeedback, forget_non_finite
 
 MIN_COMPRESSION_RATE = 2  # compress only where (n + m) · r is under half of n · m (as PyTorch)

@@ -18,7 +18,7 @@ import torch
 from gradsync.collectives import api as collectives
 from gradsync.collectives.call import Workspace
 from gradsync.collectives.communicator import Communicator
-from gradsync.compression.base import BucketLayout, Compressor
+from gradsync.compression.compressor import BucketLayout, Compressor
 from gradsync.compression.error_feedback import ErrorFeedback
 
 

@@ -28,7 +28,7 @@ import torch
 from gradsync.collectives import api as collectives
 from gradsync.collectives.chunking import chunk_bounds
 from gradsync.collectives.communicator import Communicator
-from gradsync.compression.base import BucketLayout
+from gradsync.compression.compressor import BucketLayout
 from gradsync.compression.error_feedback import ErrorFeedback
 
 

@@ -38,7 +38,7 @@ import torch
 
 from gradsync.collectives import api as collectives
 from gradsync.collectives.communicator import Communicator
-from gradsync.compression.base import BucketLayout, Compressor
+from gradsync.compression.compressor import BucketLayout, Compressor
 from gradsync.errors import GradsyncError
 from gradsync.parallel.bucketing import DEFAULT_FIRST_BUCKET_CAP_BYTES, Bucket, assign_buckets, default_order
 
