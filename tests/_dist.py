@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 import gradsync
-from gradsync.collectives import Communicator
+from gradsync.collectives import Communicator, HierarchicalOptions, SegmentOptions
 from gradsync.transport.thread import ThreadWorld
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 20.0
@@ -202,6 +202,14 @@ def _join_or_report(processes, payloads: dict, may_exit: set, deadline: float) -
     return "", []
 
 
+def communicator_options(*, segment_bytes: int | None = None, ranks_per_node: int | None = None,
+                         inter_node_algorithm: str = "ring", intra_node_algorithm: str = "ring") -> list:
+    """The ``Communicator(options=...)`` list for the old keyword settings (None: the default)."""
+    options = [HierarchicalOptions(ranks_per_node=ranks_per_node, inter_node_algorithm=inter_node_algorithm,
+                                   intra_node_algorithm=intra_node_algorithm)]
+    return options + ([SegmentOptions(segment_bytes=segment_bytes)] if segment_bytes is not None else [])
+
+
 def run_threads(world_size: int, fn: Callable, timeout_s: float = 20,
                 collective_timeout_s: float | None = None, *, segment_bytes: int | None = None,
                 ranks_per_node: int | None = None, world=None, intra_node_algorithm: str = "ring") -> list:
@@ -230,10 +238,9 @@ def run_threads(world_size: int, fn: Callable, timeout_s: float = 20,
     world = ThreadWorld(world_size) if world is None else world
     if collective_timeout_s is None:
         collective_timeout_s = timeout_s / 2
-    options = {"ranks_per_node": ranks_per_node, "intra_node_algorithm": intra_node_algorithm}
-    if segment_bytes is not None:
-        options["segment_bytes"] = segment_bytes
-    comms = [Communicator(world.transport(rank), timeout_s=collective_timeout_s, **options)
+    options = communicator_options(segment_bytes=segment_bytes, ranks_per_node=ranks_per_node,
+                                   intra_node_algorithm=intra_node_algorithm)
+    comms = [Communicator(world.transport(rank), timeout_s=collective_timeout_s, options=options)
              for rank in range(world_size)]
     results: list = [None] * world_size
     errors: dict[int, BaseException] = {}

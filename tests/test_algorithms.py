@@ -28,8 +28,8 @@ from _reference import (ALL_DTYPES, FLOAT_DTYPES, SENTINEL, assert_bitwise_equal
                         closed_form_result, reference_all_reduce, strided_column_view, transposed_view)
 from _strict_transport import MODES, StrictWorld
 from gradsync import CollectiveMismatchError, CollectiveTimeoutError, Communicator
-from gradsync.collectives import api as collectives_api
-from gradsync.collectives import auto, halving_doubling
+from gradsync.collectives import ops as collectives_api
+from gradsync.collectives import HierarchicalOptions, SegmentOptions, auto, halving_doubling
 from gradsync.transport import shm_segment as shm_transport
 from gradsync.transport.thread import ThreadWorld
 
@@ -39,11 +39,11 @@ class Variant:
     """An algorithm plus the settings that select one of its paths."""
 
     algorithm: str
-    ranks_per_node: int | None = None  # Communicator(ranks_per_node=...)
+    ranks_per_node: int | None = None  # HierarchicalOptions(ranks_per_node=...)
     short_message_bytes: int | None = None  # override of halving_doubling.SHORT_MESSAGE_BYTES
-    segment_bytes: int | None = None  # Communicator(segment_bytes=...)
+    segment_bytes: int | None = None  # SegmentOptions(segment_bytes=...)
     shm_region_bytes: int | None = None  # override of gradsync.transport.shm_segment.DEFAULT_REGION_BYTES
-    intra_node_algorithm: str = "ring"  # Communicator(intra_node_algorithm=...) for hierarchical
+    intra_node_algorithm: str = "ring"  # HierarchicalOptions(intra_node_algorithm=...)
 
     def fits(self, world_size: int) -> bool:
         return self.ranks_per_node is None or world_size % self.ranks_per_node == 0
@@ -292,8 +292,9 @@ def test_algorithms_run_back_to_back_on_one_communicator():
 
     def rank_fn(comm):
         # Pretend-node variants get their own communicator on the same transport, kept for every call.
-        comms = {None: comm, 1: Communicator(comm.transport, comm.timeout_s, ranks_per_node=1),
-                 2: Communicator(comm.transport, comm.timeout_s, ranks_per_node=2)}
+        comms = {None: comm, **{nodes: Communicator(comm.transport, comm.timeout_s,
+                                                    options=[HierarchicalOptions(ranks_per_node=nodes)])
+                                for nodes in (1, 2)}}
         results = []
         for variant, numel, dtype in calls:
             tensor = closed_form_input(numel, comm.rank, world_size, dtype)
@@ -676,21 +677,21 @@ def test_auto_timeout_message_names_chosen_algorithm(case, verify):
 def test_communicator_rejects_ranks_per_node_that_does_not_divide_world_size(world_size, ranks_per_node):
     """ranks_per_node must be >= 1 and divide the world size: ValueError at Communicator construction."""
     with pytest.raises(ValueError, match="ranks_per_node"):
-        Communicator(ThreadWorld(world_size).transport(0), ranks_per_node=ranks_per_node)
+        Communicator(ThreadWorld(world_size).transport(0), options=[HierarchicalOptions(ranks_per_node)])
 
 
 @pytest.mark.parametrize("segment_bytes", [0, -4])
 def test_communicator_rejects_non_positive_segment_bytes(segment_bytes):
     """segment_bytes must be > 0: ValueError at Communicator construction."""
     with pytest.raises(ValueError, match="segment_bytes"):
-        Communicator(ThreadWorld(2).transport(0), segment_bytes=segment_bytes)
+        Communicator(ThreadWorld(2).transport(0), options=[SegmentOptions(segment_bytes=segment_bytes)])
 
 
 @pytest.mark.parametrize("world_size,ranks_per_node", [(4, 1), (4, 2), (4, 4), (6, 3), (1, 1)])
 def test_communicator_accepts_ranks_per_node_that_divides_world_size(world_size, ranks_per_node):
     """A ranks_per_node that divides the world size is kept as given."""
-    comm = Communicator(ThreadWorld(world_size).transport(0), ranks_per_node=ranks_per_node)
-    assert comm.ranks_per_node == ranks_per_node
+    comm = Communicator(ThreadWorld(world_size).transport(0), options=[HierarchicalOptions(ranks_per_node)])
+    assert comm.options(HierarchicalOptions).ranks_per_node == ranks_per_node
 
 
 @pytest.mark.parametrize("inter_node", ["ring", "tree", "halving_doubling"])
@@ -703,8 +704,7 @@ def test_hierarchical_any_inter_node_algorithm_matches_reference(world_size, ran
     world = ThreadWorld(world_size)
 
     def rank_fn(comm):
-        comm = Communicator(comm.transport, 10.0, ranks_per_node=ranks_per_node,
-                            inter_node_algorithm=inter_node)
+        comm = Communicator(comm.transport, 10.0, options=[HierarchicalOptions(ranks_per_node, inter_node)])
         tensor = inputs[comm.rank].clone()
         gradsync.all_reduce(tensor, algorithm="hierarchical", group=comm)
         return tensor
@@ -716,4 +716,4 @@ def test_hierarchical_any_inter_node_algorithm_matches_reference(world_size, ran
 def test_communicator_rejects_unknown_inter_node_algorithm():
     """inter_node_algorithm must be one hierarchical can run across nodes (not native, not itself)."""
     with pytest.raises(ValueError, match="ring, tree, halving_doubling"):
-        Communicator(ThreadWorld(2).transport(0), inter_node_algorithm="native")
+        Communicator(ThreadWorld(2).transport(0), options=[HierarchicalOptions(inter_node_algorithm="native")])

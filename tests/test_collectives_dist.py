@@ -19,8 +19,9 @@ import pytest
 import torch
 
 import gradsync
-from _dist import RankError, free_port, run_world
+from _dist import RankError, communicator_options, free_port, run_world
 from _reference import bitwise_difference, closed_form_input, closed_form_result, reference_all_reduce
+from gradsync.collectives import HierarchicalOptions
 from gradsync.process_group import default_communicator
 
 pytestmark = pytest.mark.dist
@@ -109,7 +110,7 @@ def _communicator(comms, options):
         return None
     if options not in comms:
         transport = default_communicator().transport
-        comms[options] = gradsync.Communicator(transport, COLLECTIVE_TIMEOUT_S, **dict(options))
+        comms[options] = gradsync.Communicator(transport, COLLECTIVE_TIMEOUT_S, options=communicator_options(**dict(options)))
     return comms[options]
 
 
@@ -151,7 +152,7 @@ def _run_mismatches(world_size, rank):
     }
     if world_size == 4:
         two_nodes = gradsync.Communicator(default_communicator().transport, COLLECTIVE_TIMEOUT_S,
-                                          ranks_per_node=2)
+                                          options=[HierarchicalOptions(ranks_per_node=2)])
         calls["mismatch-all_reduce-shape-hierarchical-rpn2"] = (
             torch.ones(MISMATCH_ODD_NUMEL if odd else 4) * (rank + 2),
             lambda tensor: gradsync.all_reduce(tensor, algorithm="hierarchical", group=two_nodes))

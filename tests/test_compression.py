@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from _dist import run_threads
-from gradsync.collectives import api as collectives
+from gradsync.collectives import ops as collectives
 from gradsync.collectives.chunking import chunk_bounds
 from gradsync.compression import (BF16, COMPRESSIONS, FP16, BucketLayout, ErrorFeedback, OneBit, PowerSGD, TopK,
                                   make)

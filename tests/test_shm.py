@@ -38,7 +38,8 @@ from _reference import (ALL_DTYPES, FLOAT_DTYPES, SENTINEL, assert_bitwise_equal
                         closed_form_input, closed_form_result, reference_all_reduce, strided_column_view,
                         transposed_view)
 from gradsync import CollectiveMismatchError, CollectiveTimeoutError
-from gradsync.collectives import api as collectives_api
+from gradsync.collectives import HierarchicalOptions, ShmState
+from gradsync.collectives import ops as collectives_api
 from gradsync.process_group import default_communicator
 from gradsync.transport import shm_segment as shm_transport
 
@@ -450,7 +451,7 @@ def _rank_shm_job(job, data_parallel):
     rank, world_size = gradsync.rank(), gradsync.world_size()
     pids = [int(pid) for pid in gradsync.all_gather(torch.tensor([os.getpid()]), algorithm="shm")]
     own_names_after_setup = _shm_names_of([os.getpid()], os.listdir(SHM_DIR))  # rank 0 created and unlinked
-    segment_name = default_communicator().shm_state.segment.name
+    segment_name = default_communicator().options(ShmState).segment.name
     large = {}
     for numel in PROCESS_NUMELS:
         tensor = _large_input(numel, rank)
@@ -645,7 +646,8 @@ def test_shm_killed_rank_raises_timeout_naming_it_and_leaves_no_name(victim):
 def _hierarchical_shm_scenario(numel):
     """4 ranks as 2 pretend nodes of 2: shared memory inside a node, Gloo point-to-point across."""
     base = default_communicator()
-    comm = gradsync.Communicator(base.transport, base.timeout_s, ranks_per_node=2, intra_node_algorithm="shm")
+    comm = gradsync.Communicator(base.transport, base.timeout_s,
+                                 options=[HierarchicalOptions(ranks_per_node=2, intra_node_algorithm="shm")])
     try:
         tensor = torch.arange(numel, dtype=torch.float32) * (comm.rank + 1)
         collectives_api.all_reduce(tensor, comm, algorithm="hierarchical")

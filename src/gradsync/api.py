@@ -1,6 +1,6 @@
 """The top-level collectives: ``gradsync.all_reduce`` and friends on the default group.
 
-Each is :mod:`gradsync.collectives.api` with ``group`` resolved (None means
+Each is :mod:`gradsync.collectives.ops` with ``group`` resolved (None means
 the group made by :func:`gradsync.init`); see there for the full contract.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from gradsync.collectives import api as _collectives
+from gradsync.collectives import ops as _collectives
 from gradsync.process_group import resolve_group
 
 

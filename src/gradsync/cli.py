@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from gradsync import __version__
-from gradsync.collectives.api import ALGORITHMS
+from gradsync.collectives.ops import ALGORITHMS
 from gradsync.compression import COMPRESSIONS
 from gradsync.errors import CollectiveMismatchError, CollectiveTimeoutError, GradsyncError
 from gradsync.train.config import LR_SCHEDULES, MODES, OPTIMIZERS, TrainConfig

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.collectives.communicator import DEFAULT_TIMEOUT_S, Communicator
+from gradsync.collectives.hierarchical import HierarchicalOptions
 from gradsync.errors import NotInitializedError
 from gradsync.fault.hang import HangDetector
 from gradsync.transport.torch_p2p import TorchP2PTransport
@@ -93,8 +94,8 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT_S) -> Communica
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     transport = TorchP2PTransport(None)
     detector = HangDetector(store, transport.rank, transport.world_size) if store is not None else None
-    _Default.communicator = Communicator(transport, timeout_s=timeout, hang_detector=detector,
-                                         ranks_per_node=_ranks_per_node(transport.world_size))
+    nodes = HierarchicalOptions(ranks_per_node=_ranks_per_node(transport.world_size))
+    _Default.communicator = Communicator(transport, timeout_s=timeout, hang_detector=detector, options=[nodes])
     return _Default.communicator
 
 

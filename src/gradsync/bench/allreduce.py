@@ -21,7 +21,7 @@ import torch
 import gradsync
 from gradsync.bench.output import claim_json_path, write_json
 from gradsync.bench.mpi import MPI_COLUMN, MpiAllReduce, mpi_available, run_with_mpiexec
-from gradsync.collectives import api
+from gradsync.collectives import HierarchicalOptions, SegmentOptions, ops
 from gradsync.collectives.communicator import Communicator
 from gradsync.process_group import default_communicator
 
@@ -31,7 +31,7 @@ MIN_NBYTES, MAX_NBYTES = 4, 2**30
 TARGET_BYTES_PER_REP = 8 * 2**20  # iterations per repetition: enough calls to move ~8 MiB
 MAX_ITERATIONS = 100
 DEFAULT_ALGORITHMS = "ring,tree,halving_doubling,hierarchical,shm,shm_zero_copy,native"
-ZERO_COPY = "shm_zero_copy"  # shm on a buffer that already lies in shared memory (api.shared_buffer)
+ZERO_COPY = "shm_zero_copy"  # shm on a buffer that already lies in shared memory (ops.shared_buffer)
 
 
 def parse_nbytes(text: str) -> int:
@@ -69,20 +69,20 @@ def _iterations(nbytes: int) -> int:
 
 def _time_once(comm: Communicator, tensor: torch.Tensor, algorithm: str, iterations: int,
                mpi_all_reduce=None, shared: torch.Tensor | None = None) -> float:
-    api.all_reduce(torch.zeros(1), comm, algorithm="native", verify=False)  # line the ranks up
+    ops.all_reduce(torch.zeros(1), comm, algorithm="native", verify=False)  # line the ranks up
     started = time.perf_counter()
     for _ in range(iterations):
         if algorithm == MPI_COLUMN:
             mpi_all_reduce(tensor)
         elif algorithm == ZERO_COPY:
-            api.all_reduce(shared, comm, algorithm="shm", verify=False)
+            ops.all_reduce(shared, comm, algorithm="shm", verify=False)
         else:
-            api.all_reduce(tensor, comm, algorithm=algorithm, verify=False)
+            ops.all_reduce(tensor, comm, algorithm=algorithm, verify=False)
     return (time.perf_counter() - started) / iterations
 
 
 def _slowest_rank(comm: Communicator, seconds: float) -> float:
-    return max(float(t) for t in api.all_gather(torch.tensor([seconds], dtype=torch.float64), comm))
+    return max(float(t) for t in ops.all_gather(torch.tensor([seconds], dtype=torch.float64), comm))
 
 
 def sweep(comm: Communicator, sizes: list[int], algorithms: list[str], repetitions: int) -> list[Row]:
@@ -93,7 +93,7 @@ def sweep(comm: Communicator, sizes: list[int], algorithms: list[str], repetitio
     mpi_all_reduce = MpiAllReduce() if MPI_COLUMN in algorithms else None
     arena = None
     if ZERO_COPY in algorithms:  # the data already lies in shared memory, as DataParallel's buckets do
-        arena = api.shared_buffer(comm, max(max(sizes), 4))
+        arena = ops.shared_buffer(comm, max(max(sizes), 4), "shm")
         if arena is None:
             raise ValueError(f"{ZERO_COPY} needs every rank on one machine")
     rows = []
@@ -129,8 +129,9 @@ def run_worker(sizes: list[int], algorithms: list[str], repetitions: int, ranks_
     gradsync.init()
     try:
         base = default_communicator()
-        comm = Communicator(base.transport, base.timeout_s, ranks_per_node=ranks_per_node,
-                            segment_bytes=segment_bytes or base.segment_bytes)
+        segments = SegmentOptions(segment_bytes) if segment_bytes else base.options(SegmentOptions)
+        comm = Communicator(base.transport, base.timeout_s,
+                            options=[segments, HierarchicalOptions(ranks_per_node=ranks_per_node)])
         rows = sweep(comm, sizes, algorithms, repetitions)
         return [asdict(row) for row in rows] if comm.rank == 0 else None
     finally:
@@ -168,9 +169,9 @@ def _parse_options(nproc: int, sizes: str, algorithms: str | None, repetitions: 
         if name == MPI_COLUMN and not mpi_available():
             raise ValueError("--algorithms mpi needs mpi4py and mpiexec: pip install -e '.[mpi]' in the "
                              "clone, or 'gradsync[mpi]'")
-        if name not in api.ALGORITHMS + (MPI_COLUMN, ZERO_COPY):
+        if name not in ops.ALGORITHMS + (MPI_COLUMN, ZERO_COPY):
             raise ValueError(f"unknown algorithm {name!r} in --algorithms; choose from "
-                             f"{', '.join(api.ALGORITHMS + (ZERO_COPY, MPI_COLUMN))}")
+                             f"{', '.join(ops.ALGORITHMS + (ZERO_COPY, MPI_COLUMN))}")
     if "native" not in names:
         names.append("native")
     if ranks_per_node is None:

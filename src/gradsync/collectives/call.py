@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from gradsync.collectives.options import OptionStore, T
 from gradsync.errors import CollectiveTimeoutError
 from gradsync.transport.base import PeerFailure, Transport
 from gradsync.transport.sub import SubTransport
@@ -46,17 +47,15 @@ class CollectiveCall:
         algorithm: algorithm name (for error messages).
         timeout_s: seconds the whole call may take.
         workspace: scratch buffers to reuse.
-        segment_bytes: pipelining unit of the algorithms that cut chunks into segments.
-        ranks_per_node: ranks per node for hierarchical algorithms.
-        inter_node_algorithm: hierarchical's algorithm across nodes.
+        options: the group's per-algorithm settings (read with :meth:`options`).
+        deadline: ``time.monotonic()`` value the call ends at (None: now + ``timeout_s``).
+        reported_rank: (rank, world_size) that errors name (None: this transport's).
+        hang_detector: names the rank that hung (:mod:`gradsync.fault.hang`); None: the waited-for peer.
     """
 
-    def __init__(self, transport: Transport, op_name: str, algorithm: str,
-                 timeout_s: float, workspace: Workspace, *, segment_bytes: int = 2**20,
-                 ranks_per_node: int | None = None, deadline: float | None = None,
-                 reported_rank: tuple[int, int] | None = None, inter_node_algorithm: str = "ring",
-                 shm_state=None, intra_node_algorithm: str = "ring", node_shm_states: dict | None = None,
-                 hang_detector=None):
+    def __init__(self, transport: Transport, op_name: str, algorithm: str, timeout_s: float,
+                 workspace: Workspace, *, options: OptionStore | None = None, deadline: float | None = None,
+                 reported_rank: tuple[int, int] | None = None, hang_detector=None):
         self.transport = transport
         self.rank = transport.rank
         self.world_size = transport.world_size
@@ -67,24 +66,24 @@ class CollectiveCall:
         self.timeout_s = timeout_s
         self.deadline = time.monotonic() + timeout_s if deadline is None else deadline
         self.workspace = workspace
-        self.segment_bytes = segment_bytes
-        self.ranks_per_node = ranks_per_node or transport.world_size
-        self.inter_node_algorithm = inter_node_algorithm
-        self.shm_state = shm_state  # the group's shared-memory segment holder (algorithm "shm")
-        self.intra_node_algorithm = intra_node_algorithm
-        self.node_shm_states = node_shm_states if node_shm_states is not None else {}
-        self.hang_detector = hang_detector  # names the rank that hung (fault.hang); None: the waited-for peer
+        self._options = options if options is not None else OptionStore()
+        self.hang_detector = hang_detector
 
-    def sub(self, members: list[int], algorithm: str, shm_state=None) -> "CollectiveCall":
-        """The same call restricted to ``members`` (parent ranks), sharing deadline and workspace."""
+    def options(self, kind: type[T]) -> T:
+        """The group's ``kind`` options (e.g. ``SegmentOptions``), default-constructed if it has none."""
+        return self._options.get(kind)
+
+    def sub(self, members: list[int], algorithm: str, options=()) -> "CollectiveCall":
+        """The same call restricted to ``members`` (parent ranks).
+
+        The sub-call shares the deadline, workspace, hang detector, reported
+        rank and every option of this call; ``options`` override some of them
+        for the sub-call only (e.g. a node's own shared-memory state).
+        """
         return CollectiveCall(SubTransport(self.transport, members), self.op_name, algorithm,
-                              self.timeout_s, self.workspace, segment_bytes=self.segment_bytes,
-                              deadline=self.deadline, reported_rank=self.reported_rank, shm_state=shm_state,
+                              self.timeout_s, self.workspace, options=OptionStore(options, self._options),
+                              deadline=self.deadline, reported_rank=self.reported_rank,
                               hang_detector=self.hang_detector)
-
-    def segment_numel(self, element_size: int) -> int:
-        """Elements per pipelining segment (at least one)."""
-        return max(1, self.segment_bytes // element_size)
 
     def remaining_s(self) -> float:
         return max(self.deadline - time.monotonic(), 0.0)

@@ -18,6 +18,8 @@ import zlib
 import torch
 
 from gradsync.collectives.call import CollectiveCall
+from gradsync.collectives.dtypes import dtype_code, dtype_name
+from gradsync.collectives.registry import ALGORITHMS
 from gradsync.errors import CollectiveMismatchError
 
 DESCRIPTOR_NUMEL = 16
@@ -26,9 +28,6 @@ _MAGIC = 0x67726164  # "grad"
 _FIELDS = ("magic", "collective", "op", "algorithm", "dtype", "src", "numel", "ndim")
 _COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
 _OPS = ("none", "sum", "avg")
-_ALGORITHMS = ("ring", "tree", "halving_doubling", "hierarchical", "shm", "native", "auto")
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
-           torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool)
 
 
 def _code(table, value) -> int:
@@ -41,14 +40,14 @@ _NOT_A_TENSOR = -2
 def describe(tensor: torch.Tensor | None, collective: str, op: str, algorithm: str, src: int) -> torch.Tensor:
     """Encode a call's layout as a ``(DESCRIPTOR_NUMEL,)`` int64 tensor (None: not a tensor)."""
     if tensor is None:
-        head = [_MAGIC, _code(_COLLECTIVES, collective), _code(_OPS, op), _code(_ALGORITHMS, algorithm),
+        head = [_MAGIC, _code(_COLLECTIVES, collective), _code(_OPS, op), _code(ALGORITHMS, algorithm),
                 _NOT_A_TENSOR, src, 0, 0]
         return torch.tensor(head + [0] * (DESCRIPTOR_NUMEL - len(head)), dtype=torch.int64)
     dims = list(tensor.shape)
     if len(dims) > MAX_DIMS:  # fold the tail into one value: still differs if any dim does
         dims = dims[: MAX_DIMS - 1] + [hash(tuple(dims[MAX_DIMS - 1:])) & 0x7FFFFFFF]
-    head = [_MAGIC, _code(_COLLECTIVES, collective), _code(_OPS, op), _code(_ALGORITHMS, algorithm),
-            _code(_DTYPES, tensor.dtype), src, tensor.numel(), tensor.dim()]
+    head = [_MAGIC, _code(_COLLECTIVES, collective), _code(_OPS, op), _code(ALGORITHMS, algorithm),
+            dtype_code(tensor.dtype), src, tensor.numel(), tensor.dim()]
     values = head + dims + [0] * (DESCRIPTOR_NUMEL - len(head) - len(dims))
     return torch.tensor(values, dtype=torch.int64)
 
@@ -93,10 +92,10 @@ def _shape_of(row: list[int]) -> tuple[int, ...]:
 
 
 def _decode(field: str, value: int) -> str:
-    tables = {"collective": _COLLECTIVES, "op": _OPS, "algorithm": _ALGORITHMS, "dtype": _DTYPES}
+    if field == "dtype":
+        return "no tensor" if value == _NOT_A_TENSOR else dtype_name(value)
+    tables = {"collective": _COLLECTIVES, "op": _OPS, "algorithm": ALGORITHMS}
     table = tables.get(field)
-    if field == "dtype" and value == _NOT_A_TENSOR:
-        return "no tensor"
     if table is not None:
         return str(table[value]).replace("torch.", "") if 0 <= value < len(table) else "an unknown value"
     return str(value)

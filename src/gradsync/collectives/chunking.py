@@ -14,6 +14,35 @@ differ by at most one and a chunk may be empty when ``numel < world_size``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from gradsync.collectives.options import AlgorithmOptions
+
+DEFAULT_SEGMENT_BYTES = 4 * 2**20  # measured: 256 KiB halves ring busbw here, 4 MiB reaches native
+
+
+@dataclass(frozen=True)
+class SegmentOptions(AlgorithmOptions):
+    """The pipelining unit of ring and tree (and of hierarchical's ring steps).
+
+    Args:
+        segment_bytes: bytes per segment (> 0; equal on every rank).
+
+    Raises:
+        ValueError: ``segment_bytes`` is not positive.
+    """
+
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES
+
+    def __post_init__(self):
+        if not self.segment_bytes > 0:
+            raise ValueError(f"segment_bytes must be > 0, got {self.segment_bytes}")
+        object.__setattr__(self, "segment_bytes", int(self.segment_bytes))
+
+    def segment_numel(self, element_size: int) -> int:
+        """Elements per pipelining segment (at least one)."""
+        return max(1, self.segment_bytes // element_size)
+
 
 def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
     """Split ``[0, numel)`` into ``world_size`` contiguous chunks as ``torch.tensor_split`` does.

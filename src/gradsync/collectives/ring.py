@@ -14,7 +14,7 @@ How it works (p = 4 ranks, chunks 0..3, rank r's right is r+1 mod p):
   already holds in full, and receives chunk (r-k-1) mod p, overwriting it.
 
 Pipelining (as Gloo and NCCL do): every chunk is cut into segments of
-``segment_bytes``. Two segments are received ahead into a double-buffered
+``SegmentOptions.segment_bytes``. Two segments are received ahead into a double-buffered
 inbox while the current one is reduced, and a segment is forwarded to the
 right as soon as it is reduced (or, in the all-gather, received), so the next
 hop starts before this one ends. Both ends cut a chunk the same way, and
@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from gradsync.collectives.call import CollectiveCall
-from gradsync.collectives.chunking import chunk_bounds, segment_bounds
+from gradsync.collectives.chunking import SegmentOptions, chunk_bounds, segment_bounds
 
 _IN_FLIGHT = 2  # receives posted ahead of the segment being reduced
 
@@ -46,7 +46,7 @@ def reduce_scatter(flat: torch.Tensor, call: CollectiveCall) -> tuple[int, int]:
     Args:
         flat: ``(numel,)`` contiguous tensor, modified in place; only chunk
             ``rank`` is meaningful afterwards.
-        call: the collective call (transport, deadline, workspace, segment_bytes).
+        call: the collective call (transport, deadline, workspace; segments of ``SegmentOptions``).
 
     Returns:
         ``(start, stop)`` of this rank's chunk.
@@ -58,7 +58,8 @@ def reduce_scatter(flat: torch.Tensor, call: CollectiveCall) -> tuple[int, int]:
     if world_size == 1:
         return chunks[0]
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
-    segment_numel = min(call.segment_numel(flat.element_size()), max(chunks[0][1] - chunks[0][0], 1))
+    segment_numel = call.options(SegmentOptions).segment_numel(flat.element_size())
+    segment_numel = min(segment_numel, max(chunks[0][1] - chunks[0][0], 1))
     inbox = call.workspace.get(_IN_FLIGHT * segment_numel, flat.dtype, flat.device).view(_IN_FLIGHT, -1)
     sends = [call.isend(flat[a:b], right) for a, b in _segments(chunks, rank - 1, segment_numel)]
     for hop in range(world_size - 1):
@@ -97,7 +98,7 @@ def all_gather(flat: torch.Tensor, call: CollectiveCall) -> None:
         return
     chunks = chunk_bounds(flat.numel(), world_size)
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
-    segment_numel = call.segment_numel(flat.element_size())
+    segment_numel = call.options(SegmentOptions).segment_numel(flat.element_size())
     sends = [call.isend(flat[a:b], right) for a, b in _segments(chunks, rank, segment_numel)]
     for hop in range(world_size - 1):
         step = f"all_gather hop {hop}"

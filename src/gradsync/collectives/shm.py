@@ -26,19 +26,22 @@ import torch
 
 from gradsync.collectives.call import CollectiveCall
 from gradsync.collectives.chunking import chunk_bounds, segment_bounds
+from gradsync.collectives.options import AlgorithmOptions
 from gradsync.transport.base import PeerFailure
 from gradsync.transport import shm_segment as shm_transport
 from gradsync.transport.shm_segment import ShmPeerTimeout, ShmSegment, host_id
 
 _NAME_BYTES = 64
 SMALL_MESSAGE_BYTES = 64 * 2**10  # every rank sums every region: p-fold adds, but one barrier
+IN_PLACE_DTYPES = (torch.float32, torch.float64)  # reduced in the arena without staging (see allocate_shared)
 
 
-class ShmState:
-    """A group's segment, created on first use and kept until :meth:`close`.
+class ShmState(AlgorithmOptions):
+    """A group's segment and arena: shm's options, created on first use and kept until :meth:`close`.
 
     ``available`` is None until the first shm call found out whether every
-    rank is on one machine.
+    rank is on one machine. ``region_bytes``: bytes per rank region of the
+    segment (None: the transport's default).
     """
 
     def __init__(self, region_bytes: int | None = None):
@@ -57,7 +60,7 @@ class ShmState:
 def usable(call: CollectiveCall) -> bool:
     """Whether every rank of the group is on one machine, setting the segment up if so (collective
     the first time; every rank learns the same answer)."""
-    state = call.shm_state
+    state = call.options(ShmState)
     if state.available is None:
         state.segment = _create(call, state.region_bytes)
         state.available = state.segment is not None
@@ -68,7 +71,7 @@ def _segment(call: CollectiveCall) -> ShmSegment:
     if not usable(call):
         raise ValueError("algorithm 'shm' needs every rank of the group on one machine; these ranks "
                          "report different hostnames")
-    return call.shm_state.segment
+    return call.options(ShmState).segment
 
 
 def _create(call: CollectiveCall, region_bytes: int, sets: int = 2) -> ShmSegment | None:
@@ -138,7 +141,7 @@ def all_reduce(flat: torch.Tensor, call: CollectiveCall) -> None:
     if flat.numel() * flat.element_size() <= SMALL_MESSAGE_BYTES:  # one barrier beats no copy here
         _all_reduce_small(flat, segment, call)
         return
-    arena = call.shm_state.arena
+    arena = call.options(ShmState).arena
     offset = arena.offset_in_own_region(flat) if arena is not None else None
     if offset is not None:
         _all_reduce_in_arena(flat, arena, offset, call)
@@ -171,7 +174,7 @@ def allocate_shared(call: CollectiveCall, nbytes: int) -> torch.Tensor | None:
     """
     if not usable(call):
         return None
-    state = call.shm_state
+    state = call.options(ShmState)
     if state.arena is None or state.arena.region_bytes < nbytes:
         if state.arena is not None:
             state.arena.close()
@@ -250,5 +253,5 @@ def all_gather(gathered: torch.Tensor, call: CollectiveCall) -> None:
                 parts[peer, start:stop] = regions[peer]
 
 
-__all__ = ["ShmState", "all_gather", "all_reduce", "allocate_shared", "broadcast", "reduce_scatter",
+__all__ = ["IN_PLACE_DTYPES", "ShmState", "all_gather", "all_reduce", "allocate_shared", "broadcast", "reduce_scatter",
            "usable"]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from gradsync.collectives.call import CollectiveCall
-from gradsync.collectives.chunking import segment_bounds
+from gradsync.collectives.chunking import SegmentOptions, segment_bounds
 
 _IN_FLIGHT = 2
 
@@ -79,6 +79,7 @@ def all_reduce(flat: torch.Tensor, call: CollectiveCall) -> None:
     """
     if call.world_size == 1:
         return
-    segments = segment_bounds(0, flat.numel(), call.segment_numel(flat.element_size()))
+    segment_numel = call.options(SegmentOptions).segment_numel(flat.element_size())
+    segments = segment_bounds(0, flat.numel(), segment_numel)
     reduce(flat, call, segments)
     broadcast_down(flat, call, segments)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gradsync.collectives import api as collectives
+from gradsync.collectives import ops as collectives
 from gradsync.collectives.communicator import Communicator
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)

@@ -24,7 +24,7 @@ import zlib
 
 import torch
 
-from gradsync.collectives import api as collectives
+from gradsync.collectives import ops as collectives
 from gradsync.collectives.communicator import Communicator
 from gradsync.compression.compressor import BucketLayout, Compressor
 from gradsync.compression.error_feedback import ErrorFeedback, forget_non_finite

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from gradsync.collectives import api as collectives
+from gradsync.collectives import ops as collectives
 from gradsync.collectives.call import Workspace
 from gradsync.collectives.communicator import Communicator
 from gradsync.compression.compressor import BucketLayout, Compressor

@@ -25,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from gradsync.collectives import api as collectives
+from gradsync.collectives import ops as collectives
 from gradsync.collectives.chunking import chunk_bounds
 from gradsync.collectives.communicator import Communicator
 from gradsync.compression.compressor import BucketLayout

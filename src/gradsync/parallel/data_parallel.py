@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from gradsync.collectives import api as collectives
+from gradsync.collectives import ops as collectives
 from gradsync.compression import COMPRESSIONS, Compressor
 from gradsync.compression import make as make_compressor
 from gradsync.errors import GradsyncError

@@ -25,6 +25,7 @@ import zlib
 import torch
 from torch import nn
 
+from gradsync.collectives.dtypes import OTHER_DTYPE_CODE, dtype_code, dtype_name
 from gradsync.errors import CollectiveTimeoutError
 from gradsync.transport.base import PeerFailure
 
@@ -75,9 +76,6 @@ def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
     return params
 
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
 class SharedModel:
     """A module's tensors as the server and its workers share them: one flat buffer of views.
 
@@ -99,8 +97,7 @@ class SharedModel:
         self.buffers_numel = sum(b.numel() for b in self.buffers)
         self.flat = flatten_into_views(tensors)
         shapes = ";".join(",".join(map(str, t.shape)) for t in tensors)
-        dtype_code = _DTYPES.index(kind[0]) if kind[0] in _DTYPES else len(_DTYPES)
-        self.signature = (self.flat.numel(), dtype_code, zlib.crc32(shapes.encode()))
+        self.signature = (self.flat.numel(), dtype_code(kind[0]), zlib.crc32(shapes.encode()))
 
     @property
     def push_numel(self) -> int:
@@ -113,7 +110,8 @@ class SharedModel:
         for name, mine, theirs in zip(names, self.signature, signature):
             if mine != theirs:
                 if name == "dtype":
-                    mine, theirs = (_DTYPES[i] if i < len(_DTYPES) else "other" for i in (mine, theirs))
+                    mine, theirs = (f"torch.{dtype_name(i)}" if i < OTHER_DTYPE_CODE else "other"
+                                    for i in (mine, theirs))
                 raise ValueError(f"parameter server: worker rank {peer}'s model differs from the server's: "
                                  f"{name} {theirs} != {mine}")
 

@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from gradsync.collectives import api as collectives
+from gradsync.collectives import ops as collectives
 from gradsync.collectives.communicator import Communicator
 from gradsync.compression.compressor import BucketLayout, Compressor
 from gradsync.errors import GradsyncError
@@ -159,7 +159,7 @@ class Reducer:
                                                                     else 0)
             shared = dtype in (torch.float32, torch.float64) and self.params[indices[0]].device.type == "cpu"
             sizes.append(-(-numel * dtype.itemsize // 64) * 64 if shared else 0)
-        arena = collectives.shared_buffer(self.comm, sum(sizes))
+        arena = collectives.shared_buffer(self.comm, sum(sizes), "shm")
         if arena is None:
             return storages
         offset = 0

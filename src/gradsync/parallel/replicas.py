@@ -12,20 +12,19 @@ from typing import Sequence
 
 import torch
 
-from gradsync.collectives import api as collectives
+from gradsync.collectives import ops as collectives
 from gradsync.collectives.communicator import Communicator
+from gradsync.collectives.dtypes import dtype_code, dtype_name
 from gradsync.errors import CollectiveMismatchError
 
 _ROW_NUMEL = 11  # crc32(name), dtype code, requires_grad, ndim, up to 7 dims
 _MAX_DIMS = _ROW_NUMEL - 4
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
-           torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool]
 
 
 def _describe(name: str, tensor: torch.Tensor) -> list[int]:
     dims = list(tensor.shape)[:_MAX_DIMS]
-    dtype_code = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else len(_DTYPES)
-    row = [zlib.crc32(name.encode()), dtype_code, int(tensor.requires_grad), tensor.dim()] + dims
+    row = [zlib.crc32(name.encode()), dtype_code(tensor.dtype), int(tensor.requires_grad), tensor.dim()]
+    row += dims
     return row + [-1] * (_ROW_NUMEL - len(row))
 
 
@@ -33,8 +32,7 @@ def _render(row: list[int], name_row: list[int]) -> str:
     if row[0] == -1:
         return "nothing there"
     ndim = row[3]
-    dtype = _DTYPES[row[1]] if row[1] < len(_DTYPES) else "other dtype"
-    text = (f"shape {tuple(row[4:4 + min(ndim, _MAX_DIMS)])} dtype {str(dtype).replace('torch.', '')} "
+    text = (f"shape {tuple(row[4:4 + min(ndim, _MAX_DIMS)])} dtype {dtype_name(row[1])} "
             f"requires_grad={bool(row[2])}")
     return text if row[0] == name_row[0] else f"a differently named tensor with {text}"
 

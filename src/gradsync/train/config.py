@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from gradsync.collectives.api import ALGORITHMS
+from gradsync.collectives.ops import ALGORITHMS
 from gradsync.compression import COMPRESSIONS
 from gradsync.train.data import DEFAULT_NUM_SAMPLES
 from gradsync.train.models import MODELS

@@ -16,22 +16,18 @@ from contextlib import contextmanager
 import torch
 
 from gradsync.collectives import broadcast as tree_broadcast
-from gradsync.collectives import auto, halving_doubling, hierarchical, native, ring, shm, tree
+from gradsync.collectives import auto, ring, shm
 from gradsync.collectives.all_to_all import all_to_all as _all_to_all
 from gradsync.collectives.call import CollectiveCall
 from gradsync.collectives.check import verify_layout
 from gradsync.collectives.chunking import chunk_bounds
 from gradsync.collectives.communicator import Communicator, check_timeout
+from gradsync.collectives.dtypes import FLOAT32_ACCUMULATED, SUPPORTED_DTYPES
+from gradsync.collectives.hierarchical import HierarchicalOptions
+from gradsync.collectives.registry import ALGORITHMS, ALL_REDUCE, AUTO, ZERO_COPY
 from gradsync.errors import CollectiveMismatchError
 
 OPS = ("sum", "avg")
-_ALL_REDUCE = {"ring": ring.all_reduce, "tree": tree.all_reduce,
-               "halving_doubling": halving_doubling.all_reduce,
-               "hierarchical": hierarchical.all_reduce, "shm": shm.all_reduce, "native": native.all_reduce}
-ALGORITHMS = tuple(_ALL_REDUCE) + ("auto",)
-SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
-                    torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
-_FLOAT32_ACCUMULATED = (torch.float16, torch.bfloat16)
 _FIXED_ALGORITHM = {"broadcast": "tree", "all_gather": "ring", "reduce_scatter": "ring"}
 _OTHER_CHOICES = {what: (default, "shm") for what, default in _FIXED_ALGORITHM.items()}
 # Gloo's own all_reduce lacks some narrow integer types; integer sums wrap the
@@ -92,7 +88,7 @@ def _start_call(comm: Communicator, tensor, what: str, *, op: str | None = None,
     problem = _argument_problem(tensor, what, op, algorithm, src, timeout, comm.world_size)
     algorithm = algorithm or _FIXED_ALGORITHM[what]
     label = algorithm
-    if algorithm == "auto" and problem is None:  # name the choice in errors, even the check's
+    if algorithm == AUTO and problem is None:  # name the choice in errors, even the check's
         label = f"auto ({_auto_choice(tensor, comm)})"
     call = comm.new_call(what, label, None if problem else timeout)
     if verify:
@@ -109,12 +105,22 @@ def _start_call(comm: Communicator, tensor, what: str, *, op: str | None = None,
 
 
 def _auto_choice(tensor: torch.Tensor, comm: Communicator) -> str:
-    return auto.choose(tensor.numel() * tensor.element_size(), comm.world_size, comm.ranks_per_node,
-                       shm_available=comm.shm_state.available)
+    return resolve_algorithm(comm, tensor.numel() * tensor.element_size(), AUTO)
+
+
+def resolve_algorithm(comm: Communicator, nbytes: int, algorithm: str) -> str:
+    """The algorithm an ``all_reduce`` of ``nbytes`` bytes with ``algorithm`` runs on ``comm`` now:
+    ``algorithm`` itself, or for "auto" :func:`~gradsync.collectives.auto.choose`'s pick (knowing
+    what the group learnt so far about shared memory)."""
+    if algorithm != AUTO:
+        return algorithm
+    ranks_per_node = comm.options(HierarchicalOptions).node_size(comm.world_size)
+    return auto.choose(nbytes, comm.world_size, ranks_per_node,
+                       shm_available=comm.options(shm.ShmState).available)
 
 
 def _working_dtype(dtype: torch.dtype, algorithm: str) -> torch.dtype:
-    if dtype in _FLOAT32_ACCUMULATED:
+    if dtype in FLOAT32_ACCUMULATED:
         return torch.float32
     if algorithm == "native":
         return _NATIVE_UPCAST.get(dtype, dtype)
@@ -166,7 +172,7 @@ def all_reduce(tensor: torch.Tensor, comm: Communicator, *, op: str = "sum",
                        verify=verify)
     if comm.world_size == 1 or tensor.numel() == 0:
         return tensor
-    if algorithm == "auto":
+    if algorithm == AUTO:
         algorithm = _auto_choice(tensor, comm)
         if algorithm == "shm" and not shm.usable(call):  # ranks on several hosts after all
             algorithm = _auto_choice(tensor, comm)
@@ -180,9 +186,26 @@ def all_reduce(tensor: torch.Tensor, comm: Communicator, *, op: str = "sum",
 
 
 def _reduce_flat(flat: torch.Tensor, call: CollectiveCall, algorithm: str, op: str) -> None:
-    _ALL_REDUCE[algorithm](flat, call)
+    ALL_REDUCE[algorithm](flat, call)
     if op == "avg":
         flat.div_(call.world_size)
+
+
+def average(flat: torch.Tensor, comm: Communicator, divisor: int, algorithm: str = "ring") -> torch.Tensor:
+    """Replace ``flat`` (floating point, contiguous) by the sum over ranks divided by ``divisor``, in place.
+
+    ``divisor``: the ranks whose values count (``world_size``, fewer when
+    some ranks contribute zeros, as under ``DataParallel.join``). With every
+    rank contributing this is ``op="avg"``; otherwise ``flat`` is divided
+    first, so that a float16 sum cannot overflow on the way. Layouts are not
+    compared across ranks (callers pass layouts verified once, as buckets).
+
+    Collective: every rank must call this in the same order with equal shape, dtype and ``divisor``.
+    """
+    if divisor == comm.world_size:
+        return all_reduce(flat, comm, op="avg", algorithm=algorithm, verify=False)
+    flat.div_(divisor)
+    return all_reduce(flat, comm, op="sum", algorithm=algorithm, verify=False)
 
 
 @torch.no_grad()
@@ -293,14 +316,25 @@ def all_to_all(sends: list[torch.Tensor], receives: list[torch.Tensor], comm: Co
     return receives
 
 
-def shared_buffer(comm: Communicator, nbytes: int) -> torch.Tensor | None:
-    """A ``(nbytes,)`` uint8 buffer in shared memory that ``all_reduce(..., algorithm="shm")``
-    reduces without copying in (DataParallel's zero-copy buckets), or None when the ranks are not
-    all on one machine. Collective: every rank calls it with the same ``nbytes``."""
-    if comm.world_size == 1:
+def zero_copy_dtypes(algorithm: str) -> tuple[torch.dtype, ...]:
+    """The dtypes ``algorithm`` reduces in place in storage from :func:`shared_buffer` (empty: none)."""
+    capability = ZERO_COPY.get(algorithm)
+    return capability.dtypes if capability else ()
+
+
+def shared_buffer(comm: Communicator, nbytes: int, algorithm: str) -> torch.Tensor | None:
+    """A ``(nbytes,)`` uint8 buffer that ``all_reduce(..., algorithm=algorithm)`` reduces without
+    copying in (DataParallel's zero-copy buckets), or None when ``algorithm`` offers no such storage
+    or cannot here (for "shm": the ranks are not all on one machine).
+
+    Collective (when ``algorithm`` offers it): every rank calls it with the same ``nbytes``.
+    """
+    capability = ZERO_COPY.get(algorithm)
+    if capability is None or comm.world_size == 1:
         return None
-    return shm.allocate_shared(comm.new_call("shared_buffer", "shm"), nbytes)
+    return capability.allocate(comm.new_call("shared_buffer", algorithm), nbytes)
 
 
-__all__ = ["ALGORITHMS", "OPS", "SUPPORTED_DTYPES", "all_gather", "all_reduce", "all_to_all", "broadcast",
-           "chunk_bounds", "reduce_scatter", "shared_buffer", "validate_algorithm", "validate_op"]
+__all__ = ["ALGORITHMS", "OPS", "SUPPORTED_DTYPES", "all_gather", "all_reduce", "all_to_all", "average",
+           "broadcast", "chunk_bounds", "reduce_scatter", "resolve_algorithm", "shared_buffer",
+           "validate_algorithm", "validate_op", "zero_copy_dtypes"]
