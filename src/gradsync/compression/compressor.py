@@ -115,12 +115,8 @@ class Compressor:
         warming_up = min(self.steps.get(name, 0) for name in layout.names) < self.warmup_steps
         for name in layout.names:
             self.steps[name] = self.steps.get(name, 0) + 1
-        if warming_up:  # as the reducer's exact path: a float16 sum must not overflow before the division
-            if divisor == comm.world_size:
-                collectives.all_reduce(flat, comm, op="avg", algorithm=algorithm, verify=False)
-            else:
-                flat /= divisor
-                collectives.all_reduce(flat, comm, op="sum", algorithm=algorithm, verify=False)
+        if warming_up:  # the reducer's exact path
+            collectives.average(flat, comm, divisor, algorithm)
         elif flat.dtype in _LOW_PRECISION:  # compute and keep residuals in float32
             work = flat.float()
             self._reduce_float(work, layout, comm, divisor, algorithm)

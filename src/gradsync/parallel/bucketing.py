@@ -26,7 +26,6 @@ from typing import Sequence
 
 import torch
 
-DEFAULT_BUCKET_CAP_BYTES = 25 * 2**20
 DEFAULT_FIRST_BUCKET_CAP_BYTES = 2**20  # DDP's _DEFAULT_FIRST_BUCKET_BYTES
 
 
@@ -81,6 +80,49 @@ def assign_buckets(params: Sequence[torch.Tensor], bucket_cap_bytes: int,
         members.append(index)
         open_bucket[kind] = (members, filled + nbytes)
     return buckets
+
+
+def check_assignment(params: Sequence[torch.Tensor], assignment: list[list[int]]) -> None:
+    """Raise ValueError unless ``assignment`` splits the indices of ``params`` into non-empty buckets of one
+    dtype and device each."""
+    flat = [index for bucket in assignment for index in bucket]
+    if sorted(flat) != list(range(len(params))) or not all(assignment):
+        raise ValueError(f"a bucket layout must split the indices 0..{len(params) - 1} into "
+                         f"non-empty buckets, got {assignment}")
+    if any(len({(params[i].dtype, params[i].device) for i in bucket}) > 1 for bucket in assignment):
+        raise ValueError("a bucket layout must not mix parameter dtypes or devices in one bucket")
+
+
+def pause_breaks(params: Sequence[torch.Tensor], observed: Sequence[int], ready_s: Sequence[float],
+                 pause_s: float, min_split_bytes: int) -> list[int]:
+    """Per position of ``observed``: 1 where a bucket should start because backward paused there.
+
+    A pause is more than ``pause_s`` seconds between two gradients (``ready_s``,
+    perf_counter times) once the open bucket holds ``min_split_bytes``.
+    """
+    breaks, filled = [0] * len(observed), 0
+    for position in range(1, len(observed)):
+        previous = params[observed[position - 1]]
+        filled += previous.numel() * previous.element_size()
+        if ready_s[position] - ready_s[position - 1] > pause_s and filled >= min_split_bytes:
+            breaks[position], filled = 1, 0
+    return breaks
+
+
+def shared_bucket_nbytes(params: Sequence[torch.Tensor], assignment: list[list[int]], num_flags: int,
+                         dtypes: Sequence[torch.dtype], line_bytes: int = 64) -> list[int]:
+    """Bytes each bucket takes in shared storage (rounded up to ``line_bytes``; 0: it stays private).
+
+    Only CPU buckets of ``dtypes`` are placed there; the last bucket also
+    holds ``num_flags`` flags of its dtype.
+    """
+    sizes = []
+    for b, indices in enumerate(assignment):
+        first = params[indices[0]]
+        numel = sum(params[i].numel() for i in indices) + (num_flags if b == len(assignment) - 1 else 0)
+        shared = first.dtype in dtypes and first.device.type == "cpu"
+        sizes.append(-(-numel * first.dtype.itemsize // line_bytes) * line_bytes if shared else 0)
+    return sizes
 
 
 def _is_first(buckets: list[list[int]], members: list[int]) -> bool:

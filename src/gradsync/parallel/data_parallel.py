@@ -190,7 +190,7 @@ class DataParallel(nn.Module):
         finally:
             self._joining = False
             self._buffer_src = 0
-            self._reducer.divisor = self.comm.world_size
+            self._reducer.set_divisor(self.comm.world_size)
 
     def _join_step(self, active: bool, will_sync: bool, sync_buffers: bool) -> bool:
         """One join exchange; a joined rank then shadows the iteration. Returns whether any rank is active."""
@@ -214,7 +214,7 @@ class DataParallel(nn.Module):
                                 f"rank must make the same choice")
         self._last_active = active_ranks
         self._buffer_src = active_ranks[0]
-        self._reducer.divisor = len(active_ranks)
+        self._reducer.set_divisor(len(active_ranks))
         if not active:
             if buffers:
                 self._sync_buffers()
@@ -246,12 +246,24 @@ class DataParallel(nn.Module):
 
     @timeline.setter
     def timeline(self, timeline) -> None:
-        self._reducer.timeline = timeline
+        self._reducer.record_into(timeline)
 
     @property
     def bucket_numels(self) -> list[int]:
         """Gradient elements per bucket, in the order buckets are reduced."""
         return self._reducer.bucket_numels
+
+    def bucket_algorithms(self) -> list[tuple[int, str]]:
+        """Per bucket, in reduction order: (bytes of its AllReduce, the algorithm that reduces it).
+
+        "auto" is resolved as the collectives resolve it for that size on this
+        group. A compressed bucket reads ``"<algorithm>+<compressor>"`` (e.g.
+        ``"ring+onebit"``): the compressor averages it, the algorithm carries
+        what it sends uncompressed.
+        """
+        suffix = f"+{self.compression.name}" if self.compression is not None else ""
+        return [(nbytes, collectives.resolve_algorithm(self.comm, nbytes, self.algorithm) + suffix)
+                for nbytes in self._reducer.bucket_nbytes]
 
     @property
     def bucket_layout(self) -> list[list[int]] | None:

@@ -85,6 +85,12 @@ class LocalSGD(nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
+    def bucket_algorithms(self) -> list[tuple[int, str]]:
+        """Per average (one per dtype and device): (bytes of its AllReduce, the algorithm that runs it,
+        "auto" resolved as the collectives resolve it for that size)."""
+        sizes = [flat.numel() * flat.element_size() for flat in self._flat.values()]
+        return [(nbytes, collectives.resolve_algorithm(self.comm, nbytes, self.algorithm)) for nbytes in sizes]
+
     @property
     def exposed_comm_seconds(self) -> float:
         """All of ``comm_seconds``: an average blocks the step that calls it."""

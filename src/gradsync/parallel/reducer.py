@@ -40,24 +40,12 @@ from gradsync.collectives import ops as collectives
 from gradsync.collectives.communicator import Communicator
 from gradsync.compression.compressor import BucketLayout, Compressor
 from gradsync.errors import GradsyncError
-from gradsync.parallel.bucketing import DEFAULT_FIRST_BUCKET_CAP_BYTES, Bucket, assign_buckets, default_order
+from gradsync.parallel.bucketing import (DEFAULT_FIRST_BUCKET_CAP_BYTES, Bucket, assign_buckets, check_assignment,
+                                        default_order, pause_breaks, shared_bucket_nbytes)
+from gradsync.parallel.sync_round import Round
 
 PAUSE_S = 0.002                # a gap in backward long enough to hide a bucket's AllReduce in
 MIN_SPLIT_BYTES = 2**20        # smaller buckets are latency-bound: splitting them costs more than it hides
-
-
-class _Round:
-    """Bookkeeping of one synchronised backward."""
-
-    def __init__(self, buckets: list[Bucket], num_params: int):
-        self.pending = [len(bucket.param_indices) for bucket in buckets]
-        self.ready = [False] * num_params
-        self.used = [False] * num_params
-        self.order: list[int] = []
-        self.ready_s: list[float] = []  # perf_counter time of each entry of ``order``
-        self.next_launch = 0
-        self.futures: list[Future] = []
-        self.failed = False  # a bucket failed: later buckets of this round are skipped, not waited for again
 
 
 class _SkippedAfterFailure(GradsyncError):
@@ -113,7 +101,7 @@ class Reducer:
         self.last_bucket_spans: list[tuple[int, float, float]] = []  # (bucket, start, end) perf_counter
         self.rebuilt = False
         self._index = {id(param): index for index, param in enumerate(self.params)}
-        self._round: _Round | None = None
+        self._round: Round | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._shadow: dict[int, torch.Tensor] = {}
         self._build(assign_buckets(self.params, bucket_cap_bytes, DEFAULT_FIRST_BUCKET_CAP_BYTES))
@@ -146,24 +134,16 @@ class Reducer:
         self._shadow.clear()
 
     def _shared_storages(self, assignment: list[list[int]]) -> list[torch.Tensor | None]:
-        """Zero-copy buckets: with ``algorithm="shm"`` and bucket views, float32/float64 buckets live in
-        a shared arena the shm AllReduce reads in place. None per bucket otherwise."""
+        """Zero-copy buckets: with bucket views, buckets of a dtype the algorithm reduces in place in its
+        own shared storage (shm: float32/float64 on CPU) live there. None per bucket otherwise."""
         storages: list[torch.Tensor | None] = [None] * len(assignment)
-        if not (self.gradient_as_bucket_view and self.algorithm == "shm" and self.comm.world_size > 1
-                and self.compression is None):
+        in_place = collectives.zero_copy_dtypes(self.algorithm)
+        if not (self.gradient_as_bucket_view and in_place and self.comm.world_size > 1 and self.compression is None):
             return storages
-        sizes = []
-        for b, indices in enumerate(assignment):
-            dtype = self.params[indices[0]].dtype
-            numel = sum(self.params[i].numel() for i in indices) + (len(self.params) if b == len(assignment) - 1
-                                                                    else 0)
-            shared = dtype in (torch.float32, torch.float64) and self.params[indices[0]].device.type == "cpu"
-            sizes.append(-(-numel * dtype.itemsize // 64) * 64 if shared else 0)
-        arena = collectives.shared_buffer(self.comm, sum(sizes), "shm")
-        if arena is None:
-            return storages
+        sizes = shared_bucket_nbytes(self.params, assignment, len(self.params), in_place)
+        arena = collectives.shared_buffer(self.comm, sum(sizes), self.algorithm)
         offset = 0
-        for b, nbytes in enumerate(sizes):
+        for b, nbytes in enumerate(sizes if arena is not None else []):
             if nbytes:
                 storages[b] = arena[offset:offset + nbytes]
                 offset += nbytes
@@ -173,13 +153,26 @@ class Reducer:
     def bucket_numels(self) -> list[int]:
         return [bucket.grad_numel for bucket in self.buckets]
 
+    @property
+    def bucket_nbytes(self) -> list[int]:
+        """Bytes of each bucket's AllReduce (the last one carries one used flag per parameter)."""
+        return [bucket.flat.numel() * bucket.flat.element_size() for bucket in self.buckets]
+
+    def set_divisor(self, divisor: int) -> None:
+        """Average over ``divisor`` contributing ranks from the next bucket on (fewer under join)."""
+        self.divisor = divisor
+
+    def record_into(self, timeline) -> None:
+        """Record each bucket's AllReduce span in ``timeline`` (a Timeline; None: stop recording)."""
+        self.timeline = timeline
+
     # -- during backward -------------------------------------------------------------------------
 
     def start_round(self) -> None:
         """Begin a synchronised backward (idempotent); the engine calls ``_finalize`` when it ends."""
         if self._round is not None or not self.buckets:  # no trainable parameters: nothing to sync
             return
-        self._round = _Round(self.buckets, len(self.params))
+        self._round = Round(self.buckets, len(self.params))
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
@@ -229,7 +222,7 @@ class Reducer:
             state.futures.append(self._submit(bucket.flat, bucket.index, self.divisor, state))
             state.next_launch += 1
 
-    def _submit(self, flat: torch.Tensor, bucket_index: int, divisor: int, state: _Round) -> Future:
+    def _submit(self, flat: torch.Tensor, bucket_index: int, divisor: int, state: Round) -> Future:
         if self.comm.world_size == 1:
             future = Future()
             future.set_result(self._reduce(flat, bucket_index, divisor, state))
@@ -239,7 +232,7 @@ class Reducer:
         return self._executor.submit(self._reduce, flat, bucket_index, divisor, state)
 
     def _reduce(self, flat: torch.Tensor, bucket_index: int, divisor: int,
-                state: _Round, thread: str = "comm") -> tuple[int, float, float]:
+                state: Round, thread: str = "comm") -> tuple[int, float, float]:
         """Runs on the communication thread: average ``flat`` over ``divisor`` contributing ranks."""
         if state.failed:  # one timeout per round, not one per bucket
             raise _SkippedAfterFailure(f"bucket {bucket_index} skipped after an earlier bucket failed")
@@ -247,11 +240,8 @@ class Reducer:
         try:
             if self.compression is not None:
                 self._reduce_compressed(flat, bucket_index, divisor)
-            elif divisor == self.comm.world_size:
-                collectives.all_reduce(flat, self.comm, op="avg", algorithm=self.algorithm, verify=False)
-            else:  # join: ranks without data send zeros; divide first so fp16 sums cannot overflow
-                flat.div_(divisor)
-                collectives.all_reduce(flat, self.comm, op="sum", algorithm=self.algorithm, verify=False)
+            else:  # under join, ranks without data send zeros
+                collectives.average(flat, self.comm, divisor, self.algorithm)
         except BaseException:
             state.failed = True
             raise
@@ -300,7 +290,7 @@ class Reducer:
             self.comm_seconds += rebuild_s
             self.exposed_comm_seconds += rebuild_s
 
-    def _wait_and_copy_out(self, state: _Round) -> tuple[list[tuple[int, float, float]], float]:
+    def _wait_and_copy_out(self, state: Round) -> tuple[list[tuple[int, float, float]], float]:
         """Copy each bucket's averages into ``.grad`` as soon as it is done, while later buckets reduce.
 
         Returns the (bucket, start, end) spans and the seconds spent blocked waiting.
@@ -313,7 +303,7 @@ class Reducer:
             self._copy_out_used(bucket, state)
         return spans, waited_s
 
-    def _reduce_last_bucket(self, state: _Round) -> tuple[int, float, float]:
+    def _reduce_last_bucket(self, state: Round) -> tuple[int, float, float]:
         """The last bucket runs on this thread once the others are done: backward has ended, so a
         hand-off to the communication thread would only add latency. It carries the used flags."""
         bucket = self.buckets[-1]
@@ -322,12 +312,12 @@ class Reducer:
         self._copy_out_used(bucket, state)
         return span
 
-    def _copy_out_used(self, bucket: Bucket, state: _Round) -> None:
+    def _copy_out_used(self, bucket: Bucket, state: Round) -> None:
         for index in bucket.param_indices:
             if state.used[index]:
                 self._copy_out(index)
 
-    def _copy_out_unused(self, state: _Round) -> None:
+    def _copy_out_unused(self, state: Round) -> None:
         """Parameters without a local gradient take the average if any rank had one; else .grad stays None."""
         used_anywhere = (self.buckets[-1].flags > 0).tolist()
         for index, used in enumerate(state.used):
@@ -359,13 +349,8 @@ class Reducer:
         self.rebuilt = True
         seen = set(observed)
         order = observed + [index for index in default_order(len(self.params)) if index not in seen]
-        breaks = [0] * len(order)
-        filled = 0
-        for position in range(1, len(observed)):
-            previous = self.params[observed[position - 1]]
-            filled += previous.numel() * previous.element_size()
-            if ready_s[position] - ready_s[position - 1] > PAUSE_S and filled >= MIN_SPLIT_BYTES:
-                breaks[position], filled = 1, 0
+        breaks = pause_breaks(self.params, observed, ready_s, PAUSE_S, MIN_SPLIT_BYTES)
+        breaks += [0] * (len(order) - len(breaks))
         if self.comm.world_size > 1:
             plan = torch.tensor([order, breaks], dtype=torch.int64)
             collectives.broadcast(plan, self.comm, src=0, verify=False)
@@ -378,13 +363,7 @@ class Reducer:
 
     def set_layout(self, assignment: list[list[int]]) -> None:
         """Adopt a saved bucket layout and skip the rebuild (every rank must pass the same one)."""
-        flat = [index for bucket in assignment for index in bucket]
-        if sorted(flat) != list(range(len(self.params))) or not all(assignment):
-            raise ValueError(f"a bucket layout must split the indices 0..{len(self.params) - 1} into "
-                             f"non-empty buckets, got {assignment}")
-        kinds = [{(self.params[i].dtype, self.params[i].device) for i in bucket} for bucket in assignment]
-        if any(len(kind) > 1 for kind in kinds):
-            raise ValueError("a bucket layout must not mix parameter dtypes or devices in one bucket")
+        check_assignment(self.params, assignment)
         self.rebuilt = True
         if assignment != self.assignment:
             self._build(assignment)
@@ -393,7 +372,7 @@ class Reducer:
         """Take part in the other ranks' gradient sync with zeros (this rank has joined)."""
         if not self.buckets:
             return
-        futures, state = [], _Round([], 0)
+        futures, state = [], Round([], 0)
         for bucket in self.buckets:
             if bucket.shared:  # the zero-copy AllReduce reads peers' data in the arena
                 zeros = bucket.flat
