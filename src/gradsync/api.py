@@ -51,6 +51,16 @@ def reduce_scatter(tensor: torch.Tensor, op: str = "sum", group=None,
                                        algorithm=algorithm)
 
 
+def all_to_all(sends: list[torch.Tensor], receives: list[torch.Tensor], group=None,
+               timeout: float | None = None) -> list[torch.Tensor]:
+    """Send ``sends[p]`` to rank p and receive rank p's message into ``receives[p]`` (MPI_Alltoall).
+
+    ``receives[p]``: contiguous, the numel and dtype of rank p's ``sends[rank]``; written in place
+    and returned. Raises ValueError for lists not of ``world_size`` tensors; CollectiveTimeoutError.
+    """
+    return _collectives.all_to_all(sends, receives, resolve_group(group), timeout=timeout)
+
+
 def comm_stats(group=None) -> dict[str, int]:
     """Bytes and messages this rank sent and received in the group so far."""
     return resolve_group(group).stats.as_dict()
