@@ -110,7 +110,8 @@ def _communicator(comms, options):
         return None
     if options not in comms:
         transport = default_communicator().transport
-        comms[options] = gradsync.Communicator(transport, COLLECTIVE_TIMEOUT_S, options=communicator_options(**dict(options)))
+        comms[options] = gradsync.Communicator(transport, COLLECTIVE_TIMEOUT_S,
+                                               options=communicator_options(**dict(options)))
     return comms[options]
 
 

@@ -14,6 +14,7 @@ import time
 import torch
 from torch import nn
 
+from gradsync.errors import CollectiveMismatchError
 from gradsync.parallel.ps_protocol import (PARAMS, PULL, PUSH, REJECT, STOP, TAG_GRADIENT, TAG_PARAMETERS, TAG_REPLY,
                                            TAG_REQUEST, SharedModel, check_transport, gather_gradients,
                                            new_header, peer_error)
@@ -80,7 +81,7 @@ class AsyncWorker:
                 starting, as ``gradsync train`` does (60 s at least, as ``gradsync.init``).
 
         Raises:
-            RuntimeError: called twice. ValueError: the server rejected this
+            RuntimeError: called twice. CollectiveMismatchError (a ValueError): the server rejected this
             worker (its model differs). CollectiveTimeoutError: no answer in time.
         """
         if self.version >= 0 or self._stopped:
@@ -121,10 +122,10 @@ class AsyncWorker:
         reply = self._reply
         self._wait(transport.irecv_tagged(reply, server, TAG_REPLY), "receive reply", timeout_s)
         if reply[0] == REJECT:
-            raise ValueError(f"worker rank {self.rank}: the parameter server (rank {server}) rejected this worker: "
-                             f"its model differs from the server's (see the server's error)")
+            raise CollectiveMismatchError(f"worker rank {self.rank}: the parameter server (rank {server}) rejected "
+                                          f"this worker: its model differs from the server's (see the server's error)")
         if reply[0] not in (PARAMS, STOP):
-            raise ValueError(f"worker rank {self.rank}: unknown reply {reply.tolist()} from the server")
+            raise CollectiveMismatchError(f"worker rank {self.rank}: unknown reply {reply.tolist()} from the server")
         self._wait(transport.irecv_tagged(self.flat, server, TAG_PARAMETERS), "receive parameters", timeout_s)
         for handle in sends:
             self._wait(handle, "send request", timeout_s)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from gradsync.collectives.dtypes import OTHER_DTYPE_CODE, dtype_code, dtype_name
-from gradsync.errors import CollectiveTimeoutError
+from gradsync.errors import CollectiveMismatchError, CollectiveTimeoutError
 from gradsync.transport.base import PeerFailure
 
 HEADER_NUMEL = 4
@@ -105,15 +105,16 @@ class SharedModel:
         return self.params_numel + self.buffers_numel + 1
 
     def check_peer(self, signature: list[int], peer: int) -> None:
-        """Raise ValueError naming ``peer`` and what differs if its model's signature is not this one's."""
+        """Raise CollectiveMismatchError (a ValueError) naming ``peer`` and what differs, if its model's
+        signature is not this one's."""
         names = ("numel of trainable parameters, buffers and frozen parameters", "dtype", "shapes")
         for name, mine, theirs in zip(names, self.signature, signature):
             if mine != theirs:
                 if name == "dtype":
                     mine, theirs = (f"torch.{dtype_name(i)}" if i < OTHER_DTYPE_CODE else "other"
                                     for i in (mine, theirs))
-                raise ValueError(f"parameter server: worker rank {peer}'s model differs from the server's: "
-                                 f"{name} {theirs} != {mine}")
+                raise CollectiveMismatchError(f"parameter server: worker rank {peer}'s model differs from the server's: "
+                                              f"{name} {theirs} != {mine}")
 
 
 def flatten_into_views(tensors: list[torch.Tensor]) -> torch.Tensor:
