@@ -74,6 +74,8 @@ def test_communicator_rejects_two_options_of_one_class_and_non_options():
         Communicator(transport, options=[SegmentOptions(8), SegmentOptions(16)])
     with pytest.raises(TypeError, match="AlgorithmOptions"):
         Communicator(transport, options=[{"segment_bytes": 8}])
+    with pytest.raises(TypeError, match="AlgorithmOptions"):
+        Communicator(transport).options(int)
 
 
 def test_bad_options_are_value_errors_with_the_old_messages():

@@ -52,6 +52,8 @@ class OptionStore:
 
     def get(self, kind: type[T]) -> T:
         """The instance of ``kind`` here or in a parent; else a default one, kept in the root store."""
+        if not (isinstance(kind, type) and issubclass(kind, AlgorithmOptions)):
+            raise TypeError(f"options are looked up by an AlgorithmOptions subclass, got {kind!r}")
         store = self
         while store is not None:
             if kind in store._own:
