@@ -34,6 +34,7 @@ from gradsync.bench.train import BATCH_PER_RANK, LR, MODEL_SEED, build_bench_mod
 from gradsync.compression import COMPRESSIONS, make
 from gradsync.train.config import TrainConfig, validate
 from gradsync.train.metrics import METRICS_FILE
+from gradsync.train.setup import threads_per_worker
 
 DEFAULT_WARMUP_STEPS = 375   # 20% of the main job's 1875 steps (1-bit Adam warms up for 15-25%)
 THROUGHPUT_MODEL = "mlp"
@@ -85,8 +86,6 @@ def measure_throughput(compression: str, initial: torch.nn.Module, inputs: torch
 
 def throughput_worker(compressions: list[str], steps: int, warmup: int, rounds: int) -> list[dict] | None:
     """Entry point of one throughput process; rank 0 returns one row per compressor."""
-    from gradsync.train.loop import threads_per_worker
-
     gradsync.init()
     try:
         torch.set_num_threads(threads_per_worker(gradsync.world_size()))
