@@ -2,7 +2,7 @@
 
 Two parts, one table each:
 
-* accuracy: the main job (``gradsync train`` defaults: MNIST-1D CNN, 4
+* accuracy: the main job over the ring (``gradsync train`` defaults otherwise: MNIST-1D CNN, 4
   workers, AdamW lr 1e-2 with cosine decay, 15 epochs, seed 0) once per
   compressor, the same data and initial weights. Every compressor starts with
   ``compression_warmup_steps`` exact steps (1-bit Adam's warm-up stage).
@@ -38,6 +38,9 @@ from gradsync.train.setup import threads_per_worker
 
 DEFAULT_WARMUP_STEPS = 375   # 20% of the main job's 1875 steps (1-bit Adam warms up for 15-25%)
 THROUGHPUT_MODEL = "mlp"
+# the accuracy runs count bytes on the wire: an algorithm that sends through the transport, not
+# shm (what gradsync train's default auto picks on one machine), whose copies the transport does not count
+ACCURACY_ALGORITHM = "ring"
 
 
 def run_accuracy(compression: str, warmup_steps: int, nproc: int, epochs: int, out_dir: Path,
@@ -46,6 +49,7 @@ def run_accuracy(compression: str, warmup_steps: int, nproc: int, epochs: int, o
     from gradsync.train.job import run_job
 
     config = TrainConfig(nproc=nproc, epochs=epochs, compression=compression, progress=False,
+                         algorithm=ACCURACY_ALGORITHM,
                          compression_warmup_steps=0 if compression == "none" else warmup_steps,
                          out=str(out_dir / compression), **options)
     summary = run_job(config)
