@@ -174,13 +174,14 @@ def format_throughput_table(rows: list[dict]) -> str:
 
 def plot_accuracy(rows: list[dict], path: Path) -> Path:
     """Test accuracy per epoch, one line per compressor (PNG)."""
-    from gradsync.train.plots import new_figure, save, set_title
+    from gradsync.train.plots import new_figure, save, set_title, whole_numbers
 
     figure, axes = new_figure(7, 4)
     for row in rows:
         epochs = range(1, len(row["test_accuracy_per_epoch"]) + 1)
         axes.plot(epochs, [100 * a for a in row["test_accuracy_per_epoch"]], "o-", ms=3, label=row["compression"])
     axes.set(xlabel="epoch", ylabel="test accuracy (%)", ylim=(0, 100))
+    whole_numbers(axes.xaxis)
     set_title(axes, f"MNIST-1D CNN, {rows[0]['world_size']} workers: test accuracy per compressor")
     axes.legend()
     return save(figure, path, dpi=120)

@@ -30,6 +30,11 @@ def set_title(axes, text: str) -> None:
     axes.set_title(textwrap.fill(text, width=max(int(width_in * TITLE_CHARS_PER_INCH), 20)))
 
 
+def whole_numbers(axis) -> None:
+    """Ticks only at whole numbers (epochs), never 0.96, 0.98, ..."""
+    axis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+
+
 def save(figure, path: Path, dpi: int = 110) -> Path:
     figure.savefig(path, dpi=dpi, bbox_inches="tight", pad_inches=0.1)
     plt.close(figure)
@@ -67,7 +72,7 @@ def _plot_accuracy(epochs: list[dict], path: Path) -> Path:
     figure, axes = new_figure(7, 4)
     axes.plot([r["epoch"] + 1 for r in epochs], [100 * r["test_accuracy"] for r in epochs], "o-")
     axes.set(xlabel="epoch", ylabel="test accuracy (%)")
-    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    whole_numbers(axes.xaxis)
     set_title(axes, "Test accuracy")
     axes.grid(alpha=0.3)
     return save(figure, path)
