@@ -155,7 +155,8 @@ def test_cli_small_run_writes_metrics_summary_and_plots(tmp_path):
     result = _gradsync("train", "--nproc", "2", "--model", "mlp", "--epochs", "2", "--num-samples", "2000",
                        "--batch-size", "16", "--accumulate", "2", "--out", str(out), "--no-progress",
                        "--trace", str(tmp_path / "trace.json"), "--bucket-cap-mb", "0.01",
-                       env={"GRADSYNC_DATA_DIR": str(tmp_path)})
+                       # ring: its bytes go through the transport and are counted (auto picks shm here)
+                       "--algorithm", "ring", env={"GRADSYNC_DATA_DIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr
     summary = json.loads((out / "summary.json").read_text())
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -184,6 +185,10 @@ def test_cli_small_run_writes_metrics_summary_and_plots(tmp_path):
         summary["exposed_communication_s"] / summary["communication_s"])
     _check_trace(json.loads((tmp_path / "trace.json").read_text())["traceEvents"], steps=50, micro_batches=2)
     assert summary["config"]["accumulate"] == 2 and summary["config"]["out"] == str(out)
+    # the summary and the end-of-run line name the algorithm per bucket
+    assert len(summary["algorithms"]) >= 2 and {e["algorithm"] for e in summary["algorithms"]} == {"ring"}
+    assert all(e["bucket_nbytes"] > 0 for e in summary["algorithms"])
+    assert f"gradsync: AllReduce algorithm: ring for {len(summary['algorithms'])} buckets of " in result.stdout
     for name in ("loss.png", "accuracy.png", "time.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the cached arrays are what the generator makes, so the second run does not regenerate

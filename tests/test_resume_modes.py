@@ -36,7 +36,7 @@ def _rank_train(options: dict, data_path: str, out_dir: str) -> dict:
     trainer.run()
     resumed_from = trainer.resumed_from.step if trainer.resumed_from else None
     return {"params": {name: tensor.clone() for name, tensor in trainer.model.module.state_dict().items()},
-            "resumed_from": resumed_from, "step": trainer.step}
+            "resumed_from": resumed_from, "step": trainer.state.step}
 
 
 @pytest.fixture(scope="module")

@@ -52,7 +52,8 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         help="optimizer: sgd (momentum 0.9) or adam (AdamW) (default %(default)s)")
     add("--weight-decay", type=float, default=d.weight_decay, help="(default %(default)s)")
     add("--algorithm", default=d.algorithm, metavar="{" + ",".join(ALGORITHMS) + "}",
-        help="AllReduce algorithm for gradients (default %(default)s)")
+        help="AllReduce algorithm for gradients (sync) or parameter averages (local-sgd); auto picks the "
+        "fastest per bucket size, and the end of the run names what it chose (default %(default)s)")
     add("--bucket-cap-mb", type=float, default=d.bucket_cap_mb, help="MiB of gradients per bucket "
         "(default %(default)s)")
     add("--gradient-as-bucket-view", action="store_true",
@@ -230,9 +231,11 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def train(args: argparse.Namespace) -> int:
     from gradsync.train.job import run_job
+    from gradsync.train.summary import algorithm_line
 
     summary = run_job(_config_from_args(args))
     if summary is not None:
+        print(algorithm_line(summary))
         print(f"test accuracy {100 * summary['final_test_accuracy']:.2f}% | "
               f"{summary['samples_per_s']:.0f} samples/s | {summary['wall_s']:.1f} s | "
               f"run folder {summary['config']['out']}")

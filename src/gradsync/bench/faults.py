@@ -26,7 +26,7 @@ from gradsync.bench.output import claim_json_path, fmt_optional, write_json
 from gradsync.fault.events import read_events
 from gradsync.train import data
 from gradsync.train.config import TrainConfig, total_steps, validate, validate_against_data
-from gradsync.train.loop import MODEL_FILE
+from gradsync.train.metrics import MODEL_FILE
 
 FAULTS = ("kill", "hang")
 

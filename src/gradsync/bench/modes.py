@@ -112,12 +112,9 @@ def format_table(rows: list[dict]) -> str:
 
 def plot_curves(rows: list[dict], path: Path, target: float) -> Path:
     """Test accuracy against wall time, one line per run (dashed: with the straggler)."""
-    import matplotlib
+    from gradsync.train.plots import new_figure, save, set_title
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(8, 5))
+    figure, axes = new_figure(8, 5)
     colors: dict[str, str] = {}
     for row in rows:
         color = colors.setdefault(row["label"], f"C{len(colors)}")
@@ -127,13 +124,10 @@ def plot_curves(rows: list[dict], path: Path, target: float) -> Path:
         axes.plot(times, accuracies, "--" if straggling else "-", marker="o", ms=2.5, color=color,
                   label=row["label"] + (f", straggler {row['straggler']:g}x" if straggling else ""))
     axes.axhline(100 * target, color="grey", lw=0.8, ls=":")
-    axes.set(xlabel="wall time (s)", ylabel="test accuracy (%)", ylim=(0, 100),
-             title=f"MNIST-1D CNN, {rows[0]['num_workers']} workers: sync vs async vs local SGD")
+    axes.set(xlabel="wall time (s)", ylabel="test accuracy (%)", ylim=(0, 100))
+    set_title(axes, f"MNIST-1D CNN, {rows[0]['num_workers']} workers: sync vs async vs local SGD")
     axes.legend(fontsize=7, ncol=2, loc="center right")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return save(figure, path, dpi=120)
 
 
 def run_bench(*, staleness_bounds: str = "none,4,none+lr", sync_every: str = "4,16", straggler_factor: float = 3.0,

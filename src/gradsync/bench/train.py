@@ -31,6 +31,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import gradsync
 from gradsync.bench.output import claim_json_path, fmt_optional, write_json
+from gradsync.train.models import build_model
+from gradsync.train.setup import threads_per_worker
 
 BENCH_MODELS = ("cnn", "mlp")
 BATCH_PER_RANK = {"cnn": 128, "mlp": 64}      # samples per rank per step
@@ -43,13 +45,12 @@ LR = 0.01
 DATA_SEED = 1234                              # rank r draws its batch from DATA_SEED + r
 MODEL_SEED = 0
 MEMORY_STEPS = 3
-ZERO_COPY = "shm_zero_copy"  # DataParallel(algorithm="shm", gradient_as_bucket_view=True)                              # steps run before reading the peak RSS
+ZERO_COPY = "shm_zero_copy"  # DataParallel(algorithm="shm", gradient_as_bucket_view=True)
 
 
 def build_bench_model(name: str) -> nn.Module:
     """The benchmark model: "cnn" (MNIST-1D CNN, ~5.2k parameters) or "mlp" (1024-4096-4096-1024-10, ReLU)."""
     if name == "cnn":
-        from gradsync.train.models import build_model
         return build_model("cnn")
     layers: list[nn.Module] = []
     for fan_in, fan_out in zip(MLP_WIDTHS[:-1], MLP_WIDTHS[1:]):
@@ -180,8 +181,6 @@ def summarize(model: str, results: dict[tuple[str, str], list[dict]], steps: int
 def run_worker(models: list[str], algorithms: list[str], steps: int, warmup: int,
                rounds: int) -> list[dict] | None:
     """Entry point of one throughput process; rank 0 returns the rows."""
-    from gradsync.train.loop import threads_per_worker
-
     gradsync.init()
     try:
         torch.set_num_threads(threads_per_worker(gradsync.world_size()))
@@ -195,8 +194,6 @@ def run_worker(models: list[str], algorithms: list[str], steps: int, warmup: int
 
 def memory_worker(model: str, algorithm: str, gradient_as_bucket_view: bool) -> dict | None:
     """Entry point of one memory process: a few gradsync steps, then the peak RSS; rank 0 returns the row."""
-    from gradsync.train.loop import threads_per_worker
-
     gradsync.init()
     try:
         torch.set_num_threads(threads_per_worker(gradsync.world_size()))

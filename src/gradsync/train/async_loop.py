@@ -14,8 +14,6 @@ parameters; it writes the run folder. Workers keep rank 0 .. nproc-1, so
 
 from __future__ import annotations
 
-import math
-import os
 import time
 from pathlib import Path
 
@@ -27,10 +25,11 @@ import gradsync
 from gradsync.process_group import MIN_STARTUP_TIMEOUT_S
 from gradsync.train.config import TrainConfig, validate_against_data
 from gradsync.train.data import Splits, load
-from gradsync.train.loop import (make_optimizer, make_scheduler, seed_everything, straggle, straggler_factor,
-                                 threads_per_worker)
 from gradsync.train.metrics import METRICS_FILE, MetricsLog
 from gradsync.train.models import build_model
+from gradsync.train.setup import (make_optimizer, make_scheduler, seed_everything, set_threads, straggle,
+                                  straggler_factor)
+from gradsync.train.summary import RunTotals, build_summary, pushed_gradient
 
 # per-rank numbers gathered at the end: compute_s, wait_s, bytes_sent, bytes_received, pushes, straggler sleep
 _STAT_FIELDS = 6
@@ -54,7 +53,7 @@ def step_indices(config: TrainConfig, num_train: int, step: int, cache: dict) ->
 def run_async_role(config: TrainConfig, data_path: Path, out_dir: Path) -> dict | None:
     """Serve (last rank) or work (the others); the server returns the summary, workers None."""
     rank, world_size = gradsync.rank(), gradsync.world_size()
-    torch.set_num_threads(threads_per_worker(int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
+    set_threads(world_size)
     seed_everything(config.seed)
     data = load(data_path)
     validate_against_data(config, world_size, len(data.y_train))
@@ -149,50 +148,23 @@ class _Server:
         config, server = self.config, self.server
         workers = server.workers
         pushes = [int(rows[w, 4]) for w in workers]
-        train_wall_s = wall_s - self.eval_s
-        samples = server.version * config.batch_size * config.accumulate
-        compute = rows[workers, 0]
-        wait = rows[workers, 1]
-        last = self.epochs[-1] if self.epochs else {"test_accuracy": math.nan, "test_loss": math.nan,
-                                                    "train_loss": math.nan}
-        return {
-            "final_test_accuracy": last["test_accuracy"],
-            "best_test_accuracy": max((r["test_accuracy"] for r in self.epochs), default=math.nan),
-            "final_test_loss": last["test_loss"],
-            "final_train_loss": last["train_loss"],
-            "world_size": server.world_size,
-            "mode": "async",
-            "num_workers": len(workers),
-            "server_rank": server.rank,
-            "compression": "none",
-            "max_staleness": config.max_staleness,
-            "staleness_lr": config.staleness_lr,
-            **server.staleness.as_dict(),
-            "steps": server.version,
-            "updates_applied": server.version,
-            "gradients_pushed": sum(pushes),
-            "gradients_pushed_per_worker": pushes,
-            "updates_applied_per_worker": [server.applied_per_worker[w] for w in workers],
-            "samples": samples,
-            "samples_per_s": samples / train_wall_s if train_wall_s > 0 else math.nan,
-            "wall_s": wall_s,
-            "train_wall_s": train_wall_s,
-            "eval_s": self.eval_s,
-            "compute_s": compute.mean().item(),
-            "communication_s": wait.mean().item(),
-            "exposed_communication_s": wait.mean().item(),  # a worker waits for every reply
-            "exposed_communication_fraction": 1.0 if wait.sum() > 0 else 0.0,
-            "straggler_sleep_s": rows[workers, 5].tolist(),
-            "bytes_sent_per_step": rows[workers, 2].sum().item() / max(server.version, 1),
-            "bytes_sent_per_rank": [int(v) for v in rows[:, 2].tolist()],
-            "bytes_received_per_rank": [int(v) for v in rows[:, 3].tolist()],
-            "per_rank_compute_s": rows[:, 0].tolist(),
-            "per_rank_communication_s": rows[:, 1].tolist(),
-            "num_parameters": sum(p.numel() for p in self.model.parameters()),
-            "train_samples": len(self.data.y_train),
-            "test_samples": len(self.data.y_test),
-            "config": config.to_dict(),
-        }
+        wait_s = rows[workers, 1].mean().item()  # a worker waits for every reply: all of it is exposed
+        totals = RunTotals(
+            world_size=server.world_size, num_workers=len(workers), steps=server.version,
+            samples=server.version * config.batch_size * config.accumulate, wall_s=wall_s,
+            train_wall_s=wall_s - self.eval_s, compute_s=rows[workers, 0].mean().item(),
+            communication_s=wait_s, exposed_communication_s=wait_s,
+            bytes_sent_per_step=rows[workers, 2].sum().item() / max(server.version, 1),
+            bytes_sent_per_rank=[int(v) for v in rows[:, 2].tolist()],
+            bytes_received_per_rank=[int(v) for v in rows[:, 3].tolist()],
+            per_rank_compute_s=rows[:, 0].tolist(), per_rank_communication_s=rows[:, 1].tolist())
+        extra = {"server_rank": server.rank, "max_staleness": config.max_staleness,
+                 "staleness_lr": config.staleness_lr, "updates_applied": server.version,
+                 "gradients_pushed": sum(pushes), "gradients_pushed_per_worker": pushes,
+                 "updates_applied_per_worker": [server.applied_per_worker[w] for w in workers],
+                 "eval_s": self.eval_s, "straggler_sleep_s": rows[workers, 5].tolist()}
+        return build_summary(config, self.epochs, totals, server.staleness.as_dict(), pushed_gradient(self.model),
+                             self.model, self.data, extra)
 
 
 @torch.no_grad()

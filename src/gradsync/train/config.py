@@ -36,7 +36,7 @@ class TrainConfig:
     lr_schedule: str = "cosine"     # cosine decay to 0 over all steps, or constant
     optimizer: str = "adam"         # sgd (momentum 0.9) | adam
     weight_decay: float = 0.0
-    algorithm: str = "ring"         # AllReduce algorithm for the gradients
+    algorithm: str = "auto"         # AllReduce algorithm for the gradients (auto: chosen per bucket size)
     bucket_cap_mb: float = 25.0     # MiB of gradients per bucket
     gradient_as_bucket_view: bool = False  # .grad is a view into its bucket (saves a gradient copy)
     compression: str = "none"       # none | fp16 | bf16 | onebit | topk | powersgd

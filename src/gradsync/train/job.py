@@ -18,7 +18,7 @@ from gradsync.fault.injection import attempt, check_environment
 from gradsync.launch import WorkerFailedError, launch_local
 from gradsync.train import data, resume
 from gradsync.train.config import TrainConfig, validate, validate_against_data
-from gradsync.train.loop import run_worker
+from gradsync.train.worker import run_worker
 from gradsync.train.metrics import METRICS_FILE
 
 

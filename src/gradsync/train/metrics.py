@@ -16,11 +16,11 @@ ranks.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
+MODEL_FILE = "model.pt"  # the final model's state_dict, written by rank 0
 
 
 class MetricsLog:
@@ -61,32 +61,6 @@ class MetricsLog:
 def read_metrics(path: Path) -> list[dict]:
     with open(path, encoding="utf-8") as file:
         return [json.loads(line) for line in file if line.strip()]
-
-
-@dataclass
-class StepTimes:
-    """Seconds one rank spent in each phase, summed over the run."""
-
-    forward_s: float = 0.0
-    backward_s: float = 0.0  # includes the wait for communication at the end of backward
-    comm_s: float = 0.0      # communication time, overlapped with backward or not
-    exposed_comm_s: float = 0.0  # the part of comm_s the step waited for
-    optimizer_s: float = 0.0
-    outside_comm_s: float = 0.0  # exposed communication outside forward/backward/optimizer (local SGD's average)
-
-    @property
-    def compute_s(self) -> float:
-        inside = self.exposed_comm_s - self.outside_comm_s
-        return self.forward_s + self.backward_s - inside + self.optimizer_s
-
-    def add(self, forward_s: float, backward_s: float, comm_s: float, exposed_comm_s: float,
-            optimizer_s: float, outside_comm_s: float = 0.0) -> None:
-        self.forward_s += forward_s
-        self.backward_s += backward_s
-        self.comm_s += comm_s
-        self.exposed_comm_s += exposed_comm_s
-        self.optimizer_s += optimizer_s
-        self.outside_comm_s += outside_comm_s
 
 
 def write_summary(path: Path, summary: dict) -> None:

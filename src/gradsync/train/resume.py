@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import os
 import random
-import time
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -27,7 +26,10 @@ import torch
 import gradsync
 from gradsync.fault import checkpoint
 from gradsync.fault.injection import attempt
+from gradsync.parallel.staleness import StalenessStats
 from gradsync.train.config import TrainConfig
+from gradsync.train.meter import StepTimes
+from gradsync.train.state import TrainState
 
 # Options that define the training trajectory: a checkpoint only resumes a job that agrees on all of them.
 # The AllReduce algorithm and bucketing fix the order in which gradients are summed: another
@@ -78,93 +80,116 @@ def set_rng_state(state: dict) -> None:
     random.setstate((p["version"], tuple(p["state"].tolist()), p["gauss_next"]))
 
 
-def shared_state(trainer, epoch: int, steps_in_epoch: int) -> dict:
-    """Rank 0's part of a checkpoint taken after ``trainer.step`` optimizer steps."""
-    state = {"format": STATE_FORMAT, "config": config_fields(trainer.config), "step": trainer.step,
-             "epoch": epoch, "steps_in_epoch": steps_in_epoch,
-             "scheduler": trainer.scheduler.state_dict(), "staleness": list(trainer.staleness.histogram),
-             "metrics_text": trainer.log.text() if trainer.log else "",
-             "epoch_records": list(trainer.epoch_records), "elapsed_s": trainer.elapsed_s(),
-             "eval_s": trainer.eval_s}
-    if not trainer.local_sgd:
-        state["model"] = trainer.model.module.state_dict()
-        state["optimizer"] = trainer.optimizer.state_dict()
-        state["bucket_layout"] = trainer.model.bucket_layout
-    return state
+@dataclass
+class Replica:
+    """The objects a checkpoint holds the ``state_dict`` of: the wrapped model, its optimizer and schedule.
+
+    ``model`` is a DataParallel (sync) or LocalSGD (``local_sgd``: every rank
+    saves its own model and optimizer, as replicas differ between averages).
+    """
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    local_sgd: bool = False
 
 
-def rank_state(trainer, epoch_loss: torch.Tensor) -> dict:
-    """This rank's part of a checkpoint; ``epoch_loss`` is its (sum of step losses, steps) in this epoch."""
-    stats = trainer.model.comm.stats
-    state = {"rng": rng_state(), "epoch_loss": epoch_loss.clone(), "times": asdict(trainer.times), "step_bytes_sent": trainer.step_bytes_sent,
-             "bytes_sent": trainer.bytes_offset[0] + stats.bytes_sent,
-             "bytes_received": trainer.bytes_offset[1] + stats.bytes_received}
-    compression = getattr(trainer.model, "compression", None)
+def shared_state(state: TrainState, replica: Replica, config: TrainConfig, metrics_text: str,
+                 elapsed_s: float) -> dict:
+    """Rank 0's part of a checkpoint taken after ``state.step`` optimizer steps, ``elapsed_s`` wall seconds in."""
+    shared = {"format": STATE_FORMAT, "config": config_fields(config), "step": state.step,
+              "epoch": state.epoch, "steps_in_epoch": state.steps_in_epoch,
+              "scheduler": replica.scheduler.state_dict(), "staleness": list(state.staleness.histogram),
+              "metrics_text": metrics_text, "epoch_records": list(state.epoch_records), "elapsed_s": elapsed_s,
+              "eval_s": state.eval_s}
+    if not replica.local_sgd:
+        shared["model"] = replica.model.module.state_dict()
+        shared["optimizer"] = replica.optimizer.state_dict()
+        shared["bucket_layout"] = replica.model.bucket_layout
+    return shared
+
+
+def rank_state(state: TrainState, replica: Replica) -> dict:
+    """This rank's part of a checkpoint: RNGs, running epoch loss, counters, compressor state."""
+    stats = replica.model.comm.stats
+    own = {"rng": rng_state(), "epoch_loss": state.epoch_loss(), "times": asdict(state.times),
+           "step_bytes_sent": state.step_bytes_sent,
+           "bytes_sent": state.bytes_sent_offset + stats.bytes_sent,
+           "bytes_received": state.bytes_received_offset + stats.bytes_received}
+    compression = getattr(replica.model, "compression", None)
     if compression is not None:
-        state["compression"] = compression.state_dict()
-    if trainer.local_sgd:
-        state["model"] = trainer.model.module.state_dict()
-        state["optimizer"] = trainer.optimizer.state_dict()
-        state["local_steps"] = trainer.model.local_steps
-    return state
+        own["compression"] = compression.state_dict()
+    if replica.local_sgd:
+        own["model"] = replica.model.module.state_dict()
+        own["optimizer"] = replica.optimizer.state_dict()
+        own["local_steps"] = replica.model.local_steps
+    return own
 
 
-def restore(trainer, shared: dict, own: dict) -> None:
-    """Put a checkpoint back into ``trainer`` (every rank, after the model is built and wrapped)."""
-    source = own if trainer.local_sgd else shared
-    trainer.model.module.load_state_dict(source["model"])
-    trainer.optimizer.load_state_dict(source["optimizer"])
-    trainer.scheduler.load_state_dict(shared["scheduler"])
-    if trainer.local_sgd:
-        trainer.model.local_steps = int(own["local_steps"])
+def state_from(shared: dict, own: dict, bytes_counted: tuple[int, int] = (0, 0)) -> TrainState:
+    """The :class:`TrainState` a checkpoint holds; ``bytes_counted``: (sent, received) this attempt's
+    transport has counted so far (the totals continue from the checkpoint's)."""
+    epoch_loss = own["epoch_loss"]
+    staleness = StalenessStats()
+    staleness.histogram = [int(n) for n in shared["staleness"]]
+    return TrainState(step=int(shared["step"]), epoch=int(shared["epoch"]),
+                      steps_in_epoch=int(shared["steps_in_epoch"]), epoch_loss_sum=float(epoch_loss[0]),
+                      epoch_loss_steps=int(epoch_loss[1]),
+                      times=StepTimes(**{name: float(value) for name, value in own["times"].items()}),
+                      staleness=staleness, step_bytes_sent=int(own["step_bytes_sent"]),
+                      bytes_sent_offset=int(own["bytes_sent"]) - bytes_counted[0],
+                      bytes_received_offset=int(own["bytes_received"]) - bytes_counted[1],
+                      epoch_records=list(shared["epoch_records"]), eval_s=float(shared["eval_s"]),
+                      elapsed_before_s=float(shared["elapsed_s"]), resumed_from_step=int(shared["step"]))
+
+
+def restore_replica(replica: Replica, shared: dict, own: dict) -> None:
+    """Put a checkpoint's model, optimizer, schedule, bucket layout and compressor state back (every rank)."""
+    source = own if replica.local_sgd else shared
+    replica.model.module.load_state_dict(source["model"])
+    replica.optimizer.load_state_dict(source["optimizer"])
+    replica.scheduler.load_state_dict(shared["scheduler"])
+    if replica.local_sgd:
+        replica.model.local_steps = int(own["local_steps"])
     elif shared.get("bucket_layout"):
-        trainer.model.bucket_layout = shared["bucket_layout"]
-    compression = getattr(trainer.model, "compression", None)
+        replica.model.bucket_layout = shared["bucket_layout"]
+    compression = getattr(replica.model, "compression", None)
     if compression is not None and "compression" in own:
         compression.load_state_dict(own["compression"])
-    trainer.step = int(shared["step"])
-    trainer.staleness.histogram = [int(n) for n in shared["staleness"]]
-    trainer.epoch_records = list(shared["epoch_records"])
-    for name, value in own["times"].items():
-        setattr(trainer.times, name, float(value))
-    trainer.step_bytes_sent = int(own["step_bytes_sent"])
-    stats = trainer.model.comm.stats
-    trainer.bytes_offset = (int(own["bytes_sent"]) - stats.bytes_sent,
-                            int(own["bytes_received"]) - stats.bytes_received)
-    trainer.eval_s = float(shared["eval_s"])
-    set_rng_state(own["rng"])
 
 
-def load_latest(trainer) -> tuple[tuple[int, int, torch.Tensor], str | None]:
-    """Restore the newest complete checkpoint into ``trainer``, if checkpointing (collective).
+def load_latest(root, config: TrainConfig, replica: Replica) -> tuple[TrainState, str | None, object]:
+    """Restore the newest complete checkpoint under ``root`` into ``replica``, if checkpointing (collective).
 
     Rank 0 chooses (corrupt or partial newer ones are skipped with a
     warning) and broadcasts the step, so every rank loads the same one.
 
     Returns:
-        ``(epoch, optimizer steps done in it, this rank's running epoch loss)``
-        to continue from, and the ``metrics.jsonl`` text to start the log
-        with (None: not checkpointing, append to the file as it is).
+        The :class:`TrainState` to continue from (a fresh one when there is
+        no checkpoint), the ``metrics.jsonl`` text to start the log with
+        (None: not checkpointing, append to the file as it is), and the
+        checkpoint found (None if none).
 
     Raises:
         ValueError: the checkpoint belongs to another job or world size.
     """
-    start = (0, 0, torch.zeros(2, dtype=torch.float64))
-    if trainer.checkpoint_root is None:
-        return start, None
-    found = _latest_reporting_skips(trainer.checkpoint_root) if trainer.is_main else None
+    if root is None:
+        return TrainState(), None, None
+    rank, world_size = gradsync.rank(), gradsync.world_size()
+    found = _latest_reporting_skips(root) if rank == 0 else None
     chosen = torch.tensor([found.step if found else -1], dtype=torch.int64)
     gradsync.broadcast(chosen, src=0)
     if int(chosen) < 0:
-        return start, ""
-    found = found or checkpoint.verify(checkpoint.step_dir(trainer.checkpoint_root, int(chosen)))
+        return TrainState(), "", None
+    found = found or checkpoint.verify(checkpoint.step_dir(root, int(chosen)))
     shared = found.load_shared()
-    check_compatible(shared["config"], trainer.config, trainer.world_size, found.world_size, found.folder)
-    own = found.load_rank(trainer.rank)
-    restore(trainer, shared, own)
-    trainer.resumed_from = found
-    trainer.started = time.perf_counter() - float(shared["elapsed_s"])
-    return (int(shared["epoch"]), int(shared["steps_in_epoch"]), own["epoch_loss"]), shared["metrics_text"]
+    check_compatible(shared["config"], config, world_size, found.world_size, found.folder)
+    own = found.load_rank(rank)
+    restore_replica(replica, shared, own)
+    stats = replica.model.comm.stats
+    state = state_from(shared, own, (stats.bytes_sent, stats.bytes_received))
+    set_rng_state(own["rng"])
+    return state, shared["metrics_text"], found
 
 
 def _latest_reporting_skips(root):
@@ -182,14 +207,16 @@ def say(line: str) -> None:
     os.write(2, f"gradsync: {line}\n".encode())
 
 
-def announce(trainer) -> None:
-    """Rank 0 says where this attempt starts (stderr and ``events.jsonl``); silent on a fresh first attempt."""
-    total = trainer.steps_per_epoch * trainer.config.epochs
-    if trainer.resumed_from is not None:
-        say(f"attempt {attempt() + 1}: resuming from {trainer.resumed_from.folder} (step {trainer.step} of {total})")
+def announce(state: TrainState, total_steps: int, folder, events) -> None:
+    """Rank 0 says where this attempt starts (stderr and ``events``); silent on a fresh first attempt.
+
+    ``folder``: the checkpoint resumed from, or None.
+    """
+    if folder is not None:
+        say(f"attempt {attempt() + 1}: resuming from {folder} (step {state.step} of {total_steps})")
     elif attempt() > 0:
-        say(f"attempt {attempt() + 1}: no checkpoint yet; starting again from step 0 of {total}")
+        say(f"attempt {attempt() + 1}: no checkpoint yet; starting again from step 0 of {total_steps}")
     else:
         return
-    trainer.events.write({"event": "resumed", "from_step": trainer.step, "attempt": attempt(),
-                          "checkpoint": str(trainer.resumed_from.folder) if trainer.resumed_from else None})
+    events.write({"event": "resumed", "from_step": state.step, "attempt": attempt(),
+                  "checkpoint": str(folder) if folder is not None else None})

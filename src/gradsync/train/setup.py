@@ -1,0 +1,75 @@
+"""What every training role sets up the same way: threads, seeds, optimizer, schedule, straggler, replica.
+
+Used by the sync / local-SGD trainer (``loop.py``), the parameter-server roles
+(``async_loop.py``) and the benchmarks (``bench/``).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import numpy as np
+import torch
+
+import gradsync
+from gradsync.compression import make as make_compressor
+from gradsync.train.config import TrainConfig
+from gradsync.train.models import build_model
+
+
+def threads_per_worker(local_world_size: int) -> int:
+    """One share of this machine's cores per local worker (at least one thread)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max(local_world_size, 1))
+
+
+def set_threads(world_size: int) -> None:
+    """``torch.set_num_threads`` to this process's share (``LOCAL_WORLD_SIZE`` workers share the cores)."""
+    torch.set_num_threads(threads_per_worker(int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def make_optimizer(params, config: TrainConfig) -> torch.optim.Optimizer:
+    """SGD with momentum 0.9, or AdamW, at ``config.lr`` and ``config.weight_decay``."""
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=config.lr, momentum=0.9, weight_decay=config.weight_decay)
+    return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total_steps: int):
+    """Cosine decay to 0 over ``total_steps`` optimizer steps, or a constant lr."""
+    if config.lr_schedule == "cosine":
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total_steps, 1))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+
+def straggler_factor(config: TrainConfig, rank: int) -> float:
+    """How many times as long this worker's compute takes (1.0 unless it is ``--straggler``'s rank)."""
+    straggler = config.straggler_rank_factor()
+    return straggler[1] if straggler is not None and straggler[0] == rank else 1.0
+
+
+def straggle(factor: float, compute_s: float) -> float:
+    """Sleep ``(factor - 1) * compute_s`` seconds (a slow worker's extra time); returns the seconds slept."""
+    extra_s = (factor - 1.0) * compute_s
+    if extra_s > 0:
+        time.sleep(extra_s)
+    return max(extra_s, 0.0)
+
+
+def build_replica(config: TrainConfig) -> torch.nn.Module:
+    """The model wrapped for the mode: DataParallel (sync) or LocalSGD (local-sgd) (collective)."""
+    module = build_model(config.model)
+    if config.mode == "local-sgd":
+        return gradsync.LocalSGD(module, sync_every=config.sync_every, algorithm=config.algorithm)
+    compressor = make_compressor(config.compression, config.topk_ratio, config.powersgd_rank,
+                                 config.compression_warmup_steps)
+    return gradsync.DataParallel(module, bucket_cap_mb=config.bucket_cap_mb, algorithm=config.algorithm,
+                                 gradient_as_bucket_view=config.gradient_as_bucket_view, compression=compressor)

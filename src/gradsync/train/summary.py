@@ -1,0 +1,154 @@
+"""``summary.json``: one builder for sync, async and local SGD, and the end-of-run algorithm line.
+
+Every mode reports the same core (accuracy, throughput, where the time
+went, bytes per rank, the AllReduce algorithm per bucket size) and adds its
+own fields (restarts and per-phase times for sync and local SGD; pushes,
+updates and the staleness bound for async). Seconds are means over the
+workers unless a key says ``per_rank``; bytes are payload bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+import gradsync
+from gradsync.collectives import auto
+from gradsync.train.config import TrainConfig
+from gradsync.train.data import Splits
+
+PARAMETER_SERVER = "parameter_server"  # async mode's "algorithm": gradients pushed to the server
+
+
+@dataclass
+class RunTotals:
+    """What every mode measures for its summary (seconds: means over workers; bytes: whole run)."""
+
+    world_size: int
+    num_workers: int
+    steps: int
+    samples: int
+    wall_s: float
+    train_wall_s: float  # wall_s less evaluation
+    compute_s: float
+    communication_s: float
+    exposed_communication_s: float
+    bytes_sent_per_step: float
+    bytes_sent_per_rank: list[int]
+    bytes_received_per_rank: list[int]
+    per_rank_compute_s: list[float]
+    per_rank_communication_s: list[float]
+
+
+def build_summary(config: TrainConfig, epochs: list[dict], totals: RunTotals, staleness: dict,
+                  algorithms: list[tuple[int, str]], model: torch.nn.Module, data: Splits,
+                  extra: dict) -> dict:
+    """The ``summary.json`` dict of a finished run.
+
+    Args:
+        epochs: the run's epoch records (``test_accuracy``, ``test_loss``, ``train_loss``).
+        staleness: :meth:`StalenessStats.as_dict` of the applied gradients.
+        algorithms: ``(bucket nbytes, algorithm name)`` per bucket, as used.
+        model: the unwrapped module (for its parameter count).
+        extra: the mode's own fields, merged in after ``steps``.
+    """
+    t = totals
+    last = epochs[-1] if epochs else {"test_accuracy": math.nan, "test_loss": math.nan, "train_loss": math.nan}
+    comm_s, exposed_s = t.communication_s, t.exposed_communication_s
+    return {
+        "final_test_accuracy": last["test_accuracy"],
+        "best_test_accuracy": max((r["test_accuracy"] for r in epochs), default=math.nan),
+        "final_test_loss": last["test_loss"],
+        "final_train_loss": last["train_loss"],
+        "world_size": t.world_size,
+        "mode": config.mode,
+        "num_workers": t.num_workers,
+        "compression": config.compression,
+        "algorithms": [{"bucket_nbytes": int(nbytes), "algorithm": name} for nbytes, name in algorithms],
+        **staleness,
+        "steps": t.steps,
+        **extra,
+        "samples": t.samples,
+        "samples_per_s": t.samples / t.train_wall_s if t.train_wall_s > 0 else math.nan,
+        "wall_s": t.wall_s,
+        "train_wall_s": t.train_wall_s,
+        "compute_s": t.compute_s,
+        "communication_s": comm_s,
+        "exposed_communication_s": exposed_s,
+        "exposed_communication_fraction": exposed_s / comm_s if comm_s > 0 else 0.0,
+        "bytes_sent_per_step": t.bytes_sent_per_step,
+        "bytes_sent_per_rank": t.bytes_sent_per_rank,
+        "bytes_received_per_rank": t.bytes_received_per_rank,
+        "per_rank_compute_s": t.per_rank_compute_s,
+        "per_rank_communication_s": t.per_rank_communication_s,
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "train_samples": len(data.y_train),
+        "test_samples": len(data.y_test),
+        "config": config.to_dict(),
+    }
+
+
+def _bucket_algorithms(model) -> list[tuple[int, str]]:
+    """``(nbytes, algorithm)`` per gradient bucket (DataParallel) or per parameter average (LocalSGD).
+
+    The one place the summary asks which algorithm ran. MERGE: when
+    ``DataParallel.bucket_algorithms()`` lands, the DataParallel branch
+    becomes ``return model.bucket_algorithms()``; until then the choice is
+    derived here the way ``algorithm="auto"`` makes it.
+    """
+    if isinstance(model, gradsync.LocalSGD):  # one flat average per (dtype, device) of floating tensors
+        sizes: dict[tuple, int] = {}
+        for tensor in list(model.module.parameters()) + list(model.module.buffers()):
+            if tensor.dtype.is_floating_point:
+                key = (tensor.dtype, tensor.device)
+                sizes[key] = sizes.get(key, 0) + tensor.numel() * tensor.element_size()
+        nbytes = list(sizes.values())
+    else:
+        itemsize = next(model.module.parameters()).element_size()
+        nbytes = [numel * itemsize for numel in model.bucket_numels]
+    return [(n, _resolved(model.algorithm, n, model.comm)) for n in nbytes]
+
+
+def _resolved(algorithm: str, nbytes: int, comm) -> str:
+    if algorithm != "auto":
+        return algorithm
+    return auto.choose(nbytes, comm.world_size, comm.ranks_per_node, shm_available=comm.shm_state.available)
+
+
+def pushed_gradient(model: torch.nn.Module) -> list[tuple[int, str]]:
+    """Async mode's entry: one gradient of ``model``'s parameters pushed to the server per step."""
+    return [(sum(p.numel() * p.element_size() for p in model.parameters()), PARAMETER_SERVER)]
+
+
+def algorithm_line(summary: dict) -> str:
+    """One line naming the algorithm used per bucket size, e.g. ``AllReduce: shm for 1 bucket of 20.4 KiB``."""
+    entries = summary.get("algorithms") or []
+    if not entries:
+        return "gradsync: no gradient communication (one worker)"
+    if entries[0]["algorithm"] == PARAMETER_SERVER:
+        return f"gradsync: gradients pushed to the parameter server ({_size(entries[0]['bucket_nbytes'])} per push)"
+    groups: dict[str, list[int]] = {}
+    for entry in entries:
+        groups.setdefault(entry["algorithm"], []).append(entry["bucket_nbytes"])
+    what = "parameter averages" if summary.get("mode") == "local-sgd" else "buckets"
+    chosen = "auto chose " if summary.get("config", {}).get("algorithm") == "auto" else ""
+    parts = [f"{name} for {_count(sizes, what)} of {_span(sizes)}" for name, sizes in groups.items()]
+    return f"gradsync: AllReduce algorithm: {chosen}" + "; ".join(parts)
+
+
+def _count(sizes: list[int], what: str) -> str:
+    return f"{len(sizes)} {what if len(sizes) > 1 else what[:-1]}"
+
+
+def _span(sizes: list[int]) -> str:
+    low, high = min(sizes), max(sizes)
+    return _size(low) if low == high else f"{_size(low)} to {_size(high)}"
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{int(nbytes)} B"

@@ -1,0 +1,63 @@
+"""Entry point of one ``gradsync train`` worker process: join the group, run its role, write the run folder."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+import gradsync
+from gradsync.fault.events import EventLog
+from gradsync.fault.injection import attempt
+from gradsync.launch import die_with_launcher
+from gradsync.train import resume
+from gradsync.train.async_loop import run_async_role
+from gradsync.train.config import TrainConfig
+from gradsync.train.loop import Trainer
+from gradsync.train.metrics import METRICS_FILE, SUMMARY_FILE, read_metrics, write_summary
+from gradsync.train.plots import plot_run
+
+ECHO_DELAY_S = 3.0
+
+
+def run_worker(config: TrainConfig, data_path: str, out_dir: str) -> dict | None:
+    """Join the group, train (sync / local-sgd trainer, or an async role), leave; the main rank returns the summary."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # Ctrl-C reaches the whole process group; the elastic agent stops the
+        # workers itself, so a worker's own KeyboardInterrupt would only print a traceback.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        die_with_launcher()
+    # tqdm's default lock is a multiprocessing semaphore; a worker that is killed (a fault, a
+    # restart) cannot unregister it, and the launcher then warns about "leaked semaphore objects".
+    tqdm.set_lock(threading.RLock())
+    gradsync.init(timeout=config.timeout)
+    try:
+        if config.mode == "async":
+            summary = run_async_role(config, Path(data_path), Path(out_dir))
+        else:
+            summary = Trainer(config, Path(data_path), Path(out_dir)).run()
+    except gradsync.CollectiveTimeoutError as exc:
+        _report_timeout(config, out_dir, exc)
+        raise
+    finally:
+        gradsync.shutdown()
+    if summary is not None:  # rank 0 (the server in async mode) writes the run folder
+        write_summary(Path(out_dir) / SUMMARY_FILE, summary)
+        plot_run(read_metrics(Path(out_dir) / METRICS_FILE), summary, Path(out_dir))
+    return summary
+
+
+def _report_timeout(config: TrainConfig, out_dir: str, exc: gradsync.CollectiveTimeoutError) -> None:
+    if config.checkpointing() or config.fail_at or config.hang_at:
+        EventLog(out_dir).write({"event": "detected", "rank": gradsync.rank(), "peer": exc.peer,
+                                 "timed_out": exc.timed_out, "error": str(exc), "attempt": attempt()})
+    if exc.timed_out:  # a hang: say which rank, as the agent's restart does not
+        resume.say(f"{type(exc).__name__}: {exc}")
+    else:
+        # A closed connection is the echo of another worker's failure: let
+        # that worker's exit reach the launcher first, so it reports the cause.
+        time.sleep(ECHO_DELAY_S)
