@@ -18,7 +18,7 @@ from gradsync.train.config import TrainConfig, validate
 from gradsync.train.meter import StepTimes
 from gradsync.train.setup import make_optimizer, make_scheduler
 from gradsync.train.state import TrainState
-from gradsync.train.summary import _bucket_algorithms, algorithm_line
+from gradsync.train.summary import algorithm_line
 from _dist import run_threads
 
 
@@ -93,12 +93,13 @@ def test_bucket_algorithms_name_what_auto_chose_per_bucket():
         module = nn.Sequential(nn.Linear(40, 64), nn.Linear(64, 10))
         model = gradsync.DataParallel(module, group=comm, algorithm="auto", bucket_cap_mb=10_000 / 2**20)
         model(torch.randn(4, 40)).sum().backward()
-        return _bucket_algorithms(model), gradsync.LocalSGD(nn.Linear(4, 2), sync_every=2, group=comm,
+        return model.bucket_algorithms(), gradsync.LocalSGD(nn.Linear(4, 2), sync_every=2, group=comm,
                                                             algorithm="tree")
     (buckets, local_sgd), _ = run_threads(2, wrap)
-    assert sum(nbytes for nbytes, _ in buckets) == 4 * (40 * 64 + 64 + 64 * 10 + 10)
+    # the gradients, and one used-flag per parameter (4) that travels in the last bucket
+    assert sum(nbytes for nbytes, _ in buckets) == 4 * (40 * 64 + 64 + 64 * 10 + 10 + 4)
     assert len(buckets) >= 2 and all(name in gradsync.ALGORITHMS and name != "auto" for _, name in buckets)
-    assert _bucket_algorithms(local_sgd) == [(4 * (4 * 2 + 2), "tree")]
+    assert local_sgd.bucket_algorithms() == [(4 * (4 * 2 + 2), "tree")]
 
 
 def test_the_end_of_run_line_names_the_algorithm_per_bucket_size():

@@ -38,7 +38,7 @@ from gradsync.train.meter import StepMeter
 from gradsync.train.metrics import METRICS_FILE, MODEL_FILE, MetricsLog
 from gradsync.train.setup import (build_replica, make_optimizer, make_scheduler, seed_everything, set_threads,
                                   straggle, straggler_factor)
-from gradsync.train.summary import RunTotals, _bucket_algorithms, build_summary
+from gradsync.train.summary import RunTotals, build_summary
 
 
 class Trainer:
@@ -252,4 +252,4 @@ class Trainer:
                  "checkpoint_s": state.checkpoint_s, "forward_s": mean[5], "backward_s": mean[6],
                  "optimizer_s": mean[7], "per_rank_exposed_communication_s": per_rank[:, 4].tolist()}
         return build_summary(self.config, state.epoch_records, totals, state.staleness.as_dict(),
-                             _bucket_algorithms(self.model), self.model.module, self.data, extra)
+                             self.model.bucket_algorithms(), self.model.module, self.data, extra)

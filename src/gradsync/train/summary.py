@@ -14,8 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-import gradsync
-from gradsync.collectives import auto
 from gradsync.train.config import TrainConfig
 from gradsync.train.data import Splits
 
@@ -88,33 +86,6 @@ def build_summary(config: TrainConfig, epochs: list[dict], totals: RunTotals, st
         "test_samples": len(data.y_test),
         "config": config.to_dict(),
     }
-
-
-def _bucket_algorithms(model) -> list[tuple[int, str]]:
-    """``(nbytes, algorithm)`` per gradient bucket (DataParallel) or per parameter average (LocalSGD).
-
-    The one place the summary asks which algorithm ran. MERGE: when
-    ``DataParallel.bucket_algorithms()`` lands, the DataParallel branch
-    becomes ``return model.bucket_algorithms()``; until then the choice is
-    derived here the way ``algorithm="auto"`` makes it.
-    """
-    if isinstance(model, gradsync.LocalSGD):  # one flat average per (dtype, device) of floating tensors
-        sizes: dict[tuple, int] = {}
-        for tensor in list(model.module.parameters()) + list(model.module.buffers()):
-            if tensor.dtype.is_floating_point:
-                key = (tensor.dtype, tensor.device)
-                sizes[key] = sizes.get(key, 0) + tensor.numel() * tensor.element_size()
-        nbytes = list(sizes.values())
-    else:
-        itemsize = next(model.module.parameters()).element_size()
-        nbytes = [numel * itemsize for numel in model.bucket_numels]
-    return [(n, _resolved(model.algorithm, n, model.comm)) for n in nbytes]
-
-
-def _resolved(algorithm: str, nbytes: int, comm) -> str:
-    if algorithm != "auto":
-        return algorithm
-    return auto.choose(nbytes, comm.world_size, comm.ranks_per_node, shm_available=comm.shm_state.available)
 
 
 def pushed_gradient(model: torch.nn.Module) -> list[tuple[int, str]]:
