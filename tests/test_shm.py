@@ -592,8 +592,8 @@ def test_shm_data_parallel_matches_single_process_full_batch(concurrent_jobs):
 
 # ---------------------------------------------------------------- a killed rank
 
-KILL_TIMEOUT_S = 3.0
-KILL_SLACK_S = 5.0
+KILL_TIMEOUT_S = 20.0
+KILL_DETECTED_S = 2.0  # a dead peer's process is checked every 50 ms: seen long before the timeout
 
 
 def _timed(call):
@@ -622,7 +622,7 @@ def _rank_killed_after_shm(victim, timeout_s):
 @pytest.mark.parametrize("victim", [0, 2], ids=["creator-rank0", "rank2"])
 def test_shm_killed_rank_raises_timeout_naming_it_and_leaves_no_name(victim):
     """3 ranks, one SIGKILLed after an shm all_reduce (rank 0 created the segment): the survivors' next shm
-    all_reduce raises CollectiveTimeoutError naming that peer rank within timeout + 5 s, both through the
+    all_reduce raises CollectiveTimeoutError naming that peer rank as dead long before the timeout, both through the
     shm barrier alone and through the public API, and no gradsync name of these processes is left in /dev/shm."""
     world_size = 3
     outcomes = run_world(world_size, _rank_killed_after_shm, victim, KILL_TIMEOUT_S, timeout_s=45,
@@ -638,8 +638,8 @@ def test_shm_killed_rank_raises_timeout_naming_it_and_leaves_no_name(victim):
             exc_type, message, peer, elapsed_s = outcome[path]
             what = f"rank {rank} {path}: {exc_type}: {message}"
             assert exc_type == CollectiveTimeoutError.__name__, what
-            assert f"peer rank {victim}" in message and peer == victim, what
-            assert elapsed_s <= KILL_TIMEOUT_S + KILL_SLACK_S, f"{what} after {elapsed_s:.2f} s"
+            assert f"peer rank {victim}" in message and "died" in message and peer == victim, what
+            assert elapsed_s <= KILL_DETECTED_S, f"{what} after {elapsed_s:.2f} s"
     assert _shm_names_of(pids, os.listdir(SHM_DIR)) == [], "segment names left in /dev/shm"
 
 

@@ -110,7 +110,8 @@ def _barrier(segment: ShmSegment, call: CollectiveCall, step: str) -> None:
     try:
         segment.barrier(call.deadline)
     except ShmPeerTimeout as timeout:
-        raise call.failure(PeerFailure(timeout.peer, "timed out waiting for it", True), step) from None
+        reason = "died (its process is gone)" if timeout.died else "timed out waiting for it"
+        raise call.failure(PeerFailure(timeout.peer, reason, not timeout.died), step) from None
 
 
 def _slices(numel: int, segment: ShmSegment, dtype: torch.dtype) -> list[tuple[int, int]]:

@@ -44,6 +44,8 @@ DEFAULT_REGION_BYTES = 4 * 2**20   # per rank and set: messages go through in sl
 _SPINS = 100                       # counter checks (~0.2 µs each) before yielding the core
 _YIELDS = 100                      # sched_yield calls before sleeping
 _MAX_SLEEP_S = 1e-3
+_LIVENESS_EVERY_S = 0.05           # how often a waiting rank checks that the laggard's process lives
+_PID_WORD = 1                      # word 1 of each rank's counter line holds its process id
 
 
 class _NoTracker:
@@ -86,13 +88,18 @@ class _SharedMemory(shared_memory.SharedMemory):
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (a killed worker its launcher has not reaped)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as file:
+            return file.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
 
 
 def remove_leftovers(shm_dir: str = "/dev/shm") -> list[str]:
@@ -122,11 +129,12 @@ def remove_leftovers(shm_dir: str = "/dev/shm") -> list[str]:
 
 
 class ShmPeerTimeout(GradsyncError, TimeoutError):
-    """A rank did not reach a barrier in time (``peer`` is its rank)."""
+    """A rank did not reach a barrier in time (``peer`` is its rank), or its process died (``died``)."""
 
-    def __init__(self, peer: int):
-        super().__init__(f"peer rank {peer}")
+    def __init__(self, peer: int, died: bool = False):
+        super().__init__(f"peer rank {peer}" + (" died" if died else ""))
         self.peer = peer
+        self.died = died
 
 
 def host_id() -> int:
@@ -167,6 +175,7 @@ class ShmSegment:
         self._bytes = torch.frombuffer(shm.buf, dtype=torch.uint8)
         self._views: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         self._sequence = self._words[rank * stride]
+        self._words[rank * stride + _PID_WORD] = os.getpid()  # so that peers see this process die
         self.slice_counter = 0  # slices sent through so far: picks the set, across calls
 
     @classmethod
@@ -230,7 +239,7 @@ class ShmSegment:
         words, stride = self._words, self._stride
         words[self.rank * stride] = self._sequence
         target, checks, sleep_s = self._sequence, 0, 2e-5
-        peer = 0
+        peer, next_liveness = 0, 0.0
         while True:
             while peer < self.world_size and words[peer * stride] >= target:
                 peer += 1  # ranks that arrived stay arrived: resume from the first laggard
@@ -239,8 +248,14 @@ class ShmSegment:
             checks += 1
             if checks <= _SPINS:
                 continue
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise ShmPeerTimeout(peer)
+            if now > next_liveness:  # a killed peer never arrives: say so now, not at the deadline
+                next_liveness = now + _LIVENESS_EVERY_S
+                pid = words[peer * stride + _PID_WORD]
+                if pid and not _pid_alive(pid):
+                    raise ShmPeerTimeout(peer, died=True)
             if checks <= _SPINS + _YIELDS:
                 os.sched_yield()
             else:
