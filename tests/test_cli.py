@@ -64,18 +64,32 @@ def test_cli_rejects_bad_input_with_one_line(args, needles, tmp_path, capsys, mo
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_cli_rejects_unwritable_out(tmp_path, capsys):
+@pytest.fixture
+def small_cache(tmp_path_factory, monkeypatch, capsys) -> list[str]:
+    """A prepared 400-sample data cache in GRADSYNC_DATA_DIR; returns the options that select it.
+
+    Without it the command would first generate (and announce on stderr) the default 20000 samples
+    in ~/.cache, which takes seconds and adds a line to the one-line error these tests expect.
+    """
+    cache = tmp_path_factory.mktemp("mnist1d")
+    data.prepare(cache, 400)  # 80 training samples for each of the default 4 workers
+    capsys.readouterr()  # the generation notice is not the command's output
+    monkeypatch.setenv("GRADSYNC_DATA_DIR", str(cache))
+    return ["--num-samples", "400"]
+
+
+def test_cli_rejects_unwritable_out(tmp_path, capsys, small_cache):
     """An --out below a regular file cannot be created: one line naming the folder."""
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    result = _main(["train", "--out", str(blocker / "run")], capsys)
+    result = _main(["train", *small_cache, "--out", str(blocker / "run")], capsys)
     _assert_one_line_error(result, "--out", str(blocker / "run"))
 
 
-def test_cli_refuses_to_mix_with_an_earlier_run(tmp_path, capsys):
+def test_cli_refuses_to_mix_with_an_earlier_run(tmp_path, capsys, small_cache):
     """A run folder that already holds metrics.jsonl is not appended to."""
     (tmp_path / "metrics.jsonl").write_text("{}\n")
-    result = _main(["train", "--out", str(tmp_path)], capsys)
+    result = _main(["train", *small_cache, "--out", str(tmp_path)], capsys)
     _assert_one_line_error(result, "already holds a run")
     assert (tmp_path / "metrics.jsonl").read_text() == "{}\n"
 
