@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from _early import early_job
 from gradsync.cli import main
 from gradsync.train import data
 
@@ -161,15 +162,23 @@ def _check_trace(events, steps, micro_batches):
         assert all(e["dur"] >= 0 for e in mine)
 
 
+SMALL_RUN = early_job("cli-small-run", [
+    "train", "--nproc", "2", "--model", "mlp", "--epochs", "2", "--num-samples", "2000", "--batch-size", "16",
+    "--accumulate", "2", "--out", "{folder}/run", "--no-progress", "--trace", "{folder}/trace.json",
+    "--bucket-cap-mb", "0.01"], env={"GRADSYNC_DATA_DIR": "{folder}"})
+
+
 @pytest.mark.dist
+@pytest.mark.early_job(SMALL_RUN)
 @pytest.mark.timeout(180)
-def test_cli_small_run_writes_metrics_summary_and_plots(tmp_path):
-    """Two workers train the MLP for two epochs; the folder's records agree with each other."""
+def test_cli_small_run_writes_metrics_summary_and_plots(early):
+    """Two workers train the MLP for two epochs; the folder's records agree with each other.
+
+    The run is an early job (``_early.py``): started with the session, waited for here.
+    """
+    tmp_path = early.folder
     out = tmp_path / "run"
-    result = _gradsync("train", "--nproc", "2", "--model", "mlp", "--epochs", "2", "--num-samples", "2000",
-                       "--batch-size", "16", "--accumulate", "2", "--out", str(out), "--no-progress",
-                       "--trace", str(tmp_path / "trace.json"), "--bucket-cap-mb", "0.01",
-                       env={"GRADSYNC_DATA_DIR": str(tmp_path)})
+    result = early.wait(170)
     assert result.returncode == 0, result.stderr
     summary = json.loads((out / "summary.json").read_text())
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

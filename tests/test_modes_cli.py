@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from _dist import run_world
+from _early import early_job
 from gradsync.bench.modes import parse_settings
 from gradsync.train import data
 from gradsync.train.config import TrainConfig
@@ -147,54 +148,6 @@ def _stop(process: subprocess.Popen, recorded: dict[int, int]) -> None:
             except OSError:
                 pass
     process.wait(10)
-
-
-# --------------------------------------------------------------------------------------------------
-# bench modes runs in the background while the tests below run
-# --------------------------------------------------------------------------------------------------
-
-BENCH_MODES_ARGS = ["bench", "modes", "--nproc", "2", "--epochs", "1", "--num-samples", "400",
-                    "--staleness-bounds", "none", "--sync-every", "2", "--straggler-factor", "1"]
-BENCH_MODES_TIMEOUT_S = 170
-BACKGROUND_NICENESS = 5  # the foreground tests (whose jobs are timed) get the cores first
-
-
-def _background_group() -> None:
-    """In the child before exec: its own process group (killable as a whole) and a lower priority."""
-    os.setpgid(0, 0)
-    os.nice(BACKGROUND_NICENESS)
-
-
-@pytest.fixture(scope="module")
-def bench_modes_job(data_dir, tmp_path_factory):
-    """``gradsync bench modes`` (3 short runs) started as a subprocess, once for the module.
-
-    It measures nothing the test checks, so it overlaps with the other end-to-end tests of this module
-    (they start it through the autouse fixture below). Yields ``(process, folder)``; the process group is
-    killed at the module's end if it still runs.
-    """
-    folder = tmp_path_factory.mktemp("bench-modes")
-    data.prepare(Path(data_dir), 400)  # before any job of the module, so that none writes the cache
-    environment = {**os.environ, "GRADSYNC_DATA_DIR": str(data_dir)}
-    with open(folder / "stdout.txt", "w") as out, open(folder / "stderr.txt", "w") as err:
-        process = subprocess.Popen([sys.executable, "-m", "gradsync", *BENCH_MODES_ARGS, "--out", str(folder / "bench"),
-                                    "--json", str(folder / "rows.json")], stdout=out, stderr=err, env=environment,
-                                   preexec_fn=_background_group)
-    yield process, folder
-    if process.poll() is None:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        process.wait(10)
-
-
-@pytest.fixture(autouse=True)
-def _start_bench_modes_early(request):
-    """Every end-to-end test of the module starts the background bench (once) before it runs."""
-    if request.node.get_closest_marker("dist") and any(
-            item.originalname == "test_bench_modes_tiny_run_writes_rows" for item in request.session.items):
-        request.getfixturevalue("bench_modes_job")
 
 
 def _summary(run: Path) -> dict:
@@ -424,24 +377,25 @@ def test_bench_modes_rejects_bad_options(args, needle, tmp_path, capsys):
     assert not (tmp_path / "out").exists() and not (tmp_path / "r.json").exists()
 
 
+BENCH_MODES = early_job("bench-modes", [
+    "bench", "modes", "--nproc", "2", "--epochs", "1", "--num-samples", "400", "--staleness-bounds", "none",
+    "--sync-every", "2", "--straggler-factor", "1", "--out", "{folder}/bench", "--json", "{folder}/rows.json"],
+    env={"GRADSYNC_DATA_DIR": "{folder}"})
+
+
 @pytest.mark.dist
+@pytest.mark.early_job(BENCH_MODES)
 @pytest.mark.timeout(180)
-def test_bench_modes_tiny_run_writes_rows(bench_modes_job):
+def test_bench_modes_tiny_run_writes_rows(early):
     """sync, async (unbounded) and local SGD H=2 on 400 samples: one row each with the table's keys.
 
     (``--staleness-bounds none,1 --straggler-factor 2`` would be 8 runs, ~60 s on 2 cores; the bounded and
     straggler async paths are covered by the ``gradsync train`` tests above, the list parsing by
-    ``test_bench_modes_parse_settings``.) The bench is a subprocess started with the module's first
-    end-to-end test (:func:`bench_modes_job`); this test waits for it.
+    ``test_bench_modes_parse_settings``.) The bench is an early job (``_early.py``): started with the
+    session, waited for here.
     """
-    process, folder = bench_modes_job
-    try:
-        process.wait(BENCH_MODES_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"gradsync bench modes did not finish within {BENCH_MODES_TIMEOUT_S} s of the module's start")
-    rows_path, out = folder / "rows.json", folder / "bench"
-    result = subprocess.CompletedProcess(process.args, process.returncode, (folder / "stdout.txt").read_text(),
-                                         (folder / "stderr.txt").read_text())
+    result = early.wait(170)
+    rows_path, out = early.folder / "rows.json", early.folder / "bench"
     assert result.returncode == 0, result.stderr
     rows = json.loads(rows_path.read_text())
     assert [(row["mode"], row["max_staleness"], row["sync_every"]) for row in rows] == [
