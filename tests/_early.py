@@ -22,12 +22,16 @@ from pathlib import Path
 import pytest
 
 EARLY_NICENESS = 5  # the tests running meanwhile (some of them timed) get the cores first
-_EARLY_COMMANDS: dict[str, tuple[list[str], dict[str, str]]] = {}
+_EARLY_COMMANDS: dict[str, tuple[list[str], dict[str, str], dict[str, str]]] = {}
 
 
-def early_job(name: str, args: list[str], env: dict[str, str] | None = None) -> str:
-    """Register ``python -m gradsync ARGS`` under ``name``; ``{folder}`` in ARGS and env values is the job's folder."""
-    _EARLY_COMMANDS[name] = (list(args), dict(env or {}))
+def early_job(name: str, args: list[str], env: dict[str, str] | None = None,
+              files: dict[str, str] | None = None) -> str:
+    """Register ``python -m gradsync ARGS`` under ``name``; ``{folder}`` in ARGS and env values is the job's folder.
+
+    ``files`` (name -> text) are written into the folder before the command starts.
+    """
+    _EARLY_COMMANDS[name] = (list(args), dict(env or {}), dict(files or {}))
     return name
 
 
@@ -41,7 +45,7 @@ class EarlyJob:
     """A registered command, run as a subprocess (own process group, output in files) once started."""
 
     def __init__(self, name: str, folder: Path):
-        args, env = _EARLY_COMMANDS[name]
+        args, env, self.files = _EARLY_COMMANDS[name]
         self.name, self.folder = name, folder
         self.args = [arg.replace("{folder}", str(folder)) for arg in args]
         self.env = {**os.environ, **{key: value.replace("{folder}", str(folder)) for key, value in env.items()}}
@@ -54,6 +58,8 @@ class EarlyJob:
         """Start the command (once; later calls do nothing)."""
         with self._lock:
             if self.process is None:
+                for file_name, text in self.files.items():
+                    (self.folder / file_name).write_text(text)
                 with open(self.folder / "stdout.txt", "w") as out, open(self.folder / "stderr.txt", "w") as err:
                     self.process = subprocess.Popen([sys.executable, "-m", "gradsync", *self.args], stdout=out,
                                                     stderr=err, env=self.env, text=True,

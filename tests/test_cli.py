@@ -120,14 +120,24 @@ loop.Trainer.__init__ = _failing_init
 """
 
 
+WORKER_FAILURE = early_job(  # sitecustomize.py (on PYTHONPATH) runs in every worker process
+    "cli-worker-failure",
+    ["train", "--nproc", "2", "--num-samples", "1000", "--out", "{folder}/run", "--no-progress", "--timeout", "20"],
+    env={"GRADSYNC_DATA_DIR": "{folder}",
+         "PYTHONPATH": os.pathsep.join(filter(None, ["{folder}", os.environ.get("PYTHONPATH")]))},
+    files={"sitecustomize.py": _INJECT_FAILURE})
+
+
 @pytest.mark.dist
+@pytest.mark.early_job(WORKER_FAILURE)
 @pytest.mark.timeout(120)
-def test_cli_worker_failure_exits_nonzero_naming_the_failing_worker(tmp_path):
-    """A worker that raises ends the job with exit 1 and that worker's error, not the others' fallout."""
-    (tmp_path / "sitecustomize.py").write_text(_INJECT_FAILURE)  # runs in every worker process
-    result = _gradsync("train", "--nproc", "2", "--num-samples", "1000", "--out", str(tmp_path / "run"),
-                       "--no-progress", "--timeout", "20",
-                       env={"GRADSYNC_DATA_DIR": str(tmp_path), "PYTHONPATH": str(tmp_path)})
+def test_cli_worker_failure_exits_nonzero_naming_the_failing_worker(early):
+    """A worker that raises ends the job with exit 1 and that worker's error, not the others' fallout.
+
+    The run is an early job (``_early.py``): started with the session, waited for here.
+    """
+    tmp_path = early.folder
+    result = early.wait(110)
     assert result.returncode == 1, result.stderr
     assert "worker rank 1 failed: RuntimeError: injected failure on rank 1" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
