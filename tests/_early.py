@@ -3,12 +3,10 @@
 A test module registers a command with :func:`early_job` and marks the test
 that checks it with ``@pytest.mark.early_job(name)``; when such tests are
 collected, ``conftest.py`` runs their commands as subprocesses from the
-beginning of the session, one at a time in the order the tests come, and moves
-those tests to the end of the session, so that the jobs' seconds of process
-start-up overlap with the rest of the suite (the thread-rank tests mostly use
-one core, the GIL's) instead of adding to the run. The test asks for the
-``early`` fixture and waits for the result with :meth:`EarlyJob.wait`. A test
-whose timing must not compete with them asks for ``early_jobs_done``.
+beginning of the session, one at a time in the order the tests come, so that
+their seconds of process start-up overlap with the thread-rank tests (which
+mostly use one core, the GIL's) instead of adding to the run. The test asks
+for the ``early`` fixture and waits for the result with :meth:`EarlyJob.wait`.
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ from pathlib import Path
 import pytest
 
 EARLY_NICENESS = 5  # the tests running meanwhile (some of them timed) get the cores first
-RUNNER_WAIT_S = 300  # the runner moves on to the next job after this long (more than any test's timeout)
 _EARLY_COMMANDS: dict[str, tuple[list[str], dict[str, str], dict[str, str]]] = {}
 
 
@@ -111,14 +108,7 @@ class EarlyRunner:
             if self._stopping.is_set():
                 return
             job.start()
-            try:
-                job.process.wait(RUNNER_WAIT_S)
-            except subprocess.TimeoutExpired:  # the job's test fails it; the next job need not wait longer
-                pass
-
-    def join(self) -> None:
-        """Wait until every job has run (a test that must not compete with them for the cores calls this)."""
-        self._thread.join()
+            job.process.wait()
 
     def stop(self) -> None:
         self._stopping.set()

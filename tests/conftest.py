@@ -17,39 +17,20 @@ settings.register_profile("dev", deadline=None, max_examples=10,
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-def pytest_collection_modifyitems(session, config, items):
-    """Tests that check an early job run last (in their order), so that their jobs have the session to finish."""
-    checks = [item for item in items if item.get_closest_marker("early_job")]
-    if checks:
-        items[:] = [item for item in items if not item.get_closest_marker("early_job")] + checks
-
-
-@pytest.fixture(scope="session")
-def _early_runner(request, tmp_path_factory):
-    """Runs the early jobs of the collected tests marked ``early_job``, in test order; kills leftovers at the end."""
+@pytest.fixture(scope="session", autouse=True)
+def _early_jobs(request, tmp_path_factory):
+    """Run the early jobs of the collected tests marked ``early_job``, in test order; kill leftovers at the end."""
     names = []
     for item in request.session.items:
         for marker in item.iter_markers("early_job"):
             if marker.args[0] not in names:
                 names.append(marker.args[0])
     runner = EarlyRunner([EarlyJob(name, tmp_path_factory.mktemp(f"early-{name}")) for name in names])
-    yield runner
+    yield runner.jobs
     runner.stop()
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _early_jobs(_early_runner):
-    """Starts the early jobs with the session."""
-    return _early_runner.jobs
 
 
 @pytest.fixture
 def early(request, _early_jobs) -> EarlyJob:
     """The early job named by this test's ``early_job`` marker."""
     return _early_jobs[request.node.get_closest_marker("early_job").args[0]]
-
-
-@pytest.fixture
-def early_jobs_done(_early_runner) -> None:
-    """Every early job has finished (for a test whose timing must not compete with them for the cores)."""
-    _early_runner.join()

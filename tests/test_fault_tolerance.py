@@ -350,7 +350,7 @@ HANG_TIMEOUT_S, HANG_STEP = 2.0, 15
 
 
 @pytest.mark.timeout(2 * JOB_TIMEOUT_S)
-def test_hung_worker_is_named_by_the_others_and_the_job_recovers(baseline, env, tmp_path, early_jobs_done):
+def test_hung_worker_is_named_by_the_others_and_the_job_recovers(baseline, env, tmp_path):
     """Rank 1 hangs: rank 0 names it within the timeout (+5 s), and the restarted job ends bitwise as the baseline."""
     for other in _STARTED:  # alone: the 2-s timeout must not compete with other jobs for the cores
         other.wait()
@@ -378,7 +378,7 @@ def test_hung_worker_is_named_by_the_others_and_the_job_recovers(baseline, env, 
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S)
-def test_hang_under_the_native_algorithm_ends_the_job_soon_after_detection(env, tmp_path, early_jobs_done):
+def test_hang_under_the_native_algorithm_ends_the_job_soon_after_detection(env, tmp_path):
     """Gloo's own all_reduce must give up with --timeout: it used to hold the workers ~60 s after detection."""
     for other in _STARTED:  # alone, like the other timed test
         other.wait()
