@@ -1,4 +1,8 @@
-"""Every AllReduce algorithm over the in-process thread transport: values, bytes, errors.
+"""Every collective over the in-process thread transport: values, bytes, errors.
+
+(This file also holds what was ``test_collectives_threads.py``: the public
+layer's all_reduce grid, broadcast / all_gather / reduce_scatter, argument
+errors and mismatches; one suite for collectives over thread ranks.)
 
 Each algorithm runs as the public layer runs it. A *variant* also selects an
 algorithm's internal path: ``halving_doubling`` on its short (recursive
@@ -23,9 +27,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gradsync
-from _dist import capture, run_threads
-from _reference import (ALL_DTYPES, FLOAT_DTYPES, SENTINEL, assert_bitwise_equal, closed_form_input,
-                        closed_form_result, reference_all_reduce, strided_column_view, transposed_view)
+from _dist import RankError, capture, run_threads
+from _reference import (ALL_DTYPES, FLOAT_DTYPES, INT_DTYPES, SENTINEL, assert_bitwise_equal, bitwise_difference,
+                        closed_form_input, closed_form_result, reference_all_reduce, strided_column_view,
+                        transposed_view)
 from _strict_transport import MODES, StrictWorld
 from gradsync import CollectiveMismatchError, CollectiveTimeoutError, Communicator
 from gradsync.collectives import ops as collectives_api
@@ -112,7 +117,7 @@ def variant_names_for(world_size: int, table=VARIANTS) -> list[str]:
 
 
 @st.composite
-def world_and_variant(draw, table=VARIANTS, max_world_size=6):
+def world_and_variant(draw, table=VARIANTS, max_world_size=8):
     """(world_size, variant name): the variant first, so every variant is drawn about equally often."""
     name = draw(st.sampled_from(sorted(table)))
     world_size = draw(st.sampled_from([p for p in range(1, max_world_size + 1) if table[name].fits(p)]))
@@ -162,6 +167,63 @@ def test_algorithms_match_closed_form_on_every_rank(world_variant, numel, dtype_
     _check_closed_form(VARIANTS[name], world_size, numel, dtype, op, **PROPERTY_RUN)
 
 
+ALGORITHMS = gradsync.ALGORITHMS
+WORLD_SIZES = (1, 2, 3, 4, 5, 7)
+DTYPE_OPS = [(dtype, "sum") for dtype in ALL_DTYPES] + [(dtype, "avg") for dtype in FLOAT_DTYPES]
+# ring and native run the whole dtype grid; the other algorithms share the
+# dtype plumbing of the public layer, so a float, a float32-accumulated and an
+# integer dtype (plus avg) keep the grid's runtime reasonable.
+FULL_DTYPE_ALGORITHMS = ("ring", "native")
+REDUCED_DTYPE_OPS = [(torch.float32, "sum"), (torch.float32, "avg"), (torch.float16, "sum"),
+                     (torch.int64, "sum")]
+
+
+def numels_for(world_size):
+    """The numel cases: empty, one element, fewer than world_size, not divisible, large."""
+    return sorted({0, 1, max(world_size - 1, 0), world_size + 1, 1000})
+
+
+def _failures(outcomes, expected, what):
+    """Every (rank, case) whose result differs bitwise from ``expected[case]``, one line each."""
+    lines = []
+    for rank, results in enumerate(outcomes):
+        for case, result in results.items():
+            difference = bitwise_difference(result, expected[case])
+            if difference:
+                lines.append(f"rank {rank} {what} {case}: {difference}")
+    return lines
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_all_reduce_grid_matches_reference_sum(world_size, algorithm):
+    """Every algorithm x dtype/op x numel (0, 1, p-1, p+1, 1000) on one group: the exact stacked sum, in place.
+
+    One thread world per (world size, algorithm) runs every case in turn (the
+    cases of the old one-test-per-case grid), so the group is also reused.
+    """
+    cases = [(numel, dtype, op) for numel in numels_for(world_size)
+             for dtype, op in (DTYPE_OPS if algorithm in FULL_DTYPE_ALGORITHMS else REDUCED_DTYPE_OPS)]
+    inputs, expected = {}, {}
+    for case in cases:
+        numel, dtype, op = case
+        inputs[case] = [closed_form_input(numel, rank, world_size, dtype) for rank in range(world_size)]
+        expected[case] = reference_all_reduce(inputs[case], op)
+        assert_bitwise_equal(expected[case], closed_form_result(numel, world_size, dtype, op), f"reference {case}")
+
+    def rank_fn(comm):
+        results = {}
+        for case in cases:
+            tensor = inputs[case][comm.rank].clone()
+            returned = gradsync.all_reduce(tensor, op=case[2], algorithm=algorithm, group=comm)
+            assert returned is tensor, "all_reduce must return the tensor it was given"
+            results[case] = tensor
+        return results
+
+    failures = _failures(run_threads(world_size, rank_fn), expected, algorithm)
+    assert not failures, "\n".join(failures)
+
+
 @given(world_variant=world_and_variant(table=PIPELINED_VARIANTS),
        numel=st.integers(min_value=0, max_value=300), dtype_op=dtype_and_op(),
        segment_bytes=st.sampled_from(TINY_SEGMENT_BYTES))
@@ -203,31 +265,60 @@ def test_algorithms_random_floats_bitwise_equal_across_ranks(world_variant, nume
     torch.testing.assert_close(results[0].double(), reference, rtol=rtol, atol=atol)
 
 
-NON_CONTIGUOUS_VARIANTS = dict(VARIANTS, **{"ring-segmented": Variant("ring", segment_bytes=8),
-                                            "tree-segmented": Variant("tree", segment_bytes=8)})
-
-
-@pytest.mark.parametrize("layout", [strided_column_view, transposed_view], ids=["strided-column", "transposed"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int64], ids=str)
-@pytest.mark.parametrize("name", sorted(NON_CONTIGUOUS_VARIANTS))
-def test_algorithms_write_result_through_non_contiguous_view(name, dtype, layout):
-    """A non-contiguous input gets the exact sum written back through the view; other storage is untouched."""
-    variant = NON_CONTIGUOUS_VARIANTS[name]
-    world_size, numel = smallest_world(variant, at_least=4), 30
-    expected = closed_form_result(numel, world_size, dtype, "sum")
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_all_reduce_keeps_any_shape(algorithm):
+    """0-dim, multi-dimensional and empty tensors are reduced in place and keep their shape (p = 3, one group)."""
+    world_size = 3
+    shapes = {"scalar": (), "3d": (2, 3, 4), "empty-2d": (0, 3)}
+    numels = {name: int(torch.tensor(shape).prod()) if shape else 1 for name, shape in shapes.items()}
+    inputs = {name: [closed_form_input(numels[name], rank, world_size, torch.float32).reshape(shape)
+                     for rank in range(world_size)] for name, shape in shapes.items()}
+    expected = {name: closed_form_result(numels[name], world_size, torch.float32, "sum").reshape(shape)
+                for name, shape in shapes.items()}
 
     def rank_fn(comm):
-        base, view = layout(closed_form_input(numel, comm.rank, world_size, dtype))
-        assert not view.is_contiguous()
-        gradsync.all_reduce(view, algorithm=variant.algorithm, group=comm)
-        return base, view
+        return {name: gradsync.all_reduce(inputs[name][comm.rank].clone(), algorithm=algorithm, group=comm)
+                for name in shapes}
 
-    for rank, (base, view) in enumerate(run_variant(variant, world_size, rank_fn)):
-        if layout is strided_column_view:
-            assert_bitwise_equal(view, expected, f"rank {rank} view")
-            assert (base[:, 0] == SENTINEL).all() and (base[:, 2] == SENTINEL).all(), f"rank {rank}"
-        else:
-            assert_bitwise_equal(base, expected.reshape(3, -1), f"rank {rank} storage")
+    failures = _failures(run_threads(world_size, rank_fn), expected, algorithm)
+    assert not failures, "\n".join(failures)
+
+
+NON_CONTIGUOUS_VARIANTS = dict(VARIANTS, **{"ring-segmented": Variant("ring", segment_bytes=8),
+                                            "tree-segmented": Variant("tree", segment_bytes=8)})
+NON_CONTIGUOUS_CASES = [(name, world_size) for name, variant in sorted(NON_CONTIGUOUS_VARIANTS.items())
+                        for world_size in sorted({smallest_world(variant, at_least) for at_least in (2, 3, 4)})]
+LAYOUTS = {"strided-column": strided_column_view, "transposed": transposed_view}
+
+
+@pytest.mark.parametrize("name,world_size", NON_CONTIGUOUS_CASES)
+def test_algorithms_write_result_through_non_contiguous_view(name, world_size):
+    """A non-contiguous input gets the exact sum written back through the view; other storage is untouched.
+
+    Every layout x dtype (float32, float16, int32, int64) x numel (12, 30) runs on one group per world size.
+    """
+    variant = NON_CONTIGUOUS_VARIANTS[name]
+    cases = [(layout, dtype, numel) for layout in sorted(LAYOUTS)
+             for dtype in (torch.float32, torch.float16, torch.int32, torch.int64) for numel in (12, 30)]
+
+    def rank_fn(comm):
+        results = []
+        for layout, dtype, numel in cases:
+            base, view = LAYOUTS[layout](closed_form_input(numel, comm.rank, world_size, dtype))
+            assert not view.is_contiguous()
+            gradsync.all_reduce(view, algorithm=variant.algorithm, group=comm)
+            results.append((base, view))
+        return results
+
+    for rank, results in enumerate(run_variant(variant, world_size, rank_fn)):
+        for (layout, dtype, numel), (base, view) in zip(cases, results):
+            expected = closed_form_result(numel, world_size, dtype, "sum")
+            what = f"rank {rank} {layout} {dtype} numel={numel}"
+            if layout == "strided-column":
+                assert_bitwise_equal(view, expected, f"{what} view")
+                assert (base[:, 0] == SENTINEL).all() and (base[:, 2] == SENTINEL).all(), what
+            else:
+                assert_bitwise_equal(base, expected.reshape(3, -1), f"{what} storage")
 
 
 STRICT_VARIANTS = dict({name: variant for name, variant in NON_CONTIGUOUS_VARIANTS.items()
@@ -308,6 +399,252 @@ def test_algorithms_run_back_to_back_on_one_communicator():
                                  f"rank {rank} {variant} numel={numel} {dtype}")
 
 
+# ---------------------------------------------------------------- all_reduce: fp16/bf16 accumulation
+
+ACCUMULATION_CASES = {  # name -> (dtype, op, the 4 ranks' values, expected value)
+    # 4 ranks of fp16 60000 averaged give 60000: the 240000 partial sum lives in float32.
+    "fp16-avg-does-not-overflow": (torch.float16, "avg", [60000.0] * 4, 60000.0),
+    # +60000, +60000, -60000, -60000 in fp16 sum to 0 whatever the ring order (no inf/nan).
+    "fp16-sum-survives-overflowing-partial-sums": (torch.float16, "sum", [60000.0, 60000.0, -60000.0, -60000.0],
+                                                   0.0),
+    # bf16 256 + 1 + 1 + 1 is the float32 sum 259 rounded once to bf16, not a bf16 running sum.
+    "bf16-rounds-once-from-float32-sum": (torch.bfloat16, "sum", [256.0, 1.0, 1.0, 1.0], 259.0),
+}
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_all_reduce_16_bit_floats_accumulate_in_float32(algorithm):
+    """fp16 avg of 60000s, fp16 +-60000 partial sums and bf16 256+1+1+1 (one group of 4): float32 accumulation."""
+    def rank_fn(comm):
+        return {name: gradsync.all_reduce(torch.full((8,), values[comm.rank], dtype=dtype), op=op,
+                                          algorithm=algorithm, group=comm)
+                for name, (dtype, op, values, _) in ACCUMULATION_CASES.items()}
+
+    expected = {name: torch.full((8,), value).to(dtype) for name, (dtype, _, _, value) in ACCUMULATION_CASES.items()}
+    failures = _failures(run_threads(4, rank_fn), expected, algorithm)
+    assert not failures, "\n".join(failures)
+
+
+# ---------------------------------------------------------------- argument errors
+
+
+def _errors_on_every_rank(world_size, call):
+    """Run ``call(comm)`` on every thread-rank; return each rank's exception (None if none)."""
+    return [exc for exc, _ in run_threads(world_size, lambda comm: capture(lambda: call(comm)),
+                                          collective_timeout_s=2)]
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_all_reduce_avg_on_integer_raises_type_error(algorithm):
+    """op='avg' on every integer dtype raises TypeError on every rank and leaves the tensor as it was."""
+    def rank_fn(comm):
+        outcomes = {}
+        for dtype in INT_DTYPES:
+            tensor = torch.arange(5, dtype=dtype)
+            exc, _ = capture(lambda: gradsync.all_reduce(tensor, op="avg", algorithm=algorithm, group=comm))
+            outcomes[dtype] = (exc, torch.equal(tensor, torch.arange(5, dtype=dtype)))
+        return outcomes
+
+    for rank, outcomes in enumerate(run_threads(2, rank_fn, collective_timeout_s=2)):
+        for dtype, (exc, untouched) in outcomes.items():
+            assert isinstance(exc, TypeError), f"rank {rank} {dtype}: {exc!r}"
+            assert untouched, f"rank {rank} {dtype}: the tensor was modified"
+
+
+def test_reduce_scatter_avg_on_integer_raises_type_error():
+    """reduce_scatter with op='avg' on int64 raises TypeError on every rank."""
+    def call(comm):
+        gradsync.reduce_scatter(torch.arange(5), op="avg", group=comm)
+
+    for rank, exc in enumerate(_errors_on_every_rank(2, call)):
+        assert isinstance(exc, TypeError), f"rank {rank}: {exc!r}"
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
+def test_collectives_unknown_op_raises_value_error_listing_choices(collective):
+    """An unknown op raises ValueError whose message lists every valid op."""
+    def call(comm):
+        getattr(gradsync, collective)(torch.ones(4), op="max", group=comm)
+
+    for rank, exc in enumerate(_errors_on_every_rank(2, call)):
+        assert isinstance(exc, ValueError), f"rank {rank}: {exc!r}"
+        assert all(op in str(exc) for op in gradsync.OPS), str(exc)
+
+
+def test_all_reduce_unknown_algorithm_raises_value_error_listing_choices():
+    """An unknown algorithm raises ValueError whose message lists every name in ALGORITHMS."""
+    def call(comm):
+        gradsync.all_reduce(torch.ones(4), algorithm="butterfly", group=comm)
+
+    for rank, exc in enumerate(_errors_on_every_rank(2, call)):
+        assert isinstance(exc, ValueError), f"rank {rank}: {exc!r}"
+        assert all(name in str(exc) for name in gradsync.ALGORITHMS), str(exc)
+
+
+_COLLECTIVE_CALLS = {
+    "all_reduce": lambda tensor, comm: gradsync.all_reduce(tensor, group=comm),
+    "native_all_reduce": lambda tensor, comm: gradsync.all_reduce(tensor, algorithm="native", group=comm),
+    "broadcast": lambda tensor, comm: gradsync.broadcast(tensor, src=0, group=comm),
+    "all_gather": lambda tensor, comm: gradsync.all_gather(tensor, group=comm),
+    "reduce_scatter": lambda tensor, comm: gradsync.reduce_scatter(tensor, group=comm),
+}
+
+
+@pytest.mark.parametrize("collective", sorted(_COLLECTIVE_CALLS))
+@pytest.mark.parametrize("dtype", [torch.bool, torch.complex64], ids=str)
+def test_collectives_unsupported_dtype_raises_type_error(dtype, collective):
+    """bool and complex tensors raise TypeError on every rank, for every collective."""
+    def call(comm):
+        _COLLECTIVE_CALLS[collective](torch.zeros(4, dtype=dtype), comm)
+
+    for rank, exc in enumerate(_errors_on_every_rank(2, call)):
+        assert isinstance(exc, TypeError), f"rank {rank}: {exc!r}"
+
+
+# ---------------------------------------------------------------- broadcast, all_gather, reduce_scatter
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_broadcast_copies_src_tensor_to_every_rank(world_size):
+    """After broadcast from each src in turn (one group) every rank holds rank src's tensor, in place."""
+    inputs = [torch.arange(6, dtype=torch.float32) * 10 + rank for rank in range(world_size)]
+
+    def rank_fn(comm):
+        results = {}
+        for src in range(world_size):
+            tensor = inputs[comm.rank].clone()
+            assert gradsync.broadcast(tensor, src=src, group=comm) is tensor
+            results[src] = tensor
+        return results
+
+    failures = _failures(run_threads(world_size, rank_fn), dict(enumerate(inputs)), "broadcast from src")
+    assert not failures, "\n".join(failures)
+
+
+def test_broadcast_handles_dtypes_numels_and_strided_views():
+    """Broadcast from rank 2 of 4 into a strided view copies the data and leaves other storage alone."""
+    world_size, src = 4, 2
+    cases = [(dtype, numel) for dtype in (torch.int8, torch.uint8, torch.bfloat16, torch.float64)
+             for numel in (0, 1, 7)]
+    inputs = {case: [closed_form_input(case[1], rank, world_size, case[0]) for rank in range(world_size)]
+              for case in cases}
+
+    def rank_fn(comm):
+        bases = {}
+        for case in cases:
+            base, view = strided_column_view(inputs[case][comm.rank])
+            gradsync.broadcast(view, src=src, group=comm)
+            bases[case] = base
+        return bases
+
+    for rank, bases in enumerate(run_threads(world_size, rank_fn)):
+        for case, base in bases.items():
+            assert_bitwise_equal(base[:, 1], inputs[case][src], f"rank {rank} {case}")
+            assert (base[:, 0] == SENTINEL).all() and (base[:, 2] == SENTINEL).all(), f"rank {rank} {case}"
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5, 7])
+def test_all_gather_returns_every_rank_tensor_by_rank(world_size):
+    """all_gather returns world_size tensors, index k holding rank k's (2, 3) input, on every rank (3 dtypes)."""
+    dtypes = (torch.float32, torch.int8, torch.bfloat16)
+    inputs = {dtype: [(torch.arange(6).reshape(2, 3) * world_size + rank).to(dtype) for rank in range(world_size)]
+              for dtype in dtypes}
+
+    def rank_fn(comm):
+        results = {}
+        for dtype in dtypes:
+            tensor = inputs[dtype][comm.rank].clone()
+            results[dtype] = gradsync.all_gather(tensor, group=comm)
+            assert_bitwise_equal(tensor, inputs[dtype][comm.rank], "input after all_gather")
+        return results
+
+    for rank, results in enumerate(run_threads(world_size, rank_fn)):
+        for dtype, gathered in results.items():
+            assert len(gathered) == world_size
+            for source, part in enumerate(gathered):
+                assert_bitwise_equal(part, inputs[dtype][source], f"rank {rank} {dtype}, part {source}")
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_all_gather_of_empty_tensor_returns_empty_tensors(world_size):
+    """all_gather of a (0, 2) tensor returns world_size empty (0, 2) tensors."""
+    def rank_fn(comm):
+        return gradsync.all_gather(torch.zeros(0, 2), group=comm)
+
+    for gathered in run_threads(world_size, rank_fn):
+        assert [tuple(part.shape) for part in gathered] == [(0, 2)] * world_size
+
+
+RS_DTYPE_OPS = [(torch.float32, "sum"), (torch.float64, "avg"), (torch.float16, "sum"), (torch.int16, "sum")]
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_reduce_scatter_returns_tensor_split_chunk_of_sum(world_size):
+    """Rank r gets chunk r (torch.tensor_split order) of the exact sum; its input is not modified.
+
+    Every numel (0, 1, p-1, p+1, 1000) x dtype/op runs on one group per world size.
+    """
+    cases = [(numel, dtype, op) for numel in numels_for(world_size) for dtype, op in RS_DTYPE_OPS]
+    inputs = {case: [closed_form_input(case[0], rank, world_size, case[1]) for rank in range(world_size)]
+              for case in cases}
+    chunks = {case: torch.tensor_split(reference_all_reduce(inputs[case], case[2]), world_size) for case in cases}
+
+    def rank_fn(comm):
+        results = {}
+        for case in cases:
+            tensor = inputs[case][comm.rank].clone()
+            results[case] = gradsync.reduce_scatter(tensor, op=case[2], group=comm)
+            assert_bitwise_equal(tensor, inputs[case][comm.rank], f"input after reduce_scatter {case}")
+        return results
+
+    for rank, results in enumerate(run_threads(world_size, rank_fn)):
+        for case, chunk in results.items():
+            assert_bitwise_equal(chunk, chunks[case][rank], f"rank {rank} {case}")
+
+
+def test_reduce_scatter_flattens_multidimensional_input():
+    """A (3, 5) input is flattened before splitting: rank r gets tensor_split(sum.flatten(), p)[r]."""
+    world_size = 4
+    inputs = [closed_form_input(15, rank, world_size, torch.float32).reshape(3, 5) for rank in range(world_size)]
+    chunks = torch.tensor_split(reference_all_reduce(inputs, "sum").flatten(), world_size)
+
+    def rank_fn(comm):
+        return gradsync.reduce_scatter(inputs[comm.rank].clone(), group=comm)
+
+    for rank, chunk in enumerate(run_threads(world_size, rank_fn)):
+        assert_bitwise_equal(chunk, chunks[rank], f"rank {rank}")
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "broadcast", "all_gather", "reduce_scatter"])
+def test_collectives_on_a_parameter_return_plain_tensors(collective):
+    """Collectives on a tensor that requires grad give correct values without autograd history."""
+    def rank_fn(comm):
+        param = torch.nn.Parameter(torch.full((5,), float(comm.rank + 1)))
+        result = getattr(gradsync, collective)(param, group=comm)
+        return [result] if isinstance(result, torch.Tensor) else result
+
+    expected = {"all_reduce": [torch.full((5,), 3.0)], "broadcast": [torch.full((5,), 1.0)],
+                "all_gather": [torch.full((5,), 1.0), torch.full((5,), 2.0)]}
+    for rank, outputs in enumerate(run_threads(2, rank_fn)):
+        for output in outputs:
+            assert output.grad_fn is None, f"rank {rank}: {collective} output has grad_fn {output.grad_fn}"
+        wanted = expected.get(collective, [torch.full((3,), 3.0) if rank == 0 else torch.full((2,), 3.0)])
+        for output, value in zip(outputs, wanted):
+            torch.testing.assert_close(output.detach(), value, rtol=0, atol=0)
+
+
+def test_run_threads_reports_failing_rank():
+    """The helper re-raises a rank's exception naming that rank (so failures are attributable)."""
+    def rank_fn(comm):
+        if comm.rank == 1:
+            raise KeyError("boom")
+        return comm.rank
+
+    with pytest.raises(RankError, match="rank 1 raised KeyError") as info:
+        run_threads(2, rank_fn)
+    assert info.value.rank == 1
+
+
 # ---------------------------------------------------------------- payload bytes
 
 
@@ -337,22 +674,48 @@ def ring_sent_numel(numel: int, world_size: int, rank: int) -> int:
     return 2 * numel - chunks[rank] - chunks[(rank + 1) % world_size]
 
 
+def payload_stats_per_call(variant: Variant, world_size: int, calls, segment_bytes=None):
+    """Per rank, one TransportStats difference per ``(numel, dtype)`` all_reduce of ``calls``, run on one group."""
+    def rank_fn(comm):
+        differences = []
+        for numel, dtype in calls:
+            before = comm.stats.as_dict()
+            gradsync.all_reduce(torch.ones(numel, dtype=dtype), algorithm=variant.algorithm, group=comm)
+            differences.append({key: value - before[key] for key, value in comm.stats.as_dict().items()})
+        return differences
+
+    outcomes = run_variant(variant, world_size, rank_fn, segment_bytes=segment_bytes)
+    return [[outcome[index] for outcome in outcomes] for index in range(len(calls))]
+
+
+RING_PAYLOAD_CALLS = [(numel, dtype) for numel in (1, 2, 840, 1001) for dtype in (torch.float32, torch.float64)]
+
+
 @pytest.mark.parametrize("segment_bytes", [8, 100, 2**20])
-@pytest.mark.parametrize("numel", [840, 1001, 2])
-@pytest.mark.parametrize("world_size", [2, 3, 5])
-def test_ring_all_reduce_payload_bytes_do_not_depend_on_segment_bytes(world_size, numel, segment_bytes):
-    """Segmented ring sends 2n - c_r - c_(r+1) elements per rank, one message per segment, 2(p-1)n in total."""
-    all_stats = payload_stats(Variant("ring"), world_size, numel, segment_bytes=segment_bytes)
-    segment_numel = max(1, segment_bytes // 4)
-    chunks = split_numels(numel, world_size)
-    for rank, stats in enumerate(all_stats):
-        assert stats["bytes_sent"] == 4 * ring_sent_numel(numel, world_size, rank), f"rank {rank}: {stats}"
-        sent_chunks = [c for index, c in enumerate(chunks) if index != rank] + \
-                      [c for index, c in enumerate(chunks) if index != (rank + 1) % world_size]
-        segments = sum(math.ceil(c / segment_numel) for c in sent_chunks)
-        assert stats["messages_sent"] == segments, f"rank {rank}: {stats}, expected {segments} segments"
-    assert sum(s["bytes_sent"] for s in all_stats) == 4 * 2 * (world_size - 1) * numel
-    assert_conserved(all_stats)
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5, 7])
+def test_ring_all_reduce_payload_bytes_match_formula(world_size, segment_bytes):
+    """Ring rank r sends (2n - c_r - c_(r+1)) elements and receives (2n - c_(r-1) - c_r), one message per
+    segment whatever segment_bytes; 2(p-1)n in total (2(p-1)/p·n per rank when p divides n); the layout
+    check goes to control bytes. numel 1, 2, 840, 1001 in float32 and float64, on one group."""
+    per_call = payload_stats_per_call(Variant("ring"), world_size, RING_PAYLOAD_CALLS, segment_bytes)
+    for (numel, dtype), all_stats in zip(RING_PAYLOAD_CALLS, per_call):
+        element_nbytes = torch.tensor([], dtype=dtype).element_size()
+        segment_numel = max(1, segment_bytes // element_nbytes)
+        chunks = split_numels(numel, world_size)
+        for rank, stats in enumerate(all_stats):
+            what = f"rank {rank} numel={numel} {dtype}: {stats}"
+            left, right = (rank - 1) % world_size, (rank + 1) % world_size
+            assert stats["bytes_sent"] == element_nbytes * ring_sent_numel(numel, world_size, rank), what
+            received = 2 * numel - chunks[left] - chunks[rank]
+            assert stats["bytes_received"] == element_nbytes * received, what
+            sent_chunks = [c for index, c in enumerate(chunks) if index != rank] + \
+                          [c for index, c in enumerate(chunks) if index != right]
+            segments = sum(math.ceil(c / segment_numel) for c in sent_chunks)
+            assert stats["messages_sent"] == segments, f"{what}, expected {segments} segments"
+            if numel % world_size == 0:
+                assert stats["bytes_sent"] * world_size == 2 * (world_size - 1) * numel * element_nbytes, what
+        assert sum(s["bytes_sent"] for s in all_stats) == element_nbytes * 2 * (world_size - 1) * numel
+        assert_conserved(all_stats)
 
 
 def tree_children(rank: int, world_size: int) -> list[int]:
@@ -470,6 +833,13 @@ def test_algorithms_empty_tensor_sends_no_payload(name):
     assert_conserved(all_stats)
 
 
+def test_all_reduce_alone_sends_nothing():
+    """p = 1: an empty or non-empty all_reduce sends no payload and no control bytes (there is no peer)."""
+    for numel in (0, 10):
+        [stats] = payload_stats(VARIANTS["ring"], 1, numel)
+        assert stats["bytes_sent"] == stats["bytes_received"] == stats["control_bytes_sent"] == 0, stats
+
+
 # ---------------------------------------------------------------- mismatches across ranks
 
 MISMATCHES = {  # kind -> tensor for (odd rank?)
@@ -479,27 +849,111 @@ MISMATCHES = {  # kind -> tensor for (odd rank?)
 }
 
 
-@pytest.mark.parametrize("kind", sorted(MISMATCHES))
 @pytest.mark.parametrize("name", sorted(VARIANTS))
-def test_algorithms_mismatch_raises_on_every_rank_and_group_recovers(name, kind):
-    """One rank's odd layout raises CollectiveMismatchError everywhere; tensors untouched; the next call works."""
+def test_algorithms_mismatch_raises_on_every_rank_and_group_recovers(name):
+    """One rank's odd layout (numel, shape, dtype; in turn on one group) raises CollectiveMismatchError (a
+    ValueError) everywhere; tensors untouched; the next call works."""
     variant = VARIANTS[name]
     world_size = smallest_world(variant)
     odd_rank = world_size - 1
 
     def rank_fn(comm):
-        tensor = MISMATCHES[kind](comm.rank == odd_rank) * (comm.rank + 2)
-        before = tensor.clone()
-        exc, _ = capture(lambda: gradsync.all_reduce(tensor, algorithm=variant.algorithm, group=comm))
-        follow_up = gradsync.all_reduce(torch.full((7,), comm.rank + 1.0), algorithm=variant.algorithm,
-                                        group=comm)
-        return exc, tensor, before, follow_up
+        outcomes = {}
+        for kind in sorted(MISMATCHES):
+            tensor = MISMATCHES[kind](comm.rank == odd_rank) * (comm.rank + 2)
+            before = tensor.clone()
+            exc, _ = capture(lambda: gradsync.all_reduce(tensor, algorithm=variant.algorithm, group=comm))
+            follow_up = gradsync.all_reduce(torch.full((7,), comm.rank + 1.0), algorithm=variant.algorithm,
+                                            group=comm)
+            outcomes[kind] = exc, tensor, before, follow_up
+        return outcomes
 
     expected_follow_up = torch.full((7,), world_size * (world_size + 1) / 2)
-    for rank, (exc, tensor, before, follow_up) in enumerate(run_variant(variant, world_size, rank_fn)):
+    for rank, outcomes in enumerate(run_variant(variant, world_size, rank_fn)):
+        for kind, (exc, tensor, before, follow_up) in outcomes.items():
+            assert isinstance(exc, CollectiveMismatchError), f"rank {rank} {kind}: {exc!r}"
+            assert isinstance(exc, ValueError), f"rank {rank} {kind}: {exc!r}"
+            assert_bitwise_equal(tensor, before, f"rank {rank} {kind}: tensor after the failed call")
+            assert_bitwise_equal(follow_up, expected_follow_up, f"rank {rank} {kind}: follow-up all_reduce")
+
+
+# kind -> (rank-dependent tensor factory, the call); rank 1 is the odd one out of 3. Layout mismatches
+# of all_reduce (numel, shape, dtype) are covered for every variant above.
+CALL_MISMATCHES = {
+    "all_reduce-op": (lambda odd: torch.ones(4),
+                      lambda t, comm, odd: gradsync.all_reduce(t, op="avg" if odd else "sum", group=comm)),
+    "all_reduce-algorithm": (lambda odd: torch.ones(4),
+                             lambda t, comm, odd: gradsync.all_reduce(
+                                 t, algorithm="native" if odd else "ring", group=comm)),
+    "broadcast-src": (lambda odd: torch.ones(4),
+                      lambda t, comm, odd: gradsync.broadcast(t, src=1 if odd else 0, group=comm)),
+    "broadcast-shape": (lambda odd: torch.ones(5 if odd else 4),
+                        lambda t, comm, odd: gradsync.broadcast(t, src=0, group=comm)),
+    "all_gather-shape": (lambda odd: torch.ones(5 if odd else 4),
+                         lambda t, comm, odd: gradsync.all_gather(t, group=comm)),
+    "reduce_scatter-dtype": (lambda odd: torch.ones(4, dtype=torch.int32 if odd else torch.int64),
+                             lambda t, comm, odd: gradsync.reduce_scatter(t, group=comm)),
+    "collective-kind": (lambda odd: torch.ones(4),
+                        lambda t, comm, odd: (gradsync.broadcast(t, group=comm) if odd
+                                              else gradsync.all_reduce(t, group=comm))),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CALL_MISMATCHES))
+def test_collectives_mismatch_raises_on_every_rank_and_group_recovers(kind):
+    """Ranks disagreeing on op, algorithm, src, shape, dtype or collective all raise CollectiveMismatchError,
+    tensors untouched; the next call works."""
+    world_size, odd_rank = 3, 1
+    make_tensor, call = CALL_MISMATCHES[kind]
+
+    def rank_fn(comm):
+        odd = comm.rank == odd_rank
+        tensor = make_tensor(odd) * (comm.rank + 2)
+        before = tensor.clone()
+        exc, _ = capture(lambda: call(tensor, comm, odd))
+        follow_up = gradsync.all_reduce(torch.full((3,), comm.rank + 1.0), group=comm)
+        return exc, tensor, before, follow_up
+
+    expected_follow_up = torch.full((3,), world_size * (world_size + 1) / 2)
+    for rank, (exc, tensor, before, follow_up) in enumerate(run_threads(world_size, rank_fn)):
         assert isinstance(exc, CollectiveMismatchError), f"rank {rank}: {exc!r}"
+        assert isinstance(exc, ValueError)
         assert_bitwise_equal(tensor, before, f"rank {rank} tensor after the failed call")
         assert_bitwise_equal(follow_up, expected_follow_up, f"rank {rank} follow-up all_reduce")
+
+
+# kind -> (expected error type on the bad rank, the call with bad = this rank is the one with a bad argument)
+ONE_BAD_RANK = {
+    "bool-dtype": (TypeError, lambda comm, bad: gradsync.all_reduce(
+        torch.zeros(4, dtype=torch.bool) if bad else torch.zeros(4), group=comm)),
+    "broadcast-src-out-of-range": (ValueError, lambda comm, bad: gradsync.broadcast(
+        torch.zeros(4), src=comm.world_size + 2 if bad else 0, group=comm)),
+    "avg-on-int": (TypeError, lambda comm, bad: gradsync.all_reduce(
+        torch.zeros(4, dtype=torch.int64), op="avg" if bad else "sum", group=comm)),
+    "unknown-op": (ValueError, lambda comm, bad: gradsync.all_reduce(
+        torch.zeros(4), op="max" if bad else "sum", group=comm)),
+    "unknown-algorithm": (ValueError, lambda comm, bad: gradsync.all_reduce(
+        torch.zeros(4), algorithm="butterfly" if bad else "ring", group=comm)),
+}
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("kind", sorted(ONE_BAD_RANK))
+def test_collectives_bad_argument_on_one_rank_does_not_hang_the_others(kind):
+    """One rank's bad argument raises its own error there and CollectiveMismatchError (not a timeout) elsewhere."""
+    world_size, bad_rank, timeout_s = 3, 1, 5.0
+    expected_type, call = ONE_BAD_RANK[kind]
+
+    def rank_fn(comm):
+        exc, elapsed_s = capture(lambda: call(comm, comm.rank == bad_rank))
+        return exc, elapsed_s, gradsync.all_reduce(torch.ones(2), group=comm)
+
+    outcomes = run_threads(world_size, rank_fn, timeout_s=3 * timeout_s, collective_timeout_s=timeout_s)
+    for rank, (exc, elapsed_s, follow_up) in enumerate(outcomes):
+        wanted = expected_type if rank == bad_rank else CollectiveMismatchError
+        assert isinstance(exc, wanted), f"rank {rank}: expected {wanted.__name__}, got {exc!r}"
+        assert elapsed_s < timeout_s / 2, f"rank {rank} waited {elapsed_s:.2f} s"
+        assert_bitwise_equal(follow_up, torch.full((2,), float(world_size)), f"rank {rank} follow-up")
 
 
 # ---------------------------------------------------------------- a silent peer
@@ -553,6 +1007,47 @@ def test_algorithms_silent_rank_raises_timeout_naming_algorithm_and_peer(algorit
     outcomes, silent = _silent_rank_outcomes(variant, world_size, lambda comm: gradsync.all_reduce(
         torch.ones(10), algorithm=variant.algorithm, group=comm, timeout=TIMEOUT_S))
     _check_timeouts(outcomes, silent, variant.algorithm)
+    # The layout check talks to every peer directly, so every rank names the silent one.
+    for rank, (exc, _) in enumerate(outcomes):
+        if rank != silent:
+            assert exc.peer == silent and f"peer rank {silent}" in str(exc), f"rank {rank}: {exc}"
+
+
+_TIMED_CALLS = {
+    "ring": lambda comm: gradsync.all_reduce(torch.ones(10), group=comm, timeout=TIMEOUT_S),
+    "native": lambda comm: gradsync.all_reduce(torch.ones(10), algorithm="native", group=comm,
+                                               timeout=TIMEOUT_S),
+    "broadcast": lambda comm: gradsync.broadcast(torch.ones(10), group=comm, timeout=TIMEOUT_S),
+    "reduce_scatter": lambda comm: gradsync.reduce_scatter(torch.ones(10), group=comm, timeout=TIMEOUT_S),
+}
+# all_reduce (ring, native) at p = 4 is the test above.
+TIMED_CASES = [(world_size, collective) for world_size in (2, 3, 4) for collective in sorted(_TIMED_CALLS)
+               if not (world_size == 4 and collective in ("ring", "native"))]
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("world_size,collective", TIMED_CASES)
+def test_collectives_silent_rank_raises_timeout_naming_peer(world_size, collective):
+    """A rank that never calls makes every other rank raise CollectiveTimeoutError naming it within timeout+2 s."""
+    silent = world_size - 1
+
+    def rank_fn(comm):
+        if comm.rank == silent:
+            return None, 0.0
+        return capture(lambda: _TIMED_CALLS[collective](comm))
+
+    outcomes = run_threads(world_size, rank_fn, timeout_s=TIMEOUT_S + 10)
+    for rank, (exc, elapsed_s) in enumerate(outcomes):
+        if rank == silent:
+            continue
+        assert isinstance(exc, CollectiveTimeoutError) and isinstance(exc, TimeoutError), f"rank {rank}: {exc!r}"
+        assert TIMEOUT_S - 0.05 <= elapsed_s <= TIMEOUT_S + 2, f"rank {rank} took {elapsed_s:.2f} s"
+        assert exc.rank == rank and exc.peer not in (rank, None), f"rank {rank}: {exc}"
+        assert f"peer rank {exc.peer}" in str(exc), str(exc)
+    # The layout check talks to every peer directly, so every rank names the silent one.
+    for rank, (exc, _) in enumerate(outcomes):
+        if rank != silent:
+            assert exc.peer == silent and f"peer rank {silent}" in str(exc), f"rank {rank}: {exc}"
 
 
 @pytest.mark.timeout(20)

@@ -7,6 +7,7 @@ import subprocess
 
 import pytest
 
+from _early import early_job
 from gradsync.bench import train as train_bench
 from gradsync.bench.allreduce import format_table, parse_nbytes
 from gradsync.cli import main
@@ -73,13 +74,24 @@ def test_bench_mpi_column_runs_under_mpiexec_with_shm(tmp_path, capsys):
     assert all(r["time_us"] > 0 and r["world_size"] == 2 for r in rows)
 
 
+# Runs of the benches: early jobs (``_early.py``), started with the session and waited for by their tests.
+SHM_ROWS = early_job("bench-shm-rows", ["bench", "allreduce", "--nproc", "2", "--sizes", "4K,256K", "--algorithms",
+                                        "shm,shm_zero_copy", "--repetitions", "1", "--json", "{folder}/rows.json"])
+SMALL_SWEEP = early_job("bench-small-sweep", ["bench", "allreduce", "--nproc", "2", "--sizes", "4K,64K",
+                                              "--algorithms", "ring,tree", "--repetitions", "2",
+                                              "--json", "{folder}/rows.json"])
+TRAIN_RUN = early_job("bench-train", ["bench", "train", "--nproc", "2", "--model", "cnn", "--algorithms", "ring",
+                                      "--steps", "2", "--warmup", "1", "--rounds", "1", "--no-memory",
+                                      "--json", "{folder}/rows.json"])
+
+
 @pytest.mark.dist
+@pytest.mark.early_job(SHM_ROWS)
 @pytest.mark.timeout(120)
-def test_bench_shm_rows_including_zero_copy(tmp_path, capsys):
+def test_bench_shm_rows_including_zero_copy(early):
     """shm and shm_zero_copy (data already in the shared arena) each get a row at every size."""
-    out = tmp_path / "rows.json"
-    result = _main(["bench", "allreduce", "--nproc", "2", "--sizes", "4K,256K", "--algorithms",
-                    "shm,shm_zero_copy", "--repetitions", "1", "--json", str(out)], capsys)
+    result = early.wait(110)
+    out = early.folder / "rows.json"
     assert result.returncode == 0, result.stderr
     rows = json.loads(out.read_text())
     assert [(r["nbytes"], r["algorithm"]) for r in rows] == [
@@ -88,11 +100,11 @@ def test_bench_shm_rows_including_zero_copy(tmp_path, capsys):
     assert all(r["time_us"] > 0 and r["bytes_sent_per_call"] == 0 for r in rows if r["algorithm"] != "native")
 
 
-def test_bench_small_sweep_writes_rows_with_nccl_tests_definitions(tmp_path, capsys):
+@pytest.mark.early_job(SMALL_SWEEP)
+def test_bench_small_sweep_writes_rows_with_nccl_tests_definitions(early):
     """Two ranks, two sizes: one row per (size, algorithm), busbw = algbw·2(p-1)/p, native ratio 1."""
-    out = tmp_path / "rows.json"
-    result = _main(["bench", "allreduce", "--nproc", "2", "--sizes", "4K,64K", "--algorithms", "ring,tree",
-                    "--repetitions", "2", "--json", str(out)], capsys)
+    result = early.wait(110)
+    out = early.folder / "rows.json"
     assert result.returncode == 0, result.stderr
     rows = json.loads(out.read_text())
     assert [(r["nbytes"], r["algorithm"]) for r in rows] == [
@@ -136,12 +148,12 @@ def test_bench_train_mlp_is_comm_heavy():
 
 
 @pytest.mark.dist
+@pytest.mark.early_job(TRAIN_RUN)
 @pytest.mark.timeout(90)
-def test_bench_train_small_run_writes_rows_with_ratio_to_ddp(tmp_path, capsys):
+def test_bench_train_small_run_writes_rows_with_ratio_to_ddp(early):
     """Two ranks, cnn: a gradsync ring row and a ddp row; ratio_to_ddp is the samples/s ratio, 1 for ddp."""
-    out = tmp_path / "rows.json"
-    result = _main(["bench", "train", "--nproc", "2", "--model", "cnn", "--algorithms", "ring", "--steps", "2",
-                    "--warmup", "1", "--rounds", "1", "--no-memory", "--json", str(out)], capsys)
+    result = early.wait(85)
+    out = early.folder / "rows.json"
     assert result.returncode == 0, result.stderr
     rows = json.loads(out.read_text())
     by_impl = {(row["impl"], row["algorithm"]): row for row in rows}

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from _early import early_job
 from gradsync.bench import compression as compression_bench
 from test_bench import _main
 
@@ -57,15 +58,23 @@ def test_ratios_against_the_uncompressed_row():
     assert fp16["break_even_gbit_s"] is None and "accuracy_delta_pp" not in fp16  # faster: no break-even
 
 
+SMALL_RUN = early_job("bench-compression", [
+    "bench", "compression", "--compressions", "none,onebit", "--nproc", "2", "--epochs", "1",
+    "--num-samples", "400", "--compression-warmup-steps", "0", "--throughput-nproc", "2",
+    "--throughput-steps", "1", "--rounds", "1", "--out", "{folder}/bench", "--json", "{folder}/rows.json"],
+    env={"GRADSYNC_DATA_DIR": "{folder}"})
+
+
 @pytest.mark.dist
+@pytest.mark.early_job(SMALL_RUN)
 @pytest.mark.timeout(240)
-def test_bench_compression_small_run_writes_rows_table_and_plot(tmp_path, capsys):
-    """Two compressors, tiny accuracy runs and one MLP step: rows carry the issue's keys, bytes drop ~28x."""
-    out, rows_path = tmp_path / "bench", tmp_path / "rows.json"
-    result = _main(["bench", "compression", "--compressions", "none,onebit", "--nproc", "2", "--epochs", "1",
-                    "--num-samples", "400", "--compression-warmup-steps", "0", "--throughput-nproc", "2",
-                    "--throughput-steps", "1", "--rounds", "1", "--out", str(out), "--json", str(rows_path)],
-                   capsys)
+def test_bench_compression_small_run_writes_rows_table_and_plot(early):
+    """Two compressors, tiny accuracy runs and one MLP step: rows carry the issue's keys, bytes drop ~28x.
+
+    The command runs as an early job (``_early.py``): started with the session, waited for here.
+    """
+    result = early.wait(230)
+    out, rows_path = early.folder / "bench", early.folder / "rows.json"
     assert result.returncode == 0, result.stderr
     rows = json.loads(rows_path.read_text())
     assert [(row["kind"], row["compression"]) for row in rows] == [

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from _early import early_job
 from gradsync.cli import main
 from gradsync.train import data
 
@@ -64,18 +65,32 @@ def test_cli_rejects_bad_input_with_one_line(args, needles, tmp_path, capsys, mo
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_cli_rejects_unwritable_out(tmp_path, capsys):
+@pytest.fixture
+def small_cache(tmp_path_factory, monkeypatch, capsys) -> list[str]:
+    """A prepared 400-sample data cache in GRADSYNC_DATA_DIR; returns the options that select it.
+
+    Without it the command would first generate (and announce on stderr) the default 20000 samples
+    in ~/.cache, which takes seconds and adds a line to the one-line error these tests expect.
+    """
+    cache = tmp_path_factory.mktemp("mnist1d")
+    data.prepare(cache, 400)  # 80 training samples for each of the default 4 workers
+    capsys.readouterr()  # the generation notice is not the command's output
+    monkeypatch.setenv("GRADSYNC_DATA_DIR", str(cache))
+    return ["--num-samples", "400"]
+
+
+def test_cli_rejects_unwritable_out(tmp_path, capsys, small_cache):
     """An --out below a regular file cannot be created: one line naming the folder."""
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    result = _main(["train", "--out", str(blocker / "run")], capsys)
+    result = _main(["train", *small_cache, "--out", str(blocker / "run")], capsys)
     _assert_one_line_error(result, "--out", str(blocker / "run"))
 
 
-def test_cli_refuses_to_mix_with_an_earlier_run(tmp_path, capsys):
+def test_cli_refuses_to_mix_with_an_earlier_run(tmp_path, capsys, small_cache):
     """A run folder that already holds metrics.jsonl is not appended to."""
     (tmp_path / "metrics.jsonl").write_text("{}\n")
-    result = _main(["train", "--out", str(tmp_path)], capsys)
+    result = _main(["train", *small_cache, "--out", str(tmp_path)], capsys)
     _assert_one_line_error(result, "already holds a run")
     assert (tmp_path / "metrics.jsonl").read_text() == "{}\n"
 
@@ -105,14 +120,24 @@ loop.Trainer.__init__ = _failing_init
 """
 
 
+WORKER_FAILURE = early_job(  # sitecustomize.py (on PYTHONPATH) runs in every worker process
+    "cli-worker-failure",
+    ["train", "--nproc", "2", "--num-samples", "1000", "--out", "{folder}/run", "--no-progress", "--timeout", "20"],
+    env={"GRADSYNC_DATA_DIR": "{folder}",
+         "PYTHONPATH": os.pathsep.join(filter(None, ["{folder}", os.environ.get("PYTHONPATH")]))},
+    files={"sitecustomize.py": _INJECT_FAILURE})
+
+
 @pytest.mark.dist
+@pytest.mark.early_job(WORKER_FAILURE)
 @pytest.mark.timeout(120)
-def test_cli_worker_failure_exits_nonzero_naming_the_failing_worker(tmp_path):
-    """A worker that raises ends the job with exit 1 and that worker's error, not the others' fallout."""
-    (tmp_path / "sitecustomize.py").write_text(_INJECT_FAILURE)  # runs in every worker process
-    result = _gradsync("train", "--nproc", "2", "--num-samples", "1000", "--out", str(tmp_path / "run"),
-                       "--no-progress", "--timeout", "20",
-                       env={"GRADSYNC_DATA_DIR": str(tmp_path), "PYTHONPATH": str(tmp_path)})
+def test_cli_worker_failure_exits_nonzero_naming_the_failing_worker(early):
+    """A worker that raises ends the job with exit 1 and that worker's error, not the others' fallout.
+
+    The run is an early job (``_early.py``): started with the session, waited for here.
+    """
+    tmp_path = early.folder
+    result = early.wait(110)
     assert result.returncode == 1, result.stderr
     assert "worker rank 1 failed: RuntimeError: injected failure on rank 1" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
@@ -147,16 +172,25 @@ def _check_trace(events, steps, micro_batches):
         assert all(e["dur"] >= 0 for e in mine)
 
 
+SMALL_RUN = early_job("cli-small-run", [
+    "train", "--nproc", "2", "--model", "mlp", "--epochs", "2", "--num-samples", "2000", "--batch-size", "16",
+    "--accumulate", "2", "--out", "{folder}/run", "--no-progress", "--trace", "{folder}/trace.json",
+    "--bucket-cap-mb", "0.01",
+    "--algorithm", "ring"],  # ring: its bytes go through the transport and are counted (auto picks shm here)
+    env={"GRADSYNC_DATA_DIR": "{folder}"})
+
+
 @pytest.mark.dist
+@pytest.mark.early_job(SMALL_RUN)
 @pytest.mark.timeout(180)
-def test_cli_small_run_writes_metrics_summary_and_plots(tmp_path):
-    """Two workers train the MLP for two epochs; the folder's records agree with each other."""
+def test_cli_small_run_writes_metrics_summary_and_plots(early):
+    """Two workers train the MLP for two epochs; the folder's records agree with each other.
+
+    The run is an early job (``_early.py``): started with the session, waited for here.
+    """
+    tmp_path = early.folder
     out = tmp_path / "run"
-    result = _gradsync("train", "--nproc", "2", "--model", "mlp", "--epochs", "2", "--num-samples", "2000",
-                       "--batch-size", "16", "--accumulate", "2", "--out", str(out), "--no-progress",
-                       "--trace", str(tmp_path / "trace.json"), "--bucket-cap-mb", "0.01",
-                       # ring: its bytes go through the transport and are counted (auto picks shm here)
-                       "--algorithm", "ring", env={"GRADSYNC_DATA_DIR": str(tmp_path)})
+    result = early.wait(170)
     assert result.returncode == 0, result.stderr
     summary = json.loads((out / "summary.json").read_text())
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -13,9 +13,6 @@ the CLI checks run ``gradsync train``.
 
 import json
 import math
-import os
-import subprocess
-import sys
 import traceback
 
 import pytest
@@ -25,6 +22,7 @@ from torch import nn
 
 import gradsync
 from _dist import run_world
+from _early import early_job
 from gradsync.cli import main
 from gradsync.compression import OneBit, PowerSGD, TopK
 from gradsync.transport.thread import ThreadWorld
@@ -286,19 +284,22 @@ def test_cli_rejects_bad_compression_options(args, needle, tmp_path, capsys, mon
     assert "Traceback" not in err and not (tmp_path / "run").exists()
 
 
+ONEBIT_RUN = early_job("onebit-run", [
+    "train", "--nproc", "2", "--model", "mlp", "--epochs", "1", "--num-samples", "200", "--batch-size", "16",
+    "--compression", "onebit", "--out", "{folder}/run", "--no-progress"], env={"GRADSYNC_DATA_DIR": "{folder}"})
+
+
 @pytest.mark.dist
+@pytest.mark.early_job(ONEBIT_RUN)
 @pytest.mark.timeout(120)
-def test_cli_onebit_run_sends_far_fewer_bytes(tmp_path):
+def test_cli_onebit_run_sends_far_fewer_bytes(early):
     """A 2-worker onebit run records its compression, and each step's bytes_sent is below a tenth of
     what a float32 ring AllReduce of the model's gradients sends (4 bytes per parameter at 2 ranks);
     the summary's per-step average counts only the steps' traffic (not the start-up broadcast), so it
     is close to rank 0's step mean (ranks differ only by the one-off bucket-order broadcast of step 1,
-    which rank 0 sends)."""
-    out = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "gradsync", "train", "--nproc", "2", "--model", "mlp",
-                             "--epochs", "1", "--num-samples", "200", "--batch-size", "16", "--compression",
-                             "onebit", "--out", str(out), "--no-progress"], capture_output=True, text=True,
-                            timeout=110, env={**os.environ, "GRADSYNC_DATA_DIR": str(tmp_path)})
+    which rank 0 sends). The run is an early job (``_early.py``): started with the session, waited for here."""
+    out = early.folder / "run"
+    result = early.wait(110)
     assert result.returncode == 0, result.stderr
     summary = json.loads((out / "summary.json").read_text())
     steps = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "step"]

@@ -22,7 +22,11 @@ from pathlib import Path
 
 import pytest
 
+from _dist import run_world
+from _early import early_job
 from gradsync.bench.modes import parse_settings
+from gradsync.train import data
+from gradsync.train.config import TrainConfig
 from test_bench import _main
 
 TINY = ["--num-samples", "400", "--epochs", "1", "--batch-size", "16", "--nproc", "2", "--timeout", "30",
@@ -251,16 +255,31 @@ def test_killed_worker_gives_a_clear_error_within_the_timeout(tmp_path, env):
 # local SGD against sync
 # --------------------------------------------------------------------------------------------------
 
+def _rank_train_summary(options: dict, data_dir: str, out_dir: str) -> dict | None:
+    """One rank of a ``gradsync train`` job run in a test world: the trainer's summary (rank 0) or None."""
+    from gradsync.train.loop import Trainer
+
+    return Trainer(TrainConfig(**options), Path(data_dir), Path(out_dir)).run()
+
+
 @pytest.mark.dist
 @pytest.mark.timeout(120)
-def test_local_sgd_every_step_matches_sync(tmp_path, env, capsys):
-    """--mode local-sgd --sync-every 1 and --mode sync, both SGD + momentum, same seed: same final test loss."""
+def test_local_sgd_every_step_matches_sync(tmp_path, data_dir):
+    """mode local-sgd with sync_every 1 and mode sync, both SGD + momentum, same seed: same final test loss.
+
+    Both jobs are the trainer of ``gradsync train`` (the same options as ``--optimizer sgd --lr 0.05`` on
+    400 samples, 1 epoch, batch 16, 2 workers) in a test world that starts in milliseconds; the CLI and
+    launcher paths of the modes are run by the tests above and by ``bench modes`` below.
+    """
+    tiny = {"nproc": 2, "num_samples": 400, "epochs": 1, "batch_size": 16, "optimizer": "sgd", "lr": 0.05,
+            "progress": False}
+    data_path = str(data.prepare(Path(data_dir), tiny["num_samples"]))
     summaries = {}
-    for mode, extra in (("sync", []), ("local-sgd", ["--sync-every", "1"])):
-        result = _main(["train", "--mode", mode, "--optimizer", "sgd", "--lr", "0.05", *TINY, *extra,
-                        "--out", str(tmp_path / mode)], capsys)
-        assert result.returncode == 0, result.stderr
-        summaries[mode] = _summary(tmp_path / mode)
+    for mode, extra in (("sync", {}), ("local-sgd", {"sync_every": 1})):
+        out = tmp_path / mode
+        out.mkdir()
+        summaries[mode] = run_world(2, _rank_train_summary, {**tiny, "mode": mode, **extra}, data_path, str(out),
+                                    timeout_s=90)[0]
     sync, local = summaries["sync"], summaries["local-sgd"]
     assert sync["mode"] == "sync" and local["mode"] == "local-sgd"
     assert local["final_test_loss"] == pytest.approx(sync["final_test_loss"], rel=1e-5, abs=1e-6)
@@ -358,19 +377,25 @@ def test_bench_modes_rejects_bad_options(args, needle, tmp_path, capsys):
     assert not (tmp_path / "out").exists() and not (tmp_path / "r.json").exists()
 
 
+BENCH_MODES = early_job("bench-modes", [
+    "bench", "modes", "--nproc", "2", "--epochs", "1", "--num-samples", "400", "--staleness-bounds", "none",
+    "--sync-every", "2", "--straggler-factor", "1", "--out", "{folder}/bench", "--json", "{folder}/rows.json"],
+    env={"GRADSYNC_DATA_DIR": "{folder}"})
+
+
 @pytest.mark.dist
+@pytest.mark.early_job(BENCH_MODES)
 @pytest.mark.timeout(180)
-def test_bench_modes_tiny_run_writes_rows(tmp_path, env, capsys):
+def test_bench_modes_tiny_run_writes_rows(early):
     """sync, async (unbounded) and local SGD H=2 on 400 samples: one row each with the table's keys.
 
     (``--staleness-bounds none,1 --straggler-factor 2`` would be 8 runs, ~60 s on 2 cores; the bounded and
     straggler async paths are covered by the ``gradsync train`` tests above, the list parsing by
-    ``test_bench_modes_parse_settings``.)
+    ``test_bench_modes_parse_settings``.) The bench is an early job (``_early.py``): started with the
+    session, waited for here.
     """
-    rows_path, out = tmp_path / "rows.json", tmp_path / "bench"
-    result = _main(["bench", "modes", "--nproc", "2", "--epochs", "1", "--num-samples", "400",
-                    "--staleness-bounds", "none", "--sync-every", "2", "--straggler-factor", "1",
-                    "--out", str(out), "--json", str(rows_path)], capsys)
+    result = early.wait(170)
+    rows_path, out = early.folder / "rows.json", early.folder / "bench"
     assert result.returncode == 0, result.stderr
     rows = json.loads(rows_path.read_text())
     assert [(row["mode"], row["max_staleness"], row["sync_every"]) for row in rows] == [

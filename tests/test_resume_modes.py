@@ -25,8 +25,10 @@ from _dist import run_world
 
 pytestmark = pytest.mark.dist
 
-NUM_SAMPLES, EPOCHS, BATCH_SIZE = 2000, 2, 32  # 2 workers: 25 steps per epoch
-CHECKPOINT_EVERY, RESUME_STEP = 10, 30        # resume in the second epoch, mid local-SGD period
+NUM_SAMPLES, EPOCHS, BATCH_SIZE = 1280, 2, 32  # 2 workers: 16 steps per epoch
+STEPS_PER_EPOCH = 16
+# Resume 5 steps into the second epoch, at a multiple of local SGD's H = 3 and after onebit's warm-up.
+CHECKPOINT_EVERY, RESUME_STEP = 7, 21
 
 
 def _rank_train(options: dict, data_path: str, out_dir: str) -> dict:
@@ -78,11 +80,11 @@ def test_resumed_world_ends_bitwise_equal_to_the_uninterrupted_one(extra, data_p
     resumed = run_world(2, _rank_train, options, data_path, str(resumed_dir), timeout_s=90)
 
     assert [r["resumed_from"] for r in resumed] == [RESUME_STEP, RESUME_STEP]
-    assert resumed[0]["step"] == whole[0]["step"] == 2 * 25
+    assert resumed[0]["step"] == whole[0]["step"] == EPOCHS * STEPS_PER_EPOCH
     for rank in range(2):
         for name, tensor in whole[rank]["params"].items():
             assert torch.equal(resumed[rank]["params"][name], tensor), (rank, name)
     whole_steps, resumed_steps = _step_records(whole_dir), _step_records(resumed_dir)
-    assert [r["step"] for r in resumed_steps] == list(range(1, 51))
+    assert [r["step"] for r in resumed_steps] == list(range(1, EPOCHS * STEPS_PER_EPOCH + 1))
     assert resumed_steps == whole_steps  # the same losses and lrs, each step once
     assert _epoch_records(resumed_dir) == _epoch_records(whole_dir)  # the same train and test losses

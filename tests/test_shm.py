@@ -643,25 +643,41 @@ def test_shm_killed_rank_raises_timeout_naming_it_and_leaves_no_name(victim):
     assert _shm_names_of(pids, os.listdir(SHM_DIR)) == [], "segment names left in /dev/shm"
 
 
-def _hierarchical_shm_scenario(numel):
-    """4 ranks as 2 pretend nodes of 2: shared memory inside a node, Gloo point-to-point across."""
+HIERARCHICAL_SHM_NUMELS = (5, 1_000_003)
+
+
+def _hierarchical_shm_scenario(numels):
+    """4 ranks as 2 pretend nodes of 2: shared memory inside a node, Gloo point-to-point across.
+
+    One communicator per numel (made as the job would make it), all in one world: numel -> (digest, bytes sent).
+    """
     base = default_communicator()
-    comm = gradsync.Communicator(base.transport, base.timeout_s,
-                                 options=[HierarchicalOptions(ranks_per_node=2, intra_node_algorithm="shm")])
-    try:
-        tensor = torch.arange(numel, dtype=torch.float32) * (comm.rank + 1)
-        collectives_api.all_reduce(tensor, comm, algorithm="hierarchical")
-        return hashlib.sha256(tensor.numpy().tobytes()).hexdigest(), comm.stats.bytes_sent
-    finally:
-        comm.close()
+    results = {}
+    for numel in numels:
+        comm = gradsync.Communicator(base.transport, base.timeout_s,
+                                     options=[HierarchicalOptions(ranks_per_node=2, intra_node_algorithm="shm")])
+        try:
+            before = comm.stats.bytes_sent
+            tensor = torch.arange(numel, dtype=torch.float32) * (comm.rank + 1)
+            collectives_api.all_reduce(tensor, comm, algorithm="hierarchical")
+            results[numel] = hashlib.sha256(tensor.numpy().tobytes()).hexdigest(), comm.stats.bytes_sent - before
+        finally:
+            comm.close()
+    return results
+
+
+@pytest.fixture(scope="module")
+def hierarchical_shm_world():
+    """Every numel of :data:`HIERARCHICAL_SHM_NUMELS` in one 4-process world (a world start costs seconds)."""
+    return run_world(4, _hierarchical_shm_scenario, HIERARCHICAL_SHM_NUMELS, timeout_s=100)
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("numel", [5, 1_000_003])
-def test_hierarchical_with_shm_inside_nodes_in_real_processes(numel):
+@pytest.mark.parametrize("numel", HIERARCHICAL_SHM_NUMELS)
+def test_hierarchical_with_shm_inside_nodes_in_real_processes(hierarchical_shm_world, numel):
     """hierarchical with intra_node_algorithm="shm": exact sums, and only 1/L of the data goes point-to-point."""
-    results = run_world(4, _hierarchical_shm_scenario, numel, timeout_s=100)
+    results = [per_rank[numel] for per_rank in hierarchical_shm_world]
     expected = torch.arange(numel, dtype=torch.float32) * sum(range(1, 5))
     digest = hashlib.sha256(expected.numpy().tobytes()).hexdigest()
     assert [result[0] for result in results] == [digest] * 4
