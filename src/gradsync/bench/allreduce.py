@@ -12,15 +12,19 @@ warm-up first, fewer iterations for large messages).
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
 import gradsync
 from gradsync.bench.output import claim_json_path, write_json
-from gradsync.bench.mpi import MPI_COLUMN, MpiAllReduce, mpi_available, run_with_mpiexec
+from gradsync.bench.mpi import MPI_COLUMN, MpiAllReduce, free_port, mpi_available, run_with_mpiexec
 from gradsync.collectives import HierarchicalOptions, SegmentOptions, ops
 from gradsync.collectives.communicator import Communicator
 from gradsync.process_group import default_communicator
@@ -203,3 +207,22 @@ def run_sweep(*, nproc: int, sizes: str, algorithms: str | None, repetitions: in
     if json_path:
         write_json(json_path, rows)
     return rows
+
+
+def _main_under_mpiexec(options_path: str, rows_path: str) -> None:
+    """One process under mpiexec: set up the gradsync group from MPI, run the sweep, rank 0 writes rows."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    port = comm.bcast(free_port() if comm.Get_rank() == 0 else None, root=0)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(comm.Get_rank()),
+                      WORLD_SIZE=str(comm.Get_size()), LOCAL_RANK=str(comm.Get_rank()),
+                      LOCAL_WORLD_SIZE=str(comm.Get_size()))
+    options = json.loads(Path(options_path).read_text())
+    rows = run_worker(**options)
+    if rows is not None:
+        Path(rows_path).write_text(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    _main_under_mpiexec(*sys.argv[1:3])  # started by bench.mpi.run_with_mpiexec

@@ -12,7 +12,6 @@ with every gradsync algorithm, on the same buffers and in the same processes.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -50,7 +49,7 @@ class MpiAllReduce:
         self._comm.Allreduce(self._mpi.IN_PLACE, tensor.numpy(), op=self._mpi.SUM)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -65,31 +64,10 @@ def run_with_mpiexec(nproc: int, options: dict, timeout_s: float = 3600) -> list
     with tempfile.TemporaryDirectory(prefix="gradsync-mpi-") as folder:
         options_path, rows_path = Path(folder) / "options.json", Path(folder) / "rows.json"
         options_path.write_text(json.dumps(options))
-        command = [mpiexec_path(), "-n", str(nproc), sys.executable, "-m", "gradsync.bench.mpi",
+        command = [mpiexec_path(), "-n", str(nproc), sys.executable, "-m", "gradsync.bench.allreduce",
                    str(options_path), str(rows_path)]
         result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
         if result.returncode != 0 or not rows_path.exists():
             raise RuntimeError(f"mpiexec -n {nproc} failed (exit {result.returncode}):\n"
                                f"{result.stdout[-2000:]}{result.stderr[-4000:]}")
         return json.loads(rows_path.read_text())
-
-
-def _main(options_path: str, rows_path: str) -> None:
-    """One process under mpiexec: set up the gradsync group from MPI, run the sweep, rank 0 writes rows."""
-    from mpi4py import MPI
-
-    from gradsync.bench.allreduce import run_worker
-
-    comm = MPI.COMM_WORLD
-    port = comm.bcast(_free_port() if comm.Get_rank() == 0 else None, root=0)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(comm.Get_rank()),
-                      WORLD_SIZE=str(comm.Get_size()), LOCAL_RANK=str(comm.Get_rank()),
-                      LOCAL_WORLD_SIZE=str(comm.Get_size()))
-    options = json.loads(Path(options_path).read_text())
-    rows = run_worker(**options)
-    if rows is not None:
-        Path(rows_path).write_text(json.dumps(rows))
-
-
-if __name__ == "__main__":
-    _main(*sys.argv[1:3])
