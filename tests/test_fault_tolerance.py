@@ -39,10 +39,9 @@ JOB_TIMEOUT_S = 150  # deadline of one subprocess job (a healthy one takes 15-30
 
 
 def _train_args(nproc: int = 2, *extra: str) -> list[str]:
-    # ring, not the default auto: over TCP a killed peer is seen at once, while shm (auto's choice on
-    # one machine) notices a dead peer only at the collective timeout. A later --algorithm in extra wins.
+    # the default algorithm (auto: shm on one machine, which sees a killed peer's process die at once)
     return ["--nproc", str(nproc), "--num-samples", str(NUM_SAMPLES), "--epochs", str(EPOCHS),
-            "--batch-size", str(BATCH_SIZE), "--no-progress", "--algorithm", "ring", *extra]
+            "--batch-size", str(BATCH_SIZE), "--no-progress", *extra]
 
 
 def _total_steps(nproc: int) -> int:
