@@ -155,9 +155,11 @@ things it compares so they see the same noise), not absolute times across
 tables or machines.
 
 `make bench` uses smaller options than the benchmarks' defaults so that the
-whole set fits in about a quarter of an hour on 2 cores (the defaults would
-take well over half an hour, the compression and modes benchmarks alone
-most of it); each section shows the command it ran. Run a benchmark with its
+whole set fits in about a quarter of an hour on 2 cores; the defaults take
+about twice as long, most of it in the compression and modes benchmarks,
+which train the full 15-epoch main job once per setting (`make bench` trains
+fewer epochs, so their accuracies are below the main job's). Each section
+shows the command it ran and how long it took; run a benchmark with its
 defaults (`gradsync bench compression`, ...) for the full-length measurement.
 """
 
@@ -182,8 +184,8 @@ with more processes than cores each wake-up waits for a core, so algorithms
 with 2·log2 p sequential hops (tree, recursive doubling) beat the ring's
 2(p−1). For large messages both sides are bound by loopback TCP and memory
 copies, and the pipelined ring is close to Gloo's own ring. `shm` avoids the
-sockets altogether; `shm_zero_copy` also skips the copy in, which is why it
-leads from about a megabyte up. Smaller `--segment-bytes` cost more than they
+sockets altogether; `shm_zero_copy` also skips the copy in, which is what
+sets it apart on large messages. Smaller `--segment-bytes` cost more than they
 overlap on this kind of machine, hence the library's 4 MiB default.""",
     "train": """\
 gradsync `DataParallel` (one row per algorithm), torch
@@ -217,8 +219,8 @@ under which the bytes saved would pay for the compressor's extra work per step
 (communication not hidden by compute).""",
     "compression_after": """\
 How to read it. On one machine "the network" is a memory copy, so the work of
-compressing usually costs more than the bytes it saves, and the speed column
-shows it; the break-even column says on which links it would pay off. On the
+compressing usually costs more than the bytes it saves; the break-even
+column says on which links it would pay off. On the
 small CNN, OneBit saves a little less than its nominal 28.4× because each chunk
 carries a reference scale and the unused-parameter flags travel exactly, a
 constant that large buckets amortise.""",
@@ -315,10 +317,25 @@ def _metadata(document: dict) -> str:
     return "\n".join(lines)
 
 
+def _summary(documents: dict[str, dict]) -> str:
+    lines = ["| bench | measured (UTC) | took | load average before → after (1 min) | machine |",
+             "|---|---|---|---|---|"]
+    for name in BENCHES:
+        document = documents.get(name)
+        if document is None:
+            lines.append(f"| `{name}` | not yet | | | |")
+            continue
+        before, after = document.get("load_before") or ["-"], document.get("load_after") or ["-"]
+        m = document["machine"]
+        lines.append(f"| `{name}` | {document['date']} | {document['duration_s']:.0f} s | {before[0]} → {after[0]} "
+                     f"| {m.get('cpu_model') or '-'}, {m.get('cpu_count')} cores |")
+    return "\n".join(lines) + "\n"
+
+
 def render(bench_dir: str | Path = DEFAULT_BENCH_DIR) -> str:
     """The markdown of ``docs/benchmarks.md`` for the documents in ``bench_dir`` (deterministic)."""
     documents = load(bench_dir)
-    parts = [_INTRO]
+    parts = [_INTRO, _summary(documents)]
     for name in BENCHES:
         parts.append(f"## {_TITLES[name]} (`gradsync bench {name}`)\n")
         parts.append(_ABOUT[name] + "\n")
