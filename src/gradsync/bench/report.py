@@ -76,7 +76,11 @@ def _git_commit() -> str | None:
                                 cwd=Path(__file__).parent)
     except (OSError, subprocess.SubprocessError):
         return None
-    return result.stdout.strip() or None if result.returncode == 0 else None
+    if result.returncode != 0 or not result.stdout.strip():
+        return None
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                           text=True, timeout=10, cwd=Path(__file__).parent).stdout.strip()
+    return result.stdout.strip() + ("-dirty" if dirty else "")
 
 
 def versions() -> dict:
@@ -108,6 +112,7 @@ def record(name: str, bench_args: list[str], bench_dir: str | Path = DEFAULT_BEN
     options = {key: value for key, value in parsed.items() if key not in ("command", "bench", "json", "out")}
     bench_dir = Path(bench_dir)
     bench_dir.mkdir(parents=True, exist_ok=True)
+    where, what = machine(), versions()  # before the run: the code that ran
     with tempfile.TemporaryDirectory(prefix=f"gradsync-bench-{name}-") as scratch:
         json_path = Path(scratch) / "rows.json"
         extra = ["--json", str(json_path)] + (["--out", str(Path(scratch) / "out")] if name in _WITH_OUT else [])
@@ -125,7 +130,7 @@ def record(name: str, bench_args: list[str], bench_dir: str | Path = DEFAULT_BEN
     document = {"format": FORMAT_VERSION, "bench": name,
                 "command": " ".join(["gradsync", "bench", name, *bench_args]), "options": options,
                 "date": date, "duration_s": round(duration_s, 1), "load_before": load_before,
-                "load_after": load_after, "machine": machine(), "versions": versions(), "rows": rows}
+                "load_after": load_after, "machine": where, "versions": what, "rows": rows}
     path = bench_dir / f"{name}.json"
     path.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
     print(f"# wrote {path} ({duration_s:.0f} s)", flush=True)
