@@ -26,7 +26,8 @@ test: $(STAMP)
 # `make bench`: each benchmark once -> docs/bench/<name>.json (its rows with the date, machine,
 # load average before/after, command and versions) -> docs/benchmarks.md (`gradsync bench report`).
 # allreduce and faults run their defaults; train, compression and modes run smaller options
-# (fewer steps, rounds and epochs, modes without plain Downpour async and H=4) so that the whole
+# (fewer steps, rounds and epochs; compression without bf16, fp16's twin; modes: sync, async as
+# `gradsync train --mode async` runs it, and local SGD H=16, each with and without a straggler) so that the whole
 # set takes about a quarter of an hour on 2 cores instead of about twice that; docs/benchmarks.md
 # says so and shows each command.
 # One bench: `make bench BENCHES=faults`; other options: `make bench BENCH_modes="--epochs 15"`.
@@ -34,8 +35,9 @@ BENCH_DIR := docs/bench
 BENCHES ?= allreduce train compression modes faults
 BENCH_allreduce ?= --nproc 4 --sizes 4K,64K,1M,16M,64M
 BENCH_train ?= --nproc 2 --model cnn,mlp --steps 50 --rounds 3
-BENCH_compression ?= --epochs 3 --compression-warmup-steps 75 --throughput-steps 2 --rounds 2
-BENCH_modes ?= --epochs 3 --staleness-bounds 4,none+lr --sync-every 16
+BENCH_compression ?= --compressions none,fp16,onebit,topk,powersgd --epochs 3 --compression-warmup-steps 75 \
+	--throughput-steps 2 --rounds 2
+BENCH_modes ?= --epochs 3 --staleness-bounds none+lr --sync-every 16
 BENCH_faults ?= --epochs 3
 RECORD := $(PY) -m gradsync.bench.report record --bench-dir $(BENCH_DIR)
 

@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -128,7 +129,7 @@ def record(name: str, bench_args: list[str], bench_dir: str | Path = DEFAULT_BEN
             shutil.copyfile(Path(scratch) / "out" / plot, bench_dir / plot)
     rows = [{key: value for key, value in row.items() if key not in _DROPPED_KEYS} for row in rows]
     document = {"format": FORMAT_VERSION, "bench": name,
-                "command": " ".join(["gradsync", "bench", name, *bench_args]), "options": options,
+                "command": shlex.join(["gradsync", "bench", name, *bench_args]), "options": options,
                 "date": date, "duration_s": round(duration_s, 1), "load_before": load_before,
                 "load_after": load_after, "machine": where, "versions": what, "rows": rows}
     path = bench_dir / f"{name}.json"
