@@ -35,9 +35,9 @@ BENCH_DIR := docs/bench
 BENCHES ?= allreduce train compression modes faults
 BENCH_allreduce ?= --nproc 4 --sizes 4K,64K,1M,16M,64M
 BENCH_train ?= --nproc 2 --model cnn,mlp --steps 50 --rounds 3
-BENCH_compression ?= --compressions none,fp16,onebit,topk,powersgd --epochs 3 --compression-warmup-steps 75 \
+BENCH_compression ?= --compressions none,fp16,onebit,topk,powersgd --epochs 5 --compression-warmup-steps 125 \
 	--throughput-steps 2 --rounds 2
-BENCH_modes ?= --epochs 3 --staleness-bounds none+lr --sync-every 16
+BENCH_modes ?= --epochs 5 --staleness-bounds none+lr --sync-every 16
 BENCH_faults ?= --epochs 3
 RECORD := $(PY) -m gradsync.bench.report record --bench-dir $(BENCH_DIR)
 
