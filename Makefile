@@ -1,5 +1,5 @@
-# gradsync: `make demo` runs the main job, `make test` runs the test suite.
-# Both create .venv on first use. torch is pinned to the CPU build that
+# gradsync: `make demo` runs the main job, `make test` runs the test suite,
+# `make bench` measures the benchmarks into docs/. All create .venv on first use. torch is pinned to the CPU build that
 # installs offline on the project's machines; see README.md.
 PYTHON ?= python3
 VENV := .venv
@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup clean
+.PHONY: demo test bench bench-report setup clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,31 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# `make bench`: each benchmark once -> docs/bench/<name>.json (its rows with the date, machine,
+# load average before/after, command and versions) -> docs/benchmarks.md (`gradsync bench report`).
+# allreduce and faults run their defaults; train, compression and modes run smaller options
+# (fewer steps, rounds and epochs; compression without bf16, fp16's twin; modes: sync, async as
+# `gradsync train --mode async` runs it, and local SGD H=16, each with and without a straggler) so that the whole
+# set takes about a quarter of an hour on 2 cores instead of about twice that; docs/benchmarks.md
+# says so and shows each command.
+# One bench: `make bench BENCHES=faults`; other options: `make bench BENCH_modes="--epochs 15"`.
+BENCH_DIR := docs/bench
+BENCHES ?= allreduce train compression modes faults
+BENCH_allreduce ?= --nproc 4 --sizes 4K,64K,1M,16M,64M
+BENCH_train ?= --nproc 2 --model cnn,mlp --steps 50 --rounds 3
+BENCH_compression ?= --compressions none,fp16,onebit,topk,powersgd --epochs 5 --compression-warmup-steps 125 \
+	--throughput-steps 2 --rounds 2
+BENCH_modes ?= --epochs 5 --staleness-bounds none+lr --sync-every 16
+BENCH_faults ?= --epochs 3
+RECORD := $(PY) -m gradsync.bench.report record --bench-dir $(BENCH_DIR)
+
+bench: $(STAMP)
+	$(foreach bench,$(BENCHES),$(RECORD) $(bench) $(BENCH_$(bench)) && ) true
+	$(MAKE) bench-report
+
+bench-report: $(STAMP)
+	$(PY) -m gradsync bench report --bench-dir $(BENCH_DIR) --out docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from gradsync import __version__
+from gradsync.bench import report as bench_report
 from gradsync.collectives.ops import ALGORITHMS
 from gradsync.compression import COMPRESSIONS
 from gradsync.errors import CollectiveMismatchError, CollectiveTimeoutError, GradsyncError
@@ -130,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "with a worker killed (--fail-at) and with a worker hung (--hang-at); print the seconds to "
                     "detect each fault and to be training again, the steps recomputed, and whether the final "
                     "parameters equal the run without a fault bit for bit."))
+    bench_report.add_parser(benches)
     return parser
 
 
@@ -289,7 +291,7 @@ def bench_faults(args: argparse.Namespace) -> int:
 
 
 _BENCHES = {"allreduce": bench_allreduce, "train": bench_train, "compression": bench_compression,
-            "modes": bench_modes, "faults": bench_faults}
+            "modes": bench_modes, "faults": bench_faults, "report": bench_report.run}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,135 @@
+"""The docs: README.md stays a front door, every relative link resolves, benchmarks.md is generated.
+
+``docs/benchmarks.md`` must equal what ``gradsync bench report`` renders from
+the committed ``docs/bench/*.json`` (so its numbers come from ``make bench``,
+never from a paste); after changing a bench's table formatting, run
+``gradsync bench report`` and commit the page.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from gradsync.bench import report
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+MAX_README_LINES = 250
+
+_FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
+_INLINE_CODE = re.compile(r"`[^`\n]*`")
+_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+_HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$", re.M)
+
+
+def _pages() -> list[Path]:
+    return [README] + sorted(DOCS.glob("*.md"))
+
+
+def _prose(text: str) -> str:
+    """``text`` without fenced code blocks and inline code (links there are not links)."""
+    return _INLINE_CODE.sub("", _FENCE.sub("", text))
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[`*_]|\[([^\]]*)\]\([^)]*\)", lambda m: m.group(1) or "", heading).strip().lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    return {_anchor(heading) for heading in _HEADING.findall(_FENCE.sub("", path.read_text(encoding="utf-8")))}
+
+
+def _links(path: Path) -> list[str]:
+    return _LINK.findall(_prose(path.read_text(encoding="utf-8")))
+
+
+def test_readme_is_a_front_door():
+    """README.md is at most 250 lines and keeps the two commands a new user runs."""
+    text = README.read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= MAX_README_LINES, f"README.md has {len(text.splitlines())} lines"
+    assert "make demo" in text and "make test" in text
+
+
+@pytest.mark.parametrize("page", _pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve_inside_the_repository(page):
+    """Every relative link (and its #anchor, for markdown targets) points at a file of the repository."""
+    problems = []
+    for target in _links(page):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+            continue
+        file_part, _, fragment = target.partition("#")
+        resolved = (page.parent / file_part).resolve() if file_part else page
+        if ROOT not in resolved.parents and resolved != ROOT:
+            problems.append(f"{target}: outside the repository")
+        elif not resolved.exists():
+            problems.append(f"{target}: no such file")
+        elif fragment and resolved.suffix == ".md" and fragment not in _anchors(resolved):
+            problems.append(f"{target}: no heading #{fragment} in {resolved.relative_to(ROOT)}")
+    assert not problems, f"{page.relative_to(ROOT)}: " + "; ".join(problems)
+
+
+def test_docs_cite_nothing_outside_the_repository():
+    """No page points at the team's shared files or absolute paths of a machine."""
+    for page in _pages():
+        text = page.read_text(encoding="utf-8")
+        for needle in ("DESIGN.md", "STYLE.md", "/work/", "/tmp/gs", "shared files"):
+            assert needle not in text, f"{page.relative_to(ROOT)} mentions {needle!r}"
+
+
+def test_benchmarks_md_is_the_rendering_of_the_committed_json():
+    """docs/benchmarks.md == gradsync bench report's rendering of docs/bench/*.json (regenerate, never paste)."""
+    committed = (DOCS / "benchmarks.md").read_text(encoding="utf-8")
+    assert committed == report.render(DOCS / "bench"), (
+        "docs/benchmarks.md differs from the rendering of docs/bench/*.json: run `gradsync bench report` "
+        "(or `make bench` to measure again) and commit both")
+
+
+def test_committed_bench_json_carries_its_metadata():
+    """Every committed bench file says when, where, under which load and with which command it was measured."""
+    documents = report.load(DOCS / "bench")
+    assert set(documents) == set(report.BENCHES), f"missing: {set(report.BENCHES) - set(documents)}"
+    for name, document in documents.items():
+        assert document["bench"] == name and document["command"].startswith(f"gradsync bench {name}")
+        assert document["rows"], name
+        assert {"platform", "cpu_model", "cpu_count", "memory_gib"} <= set(document["machine"]), name
+        assert len(document["load_before"]) == 3 and len(document["load_after"]) == 3, name
+        assert {"gradsync", "torch"} <= set(document["versions"]) and document["date"].endswith("Z"), name
+
+
+_FAKE_ROW = {"algorithm": "ring", "world_size": 2, "nbytes": 4096, "time_us": 100.0, "algbw_gbps": 0.04,
+             "busbw_gbps": 0.04, "ratio_to_native": 1.0, "bytes_sent_per_call": 4096.0, "repetitions": 1,
+             "iterations": 1, "run_folder": "/somewhere/temporary"}
+
+
+def test_record_wraps_the_rows_with_metadata_and_render_uses_the_bench_formatter(tmp_path, monkeypatch):
+    """record runs `gradsync bench NAME --json F` (here a stand-in) and wraps F's rows; render shows them."""
+    import gradsync.cli
+
+    calls = []
+
+    def fake_main(argv):
+        calls.append(argv)
+        path = argv[argv.index("--json") + 1]
+        Path(path).write_text(json.dumps([_FAKE_ROW]))
+        return 0
+
+    monkeypatch.setattr(gradsync.cli, "main", fake_main)
+    path = report.record("allreduce", ["--nproc", "2", "--sizes", "4K"], tmp_path)
+    assert calls and calls[0][:6] == ["bench", "allreduce", "--nproc", "2", "--sizes", "4K"]
+    document = json.loads(path.read_text())
+    assert document["command"] == "gradsync bench allreduce --nproc 2 --sizes 4K"
+    assert document["options"]["nproc"] == 2 and document["options"]["repetitions"] == 5  # defaults recorded
+    assert "run_folder" not in document["rows"][0]
+    page = report.render(tmp_path)
+    from gradsync.bench.allreduce import format_table
+    assert format_table([{k: v for k, v in _FAKE_ROW.items() if k != "run_folder"}]) in page
+    assert document["date"] in page and "Not measured yet" in page  # the other benches
+    with pytest.raises(ValueError, match="--json"):
+        report.record("allreduce", ["--json", "x.json"], tmp_path)
