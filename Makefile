@@ -39,7 +39,7 @@ BENCH_compression ?= --compressions none,fp16,onebit,topk,powersgd --epochs 5 --
 	--throughput-steps 2 --rounds 2
 BENCH_modes ?= --epochs 5 --staleness-bounds none+lr --sync-every 16
 BENCH_faults ?= --epochs 3
-RECORD := $(PY) -m gradsync.bench.report record --bench-dir $(BENCH_DIR)
+RECORD := $(PY) -m gradsync bench record --bench-dir $(BENCH_DIR)
 
 bench: $(STAMP)
 	$(foreach bench,$(BENCHES),$(RECORD) $(bench) $(BENCH_$(bench)) && ) true

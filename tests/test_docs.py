@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -108,9 +110,10 @@ _FAKE_ROW = {"algorithm": "ring", "world_size": 2, "nbytes": 4096, "time_us": 10
              "iterations": 1, "run_folder": "/somewhere/temporary"}
 
 
-def test_record_wraps_the_rows_with_metadata_and_render_uses_the_bench_formatter(tmp_path, monkeypatch):
+def test_record_wraps_the_rows_with_metadata_and_render_uses_the_bench_formatter(tmp_path):
     """record runs `gradsync bench NAME --json F` (here a stand-in) and wraps F's rows; render shows them."""
-    import gradsync.cli
+    from gradsync.bench.record import record
+    from gradsync.cli import build_parser
 
     calls = []
 
@@ -120,8 +123,8 @@ def test_record_wraps_the_rows_with_metadata_and_render_uses_the_bench_formatter
         Path(path).write_text(json.dumps([_FAKE_ROW]))
         return 0
 
-    monkeypatch.setattr(gradsync.cli, "main", fake_main)
-    path = report.record("allreduce", ["--nproc", "2", "--sizes", "4K"], tmp_path)
+    cli = {"parse": build_parser().parse_args, "run": fake_main}
+    path = record("allreduce", ["--nproc", "2", "--sizes", "4K"], tmp_path, **cli)
     assert calls and calls[0][:6] == ["bench", "allreduce", "--nproc", "2", "--sizes", "4K"]
     document = json.loads(path.read_text())
     assert document["command"] == "gradsync bench allreduce --nproc 2 --sizes 4K"
@@ -132,4 +135,33 @@ def test_record_wraps_the_rows_with_metadata_and_render_uses_the_bench_formatter
     assert format_table([{k: v for k, v in _FAKE_ROW.items() if k != "run_folder"}]) in page
     assert document["date"] in page and "Not measured yet" in page  # the other benches
     with pytest.raises(ValueError, match="--json"):
-        report.record("allreduce", ["--json", "x.json"], tmp_path)
+        record("allreduce", ["--json", "x.json"], tmp_path, **cli)
+
+
+def test_the_add_an_algorithm_example_runs_as_a_registered_algorithm(monkeypatch):
+    """The sketch in docs/architecture.md, registered with one line, sums like the reference on 3 thread ranks."""
+    import torch
+
+    import gradsync
+    from gradsync.collectives import check, ops, registry
+    from _dist import run_threads
+
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = text[text.index("## Adding an AllReduce algorithm"):text.index("## Adding a compressor")]
+    source = section.split("```python\n", 1)[1].split("```", 1)[0]
+    module = types.ModuleType("simple_ring")
+    monkeypatch.setitem(sys.modules, "simple_ring", module)  # dataclasses look their module up
+    exec(compile(source, "docs/architecture.md", "exec"), module.__dict__)  # noqa: S102 - our own doc
+    monkeypatch.setitem(registry.ALL_REDUCE, "simple_ring", module.all_reduce)
+    algorithms = tuple(registry.ALL_REDUCE) + (registry.AUTO,)  # what the registry computes at import
+    for module_reading_it in (registry, ops, check):
+        monkeypatch.setattr(module_reading_it, "ALGORITHMS", algorithms)
+    world_size, numel = 3, 10
+
+    def rank_fn(comm):
+        tensor = torch.arange(numel, dtype=torch.float64) * (comm.rank + 1)
+        return gradsync.collectives.all_reduce(tensor, comm, algorithm="simple_ring")
+
+    results = run_threads(world_size, rank_fn)
+    expected = torch.arange(numel, dtype=torch.float64) * sum(range(1, world_size + 1))
+    assert all(torch.equal(result, expected) for result in results)

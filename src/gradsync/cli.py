@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from gradsync import __version__
+from gradsync.bench import record as bench_record
 from gradsync.bench import report as bench_report
 from gradsync.collectives.ops import ALGORITHMS
 from gradsync.compression import COMPRESSIONS
@@ -132,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "detect each fault and to be training again, the steps recomputed, and whether the final "
                     "parameters equal the run without a fault bit for bit."))
     bench_report.add_parser(benches)
+    bench_record.add_parser(benches)
     return parser
 
 
@@ -290,8 +292,20 @@ def bench_faults(args: argparse.Namespace) -> int:
     return 0
 
 
+def _record(args: argparse.Namespace) -> int:
+    """``gradsync bench record``: the bench runs through this command line (parser and entry point)."""
+    try:
+        bench_record.record(args.name, args.bench_args, args.bench_dir,
+                            parse=build_parser().parse_args, run=main)
+    except RuntimeError as exc:  # the benchmark itself failed and printed why
+        print(f"gradsync bench record: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 _BENCHES = {"allreduce": bench_allreduce, "train": bench_train, "compression": bench_compression,
-            "modes": bench_modes, "faults": bench_faults, "report": bench_report.run}
+            "modes": bench_modes, "faults": bench_faults, "report": bench_report.run,
+            "record": _record}
 
 
 def main(argv: list[str] | None = None) -> int:

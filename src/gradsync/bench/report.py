@@ -2,8 +2,8 @@
 
 Two steps, so that no number in ``docs/benchmarks.md`` is ever typed by hand:
 
-* record (``python -m gradsync.bench.report record NAME [OPTIONS...]``, what
-  ``make bench`` runs once per benchmark): runs ``gradsync bench NAME
+* record (``gradsync bench record NAME [OPTIONS...]``, :mod:`~gradsync.bench.record`,
+  what ``make bench`` runs once per benchmark): runs ``gradsync bench NAME
   OPTIONS --json FILE`` in this process and writes ``docs/bench/NAME.json``:
   the rows the benchmark wrote, wrapped with when, where and how they were
   measured (date, machine, load average before and after, the command and
@@ -20,122 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import shlex
-import shutil
-import subprocess
 import sys
-import tempfile
-import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 BENCHES = ("allreduce", "train", "compression", "modes", "faults")
 DEFAULT_BENCH_DIR = "docs/bench"
 DEFAULT_OUT = "docs/benchmarks.md"
 FORMAT_VERSION = 1
-_WITH_OUT = ("compression", "modes", "faults")   # benches whose run folders go to --out
-_PLOTS = {"compression": "compression_accuracy.png", "modes": "modes_accuracy.png"}  # written into --out
-_DROPPED_KEYS = ("run_folder",)   # paths of run folders that are deleted after recording
-
-
-# ---------------------------------------------------------------- record
-
-
-def machine() -> dict:
-    """Platform, CPU model, core counts and memory of this machine (Linux /proc where available)."""
-    cpu_model = platform.processor() or None
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as file:
-            cpu_model = next((line.split(":", 1)[1].strip() for line in file if line.startswith("model name")),
-                             cpu_model)
-    except OSError:
-        pass
-    memory_gib = None
-    try:
-        with open("/proc/meminfo", encoding="utf-8") as file:
-            kib = next(int(line.split()[1]) for line in file if line.startswith("MemTotal:"))
-        memory_gib = round(kib / 2**20, 1)
-    except (OSError, StopIteration, ValueError):
-        pass
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"platform": platform.platform(), "machine": platform.machine(), "cpu_model": cpu_model,
-            "cpu_count": os.cpu_count(), "usable_cpus": usable, "memory_gib": memory_gib}
-
-
-def _load() -> list[float] | None:
-    try:
-        return [round(value, 2) for value in os.getloadavg()]
-    except OSError:
-        return None
-
-
-def _git_commit() -> str | None:
-    try:
-        result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                                cwd=Path(__file__).parent)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if result.returncode != 0 or not result.stdout.strip():
-        return None
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                           text=True, timeout=10, cwd=Path(__file__).parent).stdout.strip()
-    return result.stdout.strip() + ("-dirty" if dirty else "")
-
-
-def versions() -> dict:
-    import torch
-
-    import gradsync
-
-    return {"gradsync": gradsync.__version__, "torch": torch.__version__, "python": platform.python_version(),
-            "git_commit": _git_commit()}
-
-
-def record(name: str, bench_args: list[str], bench_dir: str | Path = DEFAULT_BENCH_DIR) -> Path:
-    """Run ``gradsync bench NAME *bench_args`` and write ``bench_dir/NAME.json`` (rows + metadata).
-
-    Plots the benchmark writes (compression, modes) are copied beside the JSON.
-
-    Raises:
-        ValueError: unknown bench, or ``--json`` / ``--out`` among the options (record chooses them).
-        RuntimeError: the benchmark exited with an error (nothing is written).
-    """
-    from gradsync.cli import build_parser, main
-
-    if name not in BENCHES:
-        raise ValueError(f"unknown bench {name!r}; choose from {', '.join(BENCHES)}")
-    for option in ("--json", "--out"):
-        if any(arg == option or arg.startswith(option + "=") for arg in bench_args):
-            raise ValueError(f"{option} is chosen by record; leave it out of the options")
-    parsed = vars(build_parser().parse_args(["bench", name, *bench_args]))
-    options = {key: value for key, value in parsed.items() if key not in ("command", "bench", "json", "out")}
-    bench_dir = Path(bench_dir)
-    bench_dir.mkdir(parents=True, exist_ok=True)
-    where, what = machine(), versions()  # before the run: the code that ran
-    with tempfile.TemporaryDirectory(prefix=f"gradsync-bench-{name}-") as scratch:
-        json_path = Path(scratch) / "rows.json"
-        extra = ["--json", str(json_path)] + (["--out", str(Path(scratch) / "out")] if name in _WITH_OUT else [])
-        date = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-        load_before, started = _load(), time.perf_counter()
-        code = main(["bench", name, *bench_args, *extra])
-        duration_s, load_after = time.perf_counter() - started, _load()
-        if code != 0:
-            raise RuntimeError(f"gradsync bench {name} exited with code {code}; {bench_dir / name}.json not written")
-        rows = json.loads(json_path.read_text())
-        plot = _PLOTS.get(name)
-        if plot and (Path(scratch) / "out" / plot).exists():
-            shutil.copyfile(Path(scratch) / "out" / plot, bench_dir / plot)
-    rows = [{key: value for key, value in row.items() if key not in _DROPPED_KEYS} for row in rows]
-    document = {"format": FORMAT_VERSION, "bench": name,
-                "command": shlex.join(["gradsync", "bench", name, *bench_args]), "options": options,
-                "date": date, "duration_s": round(duration_s, 1), "load_before": load_before,
-                "load_after": load_after, "machine": where, "versions": what, "rows": rows}
-    path = bench_dir / f"{name}.json"
-    path.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
-    print(f"# wrote {path} ({duration_s:.0f} s)", flush=True)
-    return path
+PLOTS = {"compression": "compression_accuracy.png", "modes": "modes_accuracy.png"}  # copied beside the JSON
 
 
 # ---------------------------------------------------------------- render
@@ -347,12 +239,12 @@ def render(bench_dir: str | Path = DEFAULT_BENCH_DIR) -> str:
         parts.append(_ABOUT[name] + "\n")
         document = documents.get(name)
         if document is None:
-            parts.append(f"Not measured yet: run `make bench` (or `python -m gradsync.bench.report record {name}`).\n")
+            parts.append(f"Not measured yet: run `make bench` (or `gradsync bench record {name}`).\n")
             continue
         parts.append(_metadata(document) + "\n")
         for table in tables(name, document["rows"]):
             parts.append("```text\n" + table + "\n```\n")
-        plot = _PLOTS.get(name)
+        plot = PLOTS.get(name)
         if plot and (Path(bench_dir) / plot).exists():
             parts.append(f"![{_TITLES[name]}](bench/{plot})\n")
         parts.append(_ABOUT[name + "_after"] + "\n")
@@ -374,7 +266,7 @@ def add_parser(benches: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = benches.add_parser(
         "report", help="render docs/benchmarks.md from the JSON that `make bench` writes into docs/bench/",
         description="Render the markdown page of benchmark results from the JSON files that `make bench` "
-                    "(python -m gradsync.bench.report record NAME ...) wrote, with each run's date, machine "
+                    "(gradsync bench record NAME ...) wrote, with each run's date, machine "
                     "and load.")
     parser.add_argument("--bench-dir", default=DEFAULT_BENCH_DIR, help="folder of the JSON files "
                         "(default %(default)s)")
@@ -397,25 +289,3 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"wrote {write(args.bench_dir, args.out)} from {args.bench_dir}")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m gradsync.bench.report record [--bench-dir DIR] NAME [BENCH OPTIONS...]``."""
-    parser = argparse.ArgumentParser(prog="python -m gradsync.bench.report",
-                                     description="Run one benchmark and record its JSON with metadata.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    rec = commands.add_parser("record", help="run `gradsync bench NAME OPTIONS` and write DIR/NAME.json")
-    rec.add_argument("--bench-dir", default=DEFAULT_BENCH_DIR, help="(default %(default)s)")
-    rec.add_argument("name", choices=BENCHES)
-    rec.add_argument("bench_args", nargs=argparse.REMAINDER, help="options of gradsync bench NAME")
-    args = parser.parse_args(argv)
-    try:
-        record(args.name, args.bench_args, args.bench_dir)
-    except (ValueError, RuntimeError) as exc:
-        print(f"gradsync bench report record: error: {exc}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
