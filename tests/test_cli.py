@@ -87,6 +87,17 @@ def test_cli_rejects_unwritable_out(tmp_path, capsys, small_cache):
     _assert_one_line_error(result, "--out", str(blocker / "run"))
 
 
+def test_cli_refuses_a_bad_out_before_generating_any_data(tmp_path, capsys, monkeypatch):
+    """On a machine without the data cache, a bad --out is one line and generates nothing (seconds saved)."""
+    empty_cache = tmp_path / "cache"
+    empty_cache.mkdir()
+    monkeypatch.setenv("GRADSYNC_DATA_DIR", str(empty_cache))
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    result = _main(["train", "--out", str(tmp_path)], capsys)
+    _assert_one_line_error(result, "already holds a run")
+    assert list(empty_cache.iterdir()) == []
+
+
 def test_cli_refuses_to_mix_with_an_earlier_run(tmp_path, capsys, small_cache):
     """A run folder that already holds metrics.jsonl is not appended to."""
     (tmp_path / "metrics.jsonl").write_text("{}\n")

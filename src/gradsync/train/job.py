@@ -143,16 +143,17 @@ def run_job(config: TrainConfig) -> dict | None:
     if config.checkpoint_dir is not None:
         config.checkpoint_dir = str(check_checkpoint_dir(config.checkpoint_dir))
         check_resumable(config, world_size)
-    data_path = data.prepare(config.data_dir, config.num_samples)
     if torchrun and config.out is None:
         config.out = torchrun_out_dir()
     writes_folder = not torchrun or int(os.environ.get("RANK", "0")) == config.main_rank(world_size)
     if not writes_folder:  # only rank 0 (the server in async mode) writes the run folder
+        data_path = data.prepare(config.data_dir, config.num_samples)
         return run_worker(config, str(data_path), str(config.out or "runs/unused"))
     # torchrun restarts this whole function: a restarted rank 0 continues the folder it claimed
     out_dir, created = claim_out_dir(config.out, reuse=torchrun and attempt() > 0)
     config.out = str(out_dir)
     try:
+        data_path = data.prepare(config.data_dir, config.num_samples)  # after --out: a bad folder costs nothing
         if config.checkpointing() and config.checkpoint_dir is None:
             config.checkpoint_dir = str(check_checkpoint_dir(out_dir / "checkpoints"))
         if torchrun:
