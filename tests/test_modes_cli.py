@@ -92,6 +92,12 @@ def _alive(recorded: dict[int, int]) -> list[str]:
     return alive
 
 
+def _ranks(recorded: dict[int, int]) -> list[int]:
+    """The live worker processes among ``recorded``: the children of the launcher's forkserver."""
+    forkservers = {pid for pid in recorded if "multiprocessing.forkserver" in _cmdline(pid)}
+    return [pid for pid in forkservers if (_stat(pid) or (None,))[0] in forkservers]
+
+
 def _holds_open(pid: int, path: Path) -> bool:
     """Whether ``pid`` has ``path`` open (a rank's environment is set after exec, so RANK is not in /proc)."""
     try:
@@ -222,8 +228,8 @@ def test_killed_worker_gives_a_clear_error_within_the_timeout(tmp_path, env):
         assert not finished, f"the job ended before it could be killed: {(tmp_path / 'stderr.txt').read_text()}"
         assert training(), "the job did not start training within 60 s"
         recorded.update(_descendants(process.pid))
-        # the elastic agent's spawned ranks; the server (rank 2) is the one holding metrics.jsonl open
-        ranks = [pid for pid in recorded if "multiprocessing.spawn" in _cmdline(pid) and _stat(pid) is not None]
+        # the elastic agent's ranks (forked by its forkserver); the server (rank 2) holds metrics.jsonl open
+        ranks = _ranks(recorded)
         assert len(ranks) == 3, {pid: _cmdline(pid) for pid in recorded}
         servers = [pid for pid in ranks if _holds_open(pid, run / "metrics.jsonl")]
         assert len(servers) == 1, servers
@@ -249,6 +255,29 @@ def test_killed_worker_gives_a_clear_error_within_the_timeout(tmp_path, env):
     while _alive(recorded) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(recorded), f"processes outlived the failed job: {_alive(recorded)}"
+
+
+@pytest.mark.timeout(120)
+def test_killed_launcher_takes_its_workers_with_it(tmp_path, env):
+    """SIGKILL to ``gradsync train`` itself (no agent left to stop anyone): every worker is gone within 10 s."""
+    process = _start(["train", "--nproc", "2", "--num-samples", "400", "--epochs", "100", "--no-progress",
+                      "--out", str(tmp_path / "run")], env, tmp_path)
+    recorded: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + 60
+        while len(_ranks(recorded)) < 2 and process.poll() is None and time.monotonic() < deadline:
+            recorded.update(_descendants(process.pid))
+            time.sleep(0.1)
+        assert len(_ranks(recorded)) == 2, {pid: _cmdline(pid) for pid in recorded}
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(recorded) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(recorded), f"processes outlived their killed launcher: {_alive(recorded)}"
+    finally:
+        if process.poll() is None:
+            _stop(process, recorded)
 
 
 # --------------------------------------------------------------------------------------------------

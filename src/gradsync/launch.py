@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import multiprocessing
 import os
 import re
 import signal
@@ -27,6 +28,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from gradsync.errors import GradsyncError
 
 _PR_SET_PDEATHSIG = 1
+_WORKER_PRELOAD = ["gradsync.forkserver_preload", "torch", "torch._dynamo", "gradsync"]  # once, in the forkserver
 _NOISY_LOGGERS = ("torch.distributed.elastic", "torch.distributed.elastic.agent.server.api",
                   "torch.multiprocessing", "torch.distributed.launcher")
 
@@ -76,10 +78,13 @@ def launch_local(nproc: int, entry: Callable, *args, max_restarts: int = 0) -> d
     """
     for name in _NOISY_LOGGERS:
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    # Workers fork from one forkserver that imported these once: a spawned worker (and each restarted
+    # one) would pay ~1.5 s for torch._dynamo alone, which the first optimizer imports.
+    multiprocessing.set_forkserver_preload(_WORKER_PRELOAD + [entry.__module__])
     with tempfile.TemporaryDirectory(prefix="gradsync-elastic-") as log_dir:
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                               rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
-                              max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
+                              max_restarts=max_restarts, monitor_interval=0.1, start_method="forkserver",
                               logs_specs=DefaultLogsSpecs(log_dir=log_dir), shutdown_timeout=5)
         try:
             return elastic_launch(config, entry)(*args)
