@@ -197,3 +197,19 @@ def test_bucket_algorithms_name_the_compressor_and_fixed_algorithms():
     assert {name for _, name in compressed} == {"ring+onebit"}
     assert sum(size for size, _ in compressed) == sum(size for size, _ in plain)
     assert local == [((1024 * 2048 + 2048 * 2) * 4, "shm")]  # one float32 average; thread ranks share a host
+
+
+@pytest.mark.parametrize("make, error", [
+    (lambda: SegmentOptions(segment_bytes=0.5), TypeError),
+    (lambda: SegmentOptions(segment_bytes="8"), TypeError),
+    (lambda: SegmentOptions(segment_bytes=0), ValueError),
+    (lambda: HierarchicalOptions(ranks_per_node=2.5), TypeError),
+    (lambda: HierarchicalOptions(ranks_per_node=True), TypeError),
+    (lambda: HierarchicalOptions(ranks_per_node="2"), TypeError),
+    (lambda: gradsync.Communicator(gradsync.ThreadWorld(1).transport(0), "5"), TypeError),
+    (lambda: gradsync.Communicator(gradsync.ThreadWorld(1).transport(0), None), TypeError),
+])
+def test_options_of_the_wrong_type_are_refused_naming_the_parameter(make, error):
+    """A float, bool or string where a count or seconds belong is refused, not rounded or compared."""
+    with pytest.raises(error, match="segment_bytes|ranks_per_node|timeout"):
+        make()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gradsync.collectives.options import AlgorithmOptions
+from gradsync.collectives.options import AlgorithmOptions, check_count
 
 DEFAULT_SEGMENT_BYTES = 4 * 2**20  # measured: 256 KiB halves ring busbw here, 4 MiB reaches native
 
@@ -29,15 +29,13 @@ class SegmentOptions(AlgorithmOptions):
         segment_bytes: bytes per segment (> 0; equal on every rank).
 
     Raises:
-        ValueError: ``segment_bytes`` is not positive.
+        TypeError: ``segment_bytes`` is not an int; ValueError: it is not positive.
     """
 
     segment_bytes: int = DEFAULT_SEGMENT_BYTES
 
     def __post_init__(self):
-        if not self.segment_bytes > 0:
-            raise ValueError(f"segment_bytes must be > 0, got {self.segment_bytes}")
-        object.__setattr__(self, "segment_bytes", int(self.segment_bytes))
+        check_count("segment_bytes", self.segment_bytes, minimum=1)
 
     def segment_numel(self, element_size: int) -> int:
         """Elements per pipelining segment (at least one)."""

@@ -28,6 +28,9 @@ DEFAULT_TIMEOUT_S = 300.0
 
 
 def check_timeout(timeout_s: float) -> None:
+    """Raise TypeError unless ``timeout_s`` is a real number, ValueError unless it is finite and > 0."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds, got {type(timeout_s).__name__} {timeout_s!r}")
     if not 0 < timeout_s < math.inf:
         raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout_s}")
 

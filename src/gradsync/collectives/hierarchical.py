@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from gradsync.collectives import halving_doubling, ring, shm, tree
 from gradsync.collectives.call import CollectiveCall
 from gradsync.collectives.chunking import chunk_bounds
-from gradsync.collectives.options import AlgorithmOptions
+from gradsync.collectives.options import AlgorithmOptions, check_count
 
 INTER_NODE_ALGORITHMS = {"ring": ring.all_reduce, "tree": tree.all_reduce,
                          "halving_doubling": halving_doubling.all_reduce}
@@ -43,8 +43,8 @@ class HierarchicalOptions(AlgorithmOptions):
             transport) or "shm" (the node's shared memory; its ranks must share a machine).
 
     Raises:
-        ValueError: ``ranks_per_node`` < 1 or (at :meth:`check`) not a divisor of
-        the world size; an unknown inner algorithm.
+        TypeError: ``ranks_per_node`` is not an int (or None); ValueError: it is < 1
+        or (at :meth:`check`) not a divisor of the world size; an unknown inner algorithm.
     """
 
     ranks_per_node: int | None = None
@@ -52,8 +52,8 @@ class HierarchicalOptions(AlgorithmOptions):
     intra_node_algorithm: str = "ring"
 
     def __post_init__(self):
-        if self.ranks_per_node is not None and self.ranks_per_node < 1:
-            raise ValueError(f"ranks_per_node={self.ranks_per_node} must be >= 1 and divide the world size")
+        if self.ranks_per_node is not None:
+            check_count("ranks_per_node", self.ranks_per_node, minimum=1)
         if self.inter_node_algorithm not in INTER_NODE_ALGORITHMS:
             raise ValueError(f"unknown inter_node_algorithm {self.inter_node_algorithm!r}; choose one of "
                              f"{', '.join(INTER_NODE_ALGORITHMS)}")

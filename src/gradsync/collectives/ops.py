@@ -63,7 +63,7 @@ def _argument_problem(tensor, what: str, op: str | None, algorithm: str | None, 
             validate_algorithm(algorithm)
         if timeout is not None:
             check_timeout(timeout)
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:  # raised after the layout check, so no rank is left waiting
         return exc
     if tensor.dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(dtype).replace("torch.", "") for dtype in SUPPORTED_DTYPES)

@@ -19,6 +19,21 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
+def check_count(name: str, value, minimum: int = 1) -> int:
+    """``value`` as an int >= ``minimum``.
+
+    Raises:
+        TypeError: not an integer (a bool, float or string is refused, not rounded);
+        ValueError: below ``minimum``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        bound = "> 0" if minimum == 1 else f">= {minimum}"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+    return int(value)
+
+
 class AlgorithmOptions:
     """Base of the options classes: construction checks what it can, :meth:`check` the rest.
 
