@@ -165,3 +165,23 @@ def test_the_add_an_algorithm_example_runs_as_a_registered_algorithm(monkeypatch
     results = run_threads(world_size, rank_fn)
     expected = torch.arange(numel, dtype=torch.float64) * sum(range(1, world_size + 1))
     assert all(torch.equal(result, expected) for result in results)
+
+
+@pytest.mark.parametrize("content, needle", [("{not json", "not JSON"), ('{"rows": []}', "no command")])
+def test_report_names_a_file_that_is_not_a_benchmark_record(tmp_path, content, needle):
+    """A damaged docs/bench file is a one-line ValueError naming it, not a traceback."""
+    (tmp_path / "allreduce.json").write_text(content)
+    with pytest.raises(ValueError, match=f"allreduce.json .*{needle}"):
+        report.render(tmp_path)
+
+
+def test_report_and_record_name_a_folder_they_cannot_write(tmp_path):
+    from gradsync.bench.record import record
+    from gradsync.cli import build_parser
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ValueError, match="--out .*cannot be written"):
+        report.write(tmp_path, blocker / "benchmarks.md")
+    with pytest.raises(ValueError, match="--bench-dir .*cannot be created"):
+        record("allreduce", [], blocker / "bench", parse=build_parser().parse_args, run=lambda argv: 0)

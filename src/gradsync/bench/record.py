@@ -99,7 +99,10 @@ def record(name: str, bench_args: list[str], bench_dir: str | Path, *, parse: Pa
     parsed = vars(parse(["bench", name, *bench_args]))
     options = {key: value for key, value in parsed.items() if key not in ("command", "bench", "json", "out")}
     bench_dir = Path(bench_dir)
-    bench_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        bench_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--bench-dir {bench_dir} cannot be created: {exc.strerror or exc}") from None
     where, what = machine(), versions()  # before the run: the code that ran
     with tempfile.TemporaryDirectory(prefix=f"gradsync-bench-{name}-") as scratch:
         json_path = Path(scratch) / "rows.json"
@@ -129,7 +132,8 @@ def add_parser(benches: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``gradsync bench record`` to the ``bench`` sub-commands."""
     parser = benches.add_parser("record", help="run `gradsync bench NAME OPTIONS` and write DIR/NAME.json "
                                 "with date, machine, load and versions (what `make bench` runs)")
-    parser.add_argument("--bench-dir", default=DEFAULT_BENCH_DIR, help="(default %(default)s)")
+    parser.add_argument("--bench-dir", default=DEFAULT_BENCH_DIR, help="folder of the JSON files, given before "
+                        "NAME (everything after NAME goes to the bench) (default %(default)s)")
     parser.add_argument("name", choices=BENCHES)
     parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="options of gradsync bench NAME")
     return parser

@@ -161,13 +161,29 @@ _TITLES = {"allreduce": "AllReduce sweep", "train": "Training: gradsync DataPara
            "faults": "Faults: a killed and a hung worker"}
 
 
+_REQUIRED_KEYS = ("command", "date", "duration_s", "load_before", "load_after", "machine", "versions", "rows")
+
+
 def load(bench_dir: str | Path = DEFAULT_BENCH_DIR) -> dict[str, dict]:
-    """The recorded documents in ``bench_dir``, by bench name (missing benches are absent)."""
+    """The recorded documents in ``bench_dir``, by bench name (missing benches are absent).
+
+    Raises:
+        ValueError: a file is not JSON or lacks a key that ``gradsync bench record`` writes (naming both).
+    """
     documents = {}
     for name in BENCHES:
         path = Path(bench_dir) / f"{name}.json"
-        if path.exists():
-            documents[name] = json.loads(path.read_text(encoding="utf-8"))
+        if not path.exists():
+            continue
+        try:
+            document = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path} is not a benchmark record (not JSON: {exc})") from None
+        missing = [key for key in _REQUIRED_KEYS if not isinstance(document, dict) or key not in document]
+        if missing:
+            raise ValueError(f"{path} is not a benchmark record written by `gradsync bench record`: "
+                             f"no {', '.join(missing)}")
+        documents[name] = document
     return documents
 
 
@@ -252,9 +268,17 @@ def render(bench_dir: str | Path = DEFAULT_BENCH_DIR) -> str:
 
 
 def write(bench_dir: str | Path = DEFAULT_BENCH_DIR, out: str | Path = DEFAULT_OUT) -> Path:
-    """Render ``bench_dir`` into ``out``; returns ``out``."""
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(render(bench_dir), encoding="utf-8")
+    """Render ``bench_dir`` into ``out``; returns ``out``.
+
+    Raises:
+        ValueError: ``out`` cannot be written (the message names it).
+    """
+    page = render(bench_dir)
+    try:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(page, encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"--out {out} cannot be written: {exc.strerror or exc}") from None
     return Path(out)
 
 
