@@ -28,7 +28,7 @@ test: $(STAMP)
 # allreduce and faults run their defaults; train, compression and modes run smaller options
 # (fewer steps, rounds and epochs; compression without bf16, fp16's twin; modes: sync, async as
 # `gradsync train --mode async` runs it, and local SGD H=16, each with and without a straggler) so that the whole
-# set takes about a quarter of an hour on 2 cores instead of about twice that; docs/benchmarks.md
+# set takes minutes on 2 cores instead of the better part of an hour; docs/benchmarks.md
 # says so and shows each command.
 # One bench: `make bench BENCHES=faults`; other options: `make bench BENCH_modes="--epochs 15"`.
 BENCH_DIR := docs/bench

@@ -24,9 +24,11 @@ import torch
 
 from gradsync.bench.output import claim_json_path, fmt_optional, write_json
 from gradsync.fault.events import read_events
+from gradsync.launch import start_forkserver
 from gradsync.train import data
 from gradsync.train.config import TrainConfig, total_steps, validate, validate_against_data
 from gradsync.train.metrics import MODEL_FILE
+from gradsync.train.worker import run_worker
 
 FAULTS = ("kill", "hang")
 
@@ -94,6 +96,7 @@ def run_bench(*, nproc: int = 4, epochs: int = 3, checkpoint_every: int = 25, ti
     print(f"# gradsync bench faults: MNIST-1D CNN, {nproc} workers, {epochs} epochs ({last_step} steps), "
           f"checkpoint every {checkpoint_every} steps, --timeout {timeout:g} s, fault on rank {fault_rank} "
           f"at step {step}, --max-restarts 1; runs in {out_dir}", flush=True)
+    start_forkserver(run_worker)  # its one-time imports would otherwise count in the first run only
     runs = {}
     for fault in ("none",) + FAULTS:
         folder = out_dir / fault

@@ -53,8 +53,8 @@ things it compares so they see the same noise), not absolute times across
 tables or machines.
 
 `make bench` uses smaller options than the benchmarks' defaults so that the
-whole set fits in about a quarter of an hour on 2 cores; the defaults take
-about twice as long, most of it in the compression and modes benchmarks,
+whole set takes minutes on 2 cores; the defaults take several times as
+long, most of it in the compression and modes benchmarks,
 which train the full 15-epoch main job once per setting (`make bench` trains
 fewer epochs, so their accuracies are below the main job's). Each section
 shows the command it ran and how long it took; run a benchmark with its
