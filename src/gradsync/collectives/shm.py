@@ -27,6 +27,7 @@ import torch
 from gradsync.collectives.call import CollectiveCall
 from gradsync.collectives.chunking import chunk_bounds, segment_bounds
 from gradsync.collectives.options import AlgorithmOptions
+from gradsync.errors import CollectiveMismatchError
 from gradsync.transport.base import PeerFailure
 from gradsync.transport import shm_segment as shm_transport
 from gradsync.transport.shm_segment import ShmPeerTimeout, ShmSegment, host_id
@@ -34,27 +35,44 @@ from gradsync.transport.shm_segment import ShmPeerTimeout, ShmSegment, host_id
 _NAME_BYTES = 64
 SMALL_MESSAGE_BYTES = 64 * 2**10  # every rank sums every region: p-fold adds, but one barrier
 IN_PLACE_DTYPES = (torch.float32, torch.float64)  # reduced in the arena without staging (see allocate_shared)
+ARENA_MIN_BYTES = 2**20  # per rank: small buffers share an arena (tmpfs pages cost only once touched)
+ARENA_ALIGN = 64         # every buffer starts on its own cache line
+_PLACEMENT_WORD = 2      # word 2 of a rank's counter line: where its all_reduce data lies (see _check_placement)
+_NOT_IN_ARENA = -1
 
 
 class ShmState(AlgorithmOptions):
-    """A group's segment and arena: shm's options, created on first use and kept until :meth:`close`.
+    """A group's segment and arenas: shm's options, created on first use and kept until :meth:`close`.
 
     ``available`` is None until the first shm call found out whether every
     rank is on one machine. ``region_bytes``: bytes per rank region of the
-    segment (None: the transport's default).
+    segment (None: the transport's default). ``arenas``: the segments that
+    :func:`allocate_shared` hands out disjoint ranges of; ``arena_used[i]``
+    bytes of each rank's region of ``arenas[i]`` are taken (equal on every rank).
     """
 
     def __init__(self, region_bytes: int | None = None):
         self.region_bytes = region_bytes or shm_transport.DEFAULT_REGION_BYTES
         self.segment: ShmSegment | None = None
         self.available: bool | None = None
-        self.arena: ShmSegment | None = None  # shared buffers handed out by allocate_shared
+        self.arenas: list[ShmSegment] = []
+        self.arena_used: list[int] = []
+
+    def find(self, tensor: torch.Tensor) -> tuple[int, int] | None:
+        """``(arena index, byte offset)`` of ``tensor``'s data in this rank's region of an arena, or None."""
+        for index, arena in enumerate(self.arenas):
+            offset = arena.offset_in_own_region(tensor)
+            if offset is not None:
+                return index, offset
+        return None
 
     def close(self) -> None:
-        for segment in (self.segment, self.arena):
+        """Drop the segments; tensors still viewing an arena keep its memory mapped until they are freed."""
+        for segment in (self.segment, *self.arenas):
             if segment is not None:
                 segment.close()
-        self.segment = self.arena = None
+        self.segment = None
+        self.arenas, self.arena_used = [], []
 
 
 def usable(call: CollectiveCall) -> bool:
@@ -142,10 +160,10 @@ def all_reduce(flat: torch.Tensor, call: CollectiveCall) -> None:
     if flat.numel() * flat.element_size() <= SMALL_MESSAGE_BYTES:  # one barrier beats no copy here
         _all_reduce_small(flat, segment, call)
         return
-    arena = call.options(ShmState).arena
-    offset = arena.offset_in_own_region(flat) if arena is not None else None
-    if offset is not None:
-        _all_reduce_in_arena(flat, arena, offset, call)
+    state = call.options(ShmState)
+    placement = state.find(flat) if state.arenas else None
+    if placement is not None:
+        _all_reduce_in_arena(flat, placement, call)
         return
     rank, world_size, dtype = call.rank, call.world_size, flat.dtype
     for start, stop in _slices(flat.numel(), segment, dtype):
@@ -153,7 +171,11 @@ def all_reduce(flat: torch.Tensor, call: CollectiveCall) -> None:
         set_index = _next_set(segment)
         regions = [segment.region(set_index, peer, dtype, numel) for peer in range(world_size)]
         regions[rank].copy_(part)
+        if state.arenas and start == 0:
+            segment.post(_PLACEMENT_WORD, _NOT_IN_ARENA)
         _barrier(segment, call, "shm all_reduce (copy in)")
+        if state.arenas and start == 0:
+            _check_placement(segment, call)
         chunks = chunk_bounds(numel, world_size)
         a, b = chunks[rank]
         mine = regions[rank][a:b]
@@ -165,36 +187,93 @@ def all_reduce(flat: torch.Tensor, call: CollectiveCall) -> None:
 
 
 def allocate_shared(call: CollectiveCall, nbytes: int) -> torch.Tensor | None:
-    """This rank's ``(nbytes,)`` uint8 buffer in a shared arena, or None if the ranks are not on one machine.
+    """This rank's own ``(nbytes,)`` uint8 buffer in a shared arena, or None if the ranks are not on one machine.
 
     A float32/float64 tensor laid in it is all-reduced by :func:`all_reduce`
     without being copied in: every rank reads its peers' data where they
-    wrote it (zero-copy buckets). Every rank must ask for the same
-    ``nbytes``; one arena per group, reused while large enough (collective
-    when it is created).
+    wrote it (zero-copy buckets). Every call gets a range of the arena that
+    no other call gets (64-byte aligned), at the same offset on every rank;
+    when no arena has room, a new arena segment is created (at least
+    ``ARENA_MIN_BYTES`` per rank) and the old ones stay mapped where they are.
+
+    Lifetime: ranges are never reused while the group lives (a dropped
+    model's buckets stay reserved, not freed, until the group is closed);
+    after :meth:`ShmState.close` the memory stays mapped as long as any
+    tensor views it.
+
+    Collective: every rank calls it in the same order with the same
+    ``nbytes``; the sizes and resulting offsets are compared first.
+
+    Raises:
+        ValueError: on every rank, naming each rank's request, when the ranks
+        ask for different sizes or ``nbytes`` is not an int >= 0 on some rank.
     """
     if not usable(call):
         return None
     state = call.options(ShmState)
-    if state.arena is None or state.arena.region_bytes < nbytes:
-        if state.arena is not None:
-            state.arena.close()
-        state.arena = _create(call, max(nbytes, 64), sets=1)
-    return state.arena.at_offset(call.rank, 0, torch.uint8, nbytes)
+    valid = isinstance(nbytes, int) and not isinstance(nbytes, bool) and nbytes >= 0
+    size = -(-max(nbytes, 1) // ARENA_ALIGN) * ARENA_ALIGN if valid else 0
+    index = next((i for i, arena in enumerate(state.arenas)
+                  if state.arena_used[i] + size <= arena.region_bytes), len(state.arenas))
+    offset = state.arena_used[index] if index < len(state.arenas) else 0
+    _agree_allocation(call, nbytes if valid else -1, index, offset)
+    if index == len(state.arenas):
+        arena = _create(call, max(-(-size // 4096) * 4096, ARENA_MIN_BYTES), sets=1)
+        if arena is None:
+            raise RuntimeError("shared_buffer: the shared-memory arena could not be created")
+        state.arenas.append(arena)
+        state.arena_used.append(0)
+    state.arena_used[index] = offset + size
+    return state.arenas[index].at_offset(call.rank, offset, torch.uint8, nbytes)
 
 
-def _all_reduce_in_arena(flat: torch.Tensor, arena: ShmSegment, offset: int, call: CollectiveCall) -> None:
-    """In place, with no copy in: the same offset of every rank's arena region holds its data.
+def _agree_allocation(call: CollectiveCall, nbytes: int, index: int, offset: int) -> None:
+    """Every rank's (``nbytes``, arena ``index``, ``offset``) through the segment; ValueError on every
+    rank (the same gathered rows) unless they are equal and valid."""
+    gathered = torch.zeros(3 * call.world_size, dtype=torch.int64)
+    gathered[3 * call.rank:3 * call.rank + 3] = torch.tensor([nbytes, index, offset])
+    all_gather(gathered, call)
+    rows = [tuple(int(v) for v in gathered[3 * r:3 * r + 3]) for r in range(call.world_size)]
+    if all(row == rows[0] for row in rows) and rows[0][0] >= 0:
+        return
+    asks = ", ".join(f"rank {r}: " + (f"{n} bytes at arena {i} offset {o}" if n >= 0 else "not an int >= 0")
+                     for r, (n, i, o) in enumerate(rows))
+    raise ValueError(f"rank {call.rank}: shared_buffer: every rank must ask for the same number of bytes "
+                     f"(an int >= 0) in the same order; {asks}")
 
-    Barrier (all data written); rank r sums chunk r of every region into its
-    own; barrier; every rank copies the other chunks from their owners;
-    barrier (no rank still reads a region that its owner may now overwrite).
+
+def _check_placement(segment: ShmSegment, call: CollectiveCall) -> None:
+    """After a barrier: every rank posted the same placement of its all_reduce data (``_PLACEMENT_WORD``),
+    else CollectiveMismatchError on every rank (each reads the same words)."""
+    posted = [segment.posted(peer, _PLACEMENT_WORD) for peer in range(call.world_size)]
+    if all(word == posted[0] for word in posted):
+        return
+    where = ", ".join(f"rank {peer}: " + ("not in the arena" if word == _NOT_IN_ARENA else
+                                          f"arena {word >> 40} offset {word & (2**40 - 1)}")
+                      for peer, word in enumerate(posted))
+    raise CollectiveMismatchError(f"rank {call.rank}: shm all_reduce: the ranks' tensors do not lie at the "
+                                  f"same place of the shared arena (shared_buffer); {where}")
+
+
+def _all_reduce_in_arena(flat: torch.Tensor, placement: tuple[int, int], call: CollectiveCall) -> None:
+    """In place, with no copy in: the same offset of every rank's region of arena ``placement[0]``
+    holds its data (checked: the placements are compared after the first barrier).
+
+    Barrier on the segment (all data written, placements posted); rank r sums
+    chunk r of every region into its own; barrier; every rank copies the
+    other chunks from their owners; barrier (no rank still reads a region
+    that its owner may now overwrite).
     """
+    segment = call.options(ShmState).segment
+    arena = call.options(ShmState).arenas[placement[0]]
     rank, world_size, numel = call.rank, call.world_size, flat.numel()
-    regions = [flat if peer == rank else arena.at_offset(peer, offset, flat.dtype, numel)
+    regions = [flat if peer == rank else arena.at_offset(peer, placement[1], flat.dtype, numel)
                for peer in range(world_size)]
     chunks = chunk_bounds(numel, world_size)
-    _barrier(arena, call, "shm all_reduce in place (written)")
+    _next_set(segment)  # the copy-through path advances it here too: the sets stay paired across ranks
+    segment.post(_PLACEMENT_WORD, (placement[0] << 40) | placement[1])
+    _barrier(segment, call, "shm all_reduce in place (written)")
+    _check_placement(segment, call)
     a, b = chunks[rank]
     for step in range(1, world_size):
         flat[a:b] += regions[(rank + step) % world_size][a:b]

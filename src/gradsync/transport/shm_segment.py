@@ -1,6 +1,6 @@
 """A shared-memory segment for ranks on one machine: regions to copy through, counters to wait on.
 
-One segment (``multiprocessing.shared_memory``) is created by rank 0 of the
+One segment (a POSIX shared-memory object, ``shm_open``) is created by rank 0 of the
 group under an unpredictable name (``gradsync-<pid>-<random>``, ``secrets``),
 mode 0600, and its name is sent to the other ranks over the group's
 point-to-point transport. Every rank maps it, then rank 0 unlinks the name:
@@ -18,6 +18,12 @@ then sleep (growing to 1 ms), so a waiting rank never starves the rank it
 waits for when ranks outnumber cores; every wait ends at the call's deadline
 with the rank that did not arrive.
 
+Lifetime: tensors viewing a segment (region views, the arena's zero-copy
+buckets) are made with ``torch.frombuffer`` on the ``mmap`` and keep it
+alive; :meth:`ShmSegment.close` only drops the segment's own references, so
+the memory is unmapped when the last tensor viewing it is freed, never under
+a live tensor (no segfault, and no later mapping at the same address).
+
 Ordering: data is written before the counter that announces it and read
 after the counter is seen, which x86-64's store and load ordering (TSO)
 makes safe without explicit fences.
@@ -25,13 +31,12 @@ makes safe without explicit fences.
 
 from __future__ import annotations
 
+import mmap
 import os
 import secrets
 import socket
-import threading
 import time
 import zlib
-from multiprocessing import resource_tracker, shared_memory
 
 import _posixshmem
 
@@ -48,43 +53,29 @@ _LIVENESS_EVERY_S = 0.05           # how often a waiting rank checks that the la
 _PID_WORD = 1                      # word 1 of each rank's counter line holds its process id
 
 
-class _NoTracker:
-    """Stands in for ``multiprocessing.resource_tracker``: gradsync unlinks its segments itself."""
+def _map(name: str, size: int | None = None) -> mmap.mmap:
+    """Map the POSIX shared-memory object ``name``: created (mode 0600, ``size`` bytes, zeroed) when
+    ``size`` is given, else opened at its current size. The descriptor is closed at once.
 
-    @staticmethod
-    def register(name, rtype):
-        pass
+    Nothing ever calls ``close()`` on the returned map: tensors made from it by
+    ``torch.frombuffer`` hold a reference to it (not a buffer export), so it is
+    unmapped only when the last reference, tensor or segment, is gone.
 
-    @staticmethod
-    def unregister(name, rtype):
-        pass
-
-
-_TRACKER_SWAP = threading.Lock()
-
-
-class _SharedMemory(shared_memory.SharedMemory):
-    """``SharedMemory`` without the resource tracker (a tracker shared by several ranks would unlink
-    or double-count the segment), whose finalizer tolerates tensors still viewing the mapping."""
-
-    def __init__(self, *args, **kwargs):
-        with _TRACKER_SWAP:
-            shared_memory.resource_tracker = _NoTracker
-            try:
-                super().__init__(*args, **kwargs)
-            finally:
-                shared_memory.resource_tracker = resource_tracker
-        os.close(self._fd)  # the mapping keeps the memory; an open fd would outlive a dropped segment
-        self._fd = -1
-
-    def unlink(self):
-        _posixshmem.shm_unlink(self._name)
-
-    def __del__(self):
-        try:
-            self.close()
-        except BufferError:
-            pass
+    Raises:
+        FileExistsError / FileNotFoundError / OSError: from ``shm_open``, ``ftruncate`` or ``mmap``.
+    """
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if size is not None else 0)
+    fd = _posixshmem.shm_open("/" + name, flags, mode=0o600)
+    try:
+        if size is not None:
+            os.ftruncate(fd, size)
+        return mmap.mmap(fd, size if size is not None else os.fstat(fd).st_size)
+    except BaseException:
+        if size is not None:
+            _posixshmem.shm_unlink("/" + name)
+        raise
+    finally:
+        os.close(fd)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -156,23 +147,23 @@ class ShmSegment:
     """This rank's mapping of the group's segment.
 
     Args:
-        shm: the attached ``SharedMemory``.
+        mapping: the ``mmap`` of the shared-memory object named ``name``.
         rank, world_size: this rank and the group size.
         region_bytes: bytes of one rank's region in one set.
     """
 
-    def __init__(self, shm: shared_memory.SharedMemory, rank: int, world_size: int, region_bytes: int,
+    def __init__(self, mapping: mmap.mmap, name: str, rank: int, world_size: int, region_bytes: int,
                  sets: int = 2):
-        self._shm = shm
+        self._name = name
         self.sets = sets
         self.rank = rank
         self.world_size = world_size
         self.region_bytes = region_bytes
         stride = LINE_BYTES // 8
-        self._words = shm.buf[:world_size * LINE_BYTES].cast("q")  # int64 words; counter r at r * stride
+        self._words = memoryview(mapping)[:world_size * LINE_BYTES].cast("q")  # int64; counter r at r * stride
         self._stride = stride
         self._header_bytes = segment_bytes_for(world_size, region_bytes, sets) - sets * world_size * region_bytes
-        self._bytes = torch.frombuffer(shm.buf, dtype=torch.uint8)
+        self._bytes = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping while any view lives
         self._views: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         self._sequence = self._words[rank * stride]
         self._words[rank * stride + _PID_WORD] = os.getpid()  # so that peers see this process die
@@ -183,21 +174,21 @@ class ShmSegment:
         """Rank 0: a new zeroed segment with a random name (mode 0600)."""
         remove_leftovers()
         name = f"gradsync-{os.getpid()}-{secrets.token_hex(12)}"
-        shm = _SharedMemory(name=name, create=True, size=segment_bytes_for(world_size, region_bytes, sets))
-        return cls(shm, 0, world_size, region_bytes, sets)
+        return cls(_map(name, segment_bytes_for(world_size, region_bytes, sets)), name, 0, world_size,
+                   region_bytes, sets)
 
     @classmethod
     def attach(cls, name: str, rank: int, world_size: int, region_bytes: int, sets: int = 2) -> "ShmSegment":
-        return cls(_SharedMemory(name=name), rank, world_size, region_bytes, sets)
+        return cls(_map(name), name, rank, world_size, region_bytes, sets)
 
     @property
     def name(self) -> str:
-        return self._shm.name
+        return self._name
 
     def unlink(self) -> None:
         """Remove the name (rank 0, once every rank has mapped it); mappings stay valid."""
         try:
-            self._shm.unlink()
+            _posixshmem.shm_unlink("/" + self._name)
         except FileNotFoundError:
             pass
 
@@ -224,6 +215,14 @@ class ShmSegment:
         """``(numel,)`` of ``dtype`` at byte ``offset`` of ``rank``'s set-0 region."""
         start = self._header_bytes + rank * self.region_bytes + offset
         return self._bytes[start:start + numel * dtype.itemsize].view(dtype)
+
+    def post(self, word: int, value: int) -> None:
+        """Write int64 ``value`` into word ``word`` (2-7) of this rank's header line; peers read it with
+        :meth:`posted` after the next barrier."""
+        self._words[self.rank * self._stride + word] = value
+
+    def posted(self, rank: int, word: int) -> int:
+        return self._words[rank * self._stride + word]
 
     def region_numel(self, dtype: torch.dtype) -> int:
         return self.region_bytes // dtype.itemsize
@@ -263,10 +262,10 @@ class ShmSegment:
                 sleep_s = min(2 * sleep_s, _MAX_SLEEP_S)
 
     def close(self) -> None:
+        """Drop this segment's references to the mapping (idempotent); tensors viewing it keep it mapped
+        until they are freed, then it is unmapped. The segment is unusable afterwards."""
         self._bytes = None
         self._views.clear()
-        self._words.release()
-        try:
-            self._shm.close()
-        except BufferError:  # a caller still holds a view; the mapping goes with the process
-            pass
+        if self._words is not None:
+            self._words.release()
+            self._words = None
