@@ -180,3 +180,25 @@ def test_all_reduce_of_tensors_at_different_places_of_the_arena_raises_on_every_
         for message in messages:
             assert f"rank {rank}:" in message and "rank 0: arena 0 offset 0" in message, f"rank {rank}: {message}"
         assert "rank 1: arena 0 offset 131072" in messages[0] and "rank 1: not in the arena" in messages[1]
+
+
+def test_closed_segment_stays_mapped_while_viewed_then_goes():
+    """One rank, no peers: after close() a view still reads and writes its memory; once the last view is
+    dropped the mapping is freed (nothing leaks until exit)."""
+    import gc
+    import weakref
+
+    from gradsync.transport.shm_segment import ShmSegment
+
+    segment = ShmSegment.create(1, 4096, sets=1)
+    segment.unlink()
+    view = segment.at_offset(0, 64, torch.float64, 8).fill_(2.5)
+    mapping = weakref.ref(segment._words.obj)  # the mmap
+    segment.close()
+    del segment
+    gc.collect()
+    assert view.add_(1.0).tolist() == [3.5] * 8
+    assert mapping() is not None
+    del view
+    gc.collect()
+    assert mapping() is None, "the mapping outlived its last view"

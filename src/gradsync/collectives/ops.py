@@ -327,7 +327,13 @@ def shared_buffer(comm: Communicator, nbytes: int, algorithm: str) -> torch.Tens
     copying in (DataParallel's zero-copy buckets), or None when ``algorithm`` offers no such storage
     or cannot here (for "shm": the ranks are not all on one machine).
 
-    Collective (when ``algorithm`` offers it): every rank calls it with the same ``nbytes``.
+    Every call gets storage of its own (for "shm": a range of the group's
+    arena that no other call shares, kept until the group is closed, and
+    mapped as long as any tensor views it, after :func:`gradsync.shutdown` too).
+    Each rank must all-reduce a tensor at the same place of its buffer.
+
+    Collective (when ``algorithm`` offers it): every rank calls it in the same order with the same
+    ``nbytes``; a different ``nbytes`` raises ValueError on every rank.
     """
     capability = ZERO_COPY.get(algorithm)
     if capability is None or comm.world_size == 1:

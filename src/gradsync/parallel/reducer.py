@@ -135,7 +135,10 @@ class Reducer:
 
     def _shared_storages(self, assignment: list[list[int]]) -> list[torch.Tensor | None]:
         """Zero-copy buckets: with bucket views, buckets of a dtype the algorithm reduces in place in its
-        own shared storage (shm: float32/float64 on CPU) live there. None per bucket otherwise."""
+        own shared storage (shm: float32/float64 on CPU) live there. None per bucket otherwise.
+
+        Each call (construction, a rebuild) gets a fresh range of the group's arena of its own; an
+        earlier range stays reserved until the group is closed (see ``shared_buffer``)."""
         storages: list[torch.Tensor | None] = [None] * len(assignment)
         in_place = collectives.zero_copy_dtypes(self.algorithm)
         if not (self.gradient_as_bucket_view and in_place and self.comm.world_size > 1 and self.compression is None):
