@@ -5,8 +5,10 @@
   averages; after ``gradsync.shutdown()`` their ``.grad`` stays readable and
   ``optimizer.step()`` works; after ``init`` again a new group's traffic does
   not overwrite them;
-* thread ranks: ``shared_buffer`` regions are disjoint, and ranks asking for
-  different sizes raise on every rank.
+* thread ranks: ``shared_buffer`` regions are disjoint, ranks asking for
+  different sizes raise on every rank, and so do ranks all-reducing tensors
+  at different places of the arena;
+* one rank: a closed segment stays mapped while a view lives, then is freed.
 
 Expected gradients are computed here with plain torch (mean of per-rank gradients).
 """
