@@ -36,7 +36,8 @@ from gradsync.collectives.communicator import Communicator, check_timeout
 from gradsync.collectives.dtypes import FLOAT32_ACCUMULATED, SUPPORTED_DTYPES
 from gradsync.collectives.hierarchical import HierarchicalOptions
 from gradsync.collectives.options import check_count
-from gradsync.collectives.registry import ALGORITHMS, AUTO
+from gradsync.collectives import registry
+from gradsync.collectives.registry import AUTO
 
 OPS = ("sum", "avg")
 NO_OP = "none"  # the op of collectives that take none
@@ -70,7 +71,7 @@ def _choice_problem(what: str, op, algorithm) -> Rejection | None:
                                                  f"{type(op).__name__} {op!r}"))
         if op not in OPS:
             return _reject("a bad op", ValueError(f"unknown op {op!r}; choose one of {', '.join(OPS)}"))
-    choices = _CHOICES.get(what, ALGORITHMS)
+    choices = _CHOICES.get(what, registry.ALGORITHMS)  # read per call: the one list (registry)
     if algorithm is None and what not in _CHOICES or algorithm is not None and not isinstance(algorithm, str):
         return _reject("a bad algorithm", TypeError(f"algorithm must be one of {', '.join(choices)}, got "
                                                     f"{type(algorithm).__name__} {algorithm!r}"))
