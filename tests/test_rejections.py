@@ -23,6 +23,7 @@ from _reference import assert_bitwise_equal
 from gradsync import CollectiveMismatchError, Communicator
 from gradsync.collectives import ops as collectives_api
 from gradsync.collectives import SegmentOptions, ShmState
+from gradsync.process_group import resolve_group
 from gradsync.transport import locality
 from gradsync.transport.shm_segment import ShmSegment
 
@@ -51,6 +52,8 @@ REJECTIONS = {
         torch.ones(4, device="meta") if bad else torch.ones(4), group=comm)),
     "op-none": (TypeError, "op", lambda comm, bad: gradsync.all_reduce(
         torch.ones(4), op=None if bad else "sum", group=comm)),
+    "op-none-string": (ValueError, "op", lambda comm, bad: gradsync.all_reduce(
+        torch.ones(4), op="none" if bad else "sum", group=comm)),
     "op-int": (TypeError, "op", lambda comm, bad: gradsync.all_reduce(
         torch.ones(4), op=3 if bad else "sum", group=comm)),
     "algorithm-none": (TypeError, "algorithm", lambda comm, bad: gradsync.all_reduce(
@@ -184,7 +187,9 @@ def _rank_auto_and_hierarchical_with_uneven_local_world_sizes(local_world_sizes)
             results[algorithm] = gradsync.all_reduce(tensor, algorithm=algorithm)
         except Exception as exc:  # noqa: BLE001 - reported per rank
             results[algorithm] = f"{type(exc).__name__}: {exc}"
-    return results
+    group = torch.distributed.new_group(list(range(gradsync.world_size())))
+    learnt = resolve_group(group).locality  # learnt when resolve_group made the communicator
+    return results, gradsync.process_group.default_communicator().locality, learnt
 
 
 @pytest.mark.timeout(60)
@@ -193,7 +198,8 @@ def test_auto_and_hierarchical_ignore_each_ranks_local_world_size():
     outcomes = run_world(3, _rank_auto_and_hierarchical_with_uneven_local_world_sizes, (2, 2, 1),
                          timeout_s=45, collective_timeout_s=10.0)
     expected = torch.arange(1000, dtype=torch.float32) * 6
-    for rank, results in enumerate(outcomes):
+    for rank, (results, default_locality, group_locality) in enumerate(outcomes):
+        assert default_locality == group_locality == locality.Locality((0, 0, 0)), f"rank {rank}"
         for algorithm, result in results.items():
             assert isinstance(result, torch.Tensor), f"rank {rank} {algorithm}: {result}"
             assert_bitwise_equal(result, expected, f"rank {rank} {algorithm}")

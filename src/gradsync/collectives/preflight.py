@@ -40,7 +40,14 @@ from gradsync.collectives import registry
 from gradsync.collectives.registry import AUTO
 
 OPS = ("sum", "avg")
-NO_OP = "none"  # the op of collectives that take none
+class _NoOp:
+    """The op of collectives that take none (a user's op=None or op="none" is still rejected)."""
+
+    def __repr__(self) -> str:
+        return "none"
+
+
+NO_OP = _NoOp()
 FIXED_ALGORITHM = {"broadcast": "tree", "all_gather": "ring", "reduce_scatter": "ring"}
 _CHOICES = {what: (default, "shm") for what, default in FIXED_ALGORITHM.items()}
 _IN_PLACE = ("all_reduce", "broadcast")
@@ -217,9 +224,10 @@ def start_call(comm: Communicator, tensor, what: str, *, op=NO_OP, algorithm: st
     if problem is None:
         problem, staged = _stage(prepare, resolved)
     if verify:
-        verify_layout(call, tensor if problem is None else None, collective=what, op=op if problem is None else NO_OP,
+        verify_layout(call, tensor if problem is None else None, collective=what,
+                      op=op if problem is None and op is not NO_OP else "none",
                       src=src if problem is None and src is not None else -1,
-                      algorithm=resolved if problem is None else NO_OP, rejection=problem,
+                      algorithm=resolved if problem is None else "none", rejection=problem,
                       options=options_fingerprint(comm, resolved) if problem is None else 0)
     if problem is not None:
         raise problem[1]
@@ -249,7 +257,7 @@ def nbytes_problem(nbytes, algorithm) -> Rejection | None:
         check_count("nbytes", nbytes, minimum=0)
     except (TypeError, ValueError) as exc:
         return _reject("a bad argument", exc)
-    return _choice_problem("shared_buffer", NO_OP, algorithm)
+    return _choice_problem("shared_buffer", NO_OP, algorithm)  # no op: only the algorithm is checked
 
 
 __all__ = ["FIXED_ALGORITHM", "NO_OP", "OPS", "argument_problem", "nbytes_problem", "options_fingerprint",
