@@ -20,6 +20,7 @@ import torch
 import gradsync
 from _dist import capture, run_threads, run_world
 from _reference import assert_bitwise_equal
+from _strict_transport import StrictWorld
 from gradsync import CollectiveMismatchError, Communicator
 from gradsync.collectives import ops as collectives_api
 from gradsync.collectives import SegmentOptions, ShmState
@@ -172,6 +173,23 @@ def test_host_identity_is_boot_id_and_dev_shm():
     if os.path.isdir("/dev/shm"):
         status = os.stat("/dev/shm")
         assert identity[2:] == (status.st_dev, status.st_ino)
+
+
+def test_a_hand_built_communicator_learns_its_locality_in_its_first_call():
+    """A transport that does not know its hosts: the first collective exchanges identities (as control
+    traffic) and every rank learns the same locality; the call's result is exact."""
+    world = StrictWorld(2, "early")
+
+    def rank_fn(comm):
+        comm = Communicator(world.transport(comm.rank), 4.0)
+        before = comm.locality
+        tensor = gradsync.all_reduce(torch.full((3,), comm.rank + 1.0), group=comm, algorithm="auto")
+        return before, comm.locality, tensor, comm.options(ShmState).segment is not None
+
+    for rank, (before, learnt, tensor, used_shm) in enumerate(run_threads(2, rank_fn)):
+        assert before is None and learnt == locality.Locality((0, 0)), f"rank {rank}: {before} -> {learnt}"
+        assert_bitwise_equal(tensor, torch.full((3,), 3.0), f"rank {rank}")
+        assert used_shm, f"rank {rank}: one host, so auto runs shm"
 
 
 def _rank_auto_and_hierarchical_with_uneven_local_world_sizes(local_world_sizes):

@@ -99,11 +99,12 @@ def all_reduce(tensor: torch.Tensor, comm: Communicator, *, op: str = "sum",
     Collective: every rank must call this in the same order with equal shape and dtype.
     """
     prepare = _stage_through_workspace(comm, tensor, lambda name: working_dtype(tensor.dtype, name))
-    call, algorithm, _ = start_call(comm, tensor, "all_reduce", op=op, algorithm=algorithm, timeout=timeout,
+    requested = algorithm
+    call, algorithm, _ = start_call(comm, tensor, "all_reduce", op=op, algorithm=requested, timeout=timeout,
                                     verify=verify, prepare=prepare)
     if comm.world_size == 1 or tensor.numel() == 0:
         return tensor
-    if algorithm == "shm" and not shm.usable(call):  # ranks on several hosts after all (every rank agrees)
+    if requested == AUTO and algorithm == "shm" and not shm.usable(call):  # several hosts after all (agreed)
         algorithm = resolve_algorithm(comm, tensor.numel() * tensor.element_size(), AUTO)
     work_dtype = working_dtype(tensor.dtype, algorithm)
     if tensor.is_contiguous() and tensor.dtype == work_dtype:  # the common case, without staging
