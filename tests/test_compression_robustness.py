@@ -44,6 +44,7 @@ def test_one_non_finite_step_does_not_poison_later_steps(name):
     ([{"compression": "onebit"}, {}], "compression"),
     ([{"compression": "topk"}, {"compression": TopK(0.5)}], "compression"),
     ([{"compression": PowerSGD(1)}, {"compression": PowerSGD(2)}], "compression"),
+    ([{"compression": TopK(0.01)}, {"compression": TopK(0.010000001)}], "compression"),  # exact, not rounded
     ([{"compression": OneBit(warmup_steps=2)}, {"compression": "onebit"}], "compression"),
     ([{"bucket_cap_mb": 1.0}, {}], "bucket_cap_mb"),
     ([{"algorithm": "tree"}, {}], "algorithm"),

@@ -107,7 +107,7 @@ def test_no_two_modules_share_a_name_and_communicator_imports_no_algorithm():
     tree = ast.parse((SRC / "collectives" / "communicator.py").read_text())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert imported == {"__future__", "typing", "gradsync.collectives.call",
-                        "gradsync.collectives.options", "gradsync.transport.base"}
+                        "gradsync.collectives.options", "gradsync.transport.base", "gradsync.transport.locality"}
 
 
 # ---------------------------------------------------------------- errors

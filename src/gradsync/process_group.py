@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 from gradsync.collectives.communicator import DEFAULT_TIMEOUT_S, Communicator
-from gradsync.collectives.hierarchical import HierarchicalOptions
 from gradsync.errors import NotInitializedError
 from gradsync.fault.hang import HangDetector
 from gradsync.transport.torch_p2p import TorchP2PTransport
@@ -94,17 +93,18 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT_S) -> Communica
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     transport = TorchP2PTransport(None)
     detector = HangDetector(store, transport.rank, transport.world_size) if store is not None else None
-    nodes = HierarchicalOptions(ranks_per_node=_ranks_per_node(transport.world_size))
-    _Default.communicator = Communicator(transport, timeout_s=timeout, hang_detector=detector, options=[nodes])
+    communicator = Communicator(transport, timeout_s=timeout, hang_detector=detector)
+    _learn_locality(communicator, timeout)
+    _Default.communicator = communicator
     return _Default.communicator
 
 
-def _ranks_per_node(world_size: int) -> int | None:
-    """LOCAL_WORLD_SIZE from the launcher when it tiles the world into equal nodes, else None."""
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    if local and local.isdigit() and 0 < int(local) <= world_size and world_size % int(local) == 0:
-        return int(local)
-    return None
+def _learn_locality(communicator: Communicator, timeout: float) -> None:
+    """Exchange host identities now, at group creation (collective): "auto", "hierarchical" and "shm"
+    then follow the hosts the ranks really run on, never a launcher variable (LOCAL_WORLD_SIZE may
+    differ between nodes)."""
+    call = communicator.new_call("init", "host identity exchange", max(timeout, MIN_STARTUP_TIMEOUT_S))
+    communicator.learn_locality(call)
 
 
 def _init_torch_distributed(backend: str, timeout: float):
@@ -184,7 +184,9 @@ def resolve_group(group) -> Communicator:
         key = id(group)
         if key not in _Default.by_group:
             timeout_s = default_communicator().timeout_s if _Default.communicator else DEFAULT_TIMEOUT_S
-            _Default.by_group[key] = Communicator(TorchP2PTransport(group), timeout_s=timeout_s)
+            communicator = Communicator(TorchP2PTransport(group), timeout_s=timeout_s)
+            _learn_locality(communicator, timeout_s)  # the first collective on this group: every rank is here
+            _Default.by_group[key] = communicator
         return _Default.by_group[key]
     raise TypeError(f"group must be None, a gradsync Communicator or a torch ProcessGroup, "
                     f"got {type(group).__name__}")

@@ -19,6 +19,13 @@ Gloo over loopback, one thread per rank (tables in the README):
   out to be on several hosts, ``shm_available`` becomes False and the rules
   above apply.
 
+``ranks_per_node`` and ``shm_available`` come from the group's locality,
+learnt from host identities every rank exchanged
+(:mod:`gradsync.transport.locality`; an explicit
+``HierarchicalOptions(ranks_per_node=...)`` wins), so every rank makes the
+same choice; the choice, not "auto", goes into the layout check, so ranks
+that still chose differently all raise CollectiveMismatchError.
+
 >>> choose(4096, world_size=2, ranks_per_node=2)
 'shm'
 >>> choose(4096, world_size=2, ranks_per_node=2, shm_available=False)

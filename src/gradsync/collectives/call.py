@@ -15,6 +15,7 @@ import torch
 from gradsync.collectives.options import OptionStore, T
 from gradsync.errors import CollectiveTimeoutError
 from gradsync.transport.base import PeerFailure, Transport
+from gradsync.transport.locality import Locality
 from gradsync.transport.sub import SubTransport
 
 
@@ -51,11 +52,14 @@ class CollectiveCall:
         deadline: ``time.monotonic()`` value the call ends at (None: now + ``timeout_s``).
         reported_rank: (rank, world_size) that errors name (None: this transport's).
         hang_detector: names the rank that hung (:mod:`gradsync.fault.hang`); None: the waited-for peer.
+        locality: which ranks share a host (:class:`~gradsync.transport.locality.Locality`), None: not
+            learnt yet.
     """
 
     def __init__(self, transport: Transport, op_name: str, algorithm: str, timeout_s: float,
                  workspace: Workspace, *, options: OptionStore | None = None, deadline: float | None = None,
-                 reported_rank: tuple[int, int] | None = None, hang_detector=None):
+                 reported_rank: tuple[int, int] | None = None, hang_detector=None,
+                 locality: Locality | None = None):
         self.transport = transport
         self.rank = transport.rank
         self.world_size = transport.world_size
@@ -68,6 +72,7 @@ class CollectiveCall:
         self.workspace = workspace
         self._options = options if options is not None else OptionStore()
         self.hang_detector = hang_detector
+        self.locality = locality
 
     def options(self, kind: type[T]) -> T:
         """The group's ``kind`` options (e.g. ``SegmentOptions``), default-constructed if it has none."""
@@ -83,7 +88,8 @@ class CollectiveCall:
         return CollectiveCall(SubTransport(self.transport, members), self.op_name, algorithm,
                               self.timeout_s, self.workspace, options=OptionStore(options, self._options),
                               deadline=self.deadline, reported_rank=self.reported_rank,
-                              hang_detector=self.hang_detector)
+                              hang_detector=self.hang_detector,
+                              locality=self.locality.sub(members) if self.locality is not None else None)
 
     def remaining_s(self) -> float:
         return max(self.deadline - time.monotonic(), 0.0)
@@ -131,6 +137,28 @@ class CollectiveCall:
         receiving = self.irecv(recv_tensor, src, step)
         self.wait_on(receiving, step)
         self.wait_on(sending, step)
+
+    def exchange_with_every_peer(self, rows: torch.Tensor, step: str, senders=None) -> None:
+        """Send row ``rank`` of ``rows`` (``(world_size, n)``, contiguous) to every peer and receive
+        each peer's row in its place, all in flight at once; counted as control traffic.
+
+        ``senders``: the ranks whose rows travel (None: every rank); the others only receive.
+        """
+        stats = self.transport.stats
+        before = (stats.bytes_sent, stats.bytes_received, stats.messages_sent, stats.messages_received)
+        peers = [peer for peer in range(self.world_size) if peer != self.rank]
+        senders = set(range(self.world_size) if senders is None else senders)
+        try:
+            sends = [self.isend(rows[self.rank], peer, f"{step} with peer rank {peer}")
+                     for peer in peers if self.rank in senders]
+            receives = [(peer, self.irecv(rows[peer], peer, f"{step} with peer rank {peer}"))
+                        for peer in peers if peer in senders]
+            for peer, pending in receives:
+                self.wait_on(pending, f"{step} with peer rank {peer}")
+            self.wait_all(sends, step)
+        finally:
+            stats.reclassify_as_control(stats.bytes_sent - before[0], stats.bytes_received - before[1],
+                                        (stats.messages_sent - before[2], stats.messages_received - before[3]))
 
     def failure(self, failure: PeerFailure, step: str) -> CollectiveTimeoutError:
         """Build the error for a failed wait on ``failure.peer`` during ``step``.

@@ -1,14 +1,29 @@
-"""Layout check: ranks agree on the collective, shape, dtype, op and src, or all raise.
+"""Layout check: ranks agree on the call, or all raise before any payload moves.
 
 Every rank contributes a fixed-size int64 descriptor and sends it straight
 to every other rank; since every descriptor has the same size this exchange
 cannot itself mismatch. Talking to every peer directly (rather than round a
 ring) means a rank that is dead or never calls is named by every other rank,
-not only by its neighbours, and the p-1 messages travel concurrently. Every rank then compares all descriptors
-and raises the same :class:`~gradsync.errors.CollectiveMismatchError` before
-any payload moves, so no tensor is modified and the group stays usable.
-Cost: (p-1) concurrent messages of ``DESCRIPTOR_NUMEL * 8`` bytes per rank. Callers that already verified a fixed layout (the
-DataParallel buckets, checked once at construction) pass ``verify=False``.
+not only by its neighbours, and the p-1 messages travel concurrently.
+
+A descriptor holds the collective, op, the resolved algorithm (what "auto"
+chose, never "auto" itself), a fingerprint of the options that algorithm
+runs with (segment size, node layout, ...), the dtype, device type, src and
+shape, and a *rejection*: the code of the problem this rank found with its
+own arguments (bad timeout, op or algorithm, sparse, inference or meta
+tensor, unsupported dtype, a failed staging allocation, ...), 0 if none.
+Every rank compares all descriptors. If any rank rejected, the rejecting
+ranks send their error text to every peer (a second fixed-size message, only
+then); each rejecting rank raises its own TypeError/ValueError, every other
+rank a :class:`~gradsync.errors.CollectiveMismatchError` naming the rank
+and its reason ("rank 1 rejected the call: timeout must be ... (got -1)").
+Otherwise a difference raises the same CollectiveMismatchError on every
+rank. Either way no tensor is modified and the group stays in step.
+
+Cost: (p-1) concurrent messages of ``DESCRIPTOR_NUMEL * 8`` bytes per rank
+(plus ``REASON_BYTES`` per rejecting rank on failure). Callers that already
+verified a fixed layout (the DataParallel buckets, checked once at
+construction) pass ``verify=False``.
 """
 
 from __future__ import annotations
@@ -22,83 +37,111 @@ from gradsync.collectives.dtypes import dtype_code, dtype_name
 from gradsync.collectives.registry import ALGORITHMS
 from gradsync.errors import CollectiveMismatchError
 
-DESCRIPTOR_NUMEL = 16
+DESCRIPTOR_NUMEL = 20
 MAX_DIMS = 8
+REASON_BYTES = 256  # a rejecting rank's error text, truncated
 _MAGIC = 0x67726164  # "grad"
-_FIELDS = ("magic", "collective", "op", "algorithm", "dtype", "src", "numel", "ndim")
-_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
+_FIELDS = ("magic", "collective", "op", "algorithm", "dtype", "src", "numel", "ndim",
+           "rejected", "options", "device")
+_HEAD = len(_FIELDS) + 1  # one spare word, then the dims
+_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "shared_buffer")
 _OPS = ("none", "sum", "avg")
+_DEVICES = ("cpu", "cuda", "meta")
+# Why a rank rejects its own call (code = index; 0: it does not).
+REJECTIONS = ("accepted", "a non-tensor argument", "an unsupported dtype", "a bad op", "a bad algorithm",
+              "a bad src", "a bad timeout", "a sparse tensor", "an inference tensor", "an unsupported device",
+              "a staging allocation failure", "a bad argument", "an algorithm this group cannot run")
+_NOT_A_TENSOR = -2
+
+
+def rejection_code(cause: str) -> int:
+    """The code of ``cause`` (one of ``REJECTIONS``)."""
+    return REJECTIONS.index(cause)
 
 
 def _code(table, value) -> int:
     return table.index(value) if value in table else len(table) + zlib.crc32(str(value).encode())
 
 
-_NOT_A_TENSOR = -2
-
-
-def describe(tensor: torch.Tensor | None, collective: str, op: str, algorithm: str, src: int) -> torch.Tensor:
-    """Encode a call's layout as a ``(DESCRIPTOR_NUMEL,)`` int64 tensor (None: not a tensor)."""
-    if tensor is None:
-        head = [_MAGIC, _code(_COLLECTIVES, collective), _code(_OPS, op), _code(ALGORITHMS, algorithm),
-                _NOT_A_TENSOR, src, 0, 0]
-        return torch.tensor(head + [0] * (DESCRIPTOR_NUMEL - len(head)), dtype=torch.int64)
-    dims = list(tensor.shape)
-    if len(dims) > MAX_DIMS:  # fold the tail into one value: still differs if any dim does
-        dims = dims[: MAX_DIMS - 1] + [hash(tuple(dims[MAX_DIMS - 1:])) & 0x7FFFFFFF]
+def describe(tensor: torch.Tensor | None, collective: str, op: str, algorithm: str, src: int, *,
+             rejected: int = 0, options: int = 0) -> torch.Tensor:
+    """Encode a call as a ``(DESCRIPTOR_NUMEL,)`` int64 tensor (``tensor`` None: not a tensor)."""
     head = [_MAGIC, _code(_COLLECTIVES, collective), _code(_OPS, op), _code(ALGORITHMS, algorithm),
-            dtype_code(tensor.dtype), src, tensor.numel(), tensor.dim()]
-    values = head + dims + [0] * (DESCRIPTOR_NUMEL - len(head) - len(dims))
-    return torch.tensor(values, dtype=torch.int64)
+            _NOT_A_TENSOR, src, 0, 0, rejected, options & 0x7FFFFFFF, 0, 0]
+    dims: list[int] = []
+    if tensor is not None and not rejected:
+        dims = list(tensor.shape)
+        if len(dims) > MAX_DIMS:  # fold the tail into one value: still differs if any dim does
+            dims = dims[: MAX_DIMS - 1] + [hash(tuple(dims[MAX_DIMS - 1:])) & 0x7FFFFFFF]
+        head[4], head[6], head[7] = dtype_code(tensor.dtype), tensor.numel(), tensor.dim()
+        head[10] = _code(_DEVICES, tensor.device.type)
+    return torch.tensor(head + dims + [0] * (DESCRIPTOR_NUMEL - _HEAD - len(dims)), dtype=torch.int64)
 
 
 def verify_layout(call: CollectiveCall, tensor: torch.Tensor | None, *, collective: str,
-                  op: str = "none", src: int = 0, algorithm: str | None = None) -> None:
+                  op: str = "none", src: int = 0, algorithm: str | None = None,
+                  rejection: tuple[int, Exception] | None = None, options: int = 0) -> None:
     """Raise CollectiveMismatchError on every rank unless all ranks describe the same call.
 
-    Collective: every rank must call this, whatever its tensor.
+    ``rejection``: (code, error) when this rank rejects the call; then this
+    function returns normally on this rank (the caller raises ``error``) once
+    the others know. ``options``: the fingerprint of the algorithm's options.
+
+    Collective: every rank must call this, whatever its arguments.
     """
     world_size = call.world_size
     if world_size == 1:
         return
-    stats = call.transport.stats
-    before = (stats.bytes_sent, stats.bytes_received, stats.messages_sent, stats.messages_received)
-    table = torch.zeros(world_size * DESCRIPTOR_NUMEL, dtype=torch.int64)
-    own = slice(call.rank * DESCRIPTOR_NUMEL, (call.rank + 1) * DESCRIPTOR_NUMEL)
-    table[own] = describe(tensor, collective, op, algorithm or call.algorithm, src)
-    _exchange_with_every_peer(table.view(world_size, DESCRIPTOR_NUMEL), call)
-    stats.reclassify_as_control(stats.bytes_sent - before[0], stats.bytes_received - before[1],
-                                (stats.messages_sent - before[2], stats.messages_received - before[3]))
-    rows = table.view(world_size, DESCRIPTOR_NUMEL).tolist()
+    table = torch.zeros(world_size, DESCRIPTOR_NUMEL, dtype=torch.int64)
+    table[call.rank] = describe(tensor, collective, op, algorithm or call.algorithm, src,
+                                rejected=rejection[0] if rejection else 0, options=options)
+    call.exchange_with_every_peer(table, "layout check")
+    rows = table.tolist()
+    rejecting = [rank for rank, row in enumerate(rows) if row[8] and row[0] == _MAGIC]
+    if rejecting:
+        reasons = _exchange_reasons(call, rejecting, rejection[1] if rejection else None)
+        if rejection is None:
+            detail = "; ".join(f"rank {rank} rejected the call: {reasons[rank]} ({_cause(rows[rank][8])})"
+                               for rank in rejecting)
+            raise CollectiveMismatchError(f"{collective} on rank {call.rank}: {detail}")
+        return
     problem = _first_difference(rows, tensor_shapes=[_shape_of(row) for row in rows])
     if problem:
         raise CollectiveMismatchError(f"{collective} on rank {call.rank}: ranks disagree on {problem}")
 
 
-def _exchange_with_every_peer(rows: torch.Tensor, call: CollectiveCall) -> None:
-    """Send this rank's row to every peer and receive theirs, all in flight at once."""
-    peers = [peer for peer in range(call.world_size) if peer != call.rank]
-    own = rows[call.rank]
-    sends = [call.isend(own, peer, f"layout check with peer rank {peer}") for peer in peers]
-    receives = [call.irecv(rows[peer], peer, f"layout check with peer rank {peer}") for peer in peers]
-    for peer, pending in zip(peers, receives):
-        call.wait_on(pending, f"layout check with peer rank {peer}")
-    call.wait_all(sends, "layout check")
+def _cause(code: int) -> str:
+    return REJECTIONS[code] if 0 <= code < len(REJECTIONS) else "an unknown cause"
+
+
+def _exchange_reasons(call: CollectiveCall, rejecting: list[int], error: Exception | None) -> dict[int, str]:
+    """Every rejecting rank sends its error text to every peer; return rank -> text."""
+    texts = torch.zeros(call.world_size, REASON_BYTES, dtype=torch.uint8)
+    if error is not None:
+        encoded = f"{type(error).__name__}: {error}".encode()[:REASON_BYTES]
+        texts[call.rank, :len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+    call.exchange_with_every_peer(texts, "rejection reasons", senders=rejecting)
+    return {rank: bytes(texts[rank].tolist()).rstrip(b"\0").decode(errors="replace") for rank in rejecting}
 
 
 def _shape_of(row: list[int]) -> tuple[int, ...]:
     ndim = row[7]
-    return tuple(row[8: 8 + min(ndim, MAX_DIMS)])
+    return tuple(row[_HEAD: _HEAD + min(ndim, MAX_DIMS)])
 
 
 def _decode(field: str, value: int) -> str:
     if field == "dtype":
         return "no tensor" if value == _NOT_A_TENSOR else dtype_name(value)
-    tables = {"collective": _COLLECTIVES, "op": _OPS, "algorithm": ALGORITHMS}
+    if field == "options":
+        return f"options fingerprint {value:#010x}"
+    tables = {"collective": _COLLECTIVES, "op": _OPS, "algorithm": ALGORITHMS, "device": _DEVICES}
     table = tables.get(field)
     if table is not None:
         return str(table[value]).replace("torch.", "") if 0 <= value < len(table) else "an unknown value"
     return str(value)
+
+
+_COMPARED = ("collective", "op", "algorithm", "dtype", "src", "device", "options")
 
 
 def _first_difference(rows: list[list[int]], tensor_shapes: list[tuple[int, ...]]) -> str:
@@ -106,9 +149,8 @@ def _first_difference(rows: list[list[int]], tensor_shapes: list[tuple[int, ...]
     if any(row[0] != _MAGIC for row in rows):
         bad = [rank for rank, row in enumerate(rows) if row[0] != _MAGIC]
         return f"the protocol: ranks {bad} sent no valid layout (they called another operation?)"
-    for index, field in enumerate(_FIELDS[1:7], start=1):
-        if field == "numel":
-            continue
+    for field in _COMPARED:
+        index = _FIELDS.index(field)
         values = [_decode(field, row[index]) for row in rows]
         if len(set(values)) > 1:
             return f"{field}: " + _group_by_value(values)

@@ -20,8 +20,11 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
+import torch
+
 from gradsync.collectives.call import CollectiveCall, Workspace
 from gradsync.collectives.options import AlgorithmOptions, OptionStore, T
+from gradsync.transport.locality import IDENTITY_WORDS, Locality, derive, host_identity
 from gradsync.transport.base import Transport, TransportStats
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -51,6 +54,14 @@ class Communicator:
             timeout, errors then name the rank that never reached the call
             (None: the peer this rank waited for).
 
+    Locality (which ranks share a host, :attr:`locality`) decides "auto",
+    "hierarchical"'s nodes and whether "shm" can work. A transport that knows
+    it (``ThreadTransport``: one host) gives it at once; otherwise the ranks
+    exchange host identities (:mod:`gradsync.transport.locality`):
+    ``gradsync.init`` and ``resolve_group`` call :meth:`learn_locality` when
+    they make the group, a hand-built communicator does it in its first
+    collective call (every rank's first call, so every rank takes part).
+
     Raises:
         ValueError: ``timeout_s`` is not positive, an option does not fit the
         world size (e.g. ``ranks_per_node`` does not divide it), or two options
@@ -66,6 +77,24 @@ class Communicator:
         self.timeout_s = float(timeout_s)
         self.workspace = Workspace()
         self.hang_detector = hang_detector
+        self.locality: Locality | None = getattr(transport, "locality", None)
+        if self.locality is None and transport.world_size == 1:
+            self.locality = Locality.single_host(1)
+
+    def learn_locality(self, call: CollectiveCall | None = None) -> Locality:
+        """Which ranks share a host, from identities every rank exchanges (once; collective then).
+
+        ``call``: the call to exchange them in (its deadline and error names; None: a call of its own).
+        """
+        if self.locality is None:
+            call = call or self.new_call("host identity exchange", "direct")
+            rows = torch.zeros(self.world_size, IDENTITY_WORDS, dtype=torch.int64)
+            rows[self.rank] = torch.tensor(host_identity(), dtype=torch.int64)
+            call.exchange_with_every_peer(rows, "host identity exchange")
+            self.locality = derive(rows.tolist())
+        if call is not None:
+            call.locality = self.locality
+        return self.locality
 
     @property
     def rank(self) -> int:
@@ -90,7 +119,7 @@ class Communicator:
         else:
             check_timeout(timeout_s)
         return CollectiveCall(self.transport, op_name, algorithm, float(timeout_s), self.workspace,
-                              options=self._options, hang_detector=self.hang_detector)
+                              options=self._options, hang_detector=self.hang_detector, locality=self.locality)
 
     def close(self) -> None:
         """Release what the options hold (shared-memory segments; their names are already gone)."""

@@ -10,8 +10,14 @@ data crosses the slow links between nodes, from L ranks in parallel. With
 shared memory instead (node sum, then each chunk broadcast from its owner).
 
 Nodes are consecutive rank blocks: node k holds ranks [k·L, (k+1)·L), with
-L = ``HierarchicalOptions.ranks_per_node`` (the launcher's LOCAL_WORLD_SIZE,
-or a smaller value so that one machine can pretend to be several nodes).
+L = ``HierarchicalOptions.ranks_per_node`` when given (a smaller value lets
+one machine pretend to be several nodes), else learnt from the group's host
+identities (:mod:`gradsync.transport.locality`; never from a launcher
+variable such as LOCAL_WORLD_SIZE, which each rank may see differently).
+Hosts that do not hold equal contiguous blocks (ranks 0-1 on one host, rank
+2 on another) have no such L: ``hierarchical`` then raises ValueError on
+every rank before any data moves (set ``ranks_per_node`` or use "auto",
+which runs a flat algorithm there).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ class HierarchicalOptions(AlgorithmOptions):
     """Node layout and inner algorithms of ``hierarchical``.
 
     Args:
-        ranks_per_node: ranks per node (None: all ranks on one node). Ranks
+        ranks_per_node: ranks per node (None: from the hosts the ranks run on). Ranks
             ``[k*ranks_per_node, (k+1)*ranks_per_node)`` form node k; a
             smaller value lets one machine pretend to be several nodes.
         inter_node_algorithm: what runs across nodes: a key of ``INTER_NODE_ALGORITHMS``.
@@ -66,9 +72,23 @@ class HierarchicalOptions(AlgorithmOptions):
             raise ValueError(f"ranks_per_node={self.ranks_per_node} must be >= 1 and divide the "
                              f"world size {world_size}")
 
-    def node_size(self, world_size: int) -> int:
-        """Ranks per node in a group of ``world_size`` (all of them when ``ranks_per_node`` is None)."""
-        return self.ranks_per_node or world_size
+    def node_size(self, world_size: int, locality=None) -> int:
+        """Ranks per node in a group of ``world_size``: ``ranks_per_node`` when set (it wins over
+        detection), else the hosts' block size from ``locality`` (a
+        :class:`~gradsync.transport.locality.Locality`; None: not known, all ranks on one node).
+
+        Raises:
+            ValueError: the hosts hold unequal or non-contiguous blocks of ranks.
+        """
+        if self.ranks_per_node is not None:
+            return self.ranks_per_node
+        if locality is None:
+            return world_size
+        if locality.ranks_per_node is None:
+            raise ValueError(f"hierarchical needs hosts holding equal contiguous blocks of ranks; this "
+                             f"group has {locality.describe()} (set HierarchicalOptions(ranks_per_node=...) "
+                             f"or use algorithm='auto')")
+        return locality.ranks_per_node
 
 
 @dataclass
@@ -97,7 +117,7 @@ def all_reduce(flat: torch.Tensor, call: CollectiveCall) -> None:
     """
     options = call.options(HierarchicalOptions)
     world_size, rank = call.world_size, call.rank
-    ranks_per_node = options.node_size(world_size)
+    ranks_per_node = options.node_size(world_size, call.locality)
     if world_size % ranks_per_node:
         raise ValueError(f"hierarchical needs the world size {world_size} to be a multiple of "
                          f"ranks_per_node {ranks_per_node}")

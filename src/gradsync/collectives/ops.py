@@ -4,9 +4,15 @@ Semantics (DESIGN.md §3): every call works in place on any shape and any
 numel (0, 1, fewer than world_size, not divisible by it), contiguous or not,
 for float32/float64/float16/bfloat16 and int8/uint8/int16/int32/int64.
 fp16/bf16 are accumulated in float32 for every algorithm; results are
-bitwise identical on every rank. Before any payload moves, the ranks' layouts
-are compared (:mod:`~gradsync.collectives.check`) so a mismatch raises
-:class:`~gradsync.errors.CollectiveMismatchError` on every rank.
+bitwise identical on every rank. Before any payload moves, every rank
+checks its own arguments and the ranks compare their calls
+(:mod:`~gradsync.collectives.preflight`, :mod:`~gradsync.collectives.check`):
+layout, op, src, the algorithm each resolved ("auto" included) and its
+options. A difference raises :class:`~gradsync.errors.CollectiveMismatchError`
+on every rank; a bad argument on one rank (timeout, op, algorithm, a sparse,
+meta or inference tensor, a dtype, a failed staging allocation) raises its
+own TypeError/ValueError there and a CollectiveMismatchError naming that
+rank and the cause on every other, so the group stays in step.
 """
 
 from __future__ import annotations
@@ -16,23 +22,16 @@ from contextlib import contextmanager
 import torch
 
 from gradsync.collectives import broadcast as tree_broadcast
-from gradsync.collectives import auto, ring, shm
+from gradsync.collectives import ring, shm
 from gradsync.collectives.all_to_all import all_to_all as _all_to_all
 from gradsync.collectives.call import CollectiveCall
 from gradsync.collectives.check import verify_layout
 from gradsync.collectives.chunking import chunk_bounds
-from gradsync.collectives.communicator import Communicator, check_timeout
-from gradsync.collectives.dtypes import FLOAT32_ACCUMULATED, SUPPORTED_DTYPES
-from gradsync.collectives.hierarchical import HierarchicalOptions
+from gradsync.collectives.communicator import Communicator
+from gradsync.collectives.dtypes import SUPPORTED_DTYPES
+from gradsync.collectives.preflight import (OPS, nbytes_problem, resolve_algorithm, sequence_problem, start_call,
+                                            working_dtype)
 from gradsync.collectives.registry import ALGORITHMS, ALL_REDUCE, AUTO, ZERO_COPY
-from gradsync.errors import CollectiveMismatchError
-
-OPS = ("sum", "avg")
-_FIXED_ALGORITHM = {"broadcast": "tree", "all_gather": "ring", "reduce_scatter": "ring"}
-_OTHER_CHOICES = {what: (default, "shm") for what, default in _FIXED_ALGORITHM.items()}
-# Gloo's own all_reduce lacks some narrow integer types; integer sums wrap the
-# same way in int64 followed by a narrowing cast, so native upcasts them.
-_NATIVE_UPCAST = {torch.int8: torch.int64, torch.uint8: torch.int64, torch.int16: torch.int64}
 
 
 def validate_op(op: str) -> None:
@@ -45,86 +44,13 @@ def validate_algorithm(algorithm: str) -> None:
         raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
 
 
-def _argument_problem(tensor, what: str, op: str | None, algorithm: str | None, src,
-                      timeout: float | None, world_size: int) -> Exception | None:
-    """Return the error a bad argument deserves (not raised yet), or None."""
-    if not isinstance(tensor, torch.Tensor):
-        return TypeError(f"{what} expects a torch.Tensor, got {type(tensor).__name__}")
-    if src is not None and (isinstance(src, bool) or not isinstance(src, int)):
-        return TypeError(f"src must be an int rank, got {type(src).__name__}")
-    try:
-        if op is not None:
-            validate_op(op)
-        if algorithm is not None and what in _OTHER_CHOICES:
-            if algorithm not in _OTHER_CHOICES[what]:
-                raise ValueError(f"unknown algorithm {algorithm!r} for {what}; choose one of "
-                                 f"{', '.join(_OTHER_CHOICES[what])}")
-        elif algorithm is not None:
-            validate_algorithm(algorithm)
-        if timeout is not None:
-            check_timeout(timeout)
-    except (ValueError, TypeError) as exc:  # raised after the layout check, so no rank is left waiting
-        return exc
-    if tensor.dtype not in SUPPORTED_DTYPES:
-        names = ", ".join(str(dtype).replace("torch.", "") for dtype in SUPPORTED_DTYPES)
-        return TypeError(f"{what} does not support dtype {tensor.dtype}; supported: {names}")
-    if op == "avg" and not tensor.is_floating_point():
-        return TypeError(f"op='avg' needs a floating-point tensor, got {tensor.dtype}; use op='sum'")
-    if src is not None and not 0 <= src < world_size:
-        return ValueError(f"src must be a rank in [0, {world_size}), got {src}")
-    return None
-
-
-def _start_call(comm: Communicator, tensor, what: str, *, op: str | None = None,
-                algorithm: str | None = None, src: int | None = None,
-                timeout: float | None, verify: bool) -> CollectiveCall:
-    """Check the arguments and the ranks' agreement; return the call to run.
-
-    A bad argument on one rank must not leave the others waiting or out of
-    step: the layout check still runs (describing what this rank was given),
-    so the other ranks raise CollectiveMismatchError while this one raises
-    its own TypeError or ValueError.
-    """
-    problem = _argument_problem(tensor, what, op, algorithm, src, timeout, comm.world_size)
-    algorithm = algorithm or _FIXED_ALGORITHM[what]
-    label = algorithm
-    if algorithm == AUTO and problem is None:  # name the choice in errors, even the check's
-        label = f"auto ({_auto_choice(tensor, comm)})"
-    call = comm.new_call(what, label, None if problem else timeout)
-    if verify:
-        described = tensor if isinstance(tensor, torch.Tensor) else None
-        try:
-            verify_layout(call, described, collective=what, op=op or "none",
-                          src=src if isinstance(src, int) else -1, algorithm=algorithm)
-        except CollectiveMismatchError:
-            if problem is None:
-                raise
-    if problem is not None:
-        raise problem
-    return call
-
-
-def _auto_choice(tensor: torch.Tensor, comm: Communicator) -> str:
-    return resolve_algorithm(comm, tensor.numel() * tensor.element_size(), AUTO)
-
-
-def resolve_algorithm(comm: Communicator, nbytes: int, algorithm: str) -> str:
-    """The algorithm an ``all_reduce`` of ``nbytes`` bytes with ``algorithm`` runs on ``comm`` now:
-    ``algorithm`` itself, or for "auto" :func:`~gradsync.collectives.auto.choose`'s pick (knowing
-    what the group learnt so far about shared memory)."""
-    if algorithm != AUTO:
-        return algorithm
-    ranks_per_node = comm.options(HierarchicalOptions).node_size(comm.world_size)
-    return auto.choose(nbytes, comm.world_size, ranks_per_node,
-                       shm_available=comm.options(shm.ShmState).available)
-
-
-def _working_dtype(dtype: torch.dtype, algorithm: str) -> torch.dtype:
-    if dtype in FLOAT32_ACCUMULATED:
-        return torch.float32
-    if algorithm == "native":
-        return _NATIVE_UPCAST.get(dtype, dtype)
-    return dtype
+def _stage_through_workspace(comm: Communicator, tensor: torch.Tensor, dtype_for):
+    """A ``prepare`` for start_call: grow the staging buffer ``_flat_view`` will use, before the layout check."""
+    def prepare(algorithm: str) -> None:
+        dtype = dtype_for(algorithm)
+        if comm.world_size > 1 and tensor.numel() and not (tensor.is_contiguous() and tensor.dtype == dtype):
+            comm.workspace.get(tensor.numel(), dtype, tensor.device, purpose="stage")
+    return prepare
 
 
 @contextmanager
@@ -163,20 +89,24 @@ def all_reduce(tensor: torch.Tensor, comm: Communicator, *, op: str = "sum",
         ``tensor``, now holding the result (bitwise equal on every rank).
 
     Raises:
-        ValueError: unknown op or algorithm; TypeError: unsupported dtype or
-        ``avg`` on integers; CollectiveMismatchError; CollectiveTimeoutError.
+        ValueError: unknown op or algorithm, a bad timeout, an inference or
+        meta tensor, an algorithm this group cannot run; TypeError: a wrong
+        type (op, algorithm, timeout, a sparse tensor), an unsupported dtype or
+        ``avg`` on integers; CollectiveMismatchError (ranks disagree, or
+        another rank rejected the call for one of these reasons);
+        CollectiveTimeoutError.
 
     Collective: every rank must call this in the same order with equal shape and dtype.
     """
-    call = _start_call(comm, tensor, "all_reduce", op=op, algorithm=algorithm, timeout=timeout,
-                       verify=verify)
+    prepare = _stage_through_workspace(comm, tensor, lambda name: working_dtype(tensor.dtype, name))
+    requested = algorithm
+    call, algorithm, _ = start_call(comm, tensor, "all_reduce", op=op, algorithm=requested, timeout=timeout,
+                                    verify=verify, prepare=prepare)
     if comm.world_size == 1 or tensor.numel() == 0:
         return tensor
-    if algorithm == AUTO:
-        algorithm = _auto_choice(tensor, comm)
-        if algorithm == "shm" and not shm.usable(call):  # ranks on several hosts after all
-            algorithm = _auto_choice(tensor, comm)
-    work_dtype = _working_dtype(tensor.dtype, algorithm)
+    if requested == AUTO and algorithm == "shm" and not shm.usable(call):  # several hosts after all (agreed)
+        algorithm = resolve_algorithm(comm, tensor.numel() * tensor.element_size(), AUTO)
+    work_dtype = working_dtype(tensor.dtype, algorithm)
     if tensor.is_contiguous() and tensor.dtype == work_dtype:  # the common case, without staging
         _reduce_flat(tensor.view(-1), call, algorithm, op)
         return tensor
@@ -222,8 +152,9 @@ def broadcast(tensor: torch.Tensor, comm: Communicator, *, src: int = 0,
 
     Collective: every rank must call this in the same order with equal shape, dtype and src.
     """
-    call = _start_call(comm, tensor, "broadcast", src=src, algorithm=algorithm, timeout=timeout,
-                       verify=verify)
+    prepare = _stage_through_workspace(comm, tensor, lambda name: tensor.dtype)
+    call, algorithm, _ = start_call(comm, tensor, "broadcast", src=src, algorithm=algorithm, timeout=timeout,
+                                    verify=verify, prepare=prepare)
     if comm.world_size == 1 or tensor.numel() == 0:
         return tensor
     with _flat_view(tensor, comm, tensor.dtype) as flat:
@@ -243,9 +174,12 @@ def all_gather(tensor: torch.Tensor, comm: Communicator, *, timeout: float | Non
 
     Collective: every rank must call this in the same order with equal shape and dtype.
     """
-    call = _start_call(comm, tensor, "all_gather", algorithm=algorithm, timeout=timeout, verify=verify)
+    def prepare(name: str) -> torch.Tensor:
+        return torch.empty(tensor.numel() * comm.world_size, dtype=tensor.dtype, device=tensor.device)
+
+    call, algorithm, gathered = start_call(comm, tensor, "all_gather", algorithm=algorithm, timeout=timeout,
+                                           verify=verify, prepare=prepare)
     numel, world_size = tensor.numel(), comm.world_size
-    gathered = torch.empty(numel * world_size, dtype=tensor.dtype, device=tensor.device)
     gathered[comm.rank * numel:(comm.rank + 1) * numel] = tensor.reshape(-1)
     if algorithm == "shm" and world_size > 1:
         shm.all_gather(gathered, call)
@@ -269,10 +203,12 @@ def reduce_scatter(tensor: torch.Tensor, comm: Communicator, *, op: str = "sum",
 
     Collective: every rank must call this in the same order with equal shape and dtype.
     """
-    call = _start_call(comm, tensor, "reduce_scatter", op=op, algorithm=algorithm, timeout=timeout,
-                       verify=verify)
-    work_dtype = _working_dtype(tensor.dtype, "ring")
-    flat = comm.workspace.get(tensor.numel(), work_dtype, tensor.device, purpose="stage")
+    def prepare(name: str) -> torch.Tensor:
+        return comm.workspace.get(tensor.numel(), working_dtype(tensor.dtype, "ring"), tensor.device,
+                                  purpose="stage")
+
+    call, algorithm, flat = start_call(comm, tensor, "reduce_scatter", op=op, algorithm=algorithm,
+                                       timeout=timeout, verify=verify, prepare=prepare)
     flat.copy_(tensor.reshape(-1))
     scatter = shm.reduce_scatter if algorithm == "shm" else ring.reduce_scatter
     start, stop = scatter(flat, call) if comm.world_size > 1 else (0, flat.numel())
@@ -284,7 +220,7 @@ def reduce_scatter(tensor: torch.Tensor, comm: Communicator, *, op: str = "sum",
 
 @torch.no_grad()
 def all_to_all(sends: list[torch.Tensor], receives: list[torch.Tensor], comm: Communicator, *,
-               timeout: float | None = None) -> list[torch.Tensor]:
+               timeout: float | None = None, verify: bool = True) -> list[torch.Tensor]:
     """Send ``sends[p]`` to rank p and receive rank p's message into ``receives[p]`` (MPI_Alltoall).
 
     Args:
@@ -292,26 +228,30 @@ def all_to_all(sends: list[torch.Tensor], receives: list[torch.Tensor], comm: Co
         receives: ``world_size`` contiguous tensors, ``receives[p]`` with the
             numel and dtype of rank p's ``sends[rank]``; written in place.
         timeout: seconds for the whole call (None: the communicator's default).
+        verify: agree first that no rank rejects the call (one small exchange; callers whose
+            arguments every rank derived from one agreed layout, as compressors, pass False).
 
     Returns:
         ``receives``.
 
     Raises:
         ValueError: a list does not hold ``world_size`` tensors, or a receive
-        buffer is not contiguous; CollectiveTimeoutError.
+        buffer is not contiguous; TypeError: not lists of dense tensors, a bad
+        timeout; CollectiveMismatchError: another rank rejected the call so;
+        CollectiveTimeoutError.
 
     The sizes are not compared across ranks (callers derive them from a
     layout every rank already agreed on, as compressors do from buckets).
 
     Collective: every rank must call this in the same order.
     """
-    world_size = comm.world_size
-    if len(sends) != world_size or len(receives) != world_size:
-        raise ValueError(f"all_to_all needs {world_size} send and receive tensors, got "
-                         f"{len(sends)} and {len(receives)}")
-    if not all(tensor.is_contiguous() for tensor in receives):
-        raise ValueError("all_to_all receive buffers must be contiguous")
-    call = comm.new_call("all_to_all", "pairwise", timeout)
+    problem = sequence_problem(sends, receives, comm.world_size, timeout)
+    call = comm.new_call("all_to_all", "pairwise", None if problem else timeout)
+    comm.learn_locality(call)
+    if verify:
+        verify_layout(call, None, collective="all_to_all", rejection=problem)
+    if problem is not None:
+        raise problem[1]
     _all_to_all([tensor.contiguous() for tensor in sends], receives, call)
     return receives
 
@@ -332,13 +272,22 @@ def shared_buffer(comm: Communicator, nbytes: int, algorithm: str) -> torch.Tens
     mapped as long as any tensor views it, after :func:`gradsync.shutdown` too).
     Each rank must all-reduce a tensor at the same place of its buffer.
 
-    Collective (when ``algorithm`` offers it): every rank calls it in the same order with the same
-    ``nbytes``; a different ``nbytes`` raises ValueError on every rank.
+    Collective: every rank calls it in the same order with the same ``nbytes`` and ``algorithm``
+    (compared first, with any rank's rejection of a bad argument, so that every rank raises).
     """
-    capability = ZERO_COPY.get(algorithm)
-    if capability is None or comm.world_size == 1:
+    problem = nbytes_problem(nbytes, algorithm)
+    if comm.world_size == 1:
+        if problem is not None:
+            raise problem[1]
         return None
-    return capability.allocate(comm.new_call("shared_buffer", algorithm), nbytes)
+    call = comm.new_call("shared_buffer", str(algorithm))
+    comm.learn_locality(call)
+    described = None if problem else torch.empty(nbytes, dtype=torch.uint8, device="meta")
+    verify_layout(call, described, collective="shared_buffer", algorithm=str(algorithm), rejection=problem)
+    if problem is not None:
+        raise problem[1]
+    capability = ZERO_COPY.get(algorithm)
+    return capability.allocate(call, nbytes) if capability is not None else None
 
 
 __all__ = ["ALGORITHMS", "OPS", "SUPPORTED_DTYPES", "all_gather", "all_reduce", "all_to_all", "average",

@@ -16,8 +16,12 @@ rank, against 2(p-1) messages through the kernel for a ring over TCP.
 Broadcast and all-gather are one copy in, one barrier, copies out.
 
 The segment is created at the first shm call of a group, which is
-collective: rank 0 checks that every rank reports the same host, creates
-the segment and sends its name to the others point-to-point.
+collective: from the group's locality (or, when it is not known, host ids
+every rank sends to rank 0) rank 0 knows whether every rank shares its
+host, creates the segment and sends its name to the others point-to-point;
+every rank maps it and reports the outcome to rank 0, which tells every
+rank: a rank that failed to map it (or rank 0 failing to create it) makes
+every rank raise :class:`ShmSetupError` naming that rank and why.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 from gradsync.collectives.call import CollectiveCall
 from gradsync.collectives.chunking import chunk_bounds, segment_bounds
 from gradsync.collectives.options import AlgorithmOptions
-from gradsync.errors import CollectiveMismatchError
+from gradsync.errors import CollectiveMismatchError, GradsyncError
 from gradsync.transport.base import PeerFailure
 from gradsync.transport import shm_segment as shm_transport
 from gradsync.transport.shm_segment import ShmPeerTimeout, ShmSegment, host_id
@@ -88,40 +92,113 @@ def usable(call: CollectiveCall) -> bool:
 def _segment(call: CollectiveCall) -> ShmSegment:
     if not usable(call):
         raise ValueError("algorithm 'shm' needs every rank of the group on one machine; these ranks "
-                         "report different hostnames")
+                         "report different hosts (boot id or /dev/shm)")
     return call.options(ShmState).segment
 
 
+class ShmSetupError(GradsyncError, OSError):
+    """The group's segment could not be created or mapped on some rank; raised on every rank, naming it."""
+
+
+_REPORT_BYTES = 256  # a rank's setup outcome: b"" (done) or the error text
+_NO_SHM, _NAMED, _CREATE_FAILED = 0, 1, 2  # the first byte of the name message
+
+
+def _text(buffer: torch.Tensor) -> str:
+    return bytes(buffer[buffer > 0].tolist()).decode(errors="replace")
+
+
+def _encode(text: str, size: int, first: int | None = None) -> torch.Tensor:
+    encoded = ((bytes([first]) if first is not None else b"") + text.encode())[:size]
+    buffer = torch.zeros(size, dtype=torch.uint8)
+    buffer[:len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+    return buffer
+
+
+def _one_host(call: CollectiveCall) -> bool:
+    """Whether the call's ranks share a host: from the group's locality, else rank 0 asks every rank
+    (collective; every rank learns the answer from the name message)."""
+    if call.locality is not None:
+        return call.locality.one_host
+    if call.rank != 0:
+        call.send(torch.tensor([host_id()], dtype=torch.int64), 0, "shm setup (host check)")
+        return True  # rank 0 decides; the name message says
+    hosts = torch.zeros(call.world_size, dtype=torch.int64)
+    for peer in range(1, call.world_size):
+        call.recv(hosts[peer:peer + 1], peer, "shm setup (host check)")
+    return bool((hosts[1:] == host_id()).all())
+
+
 def _create(call: CollectiveCall, region_bytes: int, sets: int = 2) -> ShmSegment | None:
-    """Rank 0 creates the segment if every rank is on its host, every rank maps it; None when the
-    ranks are on several hosts (collective)."""
-    rank, world_size = call.rank, call.world_size
+    """Rank 0 creates the segment if every rank is on its host, every rank maps it and reports the
+    outcome to rank 0, which tells every rank; None when the ranks are on several hosts (collective).
+
+    Raises:
+        ShmSetupError: on every rank when creating or mapping failed on any, naming that rank and why.
+    """
+    one_host = _one_host(call)
+    if call.rank == 0:
+        return _create_as_root(call, region_bytes, sets, one_host)
     name = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
-    if rank == 0:
-        hosts = torch.zeros(world_size, dtype=torch.int64)
-        for peer in range(1, world_size):
-            call.recv(hosts[peer:peer + 1], peer, "shm setup (host check)")
-        segment = None
-        if bool((hosts[1:] == host_id()).all()):
-            segment = ShmSegment.create(world_size, region_bytes, sets)
-            name[:len(segment.name)] = torch.tensor(list(segment.name.encode()), dtype=torch.uint8)
-        try:
-            for peer in range(1, world_size):
-                call.send(name, peer, "shm setup (segment name)")
-            if segment is not None:
-                _barrier(segment, call, "shm setup (attach)")
-        finally:
-            if segment is not None:
-                segment.unlink()  # every rank mapped it (or failed): the name is no longer needed
-        return segment
-    call.send(torch.tensor([host_id()], dtype=torch.int64), 0, "shm setup (host check)")
     call.recv(name, 0, "shm setup (segment name)")
-    if not int(name[0]):
+    if int(name[0]) == _NO_SHM:
         return None
-    text = bytes(name[name > 0].tolist()).decode()
-    segment = ShmSegment.attach(text, rank, world_size, region_bytes, sets)
-    _barrier(segment, call, "shm setup (attach)")
+    if int(name[0]) == _CREATE_FAILED:
+        raise ShmSetupError(_setup_failure(call, f"rank 0 could not create the segment: {_text(name[1:])}"))
+    segment, report, cause = None, "", None
+    try:
+        segment = ShmSegment.attach(_text(name[1:]), call.rank, call.world_size, region_bytes, sets)
+    except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised here as well
+        report, cause = f"{type(exc).__name__}: {exc}", exc
+    call.send(_encode(report, _REPORT_BYTES), 0, "shm setup (attach report)")
+    verdict = torch.zeros(_REPORT_BYTES, dtype=torch.uint8)
+    call.recv(verdict, 0, "shm setup (attach verdict)")
+    if int(verdict[0]):
+        if segment is not None:
+            segment.close()
+        raise ShmSetupError(_setup_failure(call, _text(verdict))) from cause
     return segment
+
+
+def _create_as_root(call: CollectiveCall, region_bytes: int, sets: int, one_host: bool) -> ShmSegment | None:
+    segment, failure = None, ""
+    if one_host:
+        try:
+            segment = ShmSegment.create(call.world_size, region_bytes, sets)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised here as well
+            failure = f"{type(exc).__name__}: {exc}"
+    if failure:
+        message = _encode(failure, _NAME_BYTES, _CREATE_FAILED)
+    else:
+        message = _encode(segment.name if segment is not None else "", _NAME_BYTES,
+                          _NAMED if segment is not None else _NO_SHM)
+    for peer in range(1, call.world_size):
+        call.send(message, peer, "shm setup (segment name)")
+    if failure:
+        raise ShmSetupError(_setup_failure(call, f"rank 0 could not create the segment: {failure}"))
+    if segment is None:
+        return None
+    failed = []
+    try:
+        for peer in range(1, call.world_size):
+            report = torch.zeros(_REPORT_BYTES, dtype=torch.uint8)
+            call.recv(report, peer, "shm setup (attach report)")
+            if int(report[0]):
+                failed.append(f"rank {peer} failed to attach the segment: {_text(report)}")
+    finally:
+        segment.unlink()  # every rank mapped it (or failed): the name is no longer needed
+    verdict = _encode("; ".join(failed), _REPORT_BYTES)
+    for peer in range(1, call.world_size):
+        call.send(verdict, peer, "shm setup (attach verdict)")
+    if failed:
+        segment.close()
+        raise ShmSetupError(_setup_failure(call, "; ".join(failed)))
+    return segment
+
+
+def _setup_failure(call: CollectiveCall, reason: str) -> str:
+    rank, world_size = call.reported_rank
+    return f"{call.op_name} (algorithm={call.algorithm}) on rank {rank} of {world_size}: shm setup failed: {reason}"
 
 
 def _barrier(segment: ShmSegment, call: CollectiveCall, step: str) -> None:
@@ -333,5 +410,5 @@ def all_gather(gathered: torch.Tensor, call: CollectiveCall) -> None:
                 parts[peer, start:stop] = regions[peer]
 
 
-__all__ = ["IN_PLACE_DTYPES", "ShmState", "all_gather", "all_reduce", "allocate_shared", "broadcast", "reduce_scatter",
+__all__ = ["IN_PLACE_DTYPES", "ShmSetupError", "ShmState", "all_gather", "all_reduce", "allocate_shared", "broadcast", "reduce_scatter",
            "usable"]

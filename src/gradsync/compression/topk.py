@@ -102,4 +102,4 @@ class TopK(Compressor):
         self.feedback.load_state_dict(state["residual"])
 
     def __repr__(self) -> str:
-        return f"TopK(ratio={self.ratio:g}, warmup_steps={self.warmup_steps})"
+        return f"TopK(ratio={self.ratio!r}, warmup_steps={self.warmup_steps})"  # exact: settings compare it

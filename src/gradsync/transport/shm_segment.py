@@ -34,7 +34,6 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
-import socket
 import time
 import zlib
 
@@ -43,6 +42,7 @@ import _posixshmem
 import torch
 
 from gradsync.errors import GradsyncError
+from gradsync.transport.locality import host_identity
 
 LINE_BYTES = 64
 DEFAULT_REGION_BYTES = 4 * 2**20   # per rank and set: messages go through in slices of this size
@@ -129,13 +129,10 @@ class ShmPeerTimeout(GradsyncError, TimeoutError):
 
 
 def host_id() -> int:
-    """A 31-bit id of this machine (crc32 of hostname and boot id) to check that ranks share a node."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as file:
-            boot_id = file.read().strip()
-    except OSError:
-        boot_id = ""
-    return zlib.crc32(f"{socket.gethostname()}/{boot_id}".encode()) & 0x7FFFFFFF
+    """A 31-bit id of this host's identity (:func:`gradsync.transport.locality.host_identity`: boot
+    id and ``/dev/shm``), to check that ranks can share a segment."""
+    words = ",".join(map(str, host_identity()))
+    return zlib.crc32(words.encode()) & 0x7FFFFFFF
 
 
 def segment_bytes_for(world_size: int, region_bytes: int, sets: int = 2) -> int:

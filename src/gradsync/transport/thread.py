@@ -18,6 +18,7 @@ import time
 import torch
 
 from gradsync.transport.base import PeerFailure, TransportStats
+from gradsync.transport.locality import Locality
 
 
 class ThreadWorld:
@@ -112,6 +113,11 @@ class ThreadTransport:
         self.rank = rank
         self.world_size = world.world_size
         self.stats = TransportStats()
+
+    @property
+    def locality(self) -> Locality:
+        """Every thread-rank runs in this process: one host (pretend nodes are explicit options)."""
+        return Locality.single_host(self.world_size)
 
     def isend(self, tensor: torch.Tensor, peer: int) -> _Done:
         self._world.mailbox(self.rank, peer).put(tensor.detach().clone())

@@ -1,0 +1,264 @@
+"""What every collective checks before data moves: its arguments, its algorithm, the ranks' agreement.
+
+:func:`start_call` is the one entry of every public collective in
+:mod:`~gradsync.collectives.ops`. In order, on every rank, whatever its
+arguments:
+
+1. learn the group's locality if the communicator does not know it yet (a
+   hand-built one, at its first call; see ``Communicator.learn_locality``);
+2. look for a rank-local problem: a wrong type or value of op, algorithm,
+   src or timeout, a non-tensor, a sparse, meta or (for in-place calls)
+   inference tensor, an unsupported dtype, an algorithm this group cannot
+   run (``shm`` across hosts, ``hierarchical`` over unequal hosts), and
+   finally the staging buffers the call will need (so that an allocation
+   failure, too, is known before the exchange);
+3. resolve the algorithm ("auto" becomes what it runs) and fingerprint the
+   options it runs with;
+4. compare all of that across ranks (:func:`~gradsync.collectives.check.verify_layout`):
+   a problem travels as a rejection, so the rejecting rank raises its own
+   error and every other rank a CollectiveMismatchError naming it.
+
+With ``verify=False`` (layouts every rank verified before, as DataParallel's
+buckets) step 4 is skipped: a problem is then raised on this rank only.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from gradsync.collectives import auto, shm
+from gradsync.collectives.call import CollectiveCall
+from gradsync.collectives.check import rejection_code, verify_layout
+from gradsync.collectives.chunking import SegmentOptions
+from gradsync.collectives.communicator import Communicator, check_timeout
+from gradsync.collectives.dtypes import FLOAT32_ACCUMULATED, SUPPORTED_DTYPES
+from gradsync.collectives.hierarchical import HierarchicalOptions
+from gradsync.collectives.options import check_count
+from gradsync.collectives import registry
+from gradsync.collectives.registry import AUTO
+
+OPS = ("sum", "avg")
+class _NoOp:
+    """The op of collectives that take none (a user's op=None or op="none" is still rejected)."""
+
+    def __repr__(self) -> str:
+        return "none"
+
+
+NO_OP = _NoOp()
+FIXED_ALGORITHM = {"broadcast": "tree", "all_gather": "ring", "reduce_scatter": "ring"}
+_CHOICES = {what: (default, "shm") for what, default in FIXED_ALGORITHM.items()}
+_IN_PLACE = ("all_reduce", "broadcast")
+# Gloo's own all_reduce lacks some narrow integer types; integer sums wrap the
+# same way in int64 followed by a narrowing cast, so native upcasts them.
+_NATIVE_UPCAST = {torch.int8: torch.int64, torch.uint8: torch.int64, torch.int16: torch.int64}
+
+Rejection = tuple[int, Exception]
+
+
+def _reject(cause: str, error: Exception) -> Rejection:
+    return rejection_code(cause), error
+
+
+def working_dtype(dtype: torch.dtype, algorithm: str) -> torch.dtype:
+    """The dtype ``algorithm`` reduces a ``dtype`` tensor in (fp16/bf16: float32)."""
+    if dtype in FLOAT32_ACCUMULATED:
+        return torch.float32
+    if algorithm == "native":
+        return _NATIVE_UPCAST.get(dtype, dtype)
+    return dtype
+
+
+def _choice_problem(what: str, op, algorithm) -> Rejection | None:
+    if op is not NO_OP:
+        if not isinstance(op, str):
+            return _reject("a bad op", TypeError(f"op must be one of {', '.join(map(repr, OPS))}, got "
+                                                 f"{type(op).__name__} {op!r}"))
+        if op not in OPS:
+            return _reject("a bad op", ValueError(f"unknown op {op!r}; choose one of {', '.join(OPS)}"))
+    choices = _CHOICES.get(what, registry.ALGORITHMS)  # read per call: the one list (registry)
+    if algorithm is None and what not in _CHOICES or algorithm is not None and not isinstance(algorithm, str):
+        return _reject("a bad algorithm", TypeError(f"algorithm must be one of {', '.join(choices)}, got "
+                                                    f"{type(algorithm).__name__} {algorithm!r}"))
+    if algorithm is not None and algorithm not in choices:
+        where = f" for {what}" if what in _CHOICES else ""
+        return _reject("a bad algorithm", ValueError(f"unknown algorithm {algorithm!r}{where}; choose one of "
+                                                     f"{', '.join(choices)}"))
+    return None
+
+
+def _timeout_problem(timeout) -> Rejection | None:
+    try:
+        if timeout is not None:
+            check_timeout(timeout)
+    except (TypeError, ValueError) as exc:
+        return _reject("a bad timeout", exc)
+    return None
+
+
+def _tensor_problem(tensor, what: str) -> Rejection | None:
+    if not isinstance(tensor, torch.Tensor):
+        return _reject("a non-tensor argument", TypeError(f"{what} expects a torch.Tensor, got "
+                                                          f"{type(tensor).__name__}"))
+    if tensor.layout != torch.strided:
+        return _reject("a sparse tensor", TypeError(f"{what} needs a dense (strided) tensor, got a sparse one "
+                                                    f"({tensor.layout}); call .to_dense() first"))
+    if tensor.device.type == "meta":
+        return _reject("an unsupported device", ValueError(f"{what} needs a tensor with data, got one on the "
+                                                           f"meta device"))
+    if what in _IN_PLACE and tensor.is_inference() and not torch.is_inference_mode_enabled():
+        return _reject("an inference tensor", ValueError(
+            f"{what} works in place, and a tensor made under torch.inference_mode() cannot be modified outside "
+            f"it: pass a clone, or call {what} inside torch.inference_mode()"))
+    if tensor.dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(dtype).replace("torch.", "") for dtype in SUPPORTED_DTYPES)
+        return _reject("an unsupported dtype", TypeError(f"{what} does not support dtype {tensor.dtype}; "
+                                                         f"supported: {names}"))
+    return None
+
+
+def argument_problem(tensor, what: str, op, algorithm, src, timeout, world_size: int) -> Rejection | None:
+    """(rejection code, the error a bad argument deserves, not raised yet), or None."""
+    if src is not None and (isinstance(src, bool) or not isinstance(src, int)):
+        return _reject("a bad src", TypeError(f"src must be an int rank, got {type(src).__name__} {src!r}"))
+    problem = _choice_problem(what, op, algorithm) or _timeout_problem(timeout) or _tensor_problem(tensor, what)
+    if problem:
+        return problem
+    if op == "avg" and not tensor.is_floating_point():
+        return _reject("a bad op", TypeError(f"op='avg' needs a floating-point tensor, got {tensor.dtype}; "
+                                             f"use op='sum'"))
+    if src is not None and not 0 <= src < world_size:
+        return _reject("a bad src", ValueError(f"src must be a rank in [0, {world_size}), got {src}"))
+    return None
+
+
+def resolve_algorithm(comm: Communicator, nbytes: int, algorithm: str, device: str = "cpu") -> str:
+    """The AllReduce algorithm that ``algorithm`` means for ``nbytes`` bytes on ``comm`` now: itself, or
+    for "auto" :func:`~gradsync.collectives.auto.choose`'s pick from the group's locality (explicit
+    ``HierarchicalOptions.ranks_per_node`` wins over the hosts; hosts of unequal size: no hierarchy)."""
+    if algorithm != AUTO:
+        return algorithm
+    explicit = comm.options(HierarchicalOptions).ranks_per_node
+    known = comm.locality
+    if explicit is not None:
+        ranks_per_node = explicit
+    elif known is not None:
+        ranks_per_node = known.ranks_per_node or 1
+    else:
+        ranks_per_node = comm.world_size
+    shm_available = comm.options(shm.ShmState).available
+    if device != "cpu" or (known is not None and not known.one_host):
+        shm_available = False
+    return auto.choose(nbytes, comm.world_size, ranks_per_node, shm_available=shm_available)
+
+
+def _runnable_problem(comm: Communicator, algorithm: str, device: str) -> Rejection | None:
+    """Why this group cannot run ``algorithm`` (resolved) on a ``device`` tensor, or None."""
+    cause = "an algorithm this group cannot run"
+    known = comm.locality
+    if algorithm == "shm":
+        if device != "cpu":
+            return _reject("an unsupported device", ValueError(f"algorithm 'shm' needs CPU tensors, got {device}"))
+        if known is not None and not known.one_host:
+            return _reject(cause, ValueError(f"algorithm 'shm' needs every rank of the group on one host; this "
+                                             f"group has {known.describe()}"))
+    if algorithm == "hierarchical":
+        try:
+            comm.options(HierarchicalOptions).node_size(comm.world_size, known)
+        except ValueError as exc:
+            return _reject(cause, exc)
+    return None
+
+
+def options_fingerprint(comm: Communicator, algorithm: str) -> int:
+    """crc32 of the options ``algorithm`` runs with (ranks must agree on them)."""
+    segment_bytes = comm.options(SegmentOptions).segment_bytes
+    if algorithm == "native":
+        parts: tuple = ()
+    elif algorithm == "shm":
+        parts = (comm.options(shm.ShmState).region_bytes,)
+    elif algorithm == "hierarchical":
+        nodes = comm.options(HierarchicalOptions)
+        try:
+            size = nodes.node_size(comm.world_size, comm.locality)
+        except ValueError:
+            size = None
+        parts = (segment_bytes, size, nodes.inter_node_algorithm, nodes.intra_node_algorithm)
+    else:
+        parts = (segment_bytes,)
+    return zlib.crc32(repr((algorithm, parts)).encode())
+
+
+def _stage(prepare, algorithm: str):
+    try:
+        return None, prepare(algorithm) if prepare is not None else None
+    except (RuntimeError, MemoryError) as exc:  # an allocation failure: tell the others, then raise it
+        return _reject("a staging allocation failure", exc), None
+
+
+def start_call(comm: Communicator, tensor, what: str, *, op=NO_OP, algorithm: str | None = None,
+               src: int | None = None, timeout: float | None, verify: bool,
+               prepare=None) -> tuple[CollectiveCall, str, object]:
+    """Check the arguments and the ranks' agreement; return (the call, the resolved algorithm,
+    ``prepare(algorithm)``'s staging buffers).
+
+    ``op``: ``NO_OP`` for collectives without one. A problem on this rank is
+    raised here, after every rank learnt of it (see the module docstring).
+    """
+    problem = argument_problem(tensor, what, op, algorithm, src, timeout, comm.world_size)
+    call = comm.new_call(what, str(algorithm), None if problem else timeout)
+    comm.learn_locality(call)
+    resolved = label = str(algorithm)
+    device = tensor.device.type if isinstance(tensor, torch.Tensor) else "cpu"
+    if problem is None:
+        if what in FIXED_ALGORITHM:
+            resolved = label = algorithm or FIXED_ALGORITHM[what]
+        else:
+            resolved = resolve_algorithm(comm, tensor.numel() * tensor.element_size(), algorithm, device)
+            label = f"auto ({resolved})" if algorithm == AUTO else resolved
+        call.algorithm = label
+        problem = _runnable_problem(comm, resolved, device)
+    staged = None
+    if problem is None:
+        problem, staged = _stage(prepare, resolved)
+    if verify:
+        verify_layout(call, tensor if problem is None else None, collective=what,
+                      op=op if problem is None and op is not NO_OP else "none",
+                      src=src if problem is None and src is not None else -1,
+                      algorithm=resolved if problem is None else "none", rejection=problem,
+                      options=options_fingerprint(comm, resolved) if problem is None else 0)
+    if problem is not None:
+        raise problem[1]
+    return call, resolved, staged
+
+
+def sequence_problem(sends, receives, world_size: int, timeout) -> Rejection | None:
+    """all_to_all's rank-local problems (types, counts, contiguity, timeout), or None."""
+    for name, tensors in (("sends", sends), ("receives", receives)):
+        if not isinstance(tensors, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in tensors):
+            return _reject("a non-tensor argument", TypeError(f"all_to_all {name} must be a list of tensors"))
+        if len(tensors) != world_size:
+            return _reject("a bad argument", ValueError(f"all_to_all needs {world_size} send and receive tensors, "
+                                                        f"got {len(sends)} and {len(receives)}"))
+        for tensor in tensors:
+            problem = _tensor_problem(tensor, "all_to_all")
+            if problem:
+                return problem
+    if not all(tensor.is_contiguous() for tensor in receives):
+        return _reject("a bad argument", ValueError("all_to_all receive buffers must be contiguous"))
+    return _timeout_problem(timeout)
+
+
+def nbytes_problem(nbytes, algorithm) -> Rejection | None:
+    """shared_buffer's rank-local problems, or None."""
+    try:
+        check_count("nbytes", nbytes, minimum=0)
+    except (TypeError, ValueError) as exc:
+        return _reject("a bad argument", exc)
+    return _choice_problem("shared_buffer", NO_OP, algorithm)  # no op: only the algorithm is checked
+
+
+__all__ = ["FIXED_ALGORITHM", "NO_OP", "OPS", "argument_problem", "nbytes_problem", "options_fingerprint",
+           "resolve_algorithm", "sequence_problem", "start_call", "working_dtype"]
