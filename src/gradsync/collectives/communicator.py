@@ -21,7 +21,9 @@ import math
 from typing import Iterable
 
 from gradsync.collectives.call import CollectiveCall, Workspace
+from gradsync.collectives.lane import Lane
 from gradsync.collectives.options import AlgorithmOptions, OptionStore, T
+from gradsync.errors import GroupClosedError
 from gradsync.transport.base import Transport, TransportStats
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -66,6 +68,8 @@ class Communicator:
         self.timeout_s = float(timeout_s)
         self.workspace = Workspace()
         self.hang_detector = hang_detector
+        self.lane = Lane()  # the communication thread that keeps collectives in issue order
+        self.closed = False
 
     @property
     def rank(self) -> int:
@@ -84,7 +88,14 @@ class Communicator:
         return self._options.get(kind)
 
     def new_call(self, op_name: str, algorithm: str, timeout_s: float | None = None) -> CollectiveCall:
-        """Start a call bounded by ``timeout_s`` (the communicator's default when None)."""
+        """Start a call bounded by ``timeout_s`` (the communicator's default when None).
+
+        Raises:
+            GroupClosedError: the communicator was closed (``gradsync.shutdown()``).
+        """
+        if self.closed:
+            raise GroupClosedError(f"{op_name} on rank {self.rank}: this group was shut down; "
+                                   f"use the group made by the next gradsync.init()")
         if timeout_s is None:
             timeout_s = self.timeout_s
         else:
@@ -93,5 +104,8 @@ class Communicator:
                               options=self._options, hang_detector=self.hang_detector)
 
     def close(self) -> None:
-        """Release what the options hold (shared-memory segments; their names are already gone)."""
+        """Release what the options hold (shared-memory segments; their names are already gone) and
+        the communication thread; later calls raise GroupClosedError."""
+        self.closed = True
+        self.lane.close()
         self._options.close()
