@@ -372,3 +372,23 @@ def test_model_on_a_closed_group_raises_a_clear_error():
         assert isinstance(forward_error, GroupClosedError)
         assert "wrap the module again after gradsync.init()" in str(forward_error)
         assert isinstance(collective_error, GroupClosedError)
+
+
+def test_collective_after_a_failed_backward_raises_on_every_rank_until_reset():
+    """The user's own collective after a caught backward failure must not pair with a peer's bucket."""
+    def body(comm):
+        model = gradsync.DataParallel(Failing(), group=comm, bucket_cap_mb=20 * 8 / 2**20)
+        x = torch.full((1, 2), comm.rank + 1.0, dtype=torch.float64)
+        model.module.fail = comm.rank == 1
+        first = _capture(lambda: model(x).sum().backward())
+        model.module.fail = False
+        loss = torch.tensor([comm.rank + 1.0])
+        refused = _capture(lambda: collectives.all_reduce(loss, comm))
+        model.reset_after_failure()
+        collectives.all_reduce(loss, comm)
+        return first, refused, loss.item()
+
+    per_rank = run_threads(2, body, timeout_s=30, collective_timeout_s=10)
+    for rank, (first, refused, total) in enumerate(per_rank):
+        assert isinstance(refused, GradsyncError) and "reset_after_failure" in str(refused), rank
+        assert total == 3.0

@@ -55,9 +55,28 @@ class DataParallel(nn.Module):
         TypeError: ``module`` is not an ``nn.Module``.
         ValueError: bad ``bucket_cap_mb``, unknown ``algorithm`` or compression
             name, a compressor already used by another model.
-        TypeError: ``compression`` is neither None, a name nor a Compressor.
+        TypeError: ``compression`` is neither None, a name nor a Compressor; a
+            parameter or buffer without plain bytes (sparse), naming it.
         CollectiveMismatchError: replicas differ (on every rank, naming the
-            first differing parameter).
+            first differing parameter), or another rank was given a bad
+            argument (naming that rank and the argument; that rank raises its
+            own ValueError/TypeError).
+
+    At a later forward or backward:
+        GradsyncError: raised on every rank at the end of a synchronised
+            backward when some rank's parameters or buffers changed after
+            wrapping (wrap the module again), its backward raised (then
+            :meth:`reset_after_failure`), or it ran ``torch.autograd.grad``
+            for parameter gradients (use ``loss.backward()``); the message
+            names each such rank. After the first two, every forward and
+            every collective on the group raises until
+            :meth:`reset_after_failure` is called on every rank.
+        GroupClosedError: the group was shut down (``gradsync.shutdown()``);
+            wrap the module again after ``gradsync.init()``.
+
+    Collectives called from inside backward (an autograd Function's backward,
+    SimCLR's GatherLayer) run on the communication thread in issue order with
+    the buckets.
 
     Attributes:
         comm_seconds: seconds of gradient AllReduce, buffer broadcast and join

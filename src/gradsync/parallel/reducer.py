@@ -42,8 +42,8 @@ from gradsync.compression.compressor import BucketLayout, Compressor
 from gradsync.errors import GradsyncError
 from gradsync.parallel.bucketing import (DEFAULT_FIRST_BUCKET_CAP_BYTES, Bucket, assign_buckets, check_assignment,
                                         default_order, pause_breaks, shared_bucket_nbytes)
-from gradsync.parallel.sync_round import (AUTOGRAD_GRAD, BACKWARD_FAILED, BREAKS_MODEL, Round, decode_statuses,
-                                          encode_flags, status_error)
+from gradsync.parallel.round_failures import FailureHandling, accumulator, computes_grads_without_accumulating, weak_method
+from gradsync.parallel.sync_round import AUTOGRAD_GRAD, Round, decode_statuses, encode_flags
 
 PAUSE_S = 0.002                # a gap in backward long enough to hide a bucket's AllReduce in
 MIN_SPLIT_BYTES = 2**20        # smaller buckets are latency-bound: splitting them costs more than it hides
@@ -51,28 +51,6 @@ MIN_SPLIT_BYTES = 2**20        # smaller buckets are latency-bound: splitting th
 
 class _SkippedAfterFailure(GradsyncError):
     """A bucket not reduced because an earlier bucket of the same round failed."""
-
-
-def _weak_method(reducer: "Reducer", name: str) -> Callable[[], None]:
-    """``reducer.name()`` through a weak reference (for the communicator's lane, which outlives models)."""
-    reference = weakref.ref(reducer)
-
-    def call() -> None:
-        alive = reference()
-        if alive is not None:
-            getattr(alive, name)()
-
-    return call
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
-def _accumulator(param: torch.Tensor):
-    """The AccumulateGrad node of a leaf ``param`` (kept alive by whoever holds it)."""
-    with torch.enable_grad():
-        return param.view_as(param).grad_fn.next_functions[0][0]
 
 
 def _weak_hook(reducer: "Reducer") -> Callable[[torch.Tensor], None]:
@@ -92,7 +70,7 @@ def _weak_hook(reducer: "Reducer") -> Callable[[torch.Tensor], None]:
     return hook
 
 
-class Reducer:
+class Reducer(FailureHandling):
     """Bucketed, overlapped gradient averaging for one module's parameters.
 
     Args:
@@ -129,8 +107,9 @@ class Reducer:
         self._num_flags = len(self.params) + comm.world_size  # used per parameter, then status per rank
         self.problem: tuple[int, str] | None = None  # (code, words) this rank reports in the next round
         self.broken: str | None = None  # why the model must be reset or re-wrapped before it is used again
-        self._accumulators = [_accumulator(param) for param in self.params]  # to tell autograd.grad apart
-        self._lane_check = _weak_method(self, "settle_if_stale")
+        self._accumulators = [accumulator(param) for param in self.params]  # to tell autograd.grad apart
+        self._lane_check = weak_method(self, "settle_if_stale")
+        self._broken_hold: int | None = None  # the lane hold that refuses collectives while broken
         self._build(assign_buckets(self.params, bucket_cap_bytes, DEFAULT_FIRST_BUCKET_CAP_BYTES))
         hook = _weak_hook(self)  # hooks live in C++, out of the garbage collector's sight: a strong
         self._hooks = [param.register_post_accumulate_grad_hook(hook) for param in self.params]  # one leaks
@@ -207,22 +186,11 @@ class Reducer:
         state = self._round = Round(self.buckets, len(self.params))
         state.status, state.detail = self.problem or (0, "")
         state.graph_task = torch._C._current_graph_task_id()
-        if from_output and not state.status and self._computes_grads_without_accumulating():
+        if from_output and not state.status and computes_grads_without_accumulating(self._accumulators):
             state.status = AUTOGRAD_GRAD
         if self.comm.world_size > 1:
             state.hold = self.comm.lane.hold(self._lane_check)
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
-
-    def _computes_grads_without_accumulating(self) -> bool:
-        """Whether the running graph task is torch.autograd.grad asking for some parameter's gradient."""
-        probe = getattr(torch._C, "_will_engine_execute_node", None)
-        for node in self._accumulators if probe is not None else ():
-            try:
-                if probe(node):
-                    return False  # backward(): it accumulates into .grad
-            except RuntimeError:  # "a leaf node was passed ... while running autograd.grad()"
-                return True
-        return False
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if not self.should_sync():
@@ -328,7 +296,7 @@ class Reducer:
             spans.append(self._reduce_last_bucket(state))
             self._copy_out_unused(state)
         except BaseException as exc:
-            self.broken = self.broken or f"its last backward failed ({type(exc).__name__}: {exc})"
+            self._break(self.broken or f"its last backward failed ({type(exc).__name__}: {exc})")
             raise
         finally:
             self._round = None
@@ -372,60 +340,6 @@ class Reducer:
         if copy_out:
             self._copy_out_used(bucket, state)
         return span
-
-    def _raise_statuses(self, state: Round) -> None:
-        """Raise on every rank when some rank reported a status in this round."""
-        error = status_error(state.statuses, self.comm.rank, state.detail)
-        if error is not None:
-            if any(code in BREAKS_MODEL for code in state.statuses):
-                self.broken = "its last backward failed on every rank (that error says why)"
-            raise error
-
-    # -- failures --------------------------------------------------------------------------------
-
-    def _complete_failed(self, state: Round, detail: str) -> None:
-        """Finish a round this rank cannot use, so that no peer waits for its buckets or pairs them with
-        a later message: every bucket still goes out in order, the last one with BACKWARD_FAILED in
-        this rank's status slot, and the peers raise naming this rank."""
-        state.status, state.detail = BACKWARD_FAILED, detail
-        state.pending = [0] * len(state.pending)
-        self._launch_ready()
-        wait(state.futures)
-        self.comm.lane.release(state.hold)
-        if not state.failed:  # after a timeout the group is unusable anyway
-            self._reduce_last_bucket(state, copy_out=False)
-
-    def _settle(self) -> bool:
-        """Finish (marked failed) a round whose backward raised before its end; return whether there was one."""
-        state = self._round
-        if state is None or _in_backward():
-            return False
-        try:
-            self._complete_failed(state, "its backward raised")
-        finally:
-            self._round = None
-            self.comm.lane.release(state.hold)
-        self.broken = ("its last backward raised on this rank before the gradients were synchronised "
-                       "(the other ranks were told)")
-        return True
-
-    def settle_if_stale(self) -> None:
-        """Called before each forward and each collective issued outside backward while a round is held.
-
-        Raises:
-            GradsyncError: a backward raised on this rank (now settled with the peers), or the model
-            is broken since an earlier failure.
-        """
-        self._settle()
-        if self.broken is not None:
-            raise GradsyncError(f"DataParallel on rank {self.comm.rank} cannot be used: {self.broken}. "
-                                f"Call model.reset_after_failure() on every rank (or wrap the module again) "
-                                f"before the next forward")
-
-    def reset(self) -> None:
-        """Forget an earlier failure (after settling a failed round with the peers)."""
-        self._settle()
-        self.broken = None
 
     def _copy_out_used(self, bucket: Bucket, state: Round) -> None:
         for index in bucket.param_indices:
