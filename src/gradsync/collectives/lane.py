@@ -42,14 +42,22 @@ class Lane:
         self._holders: dict[int, Callable[[], None]] = {}
         self._tokens = itertools.count()
         self._lock = threading.Lock()
+        self._closed = False
 
     def submit(self, fn: Callable[..., R], *args) -> Future:
         """Queue ``fn(*args)`` behind everything queued before; return its future."""
         with self._lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradsync-comm",
-                                                    initializer=self._note_thread)
-            return self._executor.submit(fn, *args)
+            if not self._closed:
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradsync-comm",
+                                                        initializer=self._note_thread)
+                return self._executor.submit(fn, *args)
+        future: Future = Future()  # the group is shut down: run here, so that its error reaches the caller
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
+            future.set_exception(exc)
+        return future
 
     def _note_thread(self) -> None:
         self._thread_ident = threading.get_ident()
@@ -82,7 +90,7 @@ class Lane:
     def close(self) -> None:
         """Stop the thread once the work already queued is done."""
         with self._lock:
-            executor, self._executor = self._executor, None
+            executor, self._executor, self._closed = self._executor, None, True
         if executor is not None:
             executor.shutdown(wait=False)
 

@@ -106,6 +106,8 @@ class DataParallel(nn.Module):
             _check_bucket_cap_mb(bucket_cap_mb)
             collectives.validate_algorithm(algorithm)
             settings["compression"] = compression = _resolve_compression(compression)
+            if compression is not None:
+                compression.attach(self)  # raises if another model uses it
         except (TypeError, ValueError) as problem:  # the peers learn it at once, from the settings check
             try:
                 verify_settings({"arguments": f"rejected: {problem}", **settings}, self.comm)
@@ -132,8 +134,6 @@ class DataParallel(nn.Module):
         self._reducer = Reducer(named, self.comm, algorithm, int(bucket_cap_mb * 2**20),
                                 gradient_as_bucket_view, should_sync=lambda: not self._sync_disabled,
                                 compression=compression)
-        if compression is not None:
-            compression.attach(self)
 
     # -- forward ---------------------------------------------------------------------------------
 

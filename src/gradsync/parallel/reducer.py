@@ -185,7 +185,6 @@ class Reducer(FailureHandling):
             return
         state = self._round = Round(self.buckets, len(self.params))
         state.status, state.detail = self.problem or (0, "")
-        state.graph_task = torch._C._current_graph_task_id()
         if from_output and not state.status and computes_grads_without_accumulating(self._accumulators):
             state.status = AUTOGRAD_GRAD
         if self.comm.world_size > 1:

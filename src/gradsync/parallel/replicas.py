@@ -188,24 +188,24 @@ def describe_change(wrapped: list[tuple[str, int, bool]], now: list[tuple[str, i
     return f"parameter {removed[0]!r} was removed after wrapping" if removed else "parameters were reordered"
 
 
-def buffer_signature(module: torch.nn.Module, named=None) -> list[tuple[str, tuple, torch.dtype]]:
-    """(name, shape, dtype) of every buffer (``named``: ``module.named_buffers()`` already listed)."""
+def buffer_signature(module: torch.nn.Module, named=None) -> list[tuple[str, tuple, torch.dtype, torch.device]]:
+    """(name, shape, dtype, device) of every buffer (``named``: ``module.named_buffers()`` already listed)."""
     named = module.named_buffers() if named is None else named
-    return [(name, tuple(buffer.shape), buffer.dtype) for name, buffer in named]
+    return [(name, tuple(buffer.shape), buffer.dtype, buffer.device) for name, buffer in named]
 
 
-def describe_buffer_change(layout: list[tuple[str, tuple, torch.dtype]], named) -> str:
-    """What differs between the wrapped buffer ``layout`` and the buffers ``named`` now."""
-    now = {name: (tuple(buffer.shape), buffer.dtype) for name, buffer in named}
-    for name, shape, dtype in layout:
+def describe_buffer_change(layout: list[tuple], named) -> str:
+    """What differs between the wrapped buffer ``layout`` (:func:`buffer_signature`) and the buffers ``named`` now."""
+    now = {name: (tuple(buffer.shape), buffer.dtype, buffer.device) for name, buffer in named}
+    for name, *was in layout:
         if name not in now:
             return f"buffer {name!r} was removed after wrapping"
-        if now[name] != (shape, dtype):
-            return (f"buffer {name!r} changed from shape {shape} {dtype} to shape {now[name][0]} "
-                    f"{now[name][1]} after wrapping")
+        if now[name] != tuple(was):
+            return (f"buffer {name!r} changed from shape {was[0]} {was[1]} on {was[2]} to shape {now[name][0]} "
+                    f"{now[name][1]} on {now[name][2]} after wrapping")
     return "buffers were added after wrapping"
 
 
-def placeholders(layout: list[tuple[str, tuple, torch.dtype]]) -> list[torch.Tensor]:
+def placeholders(layout: list[tuple]) -> list[torch.Tensor]:
     """Zero tensors of the wrapped buffer layout: what a rank whose buffers changed sends and receives."""
-    return [torch.zeros(shape, dtype=dtype) for _, shape, dtype in layout]
+    return [torch.zeros(shape, dtype=dtype, device=device) for _, shape, dtype, device in layout]

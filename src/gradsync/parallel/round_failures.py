@@ -41,7 +41,9 @@ def weak_method(reducer: object, name: str) -> Callable[[], None]:
 
 
 def in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
+    """Whether this thread is running an autograd graph task (a backward or torch.autograd.grad)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and current() != -1
 
 
 def accumulator(param: torch.Tensor):
@@ -124,3 +126,4 @@ class FailureHandling:
         self.broken = reason
         if self._broken_hold is None and self.comm.world_size > 1:
             self._broken_hold = self.comm.lane.hold(self._lane_check)
+            weakref.finalize(self, self.comm.lane.release, self._broken_hold)  # a model dropped while broken

@@ -50,7 +50,6 @@ class Round:
         self.detail = ""      # this rank's own words for it (names the parameter)
         self.statuses: list[int] = []  # every rank's code, once the last bucket is reduced
         self.hold: int | None = None   # the lane hold while the round is in flight
-        self.graph_task = -1  # the autograd graph task that started the round
 
 
 def encode_flags(used: list[bool], status: int, rank: int, world_size: int) -> torch.Tensor:
