@@ -18,7 +18,7 @@ from torch import nn
 import gradsync
 from gradsync.collectives import ops as collectives
 from gradsync.errors import CollectiveMismatchError, GradsyncError, GroupClosedError
-from _dist import run_threads
+from _dist import run_threads, run_world
 
 
 def _capture(call):
@@ -392,3 +392,23 @@ def test_collective_after_a_failed_backward_raises_on_every_rank_until_reset():
     for rank, (first, refused, total) in enumerate(per_rank):
         assert isinstance(refused, GradsyncError) and "reset_after_failure" in str(refused), rank
         assert total == 3.0
+
+
+def _rank_model_used_after_shutdown_and_init():
+    results = []
+    for algorithm in ("ring", "shm"):
+        model = gradsync.DataParallel(nn.Linear(2, 1), algorithm=algorithm, gradient_as_bucket_view=True)
+        model(torch.ones(1, 2)).sum().backward()
+        gradsync.shutdown()
+        gradsync.init(backend="gloo", timeout=10)
+        error = _capture(lambda: model(torch.ones(1, 2)))
+        results.append((type(error).__name__, str(error)))
+    return results
+
+
+def test_model_built_before_shutdown_raises_after_init():
+    """Before: it kept the old communicator (ring: worked silently; shm: AttributeError)."""
+    for per_rank in run_world(2, _rank_model_used_after_shutdown_and_init, timeout_s=60):
+        for name, message in per_rank:
+            assert name == "GroupClosedError", message
+            assert "wrap the module again after gradsync.init()" in message
