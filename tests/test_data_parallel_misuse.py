@@ -196,15 +196,18 @@ class GatherLayer(torch.autograd.Function):
     """SimCLR's GatherLayer: all_gather in forward; backward all_reduces the gradients, keeps its own part."""
 
     @staticmethod
-    def forward(ctx, z, comm):
-        ctx.comm = comm
+    def forward(ctx, z, comm, backward_op):
+        ctx.comm, ctx.backward_op = comm, backward_op
         return torch.cat(collectives.all_gather(z, comm))
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        collectives.all_reduce(grad, ctx.comm, op="sum")
-        return grad.chunk(ctx.comm.world_size)[ctx.comm.rank], None
+        if ctx.backward_op == "all_reduce":
+            collectives.all_reduce(grad, ctx.comm, op="sum")
+        else:  # the same sum, from every rank's gradient
+            grad = torch.stack(collectives.all_gather(grad, ctx.comm)).sum(0)
+        return grad.chunk(ctx.comm.world_size)[ctx.comm.rank], None, None
 
 
 def _gather_net():
@@ -222,7 +225,8 @@ def _gather_data(rank):
     return torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
 
 
-def test_gather_layer_inside_backward_matches_single_process():
+@pytest.mark.parametrize("backward_op", ["all_reduce", "all_gather"])
+def test_gather_layer_inside_backward_matches_single_process(backward_op):
     """Before: the backward's all_reduce raced the bucket thread (Gloo: "size doesn't match")."""
     class Gathering(nn.Module):
         def __init__(self, comm):
@@ -230,7 +234,7 @@ def test_gather_layer_inside_backward_matches_single_process():
             self.nets, self.comm = _gather_net(), comm
 
         def forward(self, x):
-            return self.nets["head"](GatherLayer.apply(self.nets["body"](x), self.comm))
+            return self.nets["head"](GatherLayer.apply(self.nets["body"](x), self.comm, backward_op))
 
     def through_forward(comm):
         model = gradsync.DataParallel(Gathering(comm), group=comm, bucket_cap_mb=300 * 8 / 2**20)
