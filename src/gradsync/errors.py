@@ -68,3 +68,7 @@ class PeerFailure(GradsyncError):
 
 class NotInitializedError(GradsyncError):
     """A collective was called before ``gradsync.init()``."""
+
+
+class GroupClosedError(GradsyncError):
+    """A collective, or a DataParallel built on a group, was used after that group was shut down."""

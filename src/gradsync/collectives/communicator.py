@@ -23,9 +23,11 @@ from typing import Iterable
 import torch
 
 from gradsync.collectives.call import CollectiveCall, Workspace
+from gradsync.collectives.lane import Lane
 from gradsync.collectives.options import AlgorithmOptions, OptionStore, T
-from gradsync.transport.locality import IDENTITY_WORDS, Locality, derive, host_identity
+from gradsync.errors import GroupClosedError
 from gradsync.transport.base import Transport, TransportStats
+from gradsync.transport.locality import IDENTITY_WORDS, Locality, derive, host_identity
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -77,6 +79,8 @@ class Communicator:
         self.timeout_s = float(timeout_s)
         self.workspace = Workspace()
         self.hang_detector = hang_detector
+        self.lane = Lane()  # the communication thread that keeps collectives in issue order
+        self.closed = False
         self.locality: Locality | None = getattr(transport, "locality", None)
         if self.locality is None and transport.world_size == 1:
             self.locality = Locality.single_host(1)
@@ -113,7 +117,14 @@ class Communicator:
         return self._options.get(kind)
 
     def new_call(self, op_name: str, algorithm: str, timeout_s: float | None = None) -> CollectiveCall:
-        """Start a call bounded by ``timeout_s`` (the communicator's default when None)."""
+        """Start a call bounded by ``timeout_s`` (the communicator's default when None).
+
+        Raises:
+            GroupClosedError: the communicator was closed (``gradsync.shutdown()``).
+        """
+        if self.closed:
+            raise GroupClosedError(f"{op_name} on rank {self.rank}: this group was shut down; "
+                                   f"use the group made by the next gradsync.init()")
         if timeout_s is None:
             timeout_s = self.timeout_s
         else:
@@ -122,5 +133,8 @@ class Communicator:
                               options=self._options, hang_detector=self.hang_detector, locality=self.locality)
 
     def close(self) -> None:
-        """Release what the options hold (shared-memory segments; their names are already gone)."""
+        """Release what the options hold (shared-memory segments; their names are already gone) and
+        the communication thread; later calls raise GroupClosedError."""
+        self.closed = True
+        self.lane.close()
         self._options.close()

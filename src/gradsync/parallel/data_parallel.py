@@ -21,9 +21,11 @@ from torch import nn
 from gradsync.collectives import ops as collectives
 from gradsync.compression import COMPRESSIONS, Compressor
 from gradsync.compression import make as make_compressor
-from gradsync.errors import GradsyncError
+from gradsync.errors import CollectiveMismatchError, GradsyncError, GroupClosedError
 from gradsync.parallel.reducer import Reducer
-from gradsync.parallel.replicas import broadcast_tensors, verify_parameters, verify_settings
+from gradsync.parallel.replicas import (ParameterWatch, broadcast_tensors, buffer_signature, describe_buffer_change,
+                                        placeholders, verify_parameters, verify_settings)
+from gradsync.parallel.sync_round import PARAMS_CHANGED
 from gradsync.process_group import resolve_group
 
 
@@ -53,9 +55,28 @@ class DataParallel(nn.Module):
         TypeError: ``module`` is not an ``nn.Module``.
         ValueError: bad ``bucket_cap_mb``, unknown ``algorithm`` or compression
             name, a compressor already used by another model.
-        TypeError: ``compression`` is neither None, a name nor a Compressor.
+        TypeError: ``compression`` is neither None, a name nor a Compressor; a
+            parameter or buffer without plain bytes (sparse), naming it.
         CollectiveMismatchError: replicas differ (on every rank, naming the
-            first differing parameter).
+            first differing parameter), or another rank was given a bad
+            argument (naming that rank and the argument; that rank raises its
+            own ValueError/TypeError).
+
+    At a later forward or backward:
+        GradsyncError: raised on every rank at the end of a synchronised
+            backward when some rank's parameters or buffers changed after
+            wrapping (wrap the module again), its backward raised (then
+            :meth:`reset_after_failure`), or it ran ``torch.autograd.grad``
+            for parameter gradients (use ``loss.backward()``); the message
+            names each such rank. After the first two, every forward and
+            every collective on the group raises until
+            :meth:`reset_after_failure` is called on every rank.
+        GroupClosedError: the group was shut down (``gradsync.shutdown()``);
+            wrap the module again after ``gradsync.init()``.
+
+    Collectives called from inside backward (an autograd Function's backward,
+    SimCLR's GatherLayer) run on the communication thread in issue order with
+    the buckets.
 
     Attributes:
         comm_seconds: seconds of gradient AllReduce, buffer broadcast and join
@@ -78,38 +99,54 @@ class DataParallel(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"DataParallel wraps a torch.nn.Module, got {type(module).__name__}")
-        _check_bucket_cap_mb(bucket_cap_mb)
-        collectives.validate_algorithm(algorithm)
-        compression = _resolve_compression(compression)
+        self.comm = resolve_group(group)
+        settings = {"algorithm": algorithm, "bucket_cap_mb": bucket_cap_mb, "compression": compression,
+                    "broadcast_buffers": broadcast_buffers, "gradient_as_bucket_view": gradient_as_bucket_view}
+        try:
+            _check_bucket_cap_mb(bucket_cap_mb)
+            collectives.validate_algorithm(algorithm)
+            settings["compression"] = compression = _resolve_compression(compression)
+            if compression is not None:
+                compression.attach(self)  # raises if another model uses it
+        except (TypeError, ValueError) as problem:  # the peers learn it at once, from the settings check
+            try:
+                verify_settings({"arguments": f"rejected: {problem}", **settings}, self.comm)
+            except CollectiveMismatchError:
+                pass  # the peers raise that; this rank raises its own error
+            raise
+        verify_settings({"arguments": "accepted", **settings}, self.comm)
         self.module = module
         self.algorithm = algorithm
         self.compression = compression
         self.broadcast_buffers = broadcast_buffers
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.comm = resolve_group(group)
         self._sync_disabled = 0
         self._joining = False
         self._buffer_src = 0
         self._other_comm_seconds = 0.0  # buffer broadcasts and join bookkeeping (all exposed)
         verify_parameters(list(module.named_parameters()) + list(module.named_buffers()), self.comm)
-        verify_settings({"algorithm": algorithm, "bucket_cap_mb": bucket_cap_mb, "compression": compression,
-                         "broadcast_buffers": broadcast_buffers,
-                         "gradient_as_bucket_view": gradient_as_bucket_view}, self.comm)
         named = [(name, param) for name, param in module.named_parameters() if param.requires_grad]
         broadcast_tensors([param.data for param in module.parameters()] + list(module.buffers()),
-                          self.comm)
+                          self.comm, names=[name for name, _ in module.named_parameters()] +
+                          [name for name, _ in module.named_buffers()])
+        self._watch = ParameterWatch(module)
+        self._buffer_layout = buffer_signature(module)
         self._reducer = Reducer(named, self.comm, algorithm, int(bucket_cap_mb * 2**20),
                                 gradient_as_bucket_view, should_sync=lambda: not self._sync_disabled,
                                 compression=compression)
-        if compression is not None:
-            compression.attach(self)
 
     # -- forward ---------------------------------------------------------------------------------
 
     def forward(self, *args, **kwargs):
-        self._reducer.reset_if_stale()
+        if self.comm.closed:
+            raise GroupClosedError(f"DataParallel on rank {self.comm.rank}: this DataParallel belongs to a "
+                                   f"group that was shut down; wrap the module again after gradsync.init()")
+        self._reducer.settle_if_stale()
         training = torch.is_grad_enabled()
         will_sync = training and not self._sync_disabled
+        if training:  # a change is reported to every rank in the next synchronised backward
+            change = self._watch.change()
+            self._reducer.problem = None if change is None else (PARAMS_CHANGED, change)
         if self._joining:
             self._join_step(active=True, will_sync=will_sync, sync_buffers=training)
         if training:  # evaluation under no_grad does not communicate (ranks may evaluate unevenly)
@@ -120,13 +157,18 @@ class DataParallel(nn.Module):
         return output
 
     def _sync_buffers(self) -> None:
-        if not self.broadcast_buffers or self.comm.world_size == 1:
+        """Broadcast the module's buffers, looked up by name now (a buffer may have been replaced)."""
+        if not self.broadcast_buffers or self.comm.world_size == 1 or not self._buffer_layout:
             return
-        buffers = list(self.module.buffers())
-        if buffers:  # layout verified by the broadcast at construction
-            started = time.perf_counter()
-            broadcast_tensors(buffers, self.comm, src=self._buffer_src, verify=False)
-            self._other_comm_seconds += time.perf_counter() - started
+        named = list(self.module.named_buffers())
+        buffers = [buffer for _, buffer in named]
+        if buffer_signature(self.module, named) != self._buffer_layout:  # same sizes on the wire as
+            buffers = placeholders(self._buffer_layout)                  # the peers; reported in backward
+            if self._reducer.problem is None:
+                self._reducer.problem = (PARAMS_CHANGED, describe_buffer_change(self._buffer_layout, named))
+        started = time.perf_counter()  # layout verified by the broadcast at construction
+        broadcast_tensors(buffers, self.comm, src=self._buffer_src, verify=False)
+        self._other_comm_seconds += time.perf_counter() - started
 
     def _hook_outputs(self, output) -> None:
         """Start the gradient sync when backward reaches an output, even if no parameter gets a gradient."""
@@ -136,7 +178,19 @@ class DataParallel(nn.Module):
 
     def _on_output_grad(self, grad: torch.Tensor) -> None:
         if not self._sync_disabled:
-            self._reducer.start_round()
+            self._reducer.start_round(from_output=True)
+
+    def reset_after_failure(self) -> None:
+        """Use the model again after a DataParallel error was raised in a backward (on every rank).
+
+        A backward that raised on one rank (and was caught) leaves every rank's
+        DataParallel refusing to run, so that no rank pairs its next messages
+        with another's unfinished ones; call this on every rank, then go on
+        with the next iteration (gradients of the failed one are garbage: zero
+        them). It does not undo a change of the parameters after wrapping;
+        wrap the module again for that.
+        """
+        self._reducer.reset()
 
     # -- no_sync and join ------------------------------------------------------------------------
 

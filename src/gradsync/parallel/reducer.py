@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from typing import Callable, Sequence
 
 import torch
@@ -42,7 +42,8 @@ from gradsync.compression.compressor import BucketLayout, Compressor
 from gradsync.errors import GradsyncError
 from gradsync.parallel.bucketing import (DEFAULT_FIRST_BUCKET_CAP_BYTES, Bucket, assign_buckets, check_assignment,
                                         default_order, pause_breaks, shared_bucket_nbytes)
-from gradsync.parallel.sync_round import Round
+from gradsync.parallel.round_failures import FailureHandling, accumulator, computes_grads_without_accumulating, weak_method
+from gradsync.parallel.sync_round import AUTOGRAD_GRAD, Round, decode_statuses, encode_flags
 
 PAUSE_S = 0.002                # a gap in backward long enough to hide a bucket's AllReduce in
 MIN_SPLIT_BYTES = 2**20        # smaller buckets are latency-bound: splitting them costs more than it hides
@@ -69,7 +70,7 @@ def _weak_hook(reducer: "Reducer") -> Callable[[torch.Tensor], None]:
     return hook
 
 
-class Reducer:
+class Reducer(FailureHandling):
     """Bucketed, overlapped gradient averaging for one module's parameters.
 
     Args:
@@ -102,8 +103,13 @@ class Reducer:
         self.rebuilt = False
         self._index = {id(param): index for index, param in enumerate(self.params)}
         self._round: Round | None = None
-        self._executor: ThreadPoolExecutor | None = None
         self._shadow: dict[int, torch.Tensor] = {}
+        self._num_flags = len(self.params) + comm.world_size  # used per parameter, then status per rank
+        self.problem: tuple[int, str] | None = None  # (code, words) this rank reports in the next round
+        self.broken: str | None = None  # why the model must be reset or re-wrapped before it is used again
+        self._accumulators = [accumulator(param) for param in self.params]  # to tell autograd.grad apart
+        self._lane_check = weak_method(self, "settle_if_stale")
+        self._broken_hold: int | None = None  # the lane hold that refuses collectives while broken
         self._build(assign_buckets(self.params, bucket_cap_bytes, DEFAULT_FIRST_BUCKET_CAP_BYTES))
         hook = _weak_hook(self)  # hooks live in C++, out of the garbage collector's sight: a strong
         self._hooks = [param.register_post_accumulate_grad_hook(hook) for param in self.params]  # one leaks
@@ -116,7 +122,7 @@ class Reducer:
         grads = [None if param.grad is None else param.grad.clone() for param in self.params]
         storages = self._shared_storages(assignment)
         self.buckets = [Bucket(b, indices, [self.params[i] for i in indices],
-                               len(self.params) if b == last else 0, storages[b])
+                               self._num_flags if b == last else 0, storages[b])
                         for b, indices in enumerate(assignment)]
         self._bucket_of = [0] * len(self.params)
         self._views: list[torch.Tensor] = [None] * len(self.params)
@@ -143,7 +149,7 @@ class Reducer:
         in_place = collectives.zero_copy_dtypes(self.algorithm)
         if not (self.gradient_as_bucket_view and in_place and self.comm.world_size > 1 and self.compression is None):
             return storages
-        sizes = shared_bucket_nbytes(self.params, assignment, len(self.params), in_place)
+        sizes = shared_bucket_nbytes(self.params, assignment, self._num_flags, in_place)
         arena = collectives.shared_buffer(self.comm, sum(sizes), self.algorithm)
         offset = 0
         for b, nbytes in enumerate(sizes if arena is not None else []):
@@ -171,11 +177,21 @@ class Reducer:
 
     # -- during backward -------------------------------------------------------------------------
 
-    def start_round(self) -> None:
-        """Begin a synchronised backward (idempotent); the engine calls ``_finalize`` when it ends."""
+    def start_round(self, from_output: bool = False) -> None:
+        """Begin a synchronised backward (idempotent); the engine calls ``_finalize`` when it ends.
+
+        ``from_output``: called from the hook on the module's output, where a
+        round that will accumulate into no parameter because it is
+        ``torch.autograd.grad`` with parameters among its inputs is told apart.
+        """
         if self._round is not None or not self.buckets:  # no trainable parameters: nothing to sync
             return
-        self._round = Round(self.buckets, len(self.params))
+        state = self._round = Round(self.buckets, len(self.params))
+        state.status, state.detail = self.problem or (0, "")
+        if from_output and not state.status and computes_grads_without_accumulating(self._accumulators):
+            state.status = AUTOGRAD_GRAD
+        if self.comm.world_size > 1:
+            state.hold = self.comm.lane.hold(self._lane_check)
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
@@ -230,9 +246,7 @@ class Reducer:
             future = Future()
             future.set_result(self._reduce(flat, bucket_index, divisor, state))
             return future
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradsync-comm")
-        return self._executor.submit(self._reduce, flat, bucket_index, divisor, state)
+        return self.comm.lane.submit(self._reduce, flat, bucket_index, divisor, state)
 
     def _reduce(self, flat: torch.Tensor, bucket_index: int, divisor: int,
                 state: Round, thread: str = "comm") -> tuple[int, float, float]:
@@ -269,17 +283,27 @@ class Reducer:
     def _finalize(self) -> None:
         state = self._round
         try:
-            for bucket in self.buckets[state.next_launch:]:
-                for index in bucket.param_indices:
-                    if not state.ready[index]:
-                        state.used[index] = self._copy_in(index)
-                state.pending[bucket.index] = 0
+            try:
+                for bucket in self.buckets[state.next_launch:]:
+                    for index in bucket.param_indices:
+                        if not state.ready[index]:
+                            state.used[index] = self._copy_in(index)
+                    state.pending[bucket.index] = 0
+            except Exception as exc:  # a local failure: the peers still get this round, marked failed
+                self._complete_failed(state, f"{type(exc).__name__}: {exc}")
+                raise
             self._launch_ready()
             spans, waited_s = self._wait_and_copy_out(state)
+            self.comm.lane.release(state.hold)  # the last bucket runs here, without a hand-off
             spans.append(self._reduce_last_bucket(state))
             self._copy_out_unused(state)
+        except BaseException as exc:
+            self._break(self.broken or f"its last backward failed ({type(exc).__name__}: {exc})")
+            raise
         finally:
             self._round = None
+            self.comm.lane.release(state.hold)
+        self._raise_statuses(state)
         self.last_bucket_spans = spans
         comm_s = sum(end - start for _, start, end in spans)
         self.comm_seconds += comm_s
@@ -306,13 +330,17 @@ class Reducer:
             self._copy_out_used(bucket, state)
         return spans, waited_s
 
-    def _reduce_last_bucket(self, state: Round) -> tuple[int, float, float]:
+    def _reduce_last_bucket(self, state: Round, copy_out: bool = True) -> tuple[int, float, float]:
         """The last bucket runs on this thread once the others are done: backward has ended, so a
-        hand-off to the communication thread would only add latency. It carries the used flags."""
+        hand-off to the communication thread would only add latency. It carries the used flags and
+        every rank's status (``state.statuses`` afterwards)."""
         bucket = self.buckets[-1]
-        bucket.flags.copy_(torch.tensor(state.used, dtype=bucket.flags.dtype))
+        bucket.flags.copy_(encode_flags(state.used, state.status, self.comm.rank, self.comm.world_size))
         span = self._reduce(bucket.flat, bucket.index, self.divisor, state, thread="main")
-        self._copy_out_used(bucket, state)
+        scale = 1 if self.compression is not None else self.divisor  # compressors sum the flags exactly
+        state.statuses = decode_statuses(bucket.flags[len(self.params):], scale)
+        if copy_out:
+            self._copy_out_used(bucket, state)
         return span
 
     def _copy_out_used(self, bucket: Bucket, state: Round) -> None:
@@ -333,12 +361,6 @@ class Reducer:
             param.grad = view if self.gradient_as_bucket_view else view.clone()
         elif param.grad.data_ptr() != view.data_ptr():
             param.grad.copy_(view)
-
-    def reset_if_stale(self) -> None:
-        """Forget a round whose backward failed before its end callback ran."""
-        if self._round is not None:
-            wait(self._round.futures)
-            self._round = None
 
     # -- bucket rebuild and join -----------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import torch
 
 from gradsync.collectives import ops as collectives
 from gradsync.collectives.communicator import Communicator
-from gradsync.collectives.dtypes import dtype_code, dtype_name
+from gradsync.collectives.dtypes import SUPPORTED_DTYPES, dtype_code, dtype_name
 from gradsync.errors import CollectiveMismatchError
 
 _ROW_NUMEL = 11  # crc32(name), dtype code, requires_grad, ndim, up to 7 dims
@@ -95,24 +95,117 @@ def verify_settings(settings: dict[str, object], comm: Communicator, owner: str 
 
 
 def broadcast_tensors(tensors: Sequence[torch.Tensor], comm: Communicator, src: int = 0,
-                      verify: bool = True) -> None:
+                      verify: bool = True, names: Sequence[str] | None = None) -> None:
     """Overwrite every rank's ``tensors`` with rank ``src``'s values, one message per dtype/device.
 
     ``verify=False`` skips the layout check, for a set of tensors already
-    broadcast once with it (DataParallel's buffers at every forward).
+    broadcast once with it (DataParallel's buffers at every forward). A dtype
+    the collectives do not carry (bool masks, complex, ...) travels as its
+    bytes.
+
+    Raises:
+        TypeError: a tensor that has no plain bytes (sparse, quantized), naming
+        it (``names[i]``, else its index).
 
     Collective: every rank must call this with tensors of equal shapes and dtypes.
     """
     if comm.world_size == 1:
         return
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for tensor in tensors:
-        groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    groups: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for index, tensor in enumerate(tensors):
+        wire = _wire(tensor, names[index] if names is not None else f"tensor #{index}")
+        groups.setdefault((wire.dtype, wire.device), []).append((tensor, wire))
     with torch.no_grad():
         for members in groups.values():
-            flat = torch.cat([tensor.reshape(-1) for tensor in members])
+            flat = torch.cat([wire for _, wire in members])
             collectives.broadcast(flat, comm, src=src, verify=verify)
             offset = 0
-            for tensor in members:
-                tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
-                offset += tensor.numel()
+            for tensor, wire in members:
+                part = flat[offset:offset + wire.numel()]
+                tensor.copy_(part.view(tensor.dtype).view_as(tensor) if part.dtype != tensor.dtype
+                             else part.view_as(tensor))
+                offset += wire.numel()
+
+
+def _wire(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """``tensor`` flattened as the collectives can carry it: itself, or its bytes (uint8)."""
+    if tensor.layout != torch.strided or tensor.is_quantized:
+        raise TypeError(f"cannot broadcast {name!r}: a {tensor.layout} tensor of dtype {tensor.dtype} has no "
+                        f"plain bytes (only dense tensors can be made equal on every rank)")
+    flat = tensor.detach().reshape(-1)
+    return flat if flat.dtype in SUPPORTED_DTYPES else flat.view(torch.uint8)
+
+
+# -- what changed after wrapping (DataParallel checks it at every forward with grad enabled) ------------
+
+class ParameterWatch:
+    """Tells whether ``module``'s parameters are still the wrapped ones (objects and ``requires_grad``).
+
+    :meth:`change` costs a walk over the modules listed at wrapping (a few
+    microseconds for a small CNN); only when something differs are the
+    parameters listed by name to say what changed.
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.wrapped = param_signature(module)
+        self._modules = list(module.modules())
+        self._fast = self._fast_signature()
+
+    def _fast_signature(self) -> list[tuple]:
+        return [(tuple((id(p), p.requires_grad) for p in mod._parameters.values() if p is not None),
+                 tuple(map(id, mod._modules.values()))) for mod in self._modules]
+
+    def change(self) -> str | None:
+        """None if nothing changed since wrapping, else what changed, naming the parameter."""
+        if self._fast_signature() == self._fast:
+            return None
+        change = describe_change(self.wrapped, param_signature(self.module))
+        if change is None:  # the same parameters under a new module tree: keep watching that one
+            self._modules = list(self.module.modules())
+            self._fast = self._fast_signature()
+        return change
+
+
+def param_signature(module: torch.nn.Module) -> list[tuple[str, int, bool]]:
+    """(name, id, requires_grad) of every parameter: equal lists mean the same parameter objects."""
+    return [(name, id(param), param.requires_grad) for name, param in module.named_parameters()]
+
+
+def describe_change(wrapped: list[tuple[str, int, bool]], now: list[tuple[str, int, bool]]) -> str | None:
+    """None if ``now`` equals ``wrapped`` (both from :func:`param_signature`), else what changed, by name."""
+    if now == wrapped:
+        return None
+    before, after = {name: rest for name, *rest in wrapped}, {name: rest for name, *rest in now}
+    for name, (ident, requires_grad) in after.items():
+        if name not in before:
+            return f"parameter {name!r} was added after wrapping"
+        if before[name][0] != ident:
+            return f"parameter {name!r} was replaced by another tensor after wrapping"
+        if before[name][1] != requires_grad:
+            return f"parameter {name!r} was {'unfrozen' if requires_grad else 'frozen'} after wrapping"
+    removed = [name for name in before if name not in after]
+    return f"parameter {removed[0]!r} was removed after wrapping" if removed else "parameters were reordered"
+
+
+def buffer_signature(module: torch.nn.Module, named=None) -> list[tuple[str, tuple, torch.dtype, torch.device]]:
+    """(name, shape, dtype, device) of every buffer (``named``: ``module.named_buffers()`` already listed)."""
+    named = module.named_buffers() if named is None else named
+    return [(name, tuple(buffer.shape), buffer.dtype, buffer.device) for name, buffer in named]
+
+
+def describe_buffer_change(layout: list[tuple], named) -> str:
+    """What differs between the wrapped buffer ``layout`` (:func:`buffer_signature`) and the buffers ``named`` now."""
+    now = {name: (tuple(buffer.shape), buffer.dtype, buffer.device) for name, buffer in named}
+    for name, *was in layout:
+        if name not in now:
+            return f"buffer {name!r} was removed after wrapping"
+        if now[name] != tuple(was):
+            return (f"buffer {name!r} changed from shape {was[0]} {was[1]} on {was[2]} to shape {now[name][0]} "
+                    f"{now[name][1]} on {now[name][2]} after wrapping")
+    return "buffers were added after wrapping"
+
+
+def placeholders(layout: list[tuple]) -> list[torch.Tensor]:
+    """Zero tensors of the wrapped buffer layout: what a rank whose buffers changed sends and receives."""
+    return [torch.zeros(shape, dtype=dtype, device=device) for _, shape, dtype, device in layout]

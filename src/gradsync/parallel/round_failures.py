@@ -1,0 +1,129 @@
+"""How the reducer tells apart, and survives, a backward it cannot use (issue 16).
+
+* ``torch.autograd.grad`` through DataParallel: the post-accumulate-grad
+  hooks never fire, so no gradient would be averaged. The output hook asks
+  the engine whether it will accumulate into the parameters
+  (:func:`computes_grads_without_accumulating`); if not, the round still runs
+  (the peers are in it) and reports ``AUTOGRAD_GRAD``, raised on every rank.
+* A backward that raised on one rank (a user Function, a sparse gradient):
+  the engine drops the round's end callback, so the round stays in flight.
+  Before the next forward, or the next collective on the group, this rank
+  completes it with ``BACKWARD_FAILED`` in its status slot
+  (:meth:`FailureHandling._settle`): the peers, still waiting at the end of
+  their backward, get every bucket in order and raise naming this rank, and
+  no message is ever paired with a later call's. Every rank then refuses its
+  forwards and every collective on the group until
+  ``DataParallel.reset_after_failure()`` (:meth:`FailureHandling.reset`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from concurrent.futures import wait
+from typing import Callable
+
+import torch
+
+from gradsync.errors import GradsyncError
+from gradsync.parallel.sync_round import BACKWARD_FAILED, BREAKS_MODEL, Round, status_error
+
+
+def weak_method(reducer: object, name: str) -> Callable[[], None]:
+    """``reducer.name()`` through a weak reference (for the communicator's lane, which outlives models)."""
+    reference = weakref.ref(reducer)
+
+    def call() -> None:
+        alive = reference()
+        if alive is not None:
+            getattr(alive, name)()
+
+    return call
+
+
+def in_backward() -> bool:
+    """Whether this thread is running an autograd graph task (a backward or torch.autograd.grad)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and current() != -1
+
+
+def accumulator(param: torch.Tensor):
+    """The AccumulateGrad node of a leaf ``param`` (kept alive by whoever holds it)."""
+    with torch.enable_grad():
+        return param.view_as(param).grad_fn.next_functions[0][0]
+
+
+def computes_grads_without_accumulating(accumulators) -> bool:
+    """Whether the running graph task is torch.autograd.grad asking for some parameter's gradient."""
+    probe = getattr(torch._C, "_will_engine_execute_node", None)
+    for node in accumulators if probe is not None else ():
+        try:
+            if probe(node):
+                return False  # backward(): it accumulates into .grad
+        except RuntimeError:  # "a leaf node was passed ... while running autograd.grad()"
+            return True
+    return False
+
+
+class FailureHandling:
+    """The reducer's failure paths (a mixin: it uses the reducer's round, lane and buckets)."""
+
+    def _raise_statuses(self, state: Round) -> None:
+        """Raise on every rank when some rank reported a status in this round."""
+        error = status_error(state.statuses, self.comm.rank, state.detail)
+        if error is not None:
+            if any(code in BREAKS_MODEL for code in state.statuses):
+                self._break("its last backward failed on every rank (that error says why)")
+            raise error
+
+    def _complete_failed(self, state: Round, detail: str) -> None:
+        """Finish a round this rank cannot use, so that no peer waits for its buckets or pairs them with
+        a later message: every bucket still goes out in order, the last one with BACKWARD_FAILED in
+        this rank's status slot, and the peers raise naming this rank."""
+        state.status, state.detail = BACKWARD_FAILED, detail
+        state.pending = [0] * len(state.pending)
+        self._launch_ready()
+        wait(state.futures)
+        self.comm.lane.release(state.hold)
+        if not state.failed:  # after a timeout the group is unusable anyway
+            self._reduce_last_bucket(state, copy_out=False)
+
+    def _settle(self) -> bool:
+        """Finish (marked failed) a round whose backward raised before its end; return whether there was one."""
+        state = self._round
+        if state is None or in_backward():
+            return False
+        try:
+            self._complete_failed(state, "its backward raised")
+        finally:
+            self._round = None
+            self.comm.lane.release(state.hold)
+        self._break("its last backward raised on this rank before the gradients were synchronised "
+                    "(the other ranks were told)")
+        return True
+
+    def settle_if_stale(self) -> None:
+        """Called before each forward and each collective issued outside backward while a round is held.
+
+        Raises:
+            GradsyncError: a backward raised on this rank (now settled with the peers), or the model
+            is broken since an earlier failure.
+        """
+        self._settle()
+        if self.broken is not None:
+            raise GradsyncError(f"DataParallel on rank {self.comm.rank} cannot be used: {self.broken}. "
+                                f"Call model.reset_after_failure() on every rank (or wrap the module again) "
+                                f"before using it or its group again")
+
+    def reset(self) -> None:
+        """Forget an earlier failure (after settling a failed round with the peers)."""
+        self._settle()
+        self.broken = None
+        self.comm.lane.release(self._broken_hold)
+        self._broken_hold = None
+
+    def _break(self, reason: str) -> None:
+        """Refuse this model's forwards, and every collective on its group, until :meth:`reset`."""
+        self.broken = reason
+        if self._broken_hold is None and self.comm.world_size > 1:
+            self._broken_hold = self.comm.lane.hold(self._lane_check)
+            weakref.finalize(self, self.comm.lane.release, self._broken_hold)  # a model dropped while broken
