@@ -128,7 +128,16 @@ def _init_torch_distributed(backend: str, timeout: float):
     generation_store = dist.PrefixStore(f"gradsync/attempt{attempt}/init{_Default.init_generation}", store)
     dist.init_process_group(backend, store=generation_store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=max(timeout, MIN_STARTUP_TIMEOUT_S)))
-    return dist.PrefixStore("gradsync/hang", generation_store)
+    return _detector_store(dist.PrefixStore("gradsync/hang", generation_store))
+
+
+def _detector_store(store):
+    """A second connection to ``store`` for the hang detector, so that a diagnosis stuck on a
+    frozen store host never holds the connection torch.distributed uses (shutdown, new groups)."""
+    try:
+        return store.clone()
+    except (RuntimeError, NotImplementedError):
+        return store
 
 
 def _rendezvous_store(rank: int, world_size: int, timeout: float):

@@ -9,6 +9,14 @@ the same; the ranks that stay silent are the ones that stopped responding.
 This is the idea of NCCL's and PyTorch's desync debugging, reduced to one
 key per rank.
 
+The store may itself be frozen: under a plain ``MASTER_ADDR`` launch it lives
+in rank 0, and a stopped rank 0 (SIGSTOP, a debugger) never answers, while a
+TCPStore ``check`` ignores the store's timeout. So the store calls run on a
+daemon thread that is waited for at most ``grace_s`` + ``STORE_SLACK_S``; a
+store that does not answer in that time means nothing is known (None), and
+the timeout is raised at most ``grace_s`` + ``STORE_SLACK_S`` late. A thread
+still stuck in the store makes later diagnoses give None at once.
+
 The store is torch.distributed's (the elastic agent's under ``gradsync
 train`` and torchrun); its namespace is fresh for every group (see
 ``process_group``), so a restart never reads an old attempt's keys.
@@ -16,10 +24,12 @@ train`` and torchrun); its namespace is fresh for every group (see
 
 from __future__ import annotations
 
+import threading
 import time
 
 DEFAULT_GRACE_S = 1.5  # how long a timed-out rank waits for the others to report (seconds)
 _POLL_S = 0.05
+STORE_SLACK_S = 0.25  # beyond the grace, how long an unanswered store call is waited for (seconds)
 
 
 class HangDetector:
@@ -40,15 +50,32 @@ class HangDetector:
         self.rank = rank
         self.world_size = world_size
         self.grace_s = grace_s
+        self._stuck: threading.Thread | None = None  # a diagnosis still waiting for the store
 
     def silent_ranks(self) -> list[int] | None:
         """Report this rank as stuck and return the ranks that did not report within the grace.
 
+        Returns within ``grace_s`` + ``STORE_SLACK_S`` seconds whatever the store does.
+
         Returns:
             The silent ranks (ascending; empty when every rank reported: a
             stall of the network, not of one rank), or None when the store
-            could not be used (then nothing is known).
+            could not be used or did not answer in time (then nothing is known).
         """
+        if self._stuck is not None and self._stuck.is_alive():
+            return None
+        found: list = []
+        thread = threading.Thread(target=lambda: found.append(self._ask_store()), daemon=True,
+                                  name=f"gradsync-hang-detector-rank{self.rank}")
+        thread.start()
+        thread.join(self.grace_s + STORE_SLACK_S)
+        if thread.is_alive():
+            self._stuck = thread
+            return None
+        return found[0] if found else None
+
+    def _ask_store(self) -> list[int] | None:
+        """The store round of :meth:`silent_ranks` (unbounded if the store hangs)."""
         try:
             self.store.set(_key(self.rank), str(time.time()))
             pending = [rank for rank in range(self.world_size) if rank != self.rank]
