@@ -48,3 +48,45 @@ def test_frozen_store_host_still_times_out_within_timeout_plus_2s():
     assert kind == "CollectiveTimeoutError", (kind, message)
     assert "rank 1 of 2" in message and "rank 0" in message, message
     assert elapsed_s <= FROZEN_TIMEOUT_S + 2 + 0.5, f"rank 1 waited {elapsed_s:.1f} s: {message}"
+
+
+# ---------------------------------------------------------------- item 10: loopback-only listeners
+
+EXPOSED_HOSTS = ("*", "0.0.0.0", "[::]", "::")
+
+
+def listeners_of(pids) -> list[tuple[str, int]]:
+    """``(local address, pid)`` of every TCP listener (``ss -ltnpH``) owned by one of ``pids``."""
+    import re
+    import subprocess
+
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, timeout=10, check=True).stdout
+    found = []
+    for line in out.splitlines():
+        fields = line.split()
+        for pid in map(int, re.findall(r"pid=(\d+)", line)):
+            if pid in pids:
+                found.append((fields[3], pid))
+    return found
+
+
+def exposed(listeners) -> list:
+    return [(address, pid) for address, pid in listeners if address.rsplit(":", 1)[0] in EXPOSED_HOSTS]
+
+
+def _rank_listeners() -> list | None:
+    """Rank 0 lists the TCP listeners of every rank of the job while all of them are in the group."""
+    pids = torch.zeros(gradsync.world_size(), dtype=torch.int64)
+    pids[gradsync.rank()] = os.getpid()
+    gradsync.all_reduce(pids)
+    found = listeners_of(set(pids.tolist())) if gradsync.rank() == 0 else None
+    gradsync.all_reduce(torch.ones(1))  # nobody leaves before rank 0 looked
+    return found
+
+
+@pytest.mark.timeout(60)
+def test_init_over_loopback_listens_on_loopback_only():
+    """Trigger: gradsync.init with MASTER_ADDR=127.0.0.1; before: the TCPStore listened on *:<port>."""
+    listeners = run_world(2, _rank_listeners, timeout_s=40)[0]
+    assert listeners, "found no listener at all (ss not showing the job's processes?)"
+    assert not exposed(listeners), f"listeners on every interface: {listeners}"

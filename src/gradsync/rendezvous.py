@@ -1,0 +1,83 @@
+"""Sockets of a local job listen on loopback only.
+
+torch's TCPStore server binds every interface whatever host name it is
+given, and Gloo's pair listeners bind the address the host name resolves to.
+The store is unauthenticated and holds the Gloo peer addresses and the hang
+detector's keys, so a job on one machine (``MASTER_ADDR`` a loopback
+address, as ``gradsync train`` and the test worlds use) must not expose it.
+Here the store's listening socket is bound to the loopback address first and
+handed to the store (``master_listen_fd``), and Gloo is told to use the
+loopback device. A job whose ``MASTER_ADDR`` is another machine's address is
+reachable on that address by design (docs/training.md, "Security").
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import socket
+import sys
+
+import torch.distributed as dist
+
+LOOPBACK_DEVICE = "lo"  # Linux's loopback interface (Gloo's GLOO_SOCKET_IFNAME)
+
+
+def is_loopback(host: str) -> bool:
+    """True for "localhost" and any 127.0.0.0/8 or ::1 address."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` and listening (port 0: any free port).
+
+    Raises:
+        OSError: the address is in use or cannot be bound.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host.strip("[]"), port))
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def loopback_store_server(host: str, port: int, world_size: int | None, timeout: datetime.timedelta,
+                          wait_for_workers: bool = True) -> dist.TCPStore:
+    """A TCPStore server listening on ``host:port`` only (``host`` a loopback address).
+
+    Raises:
+        ValueError: ``host`` is not a loopback address.
+        OSError / RuntimeError: the port cannot be bound (in use).
+    """
+    if not is_loopback(host):
+        raise ValueError(f"{host} is not a loopback address")
+    sock = listening_socket("127.0.0.1" if host.lower() == "localhost" else host, port)
+    port = sock.getsockname()[1]
+    try:
+        return dist.TCPStore(host, port, world_size, True, timeout, wait_for_workers=wait_for_workers,
+                             master_listen_fd=sock.detach())
+    except BaseException:
+        sock.close()
+        raise
+
+
+def gloo_on_loopback(master_addr: str) -> None:
+    """Make the process's Gloo groups listen on the loopback device when ``master_addr`` is loopback.
+
+    Sets ``GLOO_SOCKET_IFNAME`` (read by Gloo when a group is created) unless
+    the user set it; Linux only (elsewhere the device is named differently).
+    """
+    if ("GLOO_SOCKET_IFNAME" not in os.environ and is_loopback(master_addr)
+            and sys.platform.startswith("linux") and os.path.exists(f"/sys/class/net/{LOOPBACK_DEVICE}")):
+        os.environ["GLOO_SOCKET_IFNAME"] = LOOPBACK_DEVICE
