@@ -90,3 +90,31 @@ def test_init_over_loopback_listens_on_loopback_only():
     listeners = run_world(2, _rank_listeners, timeout_s=40)[0]
     assert listeners, "found no listener at all (ss not showing the job's processes?)"
     assert not exposed(listeners), f"listeners on every interface: {listeners}"
+
+
+def entry_listeners(launcher_pid: int) -> list | None:
+    """A ``launch_local`` worker: rank 0 lists the listeners of the launcher and of every worker."""
+    gradsync.init(backend="gloo", timeout=20)
+    try:
+        return _rank_listeners_of({launcher_pid})
+    finally:
+        gradsync.shutdown()
+
+
+def _rank_listeners_of(extra: set) -> list | None:
+    pids = torch.zeros(gradsync.world_size(), dtype=torch.int64)
+    pids[gradsync.rank()] = os.getpid()
+    gradsync.all_reduce(pids)
+    found = listeners_of(set(pids.tolist()) | extra) if gradsync.rank() == 0 else None
+    gradsync.all_reduce(torch.ones(1))  # nobody leaves before rank 0 looked
+    return found
+
+
+@pytest.mark.timeout(90)
+def test_launcher_listens_on_loopback_only():
+    """Trigger: the ``gradsync train`` launcher (elastic agent); before: its stores listened on *:<port>."""
+    from gradsync.launch import launch_local
+
+    listeners = launch_local(2, entry_listeners, os.getpid())[0]
+    assert any(pid == os.getpid() for _, pid in listeners), f"the launcher's store is not among {listeners}"
+    assert not exposed(listeners), f"listeners on every interface: {listeners}"

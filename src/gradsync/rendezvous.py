@@ -81,3 +81,41 @@ def gloo_on_loopback(master_addr: str) -> None:
     if ("GLOO_SOCKET_IFNAME" not in os.environ and is_loopback(master_addr)
             and sys.platform.startswith("linux") and os.path.exists(f"/sys/class/net/{LOOPBACK_DEVICE}")):
         os.environ["GLOO_SOCKET_IFNAME"] = LOOPBACK_DEVICE
+
+
+LOOPBACK_BACKEND = "gradsync-loopback"  # the elastic rendezvous backend of ``gradsync train``
+_STORE_READ_TIMEOUT = datetime.timedelta(seconds=60)  # as torch's c10d backend (read_timeout)
+
+
+def register_loopback_backend() -> str:
+    """Register (once) torch elastic's c10d rendezvous with both of its stores on loopback; returns its name.
+
+    The c10d backend's own store (rendezvous state) and the store the agent
+    shares with its workers (``MASTER_ADDR``/``MASTER_PORT``; torch makes it
+    on every interface) are both made by :func:`loopback_store_server`. Use
+    with a loopback ``rdzv_endpoint`` and ``local_addr``; one node only.
+    """
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(LOOPBACK_BACKEND, _loopback_handler)
+    return LOOPBACK_BACKEND
+
+
+def _loopback_handler(params):
+    """A ``DynamicRendezvousHandler`` over the c10d backend whose stores listen on the endpoint's loopback address."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=0)
+    store = loopback_store_server(host, port, None, _STORE_READ_TIMEOUT, wait_for_workers=False)
+    class LoopbackBackend(C10dRendezvousBackend):
+        @property
+        def name(self) -> str:
+            return LOOPBACK_BACKEND
+
+    handler = create_handler(store, LoopbackBackend(store, params.run_id), params)
+    # torch 2.13 makes the store it shares with the workers here (TCPStore on every interface)
+    handler._create_tcp_store_server = lambda addr, server_port: loopback_store_server(
+        host, server_port, None, _STORE_READ_TIMEOUT, wait_for_workers=False)
+    return handler
