@@ -15,12 +15,31 @@ ranks.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from pathlib import Path
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 MODEL_FILE = "model.pt"  # the final model's state_dict, written by rank 0
+PRIVATE_UMASK = 0o077  # run folders, checkpoints, traces and plots: 0700 folders, 0600 files
+
+
+@contextlib.contextmanager
+def private_files():
+    """While inside, files and folders this process creates are its user's only (umask 077).
+
+    The run folder holds the model, the data order and the job's settings;
+    nobody else on the machine needs to read them. The previous umask is
+    restored on leaving (the umask is process-wide).
+    """
+    previous = os.umask(PRIVATE_UMASK)
+    os.umask(previous | PRIVATE_UMASK)
+    try:
+        yield
+    finally:
+        os.umask(previous)
 
 
 class MetricsLog:
