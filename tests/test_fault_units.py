@@ -8,6 +8,7 @@ which must refuse them before launching anything.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import json
@@ -26,7 +27,7 @@ from gradsync.collectives import Communicator
 from gradsync.errors import CollectiveTimeoutError
 from gradsync.fault.hang import HangDetector
 from gradsync.train.config import TrainConfig
-from gradsync.train.metrics import MetricsLog, read_metrics
+from gradsync.train.metrics import MetricsLog, read_metrics, resumed_text
 from gradsync.train.resume import check_compatible, config_fields, rng_state, set_rng_state
 from gradsync.transport.thread import ThreadWorld
 from test_cli import _assert_one_line_error, _main
@@ -232,7 +233,29 @@ def test_metrics_log_resumed_text_replaces_the_file(tmp_path):
     log.close()
     records = read_metrics(path)
     assert records == kept + [{"kind": "step", "step": 3, "redone": True}]
-    assert log.text() == path.read_text()
+    data = path.read_bytes()
+    assert log.position() == {"path": str(path.resolve()), "nbytes": len(data),
+                              "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def test_checkpointed_metrics_position_reads_the_prefix_back_from_the_run_folder(tmp_path):
+    """A checkpoint keeps where metrics.jsonl ends (not its text, issue 16): the prefix is read back on resume,
+    from the restarted run's own file or else the checkpointed run's; a changed file gives None."""
+    path = tmp_path / "metrics.jsonl"
+    log = MetricsLog(path)
+    for step in (1, 2):
+        log.write({"kind": "step", "step": step})
+    position = log.position()
+    log.write({"kind": "step", "step": 3})  # written after the checkpoint: lost on resume
+    log.close()
+    kept = '{"kind": "step", "step": 1}\n{"kind": "step", "step": 2}\n'
+    other = tmp_path / "other" / "metrics.jsonl"
+    assert resumed_text(position, [path]) == kept
+    assert resumed_text(position, [other]) == kept  # a new run folder: from the checkpointed run's file
+    other.parent.mkdir()
+    other.write_text(kept.replace("2", "9"))
+    path.write_text(kept.replace("1", "7"))
+    assert resumed_text(position, [other]) is None
 
 
 def test_metrics_log_empty_resumed_text_starts_empty(tmp_path):
