@@ -21,7 +21,7 @@ from gradsync.collectives.communicator import DEFAULT_TIMEOUT_S, Communicator
 from gradsync.collectives.hierarchical import HierarchicalOptions
 from gradsync.errors import NotInitializedError
 from gradsync.fault.hang import HangDetector
-from gradsync.rendezvous import gloo_on_loopback, is_loopback, loopback_store_server
+from gradsync.rendezvous import bounded, gloo_on_loopback, is_loopback, loopback_store_server
 from gradsync.transport.torch_p2p import TorchP2PTransport
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -136,8 +136,8 @@ def _detector_store(store):
     """A second connection to ``store`` for the hang detector, so that a diagnosis stuck on a
     frozen store host never holds the connection torch.distributed uses (shutdown, new groups)."""
     try:
-        return store.clone()
-    except (RuntimeError, NotImplementedError):
+        return bounded(store.clone, 5.0, "the rendezvous store (a second connection)")
+    except (RuntimeError, NotImplementedError, TimeoutError):
         return store
 
 
@@ -159,8 +159,10 @@ def _connect_store(rank: int, world_size: int, startup: datetime.timedelta):
     if rank == 0 and not agent_store and is_loopback(host):
         return loopback_store_server(host, port, world_size, startup)
     if not is_loopback(host):  # another machine's address: torch's own store (every interface)
-        return next(dist.rendezvous("env://", rank, world_size, timeout=startup))[0]
-    return dist.TCPStore(host, port, world_size, False, startup)
+        make = lambda: next(dist.rendezvous("env://", rank, world_size, timeout=startup))[0]  # noqa: E731
+    else:
+        make = lambda: dist.TCPStore(host, port, world_size, False, startup)  # noqa: E731
+    return bounded(make, startup.total_seconds(), f"rank {rank}: the rendezvous store at {host}:{port}")
 
 
 def shutdown() -> None:

@@ -18,6 +18,7 @@ import ipaddress
 import os
 import socket
 import sys
+import threading
 
 import torch.distributed as dist
 
@@ -70,6 +71,33 @@ def loopback_store_server(host: str, port: int, world_size: int | None, timeout:
     except BaseException:
         sock.close()
         raise
+
+
+def bounded(make, seconds: float, what: str):
+    """``make()``, given up after ``seconds`` (+ 1 s) with TimeoutError naming ``what``.
+
+    A TCPStore client blocks forever, whatever its timeout, when the server's
+    process is stopped (SIGSTOP, a debugger): the kernel still accepts the
+    connection but nobody answers. The call then runs on a daemon thread
+    that is left behind.
+    """
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, make()))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=run, daemon=True, name="gradsync-store-connect")
+    thread.start()
+    thread.join(seconds + 1.0)
+    if not outcome:
+        raise TimeoutError(f"{what} did not answer within {seconds:g} s (its process is stopped or overloaded)")
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
 def gloo_on_loopback(master_addr: str) -> None:
