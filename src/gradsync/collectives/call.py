@@ -148,6 +148,8 @@ class CollectiveCall:
             waited = "" if blamed == failure.peer or failure.peer < 0 else f" waiting for rank {failure.peer}"
             reason = (f"peer rank {blamed} stopped responding: it never reached this call{others}; "
                       f"this rank timed out at {step}{waited}")
+        elif silent is None and failure.timed_out and getattr(self.hang_detector, "store_unanswered", False):
+            reason += "; the rendezvous store did not answer either (a stopped rank 0 hosts it under MASTER_ADDR)"
         message = (f"{self.op_name} (algorithm={self.algorithm}) on rank {rank} of "
                    f"{world_size}: {reason} (timeout {self.timeout_s:g} s)")
         return CollectiveTimeoutError(message, op=self.op_name, algorithm=self.algorithm,

@@ -52,6 +52,11 @@ class HangDetector:
         self.grace_s = grace_s
         self._stuck: threading.Thread | None = None  # a diagnosis still waiting for the store
 
+    @property
+    def store_unanswered(self) -> bool:
+        """Whether the store has not answered a diagnosis yet (its host may be the stopped rank)."""
+        return self._stuck is not None and self._stuck.is_alive()
+
     def silent_ranks(self) -> list[int] | None:
         """Report this rank as stuck and return the ranks that did not report within the grace.
 
@@ -62,7 +67,7 @@ class HangDetector:
             stall of the network, not of one rank), or None when the store
             could not be used or did not answer in time (then nothing is known).
         """
-        if self._stuck is not None and self._stuck.is_alive():
+        if self.store_unanswered:
             return None
         found: list = []
         thread = threading.Thread(target=lambda: found.append(self._ask_store()), daemon=True,
