@@ -172,6 +172,47 @@ def test_ring_timeout_with_detector_names_the_silent_rank_on_every_rank(world_si
         assert elapsed_s <= COLLECTIVE_TIMEOUT_S + GRACE_S + 2, f"rank {rank} took {elapsed_s:.2f} s"
 
 
+def _gone_pid() -> int:
+    """The PID of a process that ran and was reaped (gone from this machine)."""
+    import subprocess
+
+    child = subprocess.Popen(["true"])
+    child.wait(10)
+    return child.pid
+
+
+@pytest.mark.timeout(30)
+def test_ring_timeout_names_a_silent_rank_whose_process_is_gone_as_dead():
+    """Trigger (issue 16): a killed peer was reported as "never reached this call" when the wait timed out
+    (a zero-copy barrier, or a connection a child process kept open). Its process is gone: say it died."""
+    world_size, silent = 3, 1
+    world, store = ThreadWorld(world_size), dist.HashStore()
+    comms = [Communicator(world.transport(rank), timeout_s=COLLECTIVE_TIMEOUT_S,
+                          hang_detector=HangDetector(store, rank, world_size, grace_s=GRACE_S))
+             for rank in range(world_size)]
+    boot_id = open("/proc/sys/kernel/random/boot_id", encoding="ascii").read().strip()
+    machine = f"{boot_id}/{os.stat('/proc/self/ns/pid').st_ino}"  # this machine and PID namespace
+    store.set(f"proc/{silent}", f"{machine} {_gone_pid()}")  # as if rank 1 were another process, now killed
+
+    def call(rank):
+        if rank != silent:
+            return capture_error(lambda: collectives.all_reduce(torch.ones(100), comms[rank], algorithm="ring"))
+
+    for rank, exc in enumerate(_on_threads(world_size, call)):
+        if rank != silent:
+            assert isinstance(exc, CollectiveTimeoutError) and exc.peer == silent, f"rank {rank}: {exc!r}"
+            assert f"peer rank {silent} died (its process is gone)" in str(exc), str(exc)
+            assert "never reached" not in str(exc)
+
+
+def capture_error(call):
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return exc
+    return None
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("world_size, silent", [(3, 1), (4, 1)])
 def test_ring_timeout_without_detector_names_the_waited_for_neighbour(world_size, silent):

@@ -17,6 +17,12 @@ store that does not answer in that time means nothing is known (None), and
 the timeout is raised at most ``grace_s`` + ``STORE_SLACK_S`` late. A thread
 still stuck in the store makes later diagnoses give None at once.
 
+A silent rank may also be dead. Each rank records its process
+(``proc/<rank>``: its machine and PID namespace, and its PID) when the
+detector is made; a silent rank whose process is gone from this machine is
+listed in :attr:`HangDetector.dead`, so the error says it died rather than
+that it never reached the call.
+
 The store is torch.distributed's (the elastic agent's under ``gradsync
 train`` and torchrun); its namespace is fresh for every group (see
 ``process_group``), so a restart never reads an old attempt's keys.
@@ -24,6 +30,7 @@ train`` and torchrun); its namespace is fresh for every group (see
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -51,6 +58,11 @@ class HangDetector:
         self.world_size = world_size
         self.grace_s = grace_s
         self._stuck: threading.Thread | None = None  # a diagnosis still waiting for the store
+        self.dead: list[int] = []  # of the last diagnosis's silent ranks, those whose process is gone
+        try:
+            store.set(_proc_key(rank), f"{_machine()} {os.getpid()}")
+        except Exception:  # noqa: BLE001 - without the record a death reads as a hang
+            pass
 
     @property
     def store_unanswered(self) -> bool:
@@ -67,6 +79,7 @@ class HangDetector:
             stall of the network, not of one rank), or None when the store
             could not be used or did not answer in time (then nothing is known).
         """
+        self.dead = []
         if self.store_unanswered:
             return None
         found: list = []
@@ -77,10 +90,13 @@ class HangDetector:
         if thread.is_alive():
             self._stuck = thread
             return None
-        return found[0] if found else None
+        if not found or found[0] is None:
+            return None
+        silent, self.dead = found[0]
+        return silent
 
-    def _ask_store(self) -> list[int] | None:
-        """The store round of :meth:`silent_ranks` (unbounded if the store hangs)."""
+    def _ask_store(self) -> tuple[list[int], list[int]] | None:
+        """The store round of :meth:`silent_ranks`: (silent ranks, those of them dead); unbounded if the store hangs."""
         try:
             self.store.set(_key(self.rank), str(time.time()))
             pending = [rank for rank in range(self.world_size) if rank != self.rank]
@@ -89,11 +105,48 @@ class HangDetector:
                 pending = [rank for rank in pending if not self.store.check([_key(rank)])]
                 if pending:
                     time.sleep(_POLL_S)
-            return pending
+            return pending, [rank for rank in pending if self._process_gone(rank)]
         except Exception:  # noqa: BLE001 - a broken store must not hide the original timeout
             return None
 
 
+    def _process_gone(self, rank: int) -> bool:
+        """Whether ``rank`` recorded a process on this machine (and PID namespace) that no longer runs."""
+        if not self.store.check([_proc_key(rank)]):
+            return False
+        machine, _, pid = self.store.get(_proc_key(rank)).decode().rpartition(" ")
+        return machine == _machine() and pid.isdigit() and not _process_runs(int(pid))
+
+
 def _key(rank: int) -> str:
     return f"stuck/{rank}"
+
+
+def _proc_key(rank: int) -> str:
+    return f"proc/{rank}"
+
+
+def _machine() -> str:
+    """This machine's boot and PID namespace: PIDs compare only between processes with the same one."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as file:
+            boot = file.read().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return f"unknown-{os.getpid()}"  # never equal to another process's: no death is claimed
+
+
+def _process_runs(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie (a killed worker its launcher has not reaped yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as file:
+            return file.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
 
