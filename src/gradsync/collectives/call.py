@@ -155,7 +155,7 @@ class CollectiveCall:
 
     def _blame(self, silent: list[int], waited_for: int, step: str) -> tuple[int, str]:
         """(blamed rank, reason) for a timeout whose diagnosis found ``silent`` ranks (non-empty)."""
-        dead = [rank for rank in silent if rank in self.hang_detector.dead]
+        dead = [rank for rank in silent if rank in getattr(self.hang_detector, "dead", ())]
         candidates = dead or silent
         blamed = waited_for if waited_for in candidates else candidates[0]
         rest = [rank for rank in silent if rank != blamed]
