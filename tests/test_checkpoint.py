@@ -36,6 +36,10 @@ def test_round_trip_every_rank_and_the_manifest(tmp_path):
     with pytest.raises(KeyError, match="3 ranks; it has no rank 5"):
         found.load_rank(5)
     assert not [p for p in folder.iterdir() if p.name.startswith(".")]  # no temporary files left
+    # private whatever the umask (issue 16: they were 0755 / 0644)
+    assert oct(folder.stat().st_mode & 0o777) == oct(0o700)
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in folder.iterdir()} == {
+        name: oct(0o600) for name in manifest["files"] | {checkpoint.MANIFEST: None}}
 
 
 def test_keeps_the_newest_two(tmp_path):
@@ -110,3 +114,58 @@ def test_loading_refuses_pickled_code(tmp_path):
     found = checkpoint.latest(tmp_path)
     with pytest.raises(Exception, match="[Ww]eights only|weights_only|Unsupported"):
         found.load_shared()
+
+
+def _private_folder(folder: str) -> None:
+    """This process (its calling thread) gets its own mount namespace with a fresh tmpfs over ``folder``.
+
+    Like a node whose --checkpoint-dir is a local disk: same path, other files. The machine's own
+    mounts are untouched (``mount --make-rprivate /`` inside the new namespace only).
+    """
+    import ctypes
+    import subprocess
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(0x00020000) != 0:  # CLONE_NEWNS
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS) failed")
+    subprocess.run(["mount", "--make-rprivate", "/"], check=True, capture_output=True, timeout=10)
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", folder], check=True, capture_output=True, timeout=10)
+
+
+def _rank_save_into_node_local_folder(root: str) -> str:
+    """Rank 1 sees its own private ``root`` (another node's local disk); both ranks save step 1."""
+    import gradsync
+
+    if gradsync.rank() == 1:
+        _private_folder(root)
+    try:
+        checkpoint.save(root, 1, {"step": 1}, {"rank": gradsync.rank()}, gradsync.process_group.default_communicator())
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return f"{type(exc).__name__}: {exc}"
+    return "saved"
+
+
+def _mount_namespaces_usable() -> str | None:
+    """None when this machine lets a child process unshare its mounts, else why not."""
+    import subprocess
+
+    try:
+        done = subprocess.run(["unshare", "-m", "true"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unshare not runnable: {exc}"
+    return None if done.returncode == 0 else f"no mount namespaces here: {done.stderr.strip()}"
+
+
+@pytest.mark.timeout(60)
+def test_node_local_checkpoint_folder_is_one_error_on_every_rank(tmp_path):
+    """Trigger: --checkpoint-dir not shared between nodes; before: every save 'succeeded', resume began at 0."""
+    reason = _mount_namespaces_usable()
+    if reason:
+        pytest.skip(reason)
+    from _dist import run_world
+
+    outcomes = run_world(2, _rank_save_into_node_local_folder, str(tmp_path), timeout_s=40)
+    wanted = (f"CheckpointFolderError: checkpoint folder {tmp_path} is not shared between ranks: rank 0 cannot "
+              f"see the files of rank(s) 1; use a folder all nodes mount")
+    assert outcomes == [wanted, wanted]
+    assert "\n" not in wanted

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -183,6 +184,14 @@ def _check_trace(events, steps, micro_batches):
         assert all(e["dur"] >= 0 for e in mine)
 
 
+def assert_private(*paths: Path) -> None:
+    """Every folder under ``paths`` is 0700 and every file 0600 (issue 16: they were 0755 / 0644)."""
+    found = [path for top in paths for path in [top, *(top.rglob("*") if top.is_dir() else [])]]
+    modes = {str(path): oct(path.stat().st_mode & 0o777) for path in found}
+    wanted = {str(path): oct(0o700 if path.is_dir() else 0o600) for path in found}
+    assert modes == wanted
+
+
 SMALL_RUN = early_job("cli-small-run", [
     "train", "--nproc", "2", "--model", "mlp", "--epochs", "2", "--num-samples", "2000", "--batch-size", "16",
     "--accumulate", "2", "--out", "{folder}/run", "--no-progress", "--trace", "{folder}/trace.json",
@@ -236,6 +245,7 @@ def test_cli_small_run_writes_metrics_summary_and_plots(early):
     assert f"gradsync: AllReduce algorithm: ring for {len(summary['algorithms'])} buckets of " in result.stdout
     for name in ("loss.png", "accuracy.png", "time.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert_private(out, tmp_path / "trace.json")
     # the cached arrays are what the generator makes, so the second run does not regenerate
     cached = np.load(data.cache_path(tmp_path, 2000, data.DEFAULT_DATA_SEED))
     assert cached["x_train"].shape == (1600, 40) and cached["x_test"].shape == (400, 40)

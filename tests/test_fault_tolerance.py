@@ -270,6 +270,16 @@ def test_corrupt_newest_checkpoint_is_skipped_and_the_previous_one_resumed(corru
     _assert_same_trajectory(job.out, baseline.out, _total_steps(2))
 
 
+@pytest.mark.timeout(JOB_TIMEOUT_S)
+def test_checkpoint_size_does_not_grow_with_the_step(baseline):
+    """Before (issue 16): every checkpoint embedded metrics.jsonl so far (~350 bytes a step here, writes growing
+    with the square of the run length). Now the two kept checkpoints, 10 steps apart, are the same size up to
+    one epoch record and the zip format's alignment."""
+    steps = _checkpoint_steps(baseline.out / "checkpoints")
+    sizes = [(baseline.out / "checkpoints" / f"step-{step:09d}" / "shared.pt").stat().st_size for step in steps]
+    assert len(sizes) == 2 and abs(sizes[1] - sizes[0]) < 600, (steps, sizes)
+
+
 # ---------------------------------------------------------------- resuming at another world size
 
 

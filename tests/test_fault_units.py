@@ -8,6 +8,7 @@ which must refuse them before launching anything.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import json
@@ -26,7 +27,7 @@ from gradsync.collectives import Communicator
 from gradsync.errors import CollectiveTimeoutError
 from gradsync.fault.hang import HangDetector
 from gradsync.train.config import TrainConfig
-from gradsync.train.metrics import MetricsLog, read_metrics
+from gradsync.train.metrics import MetricsLog, read_metrics, resumed_text
 from gradsync.train.resume import check_compatible, config_fields, rng_state, set_rng_state
 from gradsync.transport.thread import ThreadWorld
 from test_cli import _assert_one_line_error, _main
@@ -171,6 +172,47 @@ def test_ring_timeout_with_detector_names_the_silent_rank_on_every_rank(world_si
         assert elapsed_s <= COLLECTIVE_TIMEOUT_S + GRACE_S + 2, f"rank {rank} took {elapsed_s:.2f} s"
 
 
+def _gone_pid() -> int:
+    """The PID of a process that ran and was reaped (gone from this machine)."""
+    import subprocess
+
+    child = subprocess.Popen(["true"])
+    child.wait(10)
+    return child.pid
+
+
+@pytest.mark.timeout(30)
+def test_ring_timeout_names_a_silent_rank_whose_process_is_gone_as_dead():
+    """Trigger (issue 16): a killed peer was reported as "never reached this call" when the wait timed out
+    (a zero-copy barrier, or a connection a child process kept open). Its process is gone: say it died."""
+    world_size, silent = 3, 1
+    world, store = ThreadWorld(world_size), dist.HashStore()
+    comms = [Communicator(world.transport(rank), timeout_s=COLLECTIVE_TIMEOUT_S,
+                          hang_detector=HangDetector(store, rank, world_size, grace_s=GRACE_S))
+             for rank in range(world_size)]
+    boot_id = open("/proc/sys/kernel/random/boot_id", encoding="ascii").read().strip()
+    machine = f"{boot_id}/{os.stat('/proc/self/ns/pid').st_ino}"  # this machine and PID namespace
+    store.set(f"proc/{silent}", f"{machine} {_gone_pid()}")  # as if rank 1 were another process, now killed
+
+    def call(rank):
+        if rank != silent:
+            return capture_error(lambda: collectives.all_reduce(torch.ones(100), comms[rank], algorithm="ring"))
+
+    for rank, exc in enumerate(_on_threads(world_size, call)):
+        if rank != silent:
+            assert isinstance(exc, CollectiveTimeoutError) and exc.peer == silent, f"rank {rank}: {exc!r}"
+            assert f"peer rank {silent} died (its process is gone)" in str(exc), str(exc)
+            assert "never reached" not in str(exc)
+
+
+def capture_error(call):
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return exc
+    return None
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("world_size, silent", [(3, 1), (4, 1)])
 def test_ring_timeout_without_detector_names_the_waited_for_neighbour(world_size, silent):
@@ -232,7 +274,29 @@ def test_metrics_log_resumed_text_replaces_the_file(tmp_path):
     log.close()
     records = read_metrics(path)
     assert records == kept + [{"kind": "step", "step": 3, "redone": True}]
-    assert log.text() == path.read_text()
+    data = path.read_bytes()
+    assert log.position() == {"path": str(path.resolve()), "nbytes": len(data),
+                              "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def test_checkpointed_metrics_position_reads_the_prefix_back_from_the_run_folder(tmp_path):
+    """A checkpoint keeps where metrics.jsonl ends (not its text, issue 16): the prefix is read back on resume,
+    from the restarted run's own file or else the checkpointed run's; a changed file gives None."""
+    path = tmp_path / "metrics.jsonl"
+    log = MetricsLog(path)
+    for step in (1, 2):
+        log.write({"kind": "step", "step": step})
+    position = log.position()
+    log.write({"kind": "step", "step": 3})  # written after the checkpoint: lost on resume
+    log.close()
+    kept = '{"kind": "step", "step": 1}\n{"kind": "step", "step": 2}\n'
+    other = tmp_path / "other" / "metrics.jsonl"
+    assert resumed_text(position, [path]) == kept
+    assert resumed_text(position, [other]) == kept  # a new run folder: from the checkpointed run's file
+    other.parent.mkdir()
+    other.write_text(kept.replace("2", "9"))
+    path.write_text(kept.replace("1", "7"))
+    assert resumed_text(position, [other]) is None
 
 
 def test_metrics_log_empty_resumed_text_starts_empty(tmp_path):

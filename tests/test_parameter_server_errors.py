@@ -415,3 +415,42 @@ def test_zero_grad_in_on_update_does_not_stop_training_and_serve_runs_once():
     params, again = run_threads(3, body, timeout_s=20)[0]
     assert torch.equal(params, torch.full((total_steps,), -1.0))
     assert isinstance(again, RuntimeError) and "once" in str(again)
+
+
+class _ClosedSends:
+    """A ThreadWorld transport whose tagged sends fail as Gloo's do on a pair the peer closed."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.rank, self.world_size, self.stats = inner.rank, inner.world_size, inner.stats
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def isend_tagged(self, tensor, peer, tag):
+        from gradsync.transport.base import PeerFailure
+
+        raise PeerFailure(peer, "closed the connection (it died or left the group)", False)
+
+
+@pytest.mark.timeout(20)
+def test_closed_connection_is_collective_timeout_error_naming_the_peer_on_worker_and_server():
+    """Trigger: a peer's connection is closed when a send is posted; before: the internal PeerFailure leaked."""
+    world = ThreadWorld(2)
+    worker = gradsync.AsyncWorker(Vector(4), group=Communicator(_ClosedSends(world.transport(1))), server_rank=0,
+                                  timeout=2.0)
+    exc, _, _ = catch(worker.pull)
+    assert isinstance(exc, gradsync.CollectiveTimeoutError), repr(exc)
+    assert exc.peer == 0 and "peer rank 0 closed the connection" in str(exc) and not exc.timed_out, exc
+
+    world = ThreadWorld(2)
+    model = Vector(4)
+    server = gradsync.ParameterServer(model, torch.optim.SGD(model.parameters(), lr=1.0), 3,
+                                      group=Communicator(_ClosedSends(world.transport(0))), timeout=2.0)
+    asking = threading.Thread(target=catch, daemon=True, args=(gradsync.AsyncWorker(
+        Vector(4), group=thread_comm(world, 1), server_rank=0, timeout=0.5).pull,))
+    asking.start()
+    exc, _, _ = catch(server.serve)
+    asking.join(5)
+    assert isinstance(exc, gradsync.CollectiveTimeoutError), repr(exc)
+    assert exc.peer == 1 and "peer rank 1 closed the connection" in str(exc), exc

@@ -1,6 +1,7 @@
 """Start N local workers through torch's elastic agent and collect rank 0's result.
 
-Rendezvous is torch's c10d store on 127.0.0.1 and a free port; restarts are
+Rendezvous is torch's c10d rendezvous with its stores listening on 127.0.0.1
+only (:mod:`gradsync.rendezvous`) and Gloo on the loopback device; restarts are
 the agent's (``max_restarts``). A worker that raises brings the job down: the
 agent stops the others and :class:`WorkerFailedError` carries the first
 failing rank's exception text.
@@ -27,6 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from gradsync.errors import GradsyncError
+from gradsync.rendezvous import register_loopback_backend
 
 _PR_SET_PDEATHSIG = 1
 _WORKER_PRELOAD = ["gradsync.forkserver_preload", "torch", "torch._dynamo", "gradsync"]  # once, in the forkserver
@@ -99,9 +101,11 @@ def launch_local(nproc: int, entry: Callable, *args, max_restarts: int = 0) -> d
     for name in _NOISY_LOGGERS:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     start_forkserver(entry)
+    backend = register_loopback_backend()
     with tempfile.TemporaryDirectory(prefix="gradsync-elastic-") as log_dir:
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-                              rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
+                              rdzv_backend=backend, rdzv_endpoint=f"127.0.0.1:{free_port()}",
+                              local_addr="127.0.0.1",
                               max_restarts=max_restarts, monitor_interval=0.1, start_method="forkserver",
                               logs_specs=DefaultLogsSpecs(log_dir=log_dir), shutdown_timeout=5)
         try:

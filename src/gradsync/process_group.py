@@ -20,6 +20,7 @@ import torch.distributed as dist
 from gradsync.collectives.communicator import DEFAULT_TIMEOUT_S, Communicator
 from gradsync.errors import NotInitializedError
 from gradsync.fault.hang import HangDetector
+from gradsync.rendezvous import bounded, gloo_on_loopback, is_loopback, loopback_store_server
 from gradsync.transport.torch_p2p import TorchP2PTransport
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -128,18 +129,40 @@ def _init_torch_distributed(backend: str, timeout: float):
     generation_store = dist.PrefixStore(f"gradsync/attempt{attempt}/init{_Default.init_generation}", store)
     dist.init_process_group(backend, store=generation_store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=max(timeout, MIN_STARTUP_TIMEOUT_S)))
-    return dist.PrefixStore("gradsync/hang", generation_store)
+    return _detector_store(dist.PrefixStore("gradsync/hang", generation_store))
+
+
+def _detector_store(store):
+    """A second connection to ``store`` for the hang detector, so that a diagnosis stuck on a
+    frozen store host never holds the connection torch.distributed uses (shutdown, new groups)."""
+    try:
+        return bounded(store.clone, 5.0, "the rendezvous store (a second connection)")
+    except (RuntimeError, NotImplementedError, TimeoutError):
+        return store
 
 
 def _rendezvous_store(rank: int, world_size: int, timeout: float):
     """The env:// store (rank 0's, or the elastic agent's), made once per address and kept."""
     key = (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"], rank, world_size)
     if _Default.store is None or _Default.store_key != key:
-        startup_s = max(timeout, MIN_STARTUP_TIMEOUT_S)
-        store, _, _ = next(dist.rendezvous("env://", rank, world_size,
-                                           timeout=datetime.timedelta(seconds=startup_s)))
+        startup = datetime.timedelta(seconds=max(timeout, MIN_STARTUP_TIMEOUT_S))
+        store = _connect_store(rank, world_size, startup)
         _Default.store, _Default.store_key, _Default.init_generation = store, key, 0
     return _Default.store
+
+
+def _connect_store(rank: int, world_size: int, startup: datetime.timedelta):
+    """The env:// store; rank 0 hosts it on the loopback address only when MASTER_ADDR is loopback."""
+    host, port = os.environ["MASTER_ADDR"], _env_int("MASTER_PORT")
+    gloo_on_loopback(host)
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if rank == 0 and not agent_store and is_loopback(host):
+        return loopback_store_server(host, port, world_size, startup)
+    if not is_loopback(host):  # another machine's address: torch's own store (every interface)
+        make = lambda: next(dist.rendezvous("env://", rank, world_size, timeout=startup))[0]  # noqa: E731
+    else:
+        make = lambda: dist.TCPStore(host, port, world_size, False, startup)  # noqa: E731
+    return bounded(make, startup.total_seconds(), f"rank {rank}: the rendezvous store at {host}:{port}")
 
 
 def shutdown() -> None:

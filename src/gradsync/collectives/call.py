@@ -164,20 +164,30 @@ class CollectiveCall:
         """Build the error for a failed wait on ``failure.peer`` during ``step``.
 
         On a timeout with a hang detector, the error names the rank that did
-        not reach the collective rather than the neighbour this rank waited for.
+        not reach the collective rather than the neighbour this rank waited for;
+        a silent rank whose process is gone is named as dead, first.
         """
         peer = "an unknown peer" if failure.peer < 0 else f"peer rank {failure.peer}"
         rank, world_size = self.reported_rank
         blamed, reason = failure.peer, f"{peer} {failure.reason} at {step}"
         silent = self.hang_detector.silent_ranks() if failure.timed_out and self.hang_detector else None
         if silent:
-            blamed = failure.peer if failure.peer in silent else silent[0]
-            others = f" (also silent: ranks {', '.join(map(str, silent[1:]))})" if len(silent) > 1 else ""
-            waited = "" if blamed == failure.peer or failure.peer < 0 else f" waiting for rank {failure.peer}"
-            reason = (f"peer rank {blamed} stopped responding: it never reached this call{others}; "
-                      f"this rank timed out at {step}{waited}")
+            blamed, reason = self._blame(silent, failure.peer, step)
+        elif silent is None and failure.timed_out and getattr(self.hang_detector, "store_unanswered", False):
+            reason += "; the rendezvous store did not answer either (a stopped rank 0 hosts it under MASTER_ADDR)"
         message = (f"{self.op_name} (algorithm={self.algorithm}) on rank {rank} of "
                    f"{world_size}: {reason} (timeout {self.timeout_s:g} s)")
         return CollectiveTimeoutError(message, op=self.op_name, algorithm=self.algorithm,
                                       rank=rank, peer=blamed, step=step,
                                       timed_out=failure.timed_out)
+
+    def _blame(self, silent: list[int], waited_for: int, step: str) -> tuple[int, str]:
+        """(blamed rank, reason) for a timeout whose diagnosis found ``silent`` ranks (non-empty)."""
+        dead = [rank for rank in silent if rank in getattr(self.hang_detector, "dead", ())]
+        candidates = dead or silent
+        blamed = waited_for if waited_for in candidates else candidates[0]
+        rest = [rank for rank in silent if rank != blamed]
+        others = f" (also silent: ranks {', '.join(map(str, rest))})" if rest else ""
+        waited = "" if blamed == waited_for or waited_for < 0 else f" waiting for rank {waited_for}"
+        what = "died (its process is gone)" if blamed in dead else "stopped responding: it never reached this call"
+        return blamed, f"peer rank {blamed} {what}{others}; this rank timed out at {step}{waited}"

@@ -10,7 +10,11 @@ Every file is written to a temporary name in the same folder, flushed,
 fsynced and renamed (POSIX rename is atomic), then the folder is fsynced. A
 checkpoint counts only when its manifest exists and every file it lists has
 the recorded size and checksum, so a crash at any point leaves either the
-previous checkpoint or a complete new one. Files are read with
+previous checkpoint or a complete new one. The folder must be one that every
+rank sees (a shared file system): at every save rank 0 checks that it sees
+each rank's file, and otherwise every rank raises
+:class:`CheckpointFolderError` (per-node folders are not supported).
+Folders are created 0700 and files 0600. Files are read with
 ``torch.load(weights_only=True)``: tensors, numbers, strings, lists, dicts.
 """
 
@@ -30,11 +34,16 @@ import torch
 
 from gradsync import collectives
 from gradsync.collectives.communicator import Communicator
+from gradsync.errors import GradsyncError
 
 MANIFEST = "MANIFEST.json"
 SHARED_FILE = "shared.pt"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step-(\d{9})$")
+
+
+class CheckpointFolderError(GradsyncError):
+    """The checkpoint folder is not the same folder on every rank (a node-local disk); raised on every rank."""
 
 
 class CheckpointWarning(UserWarning):
@@ -58,7 +67,7 @@ def write_atomic(path: Path, data: bytes) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as file:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as file:
             file.write(data)
             file.flush()
             os.fsync(file.fileno())
@@ -106,17 +115,20 @@ def save(root: str | Path, step: int, shared_state: dict | None, rank_state: dic
 
     Raises:
         ValueError: bad ``step`` or ``keep``; OSError: the folder is not writable.
+        CheckpointFolderError: on every rank, when rank 0 does not see another
+        rank's file (the folder is not shared between the nodes).
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep must be an int >= 1, got {keep!r}")
     folder = step_dir(root, step)
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     own = serialize(rank_state)
     write_atomic(folder / rank_file(comm.rank), own)
     record = torch.tensor(list(_digest(own)) + list(len(own).to_bytes(8, "little")), dtype=torch.uint8)
     records = collectives.all_gather(record, comm) if comm.world_size > 1 else [record]
+    _check_shared(root, folder, records, comm)
     if comm.rank == 0:
         files = {rank_file(rank): {"sha256": bytes(r[:32].tolist()).hex(),
                                    "nbytes": int.from_bytes(bytes(r[32:].tolist()), "little")}
@@ -128,6 +140,26 @@ def save(root: str | Path, step: int, shared_state: dict | None, rank_state: dic
         write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1).encode())
         prune(root, keep)
     return folder
+
+
+def _check_shared(root, folder: Path, records: list[torch.Tensor], comm: Communicator) -> None:
+    """Rank 0 looks for every rank's file (by size); every rank raises if any is missing.
+
+    The files were written and fsynced before the gather, so on a shared
+    folder rank 0 sees them; a node-local one shows only its own node's.
+    """
+    unseen = torch.zeros(comm.world_size, dtype=torch.uint8)
+    if comm.rank == 0:
+        for rank, record in enumerate(records):
+            path = folder / rank_file(rank)
+            nbytes = int.from_bytes(bytes(record[32:].tolist()), "little")
+            unseen[rank] = not (path.is_file() and path.stat().st_size == nbytes)
+    if comm.world_size > 1:
+        collectives.broadcast(unseen, comm, src=0)
+    missing = [str(rank) for rank in range(comm.world_size) if unseen[rank]]
+    if missing:
+        raise CheckpointFolderError(f"checkpoint folder {root} is not shared between ranks: rank 0 cannot see "
+                                    f"the files of rank(s) {','.join(missing)}; use a folder all nodes mount")
 
 
 @dataclass

@@ -9,6 +9,20 @@ the same; the ranks that stay silent are the ones that stopped responding.
 This is the idea of NCCL's and PyTorch's desync debugging, reduced to one
 key per rank.
 
+The store may itself be frozen: under a plain ``MASTER_ADDR`` launch it lives
+in rank 0, and a stopped rank 0 (SIGSTOP, a debugger) never answers, while a
+TCPStore ``check`` ignores the store's timeout. So the store calls run on a
+daemon thread that is waited for at most ``grace_s`` + ``STORE_SLACK_S``; a
+store that does not answer in that time means nothing is known (None), and
+the timeout is raised at most ``grace_s`` + ``STORE_SLACK_S`` late. A thread
+still stuck in the store makes later diagnoses give None at once.
+
+A silent rank may also be dead. Each rank records its process
+(``proc/<rank>``: its machine and PID namespace, and its PID) when the
+detector is made; a silent rank whose process is gone from this machine is
+listed in :attr:`HangDetector.dead`, so the error says it died rather than
+that it never reached the call.
+
 The store is torch.distributed's (the elastic agent's under ``gradsync
 train`` and torchrun); its namespace is fresh for every group (see
 ``process_group``), so a restart never reads an old attempt's keys.
@@ -16,10 +30,13 @@ train`` and torchrun); its namespace is fresh for every group (see
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 
 DEFAULT_GRACE_S = 1.5  # how long a timed-out rank waits for the others to report (seconds)
 _POLL_S = 0.05
+STORE_SLACK_S = 0.25  # beyond the grace, how long an unanswered store call is waited for (seconds)
 
 
 class HangDetector:
@@ -40,15 +57,46 @@ class HangDetector:
         self.rank = rank
         self.world_size = world_size
         self.grace_s = grace_s
+        self._stuck: threading.Thread | None = None  # a diagnosis still waiting for the store
+        self.dead: list[int] = []  # of the last diagnosis's silent ranks, those whose process is gone
+        try:
+            store.set(_proc_key(rank), f"{_machine()} {os.getpid()}")
+        except Exception:  # noqa: BLE001 - without the record a death reads as a hang
+            pass
+
+    @property
+    def store_unanswered(self) -> bool:
+        """Whether the store has not answered a diagnosis yet (its host may be the stopped rank)."""
+        return self._stuck is not None and self._stuck.is_alive()
 
     def silent_ranks(self) -> list[int] | None:
         """Report this rank as stuck and return the ranks that did not report within the grace.
 
+        Returns within ``grace_s`` + ``STORE_SLACK_S`` seconds whatever the store does.
+
         Returns:
             The silent ranks (ascending; empty when every rank reported: a
             stall of the network, not of one rank), or None when the store
-            could not be used (then nothing is known).
+            could not be used or did not answer in time (then nothing is known).
         """
+        self.dead = []
+        if self.store_unanswered:
+            return None
+        found: list = []
+        thread = threading.Thread(target=lambda: found.append(self._ask_store()), daemon=True,
+                                  name=f"gradsync-hang-detector-rank{self.rank}")
+        thread.start()
+        thread.join(self.grace_s + STORE_SLACK_S)
+        if thread.is_alive():
+            self._stuck = thread
+            return None
+        if not found or found[0] is None:
+            return None
+        silent, self.dead = found[0]
+        return silent
+
+    def _ask_store(self) -> tuple[list[int], list[int]] | None:
+        """The store round of :meth:`silent_ranks`: (silent ranks, those of them dead); unbounded if the store hangs."""
         try:
             self.store.set(_key(self.rank), str(time.time()))
             pending = [rank for rank in range(self.world_size) if rank != self.rank]
@@ -57,11 +105,48 @@ class HangDetector:
                 pending = [rank for rank in pending if not self.store.check([_key(rank)])]
                 if pending:
                     time.sleep(_POLL_S)
-            return pending
+            return pending, [rank for rank in pending if self._process_gone(rank)]
         except Exception:  # noqa: BLE001 - a broken store must not hide the original timeout
             return None
 
 
+    def _process_gone(self, rank: int) -> bool:
+        """Whether ``rank`` recorded a process on this machine (and PID namespace) that no longer runs."""
+        if not self.store.check([_proc_key(rank)]):
+            return False
+        machine, _, pid = self.store.get(_proc_key(rank)).decode().rpartition(" ")
+        return machine == _machine() and pid.isdigit() and not _process_runs(int(pid))
+
+
 def _key(rank: int) -> str:
     return f"stuck/{rank}"
+
+
+def _proc_key(rank: int) -> str:
+    return f"proc/{rank}"
+
+
+def _machine() -> str:
+    """This machine's boot and PID namespace: PIDs compare only between processes with the same one."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as file:
+            boot = file.read().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return f"unknown-{os.getpid()}"  # never equal to another process's: no death is claimed
+
+
+def _process_runs(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie (a killed worker its launcher has not reaped yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as file:
+            return file.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
 

@@ -113,8 +113,17 @@ class AsyncWorker:
 
     def _exchange(self, header: torch.Tensor, gradient: torch.Tensor | None,
                   timeout_s: float | None = None) -> int | None:
-        transport, server = self.comm.transport, self.server_rank
+        """One request and its reply; a transfer that cannot even be started (the server's connection
+        is closed) is a CollectiveTimeoutError naming the server, as a failed wait is."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            return self._exchange_once(header, gradient, timeout_s)
+        except PeerFailure as failure:
+            raise peer_error(failure, "exchange", self.rank, self.world_size, timeout_s,
+                             peer=self.server_rank) from None
+
+    def _exchange_once(self, header: torch.Tensor, gradient: torch.Tensor | None, timeout_s: float) -> int | None:
+        transport, server = self.comm.transport, self.server_rank
         started = time.perf_counter()
         sends = [transport.isend_tagged(header, server, TAG_REQUEST)]
         if gradient is not None:

@@ -162,6 +162,13 @@ class ParameterServer:
             raise RuntimeError("serve() runs once: its workers were told to stop")
         self._served = True
         self._replied_at = {w: (time.monotonic(), self._busy_s) for w in self.workers}
+        try:
+            self._serve(on_update)
+        except PeerFailure as failure:  # a transfer that could not even start: a worker's connection is closed
+            raise peer_error(failure, "serve", self.rank, self.world_size, self.timeout_s) from None
+        return {name: param.detach().clone() for name, param in self.named_params}
+
+    def _serve(self, on_update) -> None:
         while len(self._stopped) < len(self.workers):
             worker, header = self._next_request()
             if header[0] == PULL:
@@ -176,7 +183,6 @@ class ParameterServer:
                 raise ValueError(f"parameter server: worker rank {worker} sent unknown request {header.tolist()}")
             self._waiting.append(worker)
             self._answer_waiting()
-        return {name: param.detach().clone() for name, param in self.named_params}
 
     def _admit(self, worker: int, signature: list[int]) -> None:
         """Check a new worker's model; a differing one is told (so it need not time out) and named."""

@@ -19,7 +19,7 @@ from gradsync.launch import WorkerFailedError, launch_local
 from gradsync.train import data, resume
 from gradsync.train.config import TrainConfig, validate, validate_against_data
 from gradsync.train.worker import run_worker
-from gradsync.train.metrics import METRICS_FILE
+from gradsync.train.metrics import METRICS_FILE, private_files
 
 
 def under_torchrun() -> bool:
@@ -126,10 +126,17 @@ def check_resumable(config: TrainConfig, world_size: int) -> None:
 def run_job(config: TrainConfig) -> dict | None:
     """Run the whole job; returns rank 0's summary (None on other torchrun ranks).
 
+    The folders and files it creates are private to the user (0700 / 0600, see ``private_files``).
+
     Raises:
         ValueError: a bad option (one line, before any worker starts).
         WorkerFailedError: a worker failed.
     """
+    with private_files():
+        return _run_job(config)
+
+
+def _run_job(config: TrainConfig) -> dict | None:
     validate(config)
     check_environment()
     torchrun = under_torchrun()

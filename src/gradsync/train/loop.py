@@ -70,7 +70,8 @@ class Trainer:
         self.faults = FaultPlan(self.rank, config.fault_rank_step("fail_at"), config.fault_rank_step("hang_at"),
                                 self.events)
         self.checkpoint_root = Path(config.checkpoint_dir) if config.checkpointing() else None
-        self.state, metrics_text, self.resumed_from = resume.load_latest(self.checkpoint_root, config, self.replica)
+        self.state, metrics_text, self.resumed_from = resume.load_latest(
+            self.checkpoint_root, config, self.replica, self.out_dir / METRICS_FILE if self.is_main else None)
         self.started = time.perf_counter()
         # a resumed log holds the checkpoint's records only: no step twice
         self.log = MetricsLog(self.out_dir / METRICS_FILE, resumed_text=metrics_text) if self.is_main else None
@@ -190,7 +191,8 @@ class Trainer:
         started = time.perf_counter()
         shared = None
         if self.is_main:
-            shared = resume.shared_state(self.state, self.replica, self.config, self.log.text(), self.elapsed_s())
+            shared = resume.shared_state(self.state, self.replica, self.config, self.log.position(),
+                                         self.elapsed_s())
         checkpoint.save(self.checkpoint_root, self.state.step, shared, resume.rank_state(self.state, self.replica),
                         self.model.comm, keep=self.config.keep_checkpoints)
         self.state.checkpoint_s += time.perf_counter() - started

@@ -15,12 +15,32 @@ ranks.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import os
 from pathlib import Path
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 MODEL_FILE = "model.pt"  # the final model's state_dict, written by rank 0
+PRIVATE_UMASK = 0o077  # run folders, checkpoints, traces and plots: 0700 folders, 0600 files
+
+
+@contextlib.contextmanager
+def private_files():
+    """While inside, files and folders this process creates are its user's only (umask 077).
+
+    The run folder holds the model, the data order and the job's settings;
+    nobody else on the machine needs to read them. The previous umask is
+    restored on leaving (the umask is process-wide).
+    """
+    previous = os.umask(PRIVATE_UMASK)
+    os.umask(previous | PRIVATE_UMASK)
+    try:
+        yield
+    finally:
+        os.umask(previous)
 
 
 class MetricsLog:
@@ -28,34 +48,54 @@ class MetricsLog:
 
     Args:
         path: the ``metrics.jsonl`` file.
-        resumed_text: the file's content at the checkpoint a job resumes from;
-            the file is replaced by it (atomically), so records of steps done
-            after that checkpoint by a failed attempt disappear and no step
-            appears twice.
+        resumed_text: when resuming, the text the file must hold (it is
+            replaced by exactly this); None appends to the file as it is.
+
+    A checkpoint keeps :meth:`position` (bytes written and their SHA-256), not
+    the text, so that checkpoints do not grow with the run; the text is read
+    back from the file on resume (:func:`resumed_text`).
     """
 
     def __init__(self, path: Path, resumed_text: str | None = None):
         self.path = Path(path)
-        self._lines: list[str] = []
+        self._nbytes, self._digest = 0, hashlib.sha256()
         if resumed_text is not None:
             from gradsync.fault.checkpoint import write_atomic
 
-            write_atomic(self.path, resumed_text.encode())
-            self._lines = resumed_text.splitlines(keepends=True)
+            data = resumed_text.encode()
+            write_atomic(self.path, data)
+            self._nbytes = len(data)
+            self._digest.update(data)
         self._file = open(self.path, "a", encoding="utf-8")
 
     def write(self, record: dict) -> None:
-        line = json.dumps(record) + "\n"
-        self._lines.append(line)
-        self._file.write(line)
+        data = (json.dumps(record) + "\n").encode()
+        self._nbytes += len(data)
+        self._digest.update(data)
+        self._file.write(data.decode())
         self._file.flush()
 
-    def text(self) -> str:
-        """Everything written so far (what a checkpoint keeps)."""
-        return "".join(self._lines)
+    def position(self) -> dict:
+        """``{"path", "nbytes", "sha256"}`` of what this log wrote so far (what a checkpoint keeps)."""
+        return {"path": str(self.path.resolve()), "nbytes": self._nbytes, "sha256": self._digest.hexdigest()}
 
     def close(self) -> None:
         self._file.close()
+
+
+def resumed_text(position: dict, candidates: list[Path]) -> str | None:
+    """The first ``position["nbytes"]`` bytes of the first candidate file (then ``position["path"]``) whose
+    prefix has ``position["sha256"]``; None when none has (the log of the resumed run is gone or changed)."""
+    nbytes = int(position["nbytes"])
+    for path in [*candidates, Path(position["path"])]:
+        try:
+            with open(path, "rb") as file:
+                data = file.read(nbytes)
+        except OSError:
+            continue
+        if len(data) == nbytes and hashlib.sha256(data).hexdigest() == position["sha256"]:
+            return data.decode()
+    return None
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -4,7 +4,8 @@ Shared (rank 0's file, the same on every rank in sync mode): the model, the
 optimizer and scheduler, the data position (epoch, optimizer steps done in
 that epoch), DataParallel's bucket layout (it fixes
 the order in which gradients are summed, so results stay bitwise equal),
-``metrics.jsonl`` so far, the epoch records, wall times. Per rank: the epoch's running loss, RNG
+where ``metrics.jsonl`` ends at that step (its length and SHA-256, not its text: the
+file is cut back to it on resume), the epoch records, wall times. Per rank: the epoch's running loss, RNG
 states (torch, numpy, python), compressor state (error feedback), this
 rank's time and byte counters, and in local-SGD mode its own model and
 optimizer (replicas differ between averages).
@@ -29,6 +30,7 @@ from gradsync.fault.injection import attempt
 from gradsync.parallel.staleness import StalenessStats
 from gradsync.train.config import TrainConfig
 from gradsync.train.meter import StepTimes
+from gradsync.train.metrics import resumed_text
 from gradsync.train.state import TrainState
 
 # Options that define the training trajectory: a checkpoint only resumes a job that agrees on all of them.
@@ -38,7 +40,7 @@ RESUME_FIELDS = ("mode", "model", "epochs", "batch_size", "accumulate", "lr", "l
                  "weight_decay", "seed", "num_samples", "sync_every", "compression", "topk_ratio",
                  "powersgd_rank", "compression_warmup_steps", "algorithm", "bucket_cap_mb",
                  "gradient_as_bucket_view")
-STATE_FORMAT = 1
+STATE_FORMAT = 2  # 2: "metrics" (length + SHA-256 of metrics.jsonl) instead of 1's "metrics_text" (still read)
 
 
 def config_fields(config: TrainConfig) -> dict:
@@ -94,13 +96,15 @@ class Replica:
     local_sgd: bool = False
 
 
-def shared_state(state: TrainState, replica: Replica, config: TrainConfig, metrics_text: str,
+def shared_state(state: TrainState, replica: Replica, config: TrainConfig, metrics: dict,
                  elapsed_s: float) -> dict:
-    """Rank 0's part of a checkpoint taken after ``state.step`` optimizer steps, ``elapsed_s`` wall seconds in."""
+    """Rank 0's part of a checkpoint taken after ``state.step`` optimizer steps, ``elapsed_s`` wall seconds in.
+
+    ``metrics``: :meth:`MetricsLog.position` (a few bytes whatever the run's length)."""
     shared = {"format": STATE_FORMAT, "config": config_fields(config), "step": state.step,
               "epoch": state.epoch, "steps_in_epoch": state.steps_in_epoch,
               "scheduler": replica.scheduler.state_dict(), "staleness": list(state.staleness.histogram),
-              "metrics_text": metrics_text, "epoch_records": list(state.epoch_records), "elapsed_s": elapsed_s,
+              "metrics": metrics, "epoch_records": list(state.epoch_records), "elapsed_s": elapsed_s,
               "eval_s": state.eval_s}
     if not replica.local_sgd:
         shared["model"] = replica.model.module.state_dict()
@@ -158,7 +162,8 @@ def restore_replica(replica: Replica, shared: dict, own: dict) -> None:
         compression.load_state_dict(own["compression"])
 
 
-def load_latest(root, config: TrainConfig, replica: Replica) -> tuple[TrainState, str | None, object]:
+def load_latest(root, config: TrainConfig, replica: Replica, metrics_file=None) -> tuple[TrainState, str | None,
+                                                                                         object]:
     """Restore the newest complete checkpoint under ``root`` into ``replica``, if checkpointing (collective).
 
     Rank 0 chooses (corrupt or partial newer ones are skipped with a
@@ -167,8 +172,9 @@ def load_latest(root, config: TrainConfig, replica: Replica) -> tuple[TrainState
     Returns:
         The :class:`TrainState` to continue from (a fresh one when there is
         no checkpoint), the ``metrics.jsonl`` text to start the log with
-        (None: not checkpointing, append to the file as it is), and the
-        checkpoint found (None if none).
+        (None: not checkpointing, append to the file as it is; read from
+        ``metrics_file``, else the file the checkpoint's run wrote, on the
+        rank that passes ``metrics_file``), and the checkpoint found (None if none).
 
     Raises:
         ValueError: the checkpoint belongs to another job or world size.
@@ -189,7 +195,24 @@ def load_latest(root, config: TrainConfig, replica: Replica) -> tuple[TrainState
     stats = replica.model.comm.stats
     state = state_from(shared, own, (stats.bytes_sent, stats.bytes_received))
     set_rng_state(own["rng"])
-    return state, shared["metrics_text"], found
+    return state, _metrics_text(shared, metrics_file) if metrics_file is not None else None, found
+
+
+def _metrics_text(shared: dict, metrics_file) -> str:
+    """``metrics.jsonl`` as it was at the checkpoint: the saved text (format 1) or the file's prefix (2).
+
+    A log that no longer holds that prefix (deleted, another run's) restarts
+    empty, said on one line: the checkpoint's model and data position still resume.
+    """
+    if "metrics_text" in shared:
+        return shared["metrics_text"]
+    position = shared["metrics"]
+    text = resumed_text(position, [metrics_file])
+    if text is None:
+        say(f"metrics.jsonl up to step {shared['step']} ({position['path']}, {position['nbytes']} bytes) is gone or "
+            f"changed; {metrics_file} starts empty at step {shared['step']}")
+        return ""
+    return text
 
 
 def _latest_reporting_skips(root):

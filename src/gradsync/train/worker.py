@@ -18,14 +18,22 @@ from gradsync.train import resume
 from gradsync.train.async_loop import run_async_role
 from gradsync.train.config import TrainConfig
 from gradsync.train.loop import Trainer
-from gradsync.train.metrics import METRICS_FILE, SUMMARY_FILE, read_metrics, write_summary
+from gradsync.train.metrics import METRICS_FILE, SUMMARY_FILE, private_files, read_metrics, write_summary
 from gradsync.train.plots import plot_run
 
 ECHO_DELAY_S = 3.0
 
 
 def run_worker(config: TrainConfig, data_path: str, out_dir: str) -> dict | None:
-    """Join the group, train (sync / local-sgd trainer, or an async role), leave; the main rank returns the summary."""
+    """Join the group, train (sync / local-sgd trainer, or an async role), leave; the main rank returns the summary.
+
+    Everything it writes (run folder, checkpoints, trace, plots) is private (:func:`private_files`).
+    """
+    with private_files():
+        return _run_worker(config, data_path, out_dir)
+
+
+def _run_worker(config: TrainConfig, data_path: str, out_dir: str) -> dict | None:
     if "TORCHELASTIC_RUN_ID" in os.environ:
         # Ctrl-C reaches the whole process group; the elastic agent stops the
         # workers itself, so a worker's own KeyboardInterrupt would only print a traceback.
