@@ -8,7 +8,8 @@
 from gradsync import compression
 from gradsync.api import all_gather, all_reduce, all_to_all, broadcast, comm_stats, reduce_scatter
 from gradsync.collectives import ALGORITHMS, OPS, Communicator, HierarchicalOptions, SegmentOptions
-from gradsync.errors import CollectiveMismatchError, CollectiveTimeoutError, GradsyncError, NotInitializedError
+from gradsync.errors import (CheckpointFolderError, CollectiveMismatchError, CollectiveTimeoutError, GradsyncError,
+                             GroupClosedError, NotInitializedError, ShmSetupError)
 from gradsync.parallel import AsyncWorker, DataParallel, LocalSGD, ParameterServer
 from gradsync.process_group import init, is_initialized, rank, shutdown, world_size
 from gradsync.transport.thread import ThreadTransport, ThreadWorld
@@ -17,9 +18,10 @@ from gradsync.transport.torch_p2p import TorchP2PTransport
 __version__ = "0.1.0"  # the one version source: pyproject.toml reads it (dynamic = ["version"])
 
 __all__ = [
-    "ALGORITHMS", "OPS", "AsyncWorker", "CollectiveMismatchError", "CollectiveTimeoutError", "Communicator",
-    "DataParallel", "GradsyncError", "HierarchicalOptions", "LocalSGD", "NotInitializedError", "ParameterServer",
-    "SegmentOptions", "ThreadTransport", "ThreadWorld", "TorchP2PTransport", "__version__", "all_gather",
-    "all_reduce", "all_to_all", "broadcast", "comm_stats", "compression", "init", "is_initialized", "rank",
-    "reduce_scatter", "shutdown", "world_size",
+    "ALGORITHMS", "AsyncWorker", "CheckpointFolderError", "CollectiveMismatchError",
+    "CollectiveTimeoutError", "Communicator", "DataParallel", "GradsyncError", "GroupClosedError",
+    "HierarchicalOptions", "LocalSGD", "NotInitializedError", "OPS", "ParameterServer",
+    "SegmentOptions", "ShmSetupError", "ThreadTransport", "ThreadWorld", "TorchP2PTransport",
+    "__version__", "all_gather", "all_reduce", "all_to_all", "broadcast", "comm_stats", "compression",
+    "init", "is_initialized", "rank", "reduce_scatter", "shutdown", "world_size",
 ]

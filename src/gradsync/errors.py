@@ -72,3 +72,12 @@ class NotInitializedError(GradsyncError):
 
 class GroupClosedError(GradsyncError):
     """A collective, or a DataParallel built on a group, was used after that group was shut down."""
+
+
+class ShmSetupError(GradsyncError, OSError):
+    """A group's shared-memory segment could not be created or mapped on some rank; raised on every
+    rank, naming it (``algorithm="shm"`` and zero-copy buckets)."""
+
+
+class CheckpointFolderError(GradsyncError):
+    """The checkpoint folder is not the same folder on every rank (a node-local disk); raised on every rank."""

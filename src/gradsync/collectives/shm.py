@@ -31,7 +31,7 @@ import torch
 from gradsync.collectives.call import CollectiveCall
 from gradsync.collectives.chunking import chunk_bounds, segment_bounds
 from gradsync.collectives.options import AlgorithmOptions
-from gradsync.errors import CollectiveMismatchError, GradsyncError
+from gradsync.errors import CollectiveMismatchError, ShmSetupError
 from gradsync.transport.base import PeerFailure
 from gradsync.transport import shm_segment as shm_transport
 from gradsync.transport.shm_segment import ShmPeerTimeout, ShmSegment, host_id
@@ -94,10 +94,6 @@ def _segment(call: CollectiveCall) -> ShmSegment:
         raise ValueError("algorithm 'shm' needs every rank of the group on one machine; these ranks "
                          "report different hosts (boot id or /dev/shm)")
     return call.options(ShmState).segment
-
-
-class ShmSetupError(GradsyncError, OSError):
-    """The group's segment could not be created or mapped on some rank; raised on every rank, naming it."""
 
 
 _REPORT_BYTES = 256  # a rank's setup outcome: b"" (done) or the error text

@@ -34,16 +34,12 @@ import torch
 
 from gradsync import collectives
 from gradsync.collectives.communicator import Communicator
-from gradsync.errors import GradsyncError
+from gradsync.errors import CheckpointFolderError
 
 MANIFEST = "MANIFEST.json"
 SHARED_FILE = "shared.pt"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step-(\d{9})$")
-
-
-class CheckpointFolderError(GradsyncError):
-    """The checkpoint folder is not the same folder on every rank (a node-local disk); raised on every rank."""
 
 
 class CheckpointWarning(UserWarning):
