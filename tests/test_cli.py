@@ -55,7 +55,9 @@ def _assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -
     (["--nproc", "2", "--num-samples", "100", "--batch-size", "64"], ["--batch-size 64"]),
     (["--trace", "/no-such-folder/trace.json"], ["--trace", "/no-such-folder"]),
     (["--trace", "/"], ["--trace", "folder"]),
+    (["--trace", "/proc/trace.json"], ["--trace", "cannot be written"]),
     (["--trace", ""], ["--trace", "empty"]),
+    (["--bogus"], ["gradsync train: error:", "--bogus"]),
 ])
 @pytest.mark.timeout(60)
 def test_cli_rejects_bad_input_with_one_line(args, needles, tmp_path, capsys, monkeypatch):

@@ -308,9 +308,19 @@ _BENCHES = {"allreduce": bench_allreduce, "train": bench_train, "compression": b
             "record": _record}
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """Parse like ``parse_args``, but an unknown option is reported by the command it was given to."""
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:
+        command = " ".join(part for part in (args.command, getattr(args, "bench", None)) if part)
+        print(f"gradsync {command}: error: unrecognized arguments: {' '.join(unknown)}", file=sys.stderr)
+        sys.exit(2)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``gradsync`` console script; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    args = _parse(argv)
     try:
         if args.command == "bench":
             return _BENCHES[args.bench](args)

@@ -92,6 +92,14 @@ def check_trace_path(trace: str) -> Path:
         raise ValueError(f"--trace {trace} is a folder; give a file name such as trace.json")
     if not path.parent.is_dir() or not os.access(path.parent, os.W_OK):
         raise ValueError(f"--trace {trace}: folder {path.parent} does not exist or is not writable")
+    existed = path.exists()
+    try:  # prove it now, not after training (os.access says yes to root, and /proc refuses new files)
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"--trace {trace} cannot be written: {exc.strerror or exc}") from None
+    if not existed:
+        path.unlink()
     return path
 
 
