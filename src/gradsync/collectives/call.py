@@ -189,5 +189,6 @@ class CollectiveCall:
         rest = [rank for rank in silent if rank != blamed]
         others = f" (also silent: ranks {', '.join(map(str, rest))})" if rest else ""
         waited = "" if blamed == waited_for or waited_for < 0 else f" waiting for rank {waited_for}"
-        what = "died (its process is gone)" if blamed in dead else "stopped responding: it never reached this call"
+        what = ("died (its process is gone)" if blamed in dead else
+                "stopped responding: alive but silent, it never reached this call or froze inside it")
         return blamed, f"peer rank {blamed} {what}{others}; this rank timed out at {step}{waited}"
