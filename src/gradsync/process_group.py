@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.collectives.communicator import DEFAULT_TIMEOUT_S, Communicator
+from gradsync.collectives.preflight import reject_call
 from gradsync.errors import NotInitializedError
 from gradsync.fault.hang import HangDetector
 from gradsync.rendezvous import bounded, gloo_on_loopback, is_loopback, loopback_store_server
@@ -197,13 +198,28 @@ def world_size() -> int:
     return default_communicator().world_size
 
 
+def _is_default_process_group(group) -> bool:
+    """Whether ``group`` is torch's default group (``dist.group.WORLD``), the one the default communicator uses."""
+    return dist.is_initialized() and (group is dist.group.WORLD
+                                      or group is dist.distributed_c10d._get_default_group())
+
+
 def resolve_group(group) -> Communicator:
-    """Map ``group`` (None, a Communicator, or a torch ProcessGroup) to a Communicator."""
+    """Map ``group`` (None, a Communicator, or a torch ProcessGroup) to a Communicator.
+
+    None and torch's default group (``dist.group.WORLD``) both mean the default communicator, so
+    that ranks naming the default group either way share one communicator and its state.
+
+    Raises:
+        TypeError: ``group`` is none of these; NotInitializedError: None without ``gradsync.init``.
+    """
     if group is None:
         return default_communicator()
     if isinstance(group, Communicator):
         return group
     if isinstance(group, dist.ProcessGroup):
+        if _Default.communicator is not None and _is_default_process_group(group):
+            return _Default.communicator
         key = id(group)
         if key not in _Default.by_group:
             timeout_s = default_communicator().timeout_s if _Default.communicator else DEFAULT_TIMEOUT_S
@@ -213,3 +229,25 @@ def resolve_group(group) -> Communicator:
         return _Default.by_group[key]
     raise TypeError(f"group must be None, a gradsync Communicator or a torch ProcessGroup, "
                     f"got {type(group).__name__}")
+
+
+def resolve_group_or_reject(group, what: str) -> Communicator:
+    """:func:`resolve_group` for the collective ``what`` (e.g. "all_reduce"), that keeps the ranks in step.
+
+    When ``group`` cannot be resolved on this rank (TypeError) and a default group exists, this rank
+    first takes part in ``what``'s layout check on the default communicator with a rejection, then
+    raises the TypeError: peers that called ``what`` on the default group raise
+    CollectiveMismatchError ("rank 1 rejected the call: group must be ...") instead of pairing
+    their call with this rank's next one. Without a default group it just raises.
+
+    Collective (on the default group) only when it raises.
+    """
+    try:
+        return resolve_group(group)
+    except TypeError as exc:
+        try:
+            fallback = default_communicator()
+        except NotInitializedError:
+            raise exc from None
+        reject_call(fallback, what, exc, cause="a bad group")
+        raise

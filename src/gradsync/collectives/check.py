@@ -50,7 +50,8 @@ _DEVICES = ("cpu", "cuda", "meta")
 # Why a rank rejects its own call (code = index; 0: it does not).
 REJECTIONS = ("accepted", "a non-tensor argument", "an unsupported dtype", "a bad op", "a bad algorithm",
               "a bad src", "a bad timeout", "a sparse tensor", "an inference tensor", "an unsupported device",
-              "a staging allocation failure", "a bad argument", "an algorithm this group cannot run")
+              "a staging allocation failure", "a bad argument", "an algorithm this group cannot run",
+              "a bad group", "overlapping memory")
 _NOT_A_TENSOR = -2
 
 

@@ -35,6 +35,7 @@ from gradsync.collectives.chunking import SegmentOptions
 from gradsync.collectives.communicator import Communicator, check_timeout
 from gradsync.collectives.dtypes import FLOAT32_ACCUMULATED, SUPPORTED_DTYPES
 from gradsync.collectives.hierarchical import HierarchicalOptions
+from gradsync.collectives.lane import in_issue_order
 from gradsync.collectives.options import check_count
 from gradsync.collectives import registry
 from gradsync.collectives.registry import AUTO
@@ -251,6 +252,20 @@ def sequence_problem(sends, receives, world_size: int, timeout) -> Rejection | N
     return _timeout_problem(timeout)
 
 
+@in_issue_order
+def reject_call(comm: Communicator, what: str, error: Exception, cause: str = "a bad argument") -> None:
+    """Take part in ``what``'s layout check on ``comm`` as a rank that rejects the call with ``error``;
+    return once every rank knows (the caller then raises ``error``; the others raise
+    CollectiveMismatchError naming this rank). For an argument found bad before the call's own
+    preflight can run, such as a ``group`` this rank cannot resolve (``cause``: one of ``REJECTIONS``).
+
+    Collective: the peers are in ``what`` on ``comm`` (the same protocol as :func:`start_call`).
+    """
+    call = comm.new_call(what, "rejected")
+    comm.learn_locality(call)
+    verify_layout(call, None, collective=what, rejection=_reject(cause, error))
+
+
 def nbytes_problem(nbytes, algorithm) -> Rejection | None:
     """shared_buffer's rank-local problems, or None."""
     try:
@@ -261,4 +276,4 @@ def nbytes_problem(nbytes, algorithm) -> Rejection | None:
 
 
 __all__ = ["FIXED_ALGORITHM", "NO_OP", "OPS", "argument_problem", "nbytes_problem", "options_fingerprint",
-           "resolve_algorithm", "sequence_problem", "start_call", "working_dtype"]
+           "reject_call", "resolve_algorithm", "sequence_problem", "start_call", "working_dtype"]

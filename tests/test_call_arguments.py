@@ -1,0 +1,122 @@
+"""Arguments one rank gets wrong that used to mis-pair calls or crash (issue 16, hostile-trial round 2).
+
+A ``group=`` this rank cannot resolve, ``dist.group.WORLD`` against None,
+``all_to_all`` sizes or dtypes that differ between ranks, a tensor whose
+elements overlap in memory, a shape of many dims: each raises on every
+rank before any payload moves (the bad rank its own error, every other
+rank a CollectiveMismatchError naming it), and the next call is exact.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import gradsync
+from _dist import capture, run_threads, run_world
+from _reference import assert_bitwise_equal
+from gradsync import CollectiveMismatchError
+from gradsync import process_group
+
+BAD_RANK = 1
+
+
+@pytest.fixture
+def thread_default_group(monkeypatch):
+    """Make each thread rank's communicator its default group (``group=None``), as gradsync.init would."""
+    local = threading.local()
+    monkeypatch.setattr(process_group, "default_communicator", lambda: local.comm)
+
+    def run(world_size, fn, **kwargs):
+        def body(comm):
+            local.comm = comm
+            return fn(comm)
+        return run_threads(world_size, body, **kwargs)
+    return run
+
+
+def _follow_up(comm):
+    tensor = torch.arange(16, dtype=torch.float32) * (comm.rank + 1)
+    return gradsync.all_reduce(tensor)
+
+
+def _check_rejected(outcomes, bad_type, words, world_size):
+    expected = torch.arange(16, dtype=torch.float32) * sum(range(1, world_size + 1))
+    for rank, (exc, elapsed_s, follow_up) in enumerate(outcomes):
+        if rank == BAD_RANK:
+            assert type(exc) is bad_type, f"rank {rank}: {exc!r}"
+        else:
+            assert isinstance(exc, CollectiveMismatchError), f"rank {rank}: {exc!r}"
+            assert f"rank {BAD_RANK} rejected the call" in str(exc), f"rank {rank}: {exc}"
+        assert words in str(exc), f"rank {rank}: {exc}"
+        assert elapsed_s < 2.0, f"rank {rank} waited {elapsed_s:.2f} s"
+        assert_bitwise_equal(follow_up, expected, f"rank {rank} follow-up")
+
+
+# ---------------------------------------------------------------- item 1: a group this rank cannot resolve
+
+def _a2a(comm, **kwargs):
+    n = comm.world_size
+    return gradsync.all_to_all([torch.ones(2)] * n, [torch.empty(2) for _ in range(n)], **kwargs)
+
+
+CALLS = {
+    "all_reduce": lambda comm, **kw: gradsync.all_reduce(torch.ones(4), **kw),
+    "broadcast": lambda comm, **kw: gradsync.broadcast(torch.ones(4), **kw),
+    "all_gather": lambda comm, **kw: gradsync.all_gather(torch.ones(4), **kw),
+    "reduce_scatter": lambda comm, **kw: gradsync.reduce_scatter(torch.ones(4), **kw),
+    "all_to_all": _a2a,
+}
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("what", sorted(CALLS))
+def test_a_group_one_rank_cannot_resolve_raises_on_every_rank_and_calls_stay_paired(what, thread_default_group):
+    """Before: rank 1 raised TypeError without sending anything; rank 0's call paired with rank 1's next."""
+    def rank_fn(comm):
+        group = "oops" if comm.rank == BAD_RANK else None
+        exc, elapsed_s = capture(lambda: CALLS[what](comm, group=group))
+        return exc, elapsed_s, _follow_up(comm)
+
+    _check_rejected(thread_default_group(3, rank_fn, timeout_s=12, collective_timeout_s=4.0),
+                    TypeError, "group must be", 3)
+
+
+def test_resolve_group_or_reject_without_a_default_group_just_raises():
+    assert not gradsync.is_initialized()
+    with pytest.raises(TypeError, match="group must be"):
+        process_group.resolve_group_or_reject(3, "all_reduce")
+
+
+# ---------------------------------------------------------------- items 1 and 2 in processes (the exact triggers)
+
+def _rank_bad_group_then_world_group():
+    import torch.distributed as dist
+    rank = gradsync.rank()
+    bad = rank == 1
+    outcomes = []
+    for group in ("oops", dist.group.WORLD, dist.distributed_c10d._get_default_group()):
+        tensor = torch.full((4,), float(rank + 1))
+        try:
+            gradsync.all_reduce(tensor, group=group if bad else None)
+            outcomes.append(tensor.tolist())
+        except Exception as exc:  # noqa: BLE001 - reported per rank
+            outcomes.append(f"{type(exc).__name__}: {exc}")
+        outcomes.append(gradsync.all_reduce(torch.full((4,), 100.0 * (rank + 1))).tolist())
+    return outcomes, process_group.resolve_group(dist.group.WORLD) is process_group.default_communicator()
+
+
+@pytest.mark.timeout(60)
+def test_bad_group_and_world_group_on_one_process_rank():
+    """q1/q2: before, rank 0 returned 201 for a call rank 1 rejected, then every call was off by one;
+    ``dist.group.WORLD`` on one rank made Gloo abort (SIGABRT)."""
+    outcomes = run_world(2, _rank_bad_group_then_world_group, timeout_s=45, collective_timeout_s=10.0)
+    for rank, (results, world_is_default) in enumerate(outcomes):
+        first = results[0]
+        wanted = "TypeError" if rank == 1 else "CollectiveMismatchError"
+        assert first.startswith(wanted) and "group must be" in first, f"rank {rank}: {first}"
+        assert results[2] == results[4] == [3.0] * 4, f"rank {rank}: {results}"
+        assert results[1] == results[3] == results[5] == [300.0] * 4, f"rank {rank}: {results}"
+        assert world_is_default, f"rank {rank}"
