@@ -39,7 +39,7 @@ def thread_default_group(monkeypatch):
 
 def _follow_up(comm):
     tensor = torch.arange(16, dtype=torch.float32) * (comm.rank + 1)
-    return gradsync.all_reduce(tensor)
+    return gradsync.all_reduce(tensor, group=comm)
 
 
 def _check_rejected(outcomes, bad_type, words, world_size):
@@ -120,3 +120,63 @@ def test_bad_group_and_world_group_on_one_process_rank():
         assert results[2] == results[4] == [3.0] * 4, f"rank {rank}: {results}"
         assert results[1] == results[3] == results[5] == [300.0] * 4, f"rank {rank}: {results}"
         assert world_is_default, f"rank {rank}"
+
+
+# ---------------------------------------------------------------- item 3: all_to_all sizes and dtypes
+
+def _a2a_pairs(comm, send_numel, send_dtype, recv_numel, recv_dtype):
+    """Rank r sends ``full(r * 10 + p)`` to rank p; returns (exception, receives)."""
+    n = comm.world_size
+    sends = [torch.full((send_numel,), float(comm.rank * 10 + p), dtype=send_dtype) for p in range(n)]
+    receives = [torch.full((recv_numel,), -7.0, dtype=recv_dtype) for _ in range(n)]
+    exc, elapsed_s = capture(lambda: gradsync.all_to_all(sends, receives, group=comm))
+    return exc, elapsed_s, receives
+
+
+A2A_MISMATCHES = {  # what the bad rank does -> words every rank's error must contain (world size 2)
+    "send-size": (dict(send_numel=5), "rank 1 sends 5 float32 elements to rank 0, which receives 4 float32"),
+    "send-dtype": (dict(send_dtype=torch.float64), "rank 1 sends 4 float64 elements to rank 0, which receives "
+                                                   "4 float32"),
+    "receive-dtype": (dict(recv_dtype=torch.float64), "rank 0 sends 4 float32 elements to rank 1, which receives "
+                                                      "4 float64"),
+    "receive-bigger": (dict(recv_numel=5), "rank 0 sends 4 float32 elements to rank 1, which receives 5 float32"),
+}
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("kind", sorted(A2A_MISMATCHES))
+def test_all_to_all_sizes_or_dtypes_that_differ_raise_on_every_rank_before_data_moves(kind, world_size):
+    """c2.py a2a: before, Gloo aborted (``op.preamble.length <= op.nbytes``) or a rank raised alone."""
+    bad, words = A2A_MISMATCHES[kind]
+
+    def rank_fn(comm):
+        args = dict(send_numel=4, send_dtype=torch.float32, recv_numel=4, recv_dtype=torch.float32)
+        if comm.rank == BAD_RANK:
+            args.update(bad)
+        exc, elapsed_s, receives = _a2a_pairs(comm, **args)
+        return exc, elapsed_s, receives, _follow_up(comm)
+
+    expected = torch.arange(16, dtype=torch.float32) * sum(range(1, world_size + 1))
+    for rank, (exc, elapsed_s, receives, follow_up) in enumerate(
+            run_threads(world_size, rank_fn, timeout_s=12, collective_timeout_s=4.0)):
+        assert isinstance(exc, CollectiveMismatchError), f"rank {rank}: {exc!r}"
+        assert words in str(exc), f"rank {rank}: {exc}"
+        assert elapsed_s < 2.0, f"rank {rank} waited {elapsed_s:.2f} s"
+        assert all(bool((buffer == -7).all()) for buffer in receives), f"rank {rank}: receives were written"
+        assert_bitwise_equal(follow_up, expected, f"rank {rank} follow-up")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_to_all_with_uneven_but_matching_sizes_still_works(world_size):
+    """Rank r sends (r + p + 1) elements to rank p: every pair matches, sizes differ between ranks."""
+    def rank_fn(comm):
+        n, r = comm.world_size, comm.rank
+        sends = [torch.full((r + p + 1,), float(r * 10 + p), dtype=torch.float64) for p in range(n)]
+        receives = [torch.empty(r + p + 1, dtype=torch.float64) for p in range(n)]
+        return gradsync.all_to_all(sends, receives, group=comm)
+
+    for rank, receives in enumerate(run_threads(world_size, rank_fn)):
+        for src, received in enumerate(receives):
+            expected = torch.full((rank + src + 1,), float(src * 10 + rank), dtype=torch.float64)
+            assert_bitwise_equal(received, expected, f"rank {rank} from {src}")

@@ -170,3 +170,34 @@ def _group_by_value(values: list[str]) -> str:
         who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
         parts.append(f"{who} {'has' if len(ranks) == 1 else 'have'} {value}")
     return "; ".join(parts)
+
+
+PAIR_WORDS = 4  # per peer: (numel, dtype code) sent to it, (numel, dtype code) received from it
+
+
+def verify_pairs(call: CollectiveCall, sends: list[torch.Tensor], receives: list[torch.Tensor]) -> None:
+    """all_to_all's size check: raise CollectiveMismatchError on every rank unless, for every pair of
+    ranks (q, p), q's ``sends[p]`` has the numel and dtype of p's ``receives[q]``; nothing moves before.
+
+    Every rank sends one row of ``PAIR_WORDS * world_size`` int64 (the same size on every rank) to
+    every peer. The error names the first bad pair in (sender, receiver) order:
+    "rank 1 sends 5 float32 elements to rank 0, which receives 4 float32".
+
+    Collective: every rank calls it after an agreed layout check of all_to_all.
+    """
+    world_size = call.world_size
+    rows = torch.zeros(world_size, PAIR_WORDS * world_size, dtype=torch.int64)
+    rows[call.rank] = torch.tensor([value for send, receive in zip(sends, receives)
+                                    for value in (send.numel(), dtype_code(send.dtype),
+                                                  receive.numel(), dtype_code(receive.dtype))], dtype=torch.int64)
+    if world_size > 1:
+        call.exchange_with_every_peer(rows, "all_to_all size check")
+    table = rows.tolist()
+    for sender in range(world_size):
+        for receiver in range(world_size):
+            sent = table[sender][PAIR_WORDS * receiver: PAIR_WORDS * receiver + 2]
+            expected = table[receiver][PAIR_WORDS * sender + 2: PAIR_WORDS * sender + 4]
+            if sent != expected:
+                raise CollectiveMismatchError(
+                    f"all_to_all on rank {call.rank}: rank {sender} sends {sent[0]} {dtype_name(sent[1])} elements "
+                    f"to rank {receiver}, which receives {expected[0]} {dtype_name(expected[1])}")
