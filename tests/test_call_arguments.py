@@ -180,3 +180,47 @@ def test_all_to_all_with_uneven_but_matching_sizes_still_works(world_size):
         for src, received in enumerate(receives):
             expected = torch.full((rank + src + 1,), float(src * 10 + rank), dtype=torch.float64)
             assert_bitwise_equal(received, expected, f"rank {rank} from {src}")
+
+
+# ---------------------------------------------------------------- item 4: a tensor that overlaps itself
+
+def _expanded(numel):
+    return torch.ones(1).expand(numel)
+
+
+OVERLAPS = {
+    "all_reduce-ring": lambda comm, bad: gradsync.all_reduce(_expanded(64) if bad else torch.ones(64), group=comm),
+    "all_reduce-tree": lambda comm, bad: gradsync.all_reduce(_expanded(64) if bad else torch.ones(64), group=comm,
+                                                             algorithm="tree"),
+    "all_reduce-as_strided": lambda comm, bad: gradsync.all_reduce(
+        torch.ones(3).as_strided((3,), (0,)) if bad else torch.ones(3), group=comm),
+    "broadcast": lambda comm, bad: gradsync.broadcast(_expanded(64) if bad else torch.ones(64), src=0, group=comm),
+    "all_to_all-receive": lambda comm, bad: gradsync.all_to_all(
+        [torch.ones(4)] * comm.world_size,
+        [torch.zeros(1).expand(4) if bad else torch.zeros(4) for _ in range(comm.world_size)], group=comm),
+}
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("kind", sorted(OVERLAPS))
+def test_a_tensor_that_overlaps_itself_on_one_rank_is_rejected_before_data_moves(kind):
+    """c3.py: before, rank 1 raised torch's RuntimeError after data moved and rank 0 returned a result."""
+    def rank_fn(comm):
+        exc, elapsed_s = capture(lambda: OVERLAPS[kind](comm, comm.rank == BAD_RANK))
+        return exc, elapsed_s, _follow_up(comm)
+
+    outcomes = run_threads(2, rank_fn, timeout_s=12, collective_timeout_s=4.0)
+    _check_rejected(outcomes, ValueError, "overlapping memory", 2)
+
+
+def test_an_overlapping_tensor_is_still_fine_where_it_is_only_read():
+    """reduce_scatter and all_gather do not write their input: an expanded tensor works (exact values)."""
+    def rank_fn(comm):
+        value = torch.full((1,), comm.rank + 1.0)
+        return (gradsync.reduce_scatter(value.expand(6), group=comm),
+                gradsync.all_gather(value.expand(3), group=comm))
+
+    for rank, (chunk, gathered) in enumerate(run_threads(2, rank_fn)):
+        assert_bitwise_equal(chunk, torch.full((3,), 3.0), f"rank {rank} reduce_scatter")
+        for src, part in enumerate(gathered):
+            assert_bitwise_equal(part, torch.full((3,), src + 1.0), f"rank {rank} all_gather from {src}")

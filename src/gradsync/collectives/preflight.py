@@ -8,7 +8,8 @@ arguments:
    hand-built one, at its first call; see ``Communicator.learn_locality``);
 2. look for a rank-local problem: a wrong type or value of op, algorithm,
    src or timeout, a non-tensor, a sparse, meta or (for in-place calls)
-   inference tensor, an unsupported dtype, an algorithm this group cannot
+   inference tensor, an unsupported dtype, a tensor the call writes into
+   whose elements overlap in memory (``expand()``), an algorithm this group cannot
    run (``shm`` across hosts, ``hierarchical`` over unequal hosts), and
    finally the staging buffers the call will need (so that an allocation
    failure, too, is known before the exchange);
@@ -120,12 +121,35 @@ def _tensor_problem(tensor, what: str) -> Rejection | None:
     return None
 
 
+def overlaps_itself(tensor: torch.Tensor) -> bool:
+    """Whether some elements of ``tensor`` share memory (``expand()``, a zero stride, ``as_strided``).
+
+    torch's own check answers yes, no or "too hard to tell"; the last counts as no overlap only for a
+    contiguous tensor. Without that check: a dim of size > 1 with stride 0, or not contiguous.
+    """
+    check = getattr(torch, "_debug_has_internal_overlap", None)
+    if check is not None:
+        verdict = check(tensor)
+        return verdict == 1 or (verdict == 2 and not tensor.is_contiguous())
+    return any(size > 1 and stride == 0 for size, stride in zip(tensor.shape, tensor.stride()))
+
+
+def _overlap_problem(tensor: torch.Tensor, what: str) -> Rejection | None:
+    if tensor.numel() > 1 and overlaps_itself(tensor):
+        return _reject("overlapping memory", ValueError(
+            f"{what} writes into its tensor, and this tensor has overlapping memory (e.g. from expand()); "
+            f"pass a .clone() or .contiguous() copy"))
+    return None
+
+
 def argument_problem(tensor, what: str, op, algorithm, src, timeout, world_size: int) -> Rejection | None:
     """(rejection code, the error a bad argument deserves, not raised yet), or None."""
     if src is not None and (isinstance(src, bool) or not isinstance(src, int)):
         return _reject("a bad src", TypeError(f"src must be an int rank, got {type(src).__name__} {src!r}"))
     problem = _choice_problem(what, op, algorithm) or _timeout_problem(timeout) or _tensor_problem(tensor, what)
     if problem:
+        return problem
+    if what in _IN_PLACE and (problem := _overlap_problem(tensor, what)):
         return problem
     if op == "avg" and not tensor.is_floating_point():
         return _reject("a bad op", TypeError(f"op='avg' needs a floating-point tensor, got {tensor.dtype}; "
@@ -247,6 +271,9 @@ def sequence_problem(sends, receives, world_size: int, timeout) -> Rejection | N
             problem = _tensor_problem(tensor, "all_to_all")
             if problem:
                 return problem
+    problem = next(filter(None, (_overlap_problem(tensor, "all_to_all") for tensor in receives)), None)
+    if problem:
+        return problem
     if not all(tensor.is_contiguous() for tensor in receives):
         return _reject("a bad argument", ValueError("all_to_all receive buffers must be contiguous"))
     return _timeout_problem(timeout)
