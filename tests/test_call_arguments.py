@@ -224,3 +224,30 @@ def test_an_overlapping_tensor_is_still_fine_where_it_is_only_read():
         assert_bitwise_equal(chunk, torch.full((3,), 3.0), f"rank {rank} reduce_scatter")
         for src, part in enumerate(gathered):
             assert_bitwise_equal(part, torch.full((3,), src + 1.0), f"rank {rank} all_gather from {src}")
+
+
+# ---------------------------------------------------------------- item 5: shapes of many dims
+
+MANY_DIMS = {  # rank 0's shape, rank 1's shape, words every rank's message contains
+    "last-dim": ((1,) * 26 + (3,), (1,) * 26 + (4,),
+                 ["(1, 1, 1, 1, 1, 1, …, 3) with 27 dims", "(1, 1, 1, 1, 1, 1, …, 4) with 27 dims"]),
+    "dim-count": ((1,) * 9 + (3,), (1,) * 10 + (3,), ["with 10 dims", "with 11 dims"]),
+    "middle-dim": ((1,) * 7 + (2,) + (1,) * 3, (1,) * 8 + (2,) + (1,) * 2, ["with 11 dims", "dims 6 to 9 differ"]),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MANY_DIMS))
+def test_a_shape_mismatch_of_many_dims_is_shown_without_a_hash(kind):
+    """Before: ``rank 0 has (1, 1, 1, 1, 1, 1, 1, 1729875179)`` (the folded tail's hash)."""
+    shapes = MANY_DIMS[kind][:2]
+
+    def rank_fn(comm):
+        exc, _ = capture(lambda: gradsync.all_reduce(torch.ones(shapes[comm.rank]), group=comm))
+        return exc
+
+    for rank, exc in enumerate(run_threads(2, rank_fn)):
+        assert isinstance(exc, CollectiveMismatchError), f"rank {rank}: {exc!r}"
+        for words in MANY_DIMS[kind][2]:
+            assert words in str(exc), f"rank {rank}: {exc}"
+        assert "1729875179" not in str(exc) and not any(len(word) > 6 for word in str(exc).replace(",", " ")
+                                                        .replace(")", " ").split() if word.isdigit())

@@ -39,6 +39,7 @@ from gradsync.errors import CollectiveMismatchError
 
 DESCRIPTOR_NUMEL = 20
 MAX_DIMS = 8
+SHOWN_DIMS = MAX_DIMS - 2  # of a shape with more dims: these, then the last (see describe)
 REASON_BYTES = 256  # a rejecting rank's error text, truncated
 _MAGIC = 0x67726164  # "grad"
 _FIELDS = ("magic", "collective", "op", "algorithm", "dtype", "src", "numel", "ndim",
@@ -72,8 +73,8 @@ def describe(tensor: torch.Tensor | None, collective: str, op: str, algorithm: s
     dims: list[int] = []
     if tensor is not None and not rejected:
         dims = list(tensor.shape)
-        if len(dims) > MAX_DIMS:  # fold the tail into one value: still differs if any dim does
-            dims = dims[: MAX_DIMS - 1] + [hash(tuple(dims[MAX_DIMS - 1:])) & 0x7FFFFFFF]
+        if len(dims) > MAX_DIMS:  # the first SHOWN_DIMS, the last, and a crc32 of those between
+            dims = dims[:SHOWN_DIMS] + [dims[-1], zlib.crc32(repr(dims[SHOWN_DIMS:-1]).encode())]
         head[4], head[6], head[7] = dtype_code(tensor.dtype), tensor.numel(), tensor.dim()
         head[10] = _code(_DEVICES, tensor.device.type)
     return torch.tensor(head + dims + [0] * (DESCRIPTOR_NUMEL - _HEAD - len(dims)), dtype=torch.int64)
@@ -126,8 +127,17 @@ def _exchange_reasons(call: CollectiveCall, rejecting: list[int], error: Excepti
 
 
 def _shape_of(row: list[int]) -> tuple[int, ...]:
+    """The shape words of a descriptor row (more than MAX_DIMS dims: folded, see describe)."""
     ndim = row[7]
-    return tuple(row[_HEAD: _HEAD + min(ndim, MAX_DIMS)])
+    return tuple(row[_HEAD: _HEAD + min(ndim, MAX_DIMS)]) + ((ndim,) if ndim > MAX_DIMS else ())
+
+
+def _render_shape(words: tuple[int, ...]) -> str:
+    """``(2, 3)``; a folded shape: ``(1, 1, 1, 1, 1, 1, …, 3) with 27 dims`` (the middle dims not shown)."""
+    if len(words) <= MAX_DIMS:
+        return str(words)
+    shown = ", ".join(map(str, words[:SHOWN_DIMS]))
+    return f"({shown}, …, {words[SHOWN_DIMS]}) with {words[-1]} dims"
 
 
 def _decode(field: str, value: int) -> str:
@@ -155,9 +165,13 @@ def _first_difference(rows: list[list[int]], tensor_shapes: list[tuple[int, ...]
         values = [_decode(field, row[index]) for row in rows]
         if len(set(values)) > 1:
             return f"{field}: " + _group_by_value(values)
-    shapes = [str(tuple(shape)) for shape in tensor_shapes]
-    if len(set(shapes)) > 1:
-        return "shape: " + _group_by_value(shapes)
+    if len(set(tensor_shapes)) > 1:
+        shapes = [_render_shape(shape) for shape in tensor_shapes]
+        problem = "shape: " + _group_by_value(shapes)
+        if len(set(shapes)) < len(set(tensor_shapes)):  # they differ where the rendering folds
+            ndim = max(shape[-1] for shape in tensor_shapes if len(shape) > MAX_DIMS)
+            problem += f"; dims {SHOWN_DIMS} to {ndim - 2} differ between ranks shown alike"
+        return problem
     return ""
 
 
