@@ -251,3 +251,14 @@ def test_a_shape_mismatch_of_many_dims_is_shown_without_a_hash(kind):
             assert words in str(exc), f"rank {rank}: {exc}"
         assert "1729875179" not in str(exc) and not any(len(word) > 6 for word in str(exc).replace(",", " ")
                                                         .replace(")", " ").split() if word.isdigit())
+
+
+@pytest.mark.parametrize("make, overlaps", [
+    (lambda: torch.ones(8, 2)[:, 0], False), (lambda: torch.ones(4, 6).t(), False),
+    (lambda: torch.ones(4, 6)[:, ::2], False), (lambda: torch.ones(2, 3, 4).permute(2, 0, 1), False),
+    (lambda: torch.ones(1).expand(4), True), (lambda: torch.ones(4, 1).expand(4, 3), True),
+    (lambda: torch.ones(10).as_strided((3, 3), (1, 2)), True),
+])
+def test_overlaps_itself_tells_views_from_overlapping_tensors(make, overlaps):
+    from gradsync.collectives.preflight import overlaps_itself
+    assert overlaps_itself(make()) is overlaps

@@ -122,16 +122,23 @@ def _tensor_problem(tensor, what: str) -> Rejection | None:
 
 
 def overlaps_itself(tensor: torch.Tensor) -> bool:
-    """Whether some elements of ``tensor`` share memory (``expand()``, a zero stride, ``as_strided``).
+    """Whether some elements of ``tensor`` may share memory (``expand()``, a zero stride, ``as_strided``).
 
-    torch's own check answers yes, no or "too hard to tell"; the last counts as no overlap only for a
-    contiguous tensor. Without that check: a dim of size > 1 with stride 0, or not contiguous.
+    torch's own check answers yes, no or "too hard to tell" (any non-contiguous view); then the
+    strides decide: sorted by stride, each dim's stride must pass the extent of the dims below it
+    (true of every slice, transpose or permutation of a tensor without overlap).
     """
     check = getattr(torch, "_debug_has_internal_overlap", None)
-    if check is not None:
-        verdict = check(tensor)
-        return verdict == 1 or (verdict == 2 and not tensor.is_contiguous())
-    return any(size > 1 and stride == 0 for size, stride in zip(tensor.shape, tensor.stride()))
+    verdict = check(tensor) if check is not None else 2
+    if verdict != 2:
+        return verdict == 1
+    extent = 0  # the largest offset the dims seen so far reach
+    for stride, size in sorted((abs(stride), size) for stride, size in zip(tensor.stride(), tensor.shape)
+                               if size > 1):
+        if stride <= extent:
+            return True
+        extent += stride * (size - 1)
+    return False
 
 
 def _overlap_problem(tensor: torch.Tensor, what: str) -> Rejection | None:
