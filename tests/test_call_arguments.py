@@ -262,3 +262,31 @@ def test_a_shape_mismatch_of_many_dims_is_shown_without_a_hash(kind):
 def test_overlaps_itself_tells_views_from_overlapping_tensors(make, overlaps):
     from gradsync.collectives.preflight import overlaps_itself
     assert overlaps_itself(make()) is overlaps
+
+
+# ---------------------------------------------------------------- item 6: gradsync.init with a bad argument on one rank
+
+def _rank_init_again_with_a_bad_timeout_on_rank_1():
+    """Leave the group, then join again: rank 1 with timeout=-1, rank 0 with a 2 s start-up bound."""
+    import time
+    rank = gradsync.rank()
+    gradsync.shutdown()
+    process_group.MIN_STARTUP_TIMEOUT_S = 2.0
+    started = time.monotonic()
+    try:
+        gradsync.init(backend="gloo", timeout=-1 if rank == 1 else 2.0)
+        outcome = "joined"
+    except Exception as exc:  # noqa: BLE001 - reported per rank
+        outcome = exc
+    return outcome, time.monotonic() - started
+
+
+@pytest.mark.timeout(60)
+def test_init_with_a_bad_argument_on_one_rank_names_the_rank_that_never_joined():
+    """Before: rank 0 waited 61 s, then torch's DistStoreError ("1/2 clients joined")."""
+    outcomes = run_world(2, _rank_init_again_with_a_bad_timeout_on_rank_1, timeout_s=45, collective_timeout_s=10.0)
+    (first, first_s), (second, _) = outcomes
+    assert type(second) is ValueError and "timeout" in str(second), repr(second)
+    assert isinstance(first, gradsync.CollectiveTimeoutError), repr(first)
+    assert "rank 1" in str(first) and "never joined" in str(first) and "bad argument" in str(first), str(first)
+    assert first_s < 8.0, f"rank 0 waited {first_s:.1f} s"
