@@ -1,7 +1,10 @@
 """The top-level collectives: ``gradsync.all_reduce`` and friends on the default group.
 
-Each is :mod:`gradsync.collectives.ops` with ``group`` resolved (None means
-the group made by :func:`gradsync.init`); see there for the full contract.
+Each is :mod:`gradsync.collectives.ops` with ``group`` resolved (None and
+``torch.distributed.group.WORLD`` mean the group made by :func:`gradsync.init`);
+see there for the full contract. A ``group`` one rank cannot resolve is
+rejected in the call's layout check on the default group, so every rank
+raises (:func:`~gradsync.process_group.resolve_group_or_reject`).
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from gradsync.collectives import ops as _collectives
-from gradsync.process_group import resolve_group
+from gradsync.process_group import resolve_group, resolve_group_or_reject
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "ring",
@@ -18,8 +21,8 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "ring",
 
     Collective: every rank must call this in the same order with equal shape and dtype.
     """
-    return _collectives.all_reduce(tensor, resolve_group(group), op=op, algorithm=algorithm,
-                                   timeout=timeout)
+    comm = resolve_group_or_reject(group, "all_reduce")
+    return _collectives.all_reduce(tensor, comm, op=op, algorithm=algorithm, timeout=timeout)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group=None,
@@ -28,8 +31,8 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None,
 
     ``algorithm``: None or "tree" (binomial tree), "shm" (shared memory, ranks on one machine).
     """
-    return _collectives.broadcast(tensor, resolve_group(group), src=src, timeout=timeout,
-                                  algorithm=algorithm)
+    comm = resolve_group_or_reject(group, "broadcast")
+    return _collectives.broadcast(tensor, comm, src=src, timeout=timeout, algorithm=algorithm)
 
 
 def all_gather(tensor: torch.Tensor, group=None, timeout: float | None = None,
@@ -38,7 +41,8 @@ def all_gather(tensor: torch.Tensor, group=None, timeout: float | None = None,
 
     ``algorithm``: None or "ring", "shm" (shared memory, ranks on one machine).
     """
-    return _collectives.all_gather(tensor, resolve_group(group), timeout=timeout, algorithm=algorithm)
+    comm = resolve_group_or_reject(group, "all_gather")
+    return _collectives.all_gather(tensor, comm, timeout=timeout, algorithm=algorithm)
 
 
 def reduce_scatter(tensor: torch.Tensor, op: str = "sum", group=None,
@@ -47,8 +51,8 @@ def reduce_scatter(tensor: torch.Tensor, op: str = "sum", group=None,
 
     ``algorithm``: None or "ring", "shm" (shared memory, ranks on one machine).
     """
-    return _collectives.reduce_scatter(tensor, resolve_group(group), op=op, timeout=timeout,
-                                       algorithm=algorithm)
+    comm = resolve_group_or_reject(group, "reduce_scatter")
+    return _collectives.reduce_scatter(tensor, comm, op=op, timeout=timeout, algorithm=algorithm)
 
 
 def all_to_all(sends: list[torch.Tensor], receives: list[torch.Tensor], group=None,
@@ -58,7 +62,8 @@ def all_to_all(sends: list[torch.Tensor], receives: list[torch.Tensor], group=No
     ``receives[p]``: contiguous, the numel and dtype of rank p's ``sends[rank]``; written in place
     and returned. Raises ValueError for lists not of ``world_size`` tensors; CollectiveTimeoutError.
     """
-    return _collectives.all_to_all(sends, receives, resolve_group(group), timeout=timeout)
+    comm = resolve_group_or_reject(group, "all_to_all")
+    return _collectives.all_to_all(sends, receives, comm, timeout=timeout)
 
 
 def comm_stats(group=None) -> dict[str, int]:

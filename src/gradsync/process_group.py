@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from gradsync.collectives.communicator import DEFAULT_TIMEOUT_S, Communicator
-from gradsync.errors import NotInitializedError
+from gradsync.collectives.preflight import reject_call
+from gradsync.errors import CollectiveTimeoutError, NotInitializedError
 from gradsync.fault.hang import HangDetector
 from gradsync.rendezvous import bounded, gloo_on_loopback, is_loopback, loopback_store_server
 from gradsync.transport.torch_p2p import TorchP2PTransport
@@ -127,9 +128,41 @@ def _init_torch_distributed(backend: str, timeout: float):
     # The elastic agent's store outlives a restart: a new attempt must not read the last one's addresses.
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     generation_store = dist.PrefixStore(f"gradsync/attempt{attempt}/init{_Default.init_generation}", store)
+    startup_s = max(timeout, MIN_STARTUP_TIMEOUT_S)
+    _wait_for_every_rank(generation_store, rank, world_size, startup_s)
     dist.init_process_group(backend, store=generation_store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=max(timeout, MIN_STARTUP_TIMEOUT_S)))
+                            timeout=datetime.timedelta(seconds=startup_s))
     return _detector_store(dist.PrefixStore("gradsync/hang", generation_store))
+
+
+_NEVER_JOINED_HINT = ("a rank may have failed before joining (e.g. a bad argument to gradsync.init, or a crash); "
+                      "see that rank's own error")
+
+
+def _wait_for_every_rank(store, rank: int, world_size: int, seconds: float) -> None:
+    """Check in, then wait until every rank has (start-up barrier on the store).
+
+    Raises:
+        CollectiveTimeoutError: some ranks did not check in within ``seconds``; names them.
+    """
+    store.set(f"joined/{rank}", "1")
+    keys = [f"joined/{peer}" for peer in range(world_size)]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=seconds))
+    except (RuntimeError, TimeoutError) as exc:  # torch's DistStoreError is a RuntimeError
+        missing = [peer for peer, key in enumerate(keys) if not _has_key(store, key)]
+        who = ", ".join(map(str, missing)) if missing else "some ranks"
+        raise CollectiveTimeoutError(f"gradsync.init on rank {rank}: rank{'s' if len(missing) != 1 else ''} "
+                                     f"{who} of {world_size} never joined the group within {seconds:g} s; "
+                                     f"{_NEVER_JOINED_HINT}", op="init", rank=rank,
+                                     peer=missing[0] if missing else None, step="start-up") from exc
+
+
+def _has_key(store, key: str) -> bool:
+    try:
+        return bool(store.check([key]))
+    except RuntimeError:
+        return False
 
 
 def _detector_store(store):
@@ -146,7 +179,16 @@ def _rendezvous_store(rank: int, world_size: int, timeout: float):
     key = (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"], rank, world_size)
     if _Default.store is None or _Default.store_key != key:
         startup = datetime.timedelta(seconds=max(timeout, MIN_STARTUP_TIMEOUT_S))
-        store = _connect_store(rank, world_size, startup)
+        try:
+            store = _connect_store(rank, world_size, startup)
+        except (RuntimeError, TimeoutError) as exc:  # torch's DistStoreError / DistNetworkError
+            if rank == 0 or isinstance(exc, CollectiveTimeoutError):
+                raise
+            raise CollectiveTimeoutError(
+                f"gradsync.init on rank {rank}: could not reach the rendezvous store at "
+                f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within {startup.total_seconds():g} s "
+                f"({type(exc).__name__}: {exc}); if rank 0 hosts it, {_NEVER_JOINED_HINT}", op="init",
+                rank=rank, peer=0, step="start-up") from exc
         _Default.store, _Default.store_key, _Default.init_generation = store, key, 0
     return _Default.store
 
@@ -157,7 +199,8 @@ def _connect_store(rank: int, world_size: int, startup: datetime.timedelta):
     gloo_on_loopback(host)
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if rank == 0 and not agent_store and is_loopback(host):
-        return loopback_store_server(host, port, world_size, startup)
+        # No wait for the clients here: _wait_for_every_rank names the ranks that never come.
+        return loopback_store_server(host, port, world_size, startup, wait_for_workers=False)
     if not is_loopback(host):  # another machine's address: torch's own store (every interface)
         make = lambda: next(dist.rendezvous("env://", rank, world_size, timeout=startup))[0]  # noqa: E731
     else:
@@ -197,13 +240,28 @@ def world_size() -> int:
     return default_communicator().world_size
 
 
+def _is_default_process_group(group) -> bool:
+    """Whether ``group`` is torch's default group (``dist.group.WORLD``), the one the default communicator uses."""
+    return dist.is_initialized() and (group is dist.group.WORLD
+                                      or group is dist.distributed_c10d._get_default_group())
+
+
 def resolve_group(group) -> Communicator:
-    """Map ``group`` (None, a Communicator, or a torch ProcessGroup) to a Communicator."""
+    """Map ``group`` (None, a Communicator, or a torch ProcessGroup) to a Communicator.
+
+    None and torch's default group (``dist.group.WORLD``) both mean the default communicator, so
+    that ranks naming the default group either way share one communicator and its state.
+
+    Raises:
+        TypeError: ``group`` is none of these; NotInitializedError: None without ``gradsync.init``.
+    """
     if group is None:
         return default_communicator()
     if isinstance(group, Communicator):
         return group
     if isinstance(group, dist.ProcessGroup):
+        if _Default.communicator is not None and _is_default_process_group(group):
+            return _Default.communicator
         key = id(group)
         if key not in _Default.by_group:
             timeout_s = default_communicator().timeout_s if _Default.communicator else DEFAULT_TIMEOUT_S
@@ -213,3 +271,25 @@ def resolve_group(group) -> Communicator:
         return _Default.by_group[key]
     raise TypeError(f"group must be None, a gradsync Communicator or a torch ProcessGroup, "
                     f"got {type(group).__name__}")
+
+
+def resolve_group_or_reject(group, what: str) -> Communicator:
+    """:func:`resolve_group` for the collective ``what`` (e.g. "all_reduce"), that keeps the ranks in step.
+
+    When ``group`` cannot be resolved on this rank (TypeError) and a default group exists, this rank
+    first takes part in ``what``'s layout check on the default communicator with a rejection, then
+    raises the TypeError: peers that called ``what`` on the default group raise
+    CollectiveMismatchError ("rank 1 rejected the call: group must be ...") instead of pairing
+    their call with this rank's next one. Without a default group it just raises.
+
+    Collective (on the default group) only when it raises.
+    """
+    try:
+        return resolve_group(group)
+    except TypeError as exc:
+        try:
+            fallback = default_communicator()
+        except NotInitializedError:
+            raise exc from None
+        reject_call(fallback, what, exc, cause="a bad group")
+        raise

@@ -39,6 +39,7 @@ from gradsync.errors import CollectiveMismatchError
 
 DESCRIPTOR_NUMEL = 20
 MAX_DIMS = 8
+SHOWN_DIMS = MAX_DIMS - 2  # of a shape with more dims: these, then the last (see describe)
 REASON_BYTES = 256  # a rejecting rank's error text, truncated
 _MAGIC = 0x67726164  # "grad"
 _FIELDS = ("magic", "collective", "op", "algorithm", "dtype", "src", "numel", "ndim",
@@ -50,7 +51,8 @@ _DEVICES = ("cpu", "cuda", "meta")
 # Why a rank rejects its own call (code = index; 0: it does not).
 REJECTIONS = ("accepted", "a non-tensor argument", "an unsupported dtype", "a bad op", "a bad algorithm",
               "a bad src", "a bad timeout", "a sparse tensor", "an inference tensor", "an unsupported device",
-              "a staging allocation failure", "a bad argument", "an algorithm this group cannot run")
+              "a staging allocation failure", "a bad argument", "an algorithm this group cannot run",
+              "a bad group", "overlapping memory")
 _NOT_A_TENSOR = -2
 
 
@@ -71,8 +73,8 @@ def describe(tensor: torch.Tensor | None, collective: str, op: str, algorithm: s
     dims: list[int] = []
     if tensor is not None and not rejected:
         dims = list(tensor.shape)
-        if len(dims) > MAX_DIMS:  # fold the tail into one value: still differs if any dim does
-            dims = dims[: MAX_DIMS - 1] + [hash(tuple(dims[MAX_DIMS - 1:])) & 0x7FFFFFFF]
+        if len(dims) > MAX_DIMS:  # the first SHOWN_DIMS, the last, and a crc32 of those between
+            dims = dims[:SHOWN_DIMS] + [dims[-1], zlib.crc32(repr(dims[SHOWN_DIMS:-1]).encode())]
         head[4], head[6], head[7] = dtype_code(tensor.dtype), tensor.numel(), tensor.dim()
         head[10] = _code(_DEVICES, tensor.device.type)
     return torch.tensor(head + dims + [0] * (DESCRIPTOR_NUMEL - _HEAD - len(dims)), dtype=torch.int64)
@@ -125,8 +127,17 @@ def _exchange_reasons(call: CollectiveCall, rejecting: list[int], error: Excepti
 
 
 def _shape_of(row: list[int]) -> tuple[int, ...]:
+    """The shape words of a descriptor row (more than MAX_DIMS dims: folded, see describe)."""
     ndim = row[7]
-    return tuple(row[_HEAD: _HEAD + min(ndim, MAX_DIMS)])
+    return tuple(row[_HEAD: _HEAD + min(ndim, MAX_DIMS)]) + ((ndim,) if ndim > MAX_DIMS else ())
+
+
+def _render_shape(words: tuple[int, ...]) -> str:
+    """``(2, 3)``; a folded shape: ``(1, 1, 1, 1, 1, 1, …, 3) with 27 dims`` (the middle dims not shown)."""
+    if len(words) <= MAX_DIMS:
+        return str(words)
+    shown = ", ".join(map(str, words[:SHOWN_DIMS]))
+    return f"({shown}, …, {words[SHOWN_DIMS]}) with {words[-1]} dims"
 
 
 def _decode(field: str, value: int) -> str:
@@ -154,9 +165,13 @@ def _first_difference(rows: list[list[int]], tensor_shapes: list[tuple[int, ...]
         values = [_decode(field, row[index]) for row in rows]
         if len(set(values)) > 1:
             return f"{field}: " + _group_by_value(values)
-    shapes = [str(tuple(shape)) for shape in tensor_shapes]
-    if len(set(shapes)) > 1:
-        return "shape: " + _group_by_value(shapes)
+    if len(set(tensor_shapes)) > 1:
+        shapes = [_render_shape(shape) for shape in tensor_shapes]
+        problem = "shape: " + _group_by_value(shapes)
+        if len(set(shapes)) < len(set(tensor_shapes)):  # they differ where the rendering folds
+            ndim = max(shape[-1] for shape in tensor_shapes if len(shape) > MAX_DIMS)
+            problem += f"; dims {SHOWN_DIMS} to {ndim - 2} differ between ranks shown alike"
+        return problem
     return ""
 
 
@@ -169,3 +184,34 @@ def _group_by_value(values: list[str]) -> str:
         who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
         parts.append(f"{who} {'has' if len(ranks) == 1 else 'have'} {value}")
     return "; ".join(parts)
+
+
+PAIR_WORDS = 4  # per peer: (numel, dtype code) sent to it, (numel, dtype code) received from it
+
+
+def verify_pairs(call: CollectiveCall, sends: list[torch.Tensor], receives: list[torch.Tensor]) -> None:
+    """all_to_all's size check: raise CollectiveMismatchError on every rank unless, for every pair of
+    ranks (q, p), q's ``sends[p]`` has the numel and dtype of p's ``receives[q]``; nothing moves before.
+
+    Every rank sends one row of ``PAIR_WORDS * world_size`` int64 (the same size on every rank) to
+    every peer. The error names the first bad pair in (sender, receiver) order:
+    "rank 1 sends 5 float32 elements to rank 0, which receives 4 float32".
+
+    Collective: every rank calls it after an agreed layout check of all_to_all.
+    """
+    world_size = call.world_size
+    rows = torch.zeros(world_size, PAIR_WORDS * world_size, dtype=torch.int64)
+    rows[call.rank] = torch.tensor([value for send, receive in zip(sends, receives)
+                                    for value in (send.numel(), dtype_code(send.dtype),
+                                                  receive.numel(), dtype_code(receive.dtype))], dtype=torch.int64)
+    if world_size > 1:
+        call.exchange_with_every_peer(rows, "all_to_all size check")
+    table = rows.tolist()
+    for sender in range(world_size):
+        for receiver in range(world_size):
+            sent = table[sender][PAIR_WORDS * receiver: PAIR_WORDS * receiver + 2]
+            expected = table[receiver][PAIR_WORDS * sender + 2: PAIR_WORDS * sender + 4]
+            if sent != expected:
+                raise CollectiveMismatchError(
+                    f"all_to_all on rank {call.rank}: rank {sender} sends {sent[0]} {dtype_name(sent[1])} elements "
+                    f"to rank {receiver}, which receives {expected[0]} {dtype_name(expected[1])}")

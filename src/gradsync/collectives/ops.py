@@ -25,7 +25,7 @@ from gradsync.collectives import broadcast as tree_broadcast
 from gradsync.collectives import ring, shm
 from gradsync.collectives.all_to_all import all_to_all as _all_to_all
 from gradsync.collectives.call import CollectiveCall
-from gradsync.collectives.check import verify_layout
+from gradsync.collectives.check import verify_layout, verify_pairs
 from gradsync.collectives.chunking import chunk_bounds
 from gradsync.collectives.communicator import Communicator
 from gradsync.collectives.dtypes import SUPPORTED_DTYPES
@@ -234,7 +234,8 @@ def all_to_all(sends: list[torch.Tensor], receives: list[torch.Tensor], comm: Co
         receives: ``world_size`` contiguous tensors, ``receives[p]`` with the
             numel and dtype of rank p's ``sends[rank]``; written in place.
         timeout: seconds for the whole call (None: the communicator's default).
-        verify: agree first that no rank rejects the call (one small exchange; callers whose
+        verify: agree first that no rank rejects the call and that every rank q's ``sends[p]``
+            has the numel and dtype of rank p's ``receives[q]`` (two small exchanges; callers whose
             arguments every rank derived from one agreed layout, as compressors, pass False).
 
     Returns:
@@ -243,11 +244,9 @@ def all_to_all(sends: list[torch.Tensor], receives: list[torch.Tensor], comm: Co
     Raises:
         ValueError: a list does not hold ``world_size`` tensors, or a receive
         buffer is not contiguous; TypeError: not lists of dense tensors, a bad
-        timeout; CollectiveMismatchError: another rank rejected the call so;
+        timeout; CollectiveMismatchError: another rank rejected the call so, or
+        (``verify``) a send and its receive differ in numel or dtype, naming the pair;
         CollectiveTimeoutError.
-
-    The sizes are not compared across ranks (callers derive them from a
-    layout every rank already agreed on, as compressors do from buckets).
 
     Collective: every rank must call this in the same order.
     """
@@ -258,6 +257,8 @@ def all_to_all(sends: list[torch.Tensor], receives: list[torch.Tensor], comm: Co
         verify_layout(call, None, collective="all_to_all", rejection=problem)
     if problem is not None:
         raise problem[1]
+    if verify:
+        verify_pairs(call, sends, receives)
     _all_to_all([tensor.contiguous() for tensor in sends], receives, call)
     return receives
 

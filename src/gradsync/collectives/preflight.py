@@ -8,7 +8,8 @@ arguments:
    hand-built one, at its first call; see ``Communicator.learn_locality``);
 2. look for a rank-local problem: a wrong type or value of op, algorithm,
    src or timeout, a non-tensor, a sparse, meta or (for in-place calls)
-   inference tensor, an unsupported dtype, an algorithm this group cannot
+   inference tensor, an unsupported dtype, a tensor the call writes into
+   whose elements overlap in memory (``expand()``), an algorithm this group cannot
    run (``shm`` across hosts, ``hierarchical`` over unequal hosts), and
    finally the staging buffers the call will need (so that an allocation
    failure, too, is known before the exchange);
@@ -35,6 +36,7 @@ from gradsync.collectives.chunking import SegmentOptions
 from gradsync.collectives.communicator import Communicator, check_timeout
 from gradsync.collectives.dtypes import FLOAT32_ACCUMULATED, SUPPORTED_DTYPES
 from gradsync.collectives.hierarchical import HierarchicalOptions
+from gradsync.collectives.lane import in_issue_order
 from gradsync.collectives.options import check_count
 from gradsync.collectives import registry
 from gradsync.collectives.registry import AUTO
@@ -119,12 +121,42 @@ def _tensor_problem(tensor, what: str) -> Rejection | None:
     return None
 
 
+def overlaps_itself(tensor: torch.Tensor) -> bool:
+    """Whether some elements of ``tensor`` may share memory (``expand()``, a zero stride, ``as_strided``).
+
+    torch's own check answers yes, no or "too hard to tell" (any non-contiguous view); then the
+    strides decide: sorted by stride, each dim's stride must pass the extent of the dims below it
+    (true of every slice, transpose or permutation of a tensor without overlap).
+    """
+    check = getattr(torch, "_debug_has_internal_overlap", None)
+    verdict = check(tensor) if check is not None else 2
+    if verdict != 2:
+        return verdict == 1
+    extent = 0  # the largest offset the dims seen so far reach
+    for stride, size in sorted((abs(stride), size) for stride, size in zip(tensor.stride(), tensor.shape)
+                               if size > 1):
+        if stride <= extent:
+            return True
+        extent += stride * (size - 1)
+    return False
+
+
+def _overlap_problem(tensor: torch.Tensor, what: str) -> Rejection | None:
+    if tensor.numel() > 1 and overlaps_itself(tensor):
+        return _reject("overlapping memory", ValueError(
+            f"{what} writes into its tensor, and this tensor has overlapping memory (e.g. from expand()); "
+            f"pass a .clone() or .contiguous() copy"))
+    return None
+
+
 def argument_problem(tensor, what: str, op, algorithm, src, timeout, world_size: int) -> Rejection | None:
     """(rejection code, the error a bad argument deserves, not raised yet), or None."""
     if src is not None and (isinstance(src, bool) or not isinstance(src, int)):
         return _reject("a bad src", TypeError(f"src must be an int rank, got {type(src).__name__} {src!r}"))
     problem = _choice_problem(what, op, algorithm) or _timeout_problem(timeout) or _tensor_problem(tensor, what)
     if problem:
+        return problem
+    if what in _IN_PLACE and (problem := _overlap_problem(tensor, what)):
         return problem
     if op == "avg" and not tensor.is_floating_point():
         return _reject("a bad op", TypeError(f"op='avg' needs a floating-point tensor, got {tensor.dtype}; "
@@ -246,9 +278,26 @@ def sequence_problem(sends, receives, world_size: int, timeout) -> Rejection | N
             problem = _tensor_problem(tensor, "all_to_all")
             if problem:
                 return problem
+    problem = next(filter(None, (_overlap_problem(tensor, "all_to_all") for tensor in receives)), None)
+    if problem:
+        return problem
     if not all(tensor.is_contiguous() for tensor in receives):
         return _reject("a bad argument", ValueError("all_to_all receive buffers must be contiguous"))
     return _timeout_problem(timeout)
+
+
+@in_issue_order
+def reject_call(comm: Communicator, what: str, error: Exception, cause: str = "a bad argument") -> None:
+    """Take part in ``what``'s layout check on ``comm`` as a rank that rejects the call with ``error``;
+    return once every rank knows (the caller then raises ``error``; the others raise
+    CollectiveMismatchError naming this rank). For an argument found bad before the call's own
+    preflight can run, such as a ``group`` this rank cannot resolve (``cause``: one of ``REJECTIONS``).
+
+    Collective: the peers are in ``what`` on ``comm`` (the same protocol as :func:`start_call`).
+    """
+    call = comm.new_call(what, "rejected")
+    comm.learn_locality(call)
+    verify_layout(call, None, collective=what, rejection=_reject(cause, error))
 
 
 def nbytes_problem(nbytes, algorithm) -> Rejection | None:
@@ -261,4 +310,4 @@ def nbytes_problem(nbytes, algorithm) -> Rejection | None:
 
 
 __all__ = ["FIXED_ALGORITHM", "NO_OP", "OPS", "argument_problem", "nbytes_problem", "options_fingerprint",
-           "resolve_algorithm", "sequence_problem", "start_call", "working_dtype"]
+           "reject_call", "resolve_algorithm", "sequence_problem", "start_call", "working_dtype"]
