@@ -68,7 +68,12 @@ class DataParallel(nn.Module):
             wrapping (wrap the module again), its backward raised (then
             :meth:`reset_after_failure`), or it ran ``torch.autograd.grad``
             for parameter gradients (use ``loss.backward()``); the message
-            names each such rank. After the first two, every forward and
+            names each such rank. Also when the ranks ran different numbers
+            of grad-enabled forwards (``no_sync`` ones included) since their
+            last synchronised backward: a rank skipped ``backward()`` or used
+            ``no_sync()`` alone, and this backward's buckets were paired with
+            another iteration's (``.grad`` is then garbage; then
+            :meth:`reset_after_failure`). After all but ``autograd.grad``, every forward and
             every collective on the group raises until
             :meth:`reset_after_failure` is called on every rank.
         GroupClosedError: the group was shut down (``gradsync.shutdown()``);
@@ -145,6 +150,7 @@ class DataParallel(nn.Module):
         training = torch.is_grad_enabled()
         will_sync = training and not self._sync_disabled
         if training:  # a change is reported to every rank in the next synchronised backward
+            self._reducer.forwards += 1  # compared across ranks there too
             change = self._watch.change()
             self._reducer.problem = None if change is None else (PARAMS_CHANGED, change)
         if self._joining:

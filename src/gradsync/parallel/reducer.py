@@ -106,6 +106,7 @@ class Reducer(FailureHandling):
         self._shadow: dict[int, torch.Tensor] = {}
         self._num_flags = len(self.params) + comm.world_size  # used per parameter, then status per rank
         self.problem: tuple[int, str] | None = None  # (code, words) this rank reports in the next round
+        self.forwards = 0  # grad-enabled forwards (no_sync ones too) since the last synchronised backward
         self.broken: str | None = None  # why the model must be reset or re-wrapped before it is used again
         self._accumulators = [accumulator(param) for param in self.params]  # to tell autograd.grad apart
         self._lane_check = weak_method(self, "settle_if_stale")
@@ -188,6 +189,7 @@ class Reducer(FailureHandling):
             return
         state = self._round = Round(self.buckets, len(self.params))
         state.status, state.detail = self.problem or (0, "")
+        state.forwards, self.forwards = self.forwards, 0  # compared across ranks at the end
         if from_output and not state.status and computes_grads_without_accumulating(self._accumulators):
             state.status = AUTOGRAD_GRAD
         if self.comm.world_size > 1:
@@ -335,10 +337,11 @@ class Reducer(FailureHandling):
         hand-off to the communication thread would only add latency. It carries the used flags and
         every rank's status (``state.statuses`` afterwards)."""
         bucket = self.buckets[-1]
-        bucket.flags.copy_(encode_flags(state.used, state.status, self.comm.rank, self.comm.world_size))
+        bucket.flags.copy_(encode_flags(state.used, state.status, state.forwards, self.comm.rank,
+                                        self.comm.world_size))
         span = self._reduce(bucket.flat, bucket.index, self.divisor, state, thread="main")
         scale = 1 if self.compression is not None else self.divisor  # compressors sum the flags exactly
-        state.statuses = decode_statuses(bucket.flags[len(self.params):], scale)
+        state.statuses, state.counts = decode_statuses(bucket.flags[len(self.params):], scale)
         if copy_out:
             self._copy_out_used(bucket, state)
         return span
