@@ -21,12 +21,11 @@ from torch import nn
 from gradsync.collectives import ops as collectives
 from gradsync.compression import COMPRESSIONS, Compressor
 from gradsync.compression import make as make_compressor
-from gradsync.errors import CollectiveMismatchError, GradsyncError, GroupClosedError
+from gradsync.errors import GradsyncError, GroupClosedError
 from gradsync.parallel.reducer import Reducer
-from gradsync.parallel.replicas import (ParameterWatch, broadcast_tensors, buffer_signature, describe_buffer_change,
-                                        placeholders, verify_parameters, verify_settings)
+from gradsync.parallel.replicas import (ParameterWatch, agree_on_arguments, broadcast_tensors, buffer_signature, describe_buffer_change,
+                                        placeholders, verify_parameters)
 from gradsync.parallel.sync_round import PARAMS_CHANGED
-from gradsync.process_group import resolve_group
 
 
 class DataParallel(nn.Module):
@@ -102,24 +101,20 @@ class DataParallel(nn.Module):
                  compression=None, broadcast_buffers: bool = True, group=None,
                  gradient_as_bucket_view: bool = False):
         super().__init__()
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"DataParallel wraps a torch.nn.Module, got {type(module).__name__}")
-        self.comm = resolve_group(group)
         settings = {"algorithm": algorithm, "bucket_cap_mb": bucket_cap_mb, "compression": compression,
                     "broadcast_buffers": broadcast_buffers, "gradient_as_bucket_view": gradient_as_bucket_view}
-        try:
+
+        def check() -> None:
+            if not isinstance(module, nn.Module):
+                raise TypeError(f"DataParallel wraps a torch.nn.Module, got {type(module).__name__}")
             _check_bucket_cap_mb(bucket_cap_mb)
             collectives.validate_algorithm(algorithm)
-            settings["compression"] = compression = _resolve_compression(compression)
-            if compression is not None:
-                compression.attach(self)  # raises if another model uses it
-        except (TypeError, ValueError) as problem:  # the peers learn it at once, from the settings check
-            try:
-                verify_settings({"arguments": f"rejected: {problem}", **settings}, self.comm)
-            except CollectiveMismatchError:
-                pass  # the peers raise that; this rank raises its own error
-            raise
-        verify_settings({"arguments": "accepted", **settings}, self.comm)
+            settings["compression"] = _resolve_compression(compression)
+            if settings["compression"] is not None:
+                settings["compression"].attach(self)  # raises if another model uses it
+
+        self.comm = agree_on_arguments("DataParallel", group, settings, check)
+        compression = settings["compression"]
         self.module = module
         self.algorithm = algorithm
         self.compression = compression
