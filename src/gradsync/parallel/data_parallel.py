@@ -23,8 +23,8 @@ from gradsync.compression import COMPRESSIONS, Compressor
 from gradsync.compression import make as make_compressor
 from gradsync.errors import GradsyncError, GroupClosedError
 from gradsync.parallel.reducer import Reducer
-from gradsync.parallel.replicas import (ParameterWatch, agree_on_arguments, broadcast_tensors, buffer_signature, describe_buffer_change,
-                                        placeholders, verify_parameters)
+from gradsync.parallel.replicas import (ParameterWatch, agree_on_arguments, broadcast_tensors, buffer_signature,
+                                        describe_buffer_change, name_code, placeholders, verify_parameters)
 from gradsync.parallel.sync_round import PARAMS_CHANGED
 
 
@@ -134,6 +134,8 @@ class DataParallel(nn.Module):
         self._reducer = Reducer(named, self.comm, algorithm, int(bucket_cap_mb * 2**20),
                                 gradient_as_bucket_view, should_sync=lambda: not self._sync_disabled,
                                 compression=compression)
+        self._reducer.wrapped_names = [name for name, _ in module.named_parameters()] + \
+            [name for name, _ in module.named_buffers()]  # the same on every rank (verified above)
 
     # -- forward ---------------------------------------------------------------------------------
 
@@ -147,7 +149,7 @@ class DataParallel(nn.Module):
         if training:  # a change is reported to every rank in the next synchronised backward
             self._reducer.forwards += 1  # compared across ranks there too
             change = self._watch.change()
-            self._reducer.problem = None if change is None else (PARAMS_CHANGED, change)
+            self._reducer.problem = None if change is None else (PARAMS_CHANGED, change, self._name_code(change))
         if self._joining:
             self._join_step(active=True, will_sync=will_sync, sync_buffers=training)
         if training:  # evaluation under no_grad does not communicate (ranks may evaluate unevenly)
@@ -166,10 +168,15 @@ class DataParallel(nn.Module):
         if buffer_signature(self.module, named) != self._buffer_layout:  # same sizes on the wire as
             buffers = placeholders(self._buffer_layout)                  # the peers; reported in backward
             if self._reducer.problem is None:
-                self._reducer.problem = (PARAMS_CHANGED, describe_buffer_change(self._buffer_layout, named))
+                change = describe_buffer_change(self._buffer_layout, named)
+                self._reducer.problem = (PARAMS_CHANGED, change, self._name_code(change))
         started = time.perf_counter()  # layout verified by the broadcast at construction
         broadcast_tensors(buffers, self.comm, src=self._buffer_src, verify=False)
         self._other_comm_seconds += time.perf_counter() - started
+
+    def _name_code(self, change: str) -> int:
+        """What the peers are told about ``change``: index + 1 of the wrapped name it quotes (0: none)."""
+        return name_code(self._reducer.wrapped_names, change)
 
     def _hook_outputs(self, output) -> None:
         """Start the gradient sync when backward reaches an output, even if no parameter gets a gradient."""

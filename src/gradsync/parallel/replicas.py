@@ -210,6 +210,14 @@ class ParameterWatch:
         return change
 
 
+def name_code(names: list[str], change: str) -> int:
+    """Index + 1 of the first of ``names`` that ``change`` (a :func:`describe_change` text) quotes; 0 if none."""
+    for index, name in enumerate(names):
+        if repr(name) in change:
+            return index + 1
+    return 0
+
+
 def param_signature(module: torch.nn.Module) -> list[tuple[str, int, bool]]:
     """(name, id, requires_grad) of every parameter: equal lists mean the same parameter objects."""
     return [(name, id(param), param.requires_grad) for name, param in module.named_parameters()]

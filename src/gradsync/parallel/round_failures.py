@@ -73,7 +73,9 @@ class FailureHandling:
 
     def _raise_statuses(self, state: Round) -> None:
         """Raise on every rank when some rank reported a status in this round."""
-        error = status_error(state.statuses, self.comm.rank, state.detail)
+        names = self.wrapped_names
+        where = [names[code - 1] if 0 < code <= len(names) else None for code in state.name_codes]
+        error = status_error(state.statuses, self.comm.rank, state.detail, where)
         mismatch = sequence_error(state.counts, self.comm.rank)
         if mismatch is not None:  # this round's buckets were paired with another iteration's
             self._break("the ranks ran different forward/backward sequences (that error says how)")

@@ -11,6 +11,9 @@ difference in the forward counts: the ranks are running different
 forward/backward sequences (a rank skipped ``backward()`` or used
 ``no_sync()`` alone), and its bucket was paired with another iteration's.
 A slot of 0 is a rank that did not report (a rank shadowing under ``join``).
+After the status slots come ``NAME_DIGITS`` slots per rank: which wrapped
+parameter or buffer changed on that rank (its index + 1 in wrapping order,
+base 16; 0: none or one added after wrapping), so every rank's message names it.
 
 A slot is ``code + 4 * (1 + min(forwards, MAX_FORWARDS))``, at most 63: small
 integers survive averaging in the bucket's dtype (bfloat16 included) and the
@@ -45,6 +48,8 @@ _CAUSES = {
 }
 BREAKS_MODEL = (PARAMS_CHANGED, BACKWARD_FAILED)  # the model needs a reset or a re-wrap afterwards
 MAX_FORWARDS = 14  # forward counts are compared up to this many (a slot stays below 64)
+NAME_DIGITS = 3    # base-16 digits per rank naming the changed parameter or buffer (up to 4095 of them)
+SLOTS_PER_RANK = 1 + NAME_DIGITS
 
 
 class Round:
@@ -62,23 +67,32 @@ class Round:
         self.status = 0       # this rank's code (0: fine)
         self.forwards = 0     # grad-enabled forwards this rank ran since its last synchronised backward
         self.detail = ""      # this rank's own words for it (names the parameter)
+        self.name_code = 0    # index + 1 of the changed wrapped parameter or buffer (0: none)
         self.statuses: list[int] = []  # every rank's code, once the last bucket is reduced
         self.counts: list[int | None] = []  # every rank's forward count then (None: did not report)
+        self.name_codes: list[int] = []     # every rank's name_code then
         self.hold: int | None = None   # the lane hold while the round is in flight
 
 
-def encode_flags(used: list[bool], status: int, forwards: int, rank: int, world_size: int) -> torch.Tensor:
-    """The last bucket's flags: used per parameter, then this rank's status and forward count in its slot."""
-    slots = [0] * world_size
-    slots[rank] = status + 4 * (1 + min(forwards, MAX_FORWARDS))
+def encode_flags(used: list[bool], state: "Round", rank: int, world_size: int) -> torch.Tensor:
+    """The last bucket's flags: used per parameter, then this rank's status and forward count in its slot,
+    then the digits of its name code in its own ``NAME_DIGITS`` slots."""
+    slots = [0] * (world_size * SLOTS_PER_RANK)
+    slots[rank] = state.status + 4 * (1 + min(state.forwards, MAX_FORWARDS))
+    code = min(state.name_code, 16**NAME_DIGITS - 1)
+    for digit in range(NAME_DIGITS):
+        slots[world_size + rank * NAME_DIGITS + digit] = (code >> (4 * digit)) & 15
     return torch.tensor([float(flag) for flag in used] + slots, dtype=torch.float64)
 
 
-def decode_statuses(slots: torch.Tensor, scale: int) -> tuple[list[int], list[int | None]]:
-    """Every rank's code and forward count (None: no report) from the reduced status slots
+def decode_statuses(slots: torch.Tensor, scale: int) -> tuple[list[int], list[int | None], list[int]]:
+    """Every rank's code, forward count (None: no report) and name code from the reduced status slots
     (averaged over ``scale`` ranks; 1: summed)."""
     values = [int(round(value)) for value in (slots.double() * scale).tolist()]
-    return [value % 4 for value in values], [value // 4 - 1 if value >= 4 else None for value in values]
+    world_size = len(values) // SLOTS_PER_RANK
+    status, digits = values[:world_size], values[world_size:]
+    names = [sum(digits[r * NAME_DIGITS + d] << (4 * d) for d in range(NAME_DIGITS)) for r in range(world_size)]
+    return [value % 4 for value in status], [value // 4 - 1 if value >= 4 else None for value in status], names
 
 
 def sequence_error(counts: list[int | None], rank: int) -> GradsyncError | None:
@@ -101,15 +115,19 @@ def sequence_error(counts: list[int | None], rank: int) -> GradsyncError | None:
                          f"model.reset_after_failure() on every rank to go on")
 
 
-def status_error(statuses: list[int], rank: int, detail: str) -> GradsyncError | None:
-    """The error every rank raises for a round whose ``statuses`` are not all 0 (None if they are)."""
+def status_error(statuses: list[int], rank: int, detail: str,
+                 where: list[str | None] | None = None) -> GradsyncError | None:
+    """The error every rank raises for a round whose ``statuses`` are not all 0 (None if they are).
+
+    ``where[r]``: the name of the parameter or buffer that rank ``r`` reported (None: not known)."""
     bad = [(r, code) for r, code in enumerate(statuses) if code]
     if not bad:
         return None
     parts, advice = [], []
     for r, code in bad:
         cause, what_to_do = _CAUSES.get(code, (f"reported status {code}", "re-wrap the module"))
-        own = f" ({detail})" if r == rank and detail else ""
+        named = where[r] if where is not None and where[r] is not None else None
+        own = f" ({detail})" if r == rank and detail else f" (at {named!r})" if named else ""
         parts.append(f"rank {r}: {cause}{own}")
         if what_to_do not in advice:
             advice.append(what_to_do)
