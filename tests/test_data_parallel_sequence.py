@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 import torch
 from torch import nn
 
@@ -103,3 +105,18 @@ def test_legit_patterns_agree():
         want = torch.full((1, 2), (1.5 + 11.5), dtype=torch.float64)
         torch.testing.assert_close(accumulated, want)
         torch.testing.assert_close(two, want)
+
+
+@pytest.mark.parametrize("world_size, dtype, compression", [(3, torch.bfloat16, None), (3, torch.float64, "fp16")])
+def test_counts_survive_low_precision_and_compressed_buckets(world_size, dtype, compression):
+    """The status slots are averaged in the bucket's dtype, or summed as uint8 by a compressor."""
+    def body(comm):
+        torch.manual_seed(0)
+        model = gradsync.DataParallel(nn.Linear(2, 1, bias=False).to(dtype), group=comm, compression=compression)
+        x = torch.ones(1, 2, dtype=dtype)
+        for _ in range(3 if comm.rank == 2 else 1):  # rank 2 skipped two backward()s
+            model(x)
+        return _capture(lambda: model(x).sum().backward())
+
+    for error in run_threads(world_size, body, timeout_s=30, collective_timeout_s=10):
+        assert "rank 2 ran 4 forwards since the last gradient sync, rank 0 ran 2, rank 1 ran 2" in str(error)

@@ -51,7 +51,9 @@ class DataParallel(nn.Module):
             saving one copy of the gradients in memory (DDP's option of the same name).
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Module``.
+        TypeError: ``module`` is not an ``nn.Module``, ``group`` is not a group
+            (the peers learn both at once, see CollectiveMismatchError; a bad
+            ``group`` is reported to them on the default group).
         ValueError: bad ``bucket_cap_mb``, unknown ``algorithm`` or compression
             name, a compressor already used by another model.
         TypeError: ``compression`` is neither None, a name nor a Compressor; a
