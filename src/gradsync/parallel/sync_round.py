@@ -110,7 +110,8 @@ def sequence_error(counts: list[int | None], rank: int) -> GradsyncError | None:
     words = f"rank {first[0]} ran {ran(first[1])} since the last gradient sync, " + ", ".join(
         f"rank {r} ran {count}{'+' if count >= MAX_FORWARDS else ''}" for r, count in rest)
     return GradsyncError(f"DataParallel (on rank {rank}): {words}: a rank skipped backward() or used no_sync() "
-                         f"alone; every rank must run the same forward/backward sequence. The gradients of "
+                         f"alone (or ran a forward with grad enabled alone: evaluate under torch.no_grad()); "
+                         f"every rank must run the same forward/backward sequence. The gradients of "
                          f"this backward were averaged with another iteration's and must not be used; call "
                          f"model.reset_after_failure() on every rank to go on")
 
