@@ -80,6 +80,8 @@ def test_parameter_changed_after_wrapping_raises_on_every_rank(change, changed_r
         assert f"rank {changed_ranks[-1]}: its parameters or buffers changed" in str(error)
         if rank in changed_ranks:
             assert words in str(error)
+        elif change != "added":  # the peers are told which wrapped parameter (an added one has no index)
+            assert f"changed after wrapping (at {words.split()[0]})" in str(error), str(error)
 
 
 def test_parameter_unfrozen_after_wrapping_raises_on_every_rank():
@@ -145,6 +147,7 @@ def test_buffer_reshaped_on_one_rank_raises_on_every_rank():
 
     errors = run_threads(2, body)
     assert all("rank 1: its parameters or buffers changed" in str(error) for error in errors)
+    assert "changed after wrapping (at 'buf')" in str(errors[0])
     assert "buffer 'buf' changed from shape (2,)" in str(errors[1])
 
 

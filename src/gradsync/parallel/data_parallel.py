@@ -21,12 +21,11 @@ from torch import nn
 from gradsync.collectives import ops as collectives
 from gradsync.compression import COMPRESSIONS, Compressor
 from gradsync.compression import make as make_compressor
-from gradsync.errors import CollectiveMismatchError, GradsyncError, GroupClosedError
+from gradsync.errors import GradsyncError, GroupClosedError
 from gradsync.parallel.reducer import Reducer
-from gradsync.parallel.replicas import (ParameterWatch, broadcast_tensors, buffer_signature, describe_buffer_change,
-                                        placeholders, verify_parameters, verify_settings)
+from gradsync.parallel.replicas import (ParameterWatch, agree_on_arguments, broadcast_tensors, buffer_signature,
+                                        describe_buffer_change, name_code, placeholders, verify_parameters)
 from gradsync.parallel.sync_round import PARAMS_CHANGED
-from gradsync.process_group import resolve_group
 
 
 class DataParallel(nn.Module):
@@ -52,7 +51,9 @@ class DataParallel(nn.Module):
             saving one copy of the gradients in memory (DDP's option of the same name).
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Module``.
+        TypeError: ``module`` is not an ``nn.Module``, ``group`` is not a group
+            (the peers learn both at once, see CollectiveMismatchError; a bad
+            ``group`` is reported to them on the default group).
         ValueError: bad ``bucket_cap_mb``, unknown ``algorithm`` or compression
             name, a compressor already used by another model.
         TypeError: ``compression`` is neither None, a name nor a Compressor; a
@@ -68,7 +69,12 @@ class DataParallel(nn.Module):
             wrapping (wrap the module again), its backward raised (then
             :meth:`reset_after_failure`), or it ran ``torch.autograd.grad``
             for parameter gradients (use ``loss.backward()``); the message
-            names each such rank. After the first two, every forward and
+            names each such rank. Also when the ranks ran different numbers
+            of grad-enabled forwards (``no_sync`` ones included) since their
+            last synchronised backward: a rank skipped ``backward()`` or used
+            ``no_sync()`` alone, and this backward's buckets were paired with
+            another iteration's (``.grad`` is then garbage; then
+            :meth:`reset_after_failure`). After all but ``autograd.grad``, every forward and
             every collective on the group raises until
             :meth:`reset_after_failure` is called on every rank.
         GroupClosedError: the group was shut down (``gradsync.shutdown()``);
@@ -97,24 +103,20 @@ class DataParallel(nn.Module):
                  compression=None, broadcast_buffers: bool = True, group=None,
                  gradient_as_bucket_view: bool = False):
         super().__init__()
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"DataParallel wraps a torch.nn.Module, got {type(module).__name__}")
-        self.comm = resolve_group(group)
         settings = {"algorithm": algorithm, "bucket_cap_mb": bucket_cap_mb, "compression": compression,
                     "broadcast_buffers": broadcast_buffers, "gradient_as_bucket_view": gradient_as_bucket_view}
-        try:
+
+        def check() -> None:
+            if not isinstance(module, nn.Module):
+                raise TypeError(f"DataParallel wraps a torch.nn.Module, got {type(module).__name__}")
             _check_bucket_cap_mb(bucket_cap_mb)
             collectives.validate_algorithm(algorithm)
-            settings["compression"] = compression = _resolve_compression(compression)
-            if compression is not None:
-                compression.attach(self)  # raises if another model uses it
-        except (TypeError, ValueError) as problem:  # the peers learn it at once, from the settings check
-            try:
-                verify_settings({"arguments": f"rejected: {problem}", **settings}, self.comm)
-            except CollectiveMismatchError:
-                pass  # the peers raise that; this rank raises its own error
-            raise
-        verify_settings({"arguments": "accepted", **settings}, self.comm)
+            settings["compression"] = _resolve_compression(compression)
+            if settings["compression"] is not None:
+                settings["compression"].attach(self)  # raises if another model uses it
+
+        self.comm = agree_on_arguments("DataParallel", group, settings, check)
+        compression = settings["compression"]
         self.module = module
         self.algorithm = algorithm
         self.compression = compression
@@ -134,6 +136,8 @@ class DataParallel(nn.Module):
         self._reducer = Reducer(named, self.comm, algorithm, int(bucket_cap_mb * 2**20),
                                 gradient_as_bucket_view, should_sync=lambda: not self._sync_disabled,
                                 compression=compression)
+        self._reducer.wrapped_names = [name for name, _ in module.named_parameters()] + \
+            [name for name, _ in module.named_buffers()]  # the same on every rank (verified above)
 
     # -- forward ---------------------------------------------------------------------------------
 
@@ -145,8 +149,9 @@ class DataParallel(nn.Module):
         training = torch.is_grad_enabled()
         will_sync = training and not self._sync_disabled
         if training:  # a change is reported to every rank in the next synchronised backward
+            self._reducer.forwards += 1  # compared across ranks there too
             change = self._watch.change()
-            self._reducer.problem = None if change is None else (PARAMS_CHANGED, change)
+            self._reducer.problem = None if change is None else (PARAMS_CHANGED, change, self._name_code(change))
         if self._joining:
             self._join_step(active=True, will_sync=will_sync, sync_buffers=training)
         if training:  # evaluation under no_grad does not communicate (ranks may evaluate unevenly)
@@ -165,10 +170,15 @@ class DataParallel(nn.Module):
         if buffer_signature(self.module, named) != self._buffer_layout:  # same sizes on the wire as
             buffers = placeholders(self._buffer_layout)                  # the peers; reported in backward
             if self._reducer.problem is None:
-                self._reducer.problem = (PARAMS_CHANGED, describe_buffer_change(self._buffer_layout, named))
+                change = describe_buffer_change(self._buffer_layout, named)
+                self._reducer.problem = (PARAMS_CHANGED, change, self._name_code(change))
         started = time.perf_counter()  # layout verified by the broadcast at construction
         broadcast_tensors(buffers, self.comm, src=self._buffer_src, verify=False)
         self._other_comm_seconds += time.perf_counter() - started
+
+    def _name_code(self, change: str) -> int:
+        """What the peers are told about ``change``: index + 1 of the wrapped name it quotes (0: none)."""
+        return name_code(self._reducer.wrapped_names, change)
 
     def _hook_outputs(self, output) -> None:
         """Start the gradient sync when backward reaches an output, even if no parameter gets a gradient."""

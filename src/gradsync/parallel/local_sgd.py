@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from gradsync import collectives
-from gradsync.parallel.replicas import broadcast_tensors, verify_parameters, verify_settings
-from gradsync.process_group import resolve_group
+from gradsync.collectives.communicator import check_timeout
+from gradsync.parallel.replicas import agree_on_arguments, broadcast_tensors, verify_parameters
 
 
 class LocalSGD(nn.Module):
@@ -50,27 +50,37 @@ class LocalSGD(nn.Module):
         comm_seconds: seconds spent averaging (the caller waits for all of it).
 
     Raises:
-        ValueError: bad ``sync_every`` or ``algorithm``; ranks disagree on them.
-        CollectiveMismatchError: parameter shapes or dtypes differ across ranks.
+        TypeError: ``module`` is not an ``nn.Module``, ``group`` is not a group,
+            ``timeout`` is not a number.
+        ValueError: bad ``sync_every``, ``algorithm`` or ``timeout`` (finite, > 0).
+        CollectiveMismatchError: parameter shapes or dtypes differ across ranks,
+            ranks disagree on ``sync_every`` or ``algorithm``, or another rank
+            was given a bad argument (at once, naming that rank and the
+            argument; that rank raises its own TypeError/ValueError).
         CollectiveTimeoutError: (from ``step``/``average``) a peer did not take part in time.
     """
 
     def __init__(self, module: nn.Module, sync_every: int, group=None, algorithm: str = "ring",
                  timeout: float | None = None):
         super().__init__()
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"LocalSGD wraps a torch.nn.Module, got {type(module).__name__}")
-        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-            raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
-        collectives.validate_algorithm(algorithm)
+
+        def check() -> None:
+            if not isinstance(module, nn.Module):
+                raise TypeError(f"LocalSGD wraps a torch.nn.Module, got {type(module).__name__}")
+            if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+                raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
+            collectives.validate_algorithm(algorithm)
+            if timeout is not None:
+                check_timeout(timeout)
+
+        settings = {"sync_every": sync_every, "algorithm": algorithm}  # timeout may differ per rank
+        self.comm = agree_on_arguments("LocalSGD", group, settings, check)
         self.module = module
         self.sync_every = sync_every
         self.algorithm = algorithm
         self.timeout = timeout
-        self.comm = resolve_group(group)
         tensors = list(module.named_parameters()) + list(module.named_buffers())
         verify_parameters(tensors, self.comm, owner="LocalSGD")
-        verify_settings({"sync_every": sync_every, "algorithm": algorithm}, self.comm, owner="LocalSGD")
         broadcast_tensors([t.data for _, t in tensors], self.comm)
         self._groups: dict[tuple, list[torch.Tensor]] = {}  # (dtype, device) -> floating tensors averaged
         for _, tensor in tensors:

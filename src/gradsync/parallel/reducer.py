@@ -43,7 +43,7 @@ from gradsync.errors import GradsyncError
 from gradsync.parallel.bucketing import (DEFAULT_FIRST_BUCKET_CAP_BYTES, Bucket, assign_buckets, check_assignment,
                                         default_order, pause_breaks, shared_bucket_nbytes)
 from gradsync.parallel.round_failures import FailureHandling, accumulator, computes_grads_without_accumulating, weak_method
-from gradsync.parallel.sync_round import AUTOGRAD_GRAD, Round, decode_statuses, encode_flags
+from gradsync.parallel.sync_round import AUTOGRAD_GRAD, SLOTS_PER_RANK, Round, decode_statuses, encode_flags
 
 PAUSE_S = 0.002                # a gap in backward long enough to hide a bucket's AllReduce in
 MIN_SPLIT_BYTES = 2**20        # smaller buckets are latency-bound: splitting them costs more than it hides
@@ -104,8 +104,10 @@ class Reducer(FailureHandling):
         self._index = {id(param): index for index, param in enumerate(self.params)}
         self._round: Round | None = None
         self._shadow: dict[int, torch.Tensor] = {}
-        self._num_flags = len(self.params) + comm.world_size  # used per parameter, then status per rank
-        self.problem: tuple[int, str] | None = None  # (code, words) this rank reports in the next round
+        self._num_flags = len(self.params) + comm.world_size * SLOTS_PER_RANK  # used flags, then slots
+        self.wrapped_names: list[str] = []  # what a rank's name code indexes (parameters, then buffers)
+        self.problem: tuple[int, str, int] | None = None  # (code, words, name code) reported in the next round
+        self.forwards = 0  # grad-enabled forwards (no_sync ones too) since the last synchronised backward
         self.broken: str | None = None  # why the model must be reset or re-wrapped before it is used again
         self._accumulators = [accumulator(param) for param in self.params]  # to tell autograd.grad apart
         self._lane_check = weak_method(self, "settle_if_stale")
@@ -187,7 +189,8 @@ class Reducer(FailureHandling):
         if self._round is not None or not self.buckets:  # no trainable parameters: nothing to sync
             return
         state = self._round = Round(self.buckets, len(self.params))
-        state.status, state.detail = self.problem or (0, "")
+        state.status, state.detail, state.name_code = self.problem or (0, "", 0)
+        state.forwards, self.forwards = self.forwards, 0  # compared across ranks at the end
         if from_output and not state.status and computes_grads_without_accumulating(self._accumulators):
             state.status = AUTOGRAD_GRAD
         if self.comm.world_size > 1:
@@ -335,10 +338,10 @@ class Reducer(FailureHandling):
         hand-off to the communication thread would only add latency. It carries the used flags and
         every rank's status (``state.statuses`` afterwards)."""
         bucket = self.buckets[-1]
-        bucket.flags.copy_(encode_flags(state.used, state.status, self.comm.rank, self.comm.world_size))
+        bucket.flags.copy_(encode_flags(state.used, state, self.comm.rank, self.comm.world_size))
         span = self._reduce(bucket.flat, bucket.index, self.divisor, state, thread="main")
         scale = 1 if self.compression is not None else self.divisor  # compressors sum the flags exactly
-        state.statuses = decode_statuses(bucket.flags[len(self.params):], scale)
+        state.statuses, state.counts, state.name_codes = decode_statuses(bucket.flags[len(self.params):], scale)
         if copy_out:
             self._copy_out_used(bucket, state)
         return span

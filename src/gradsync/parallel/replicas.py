@@ -8,7 +8,7 @@ tensors, one flat message per dtype.
 from __future__ import annotations
 
 import zlib
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -16,6 +16,7 @@ from gradsync.collectives import ops as collectives
 from gradsync.collectives.communicator import Communicator
 from gradsync.collectives.dtypes import SUPPORTED_DTYPES, dtype_code, dtype_name
 from gradsync.errors import CollectiveMismatchError
+from gradsync.process_group import default_communicator, is_initialized, resolve_group
 
 _ROW_NUMEL = 11  # crc32(name), dtype code, requires_grad, ndim, up to 7 dims
 _MAX_DIMS = _ROW_NUMEL - 4
@@ -94,6 +95,48 @@ def verify_settings(settings: dict[str, object], comm: Communicator, owner: str 
                                           f"{text.split('=')[0]}: {detail}")
 
 
+def agree_on_arguments(owner: str, group, settings: dict[str, object], check: Callable[[], None]) -> Communicator:
+    """Resolve ``group`` and run ``check()`` (this rank's argument validation), then compare ``settings``.
+
+    A rank whose arguments are bad still takes part in the settings check, with
+    an ``arguments=rejected: <why>`` entry, so its peers raise
+    CollectiveMismatchError at once naming it and the argument, instead of
+    waiting for it until their timeout; then it raises its own error. A bad
+    ``group`` cannot be resolved: if a default group exists, the rejection is
+    exchanged there (peers that passed the default group learn it; peers on
+    another group cannot be reached).
+
+    Returns:
+        the resolved group.
+
+    Raises:
+        TypeError, ValueError: this rank's ``check()`` or ``group`` failed.
+        CollectiveMismatchError: another rank rejected its arguments, or settings differ.
+
+    Collective: every rank must call this with the same ``settings`` keys.
+    """
+    try:
+        comm = resolve_group(group)
+    except (TypeError, ValueError) as problem:
+        if group is not None and is_initialized():
+            _reject(owner, problem, settings, default_communicator())
+        raise
+    try:
+        check()
+    except (TypeError, ValueError) as problem:
+        _reject(owner, problem, settings, comm)
+        raise
+    verify_settings({"arguments": "accepted", **settings}, comm, owner=owner)
+    return comm
+
+
+def _reject(owner: str, problem: Exception, settings: dict[str, object], comm: Communicator) -> None:
+    try:
+        verify_settings({"arguments": f"rejected: {problem}", **settings}, comm, owner=owner)
+    except CollectiveMismatchError:
+        pass  # the peers raise that; this rank raises its own error
+
+
 def broadcast_tensors(tensors: Sequence[torch.Tensor], comm: Communicator, src: int = 0,
                       verify: bool = True, names: Sequence[str] | None = None) -> None:
     """Overwrite every rank's ``tensors`` with rank ``src``'s values, one message per dtype/device.
@@ -165,6 +208,14 @@ class ParameterWatch:
             self._modules = list(self.module.modules())
             self._fast = self._fast_signature()
         return change
+
+
+def name_code(names: list[str], change: str) -> int:
+    """Index + 1 of the first of ``names`` that ``change`` (a :func:`describe_change` text) quotes; 0 if none."""
+    for index, name in enumerate(names):
+        if repr(name) in change:
+            return index + 1
+    return 0
 
 
 def param_signature(module: torch.nn.Module) -> list[tuple[str, int, bool]]:

@@ -14,6 +14,10 @@
   no message is ever paired with a later call's. Every rank then refuses its
   forwards and every collective on the group until
   ``DataParallel.reset_after_failure()`` (:meth:`FailureHandling.reset`).
+* Ranks that ran different numbers of grad-enabled forwards since their last
+  synchronised backward (a skipped ``backward()``, ``no_sync()`` on one rank):
+  their buckets were paired with another iteration's; every rank raises
+  (:func:`~gradsync.parallel.sync_round.sequence_error`) and is broken as above.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Callable
 import torch
 
 from gradsync.errors import GradsyncError
-from gradsync.parallel.sync_round import BACKWARD_FAILED, BREAKS_MODEL, Round, status_error
+from gradsync.parallel.sync_round import BACKWARD_FAILED, BREAKS_MODEL, Round, sequence_error, status_error
 
 
 def weak_method(reducer: object, name: str) -> Callable[[], None]:
@@ -69,7 +73,13 @@ class FailureHandling:
 
     def _raise_statuses(self, state: Round) -> None:
         """Raise on every rank when some rank reported a status in this round."""
-        error = status_error(state.statuses, self.comm.rank, state.detail)
+        names = self.wrapped_names
+        where = [names[code - 1] if 0 < code <= len(names) else None for code in state.name_codes]
+        error = status_error(state.statuses, self.comm.rank, state.detail, where)
+        mismatch = sequence_error(state.counts, self.comm.rank)
+        if mismatch is not None:  # this round's buckets were paired with another iteration's
+            self._break("the ranks ran different forward/backward sequences (that error says how)")
+            error = mismatch if error is None else GradsyncError(f"{error}; and {mismatch}")
         if error is not None:
             if any(code in BREAKS_MODEL for code in state.statuses):
                 self._break("its last backward failed on every rank (that error says why)")
