@@ -119,3 +119,31 @@ def test_launcher_listens_on_loopback_only():
     listeners = launch_local(2, entry_listeners, os.getpid())[0]
     assert any(pid == os.getpid() for _, pid in listeners), f"the launcher's store is not among {listeners}"
     assert not exposed(listeners), f"listeners on every interface: {listeners}"
+
+
+def _rank_out_of_step_calls() -> list:
+    """Rank 1 runs one extra buffer-sized broadcast where rank 0 runs a bucket-sized all_reduce
+    (an extra grad-enabled forward on one rank), both unverified as DataParallel's are; then both
+    make the same call."""
+    outcomes = []
+    try:
+        if gradsync.rank() == 0:
+            gradsync.collectives.all_reduce(torch.ones(1000), gradsync.process_group.default_communicator(),
+                                            verify=False, timeout=1.0)
+        else:
+            gradsync.collectives.broadcast(torch.ones(3), gradsync.process_group.default_communicator(),
+                                           verify=False, timeout=1.0)
+        outcomes.append("no error")
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        outcomes.append(type(exc).__name__)
+    return outcomes
+
+
+@pytest.mark.timeout(60)
+def test_ranks_in_different_collectives_time_out_instead_of_pairing_messages():
+    """Trigger (issue 16 trial): one extra grad-enabled forward on one rank made its buffer broadcast
+    meet the peer's bucket AllReduce; Gloo aborted the process (SIGABRT, "12 vs 8 ... size doesn't
+    match"). Each call's messages now carry its ordinal and kind as their tag: no rank pairs them,
+    both raise CollectiveTimeoutError within their timeout."""
+    results = run_world(2, _rank_out_of_step_calls, timeout_s=40)
+    assert results == [["CollectiveTimeoutError"], ["CollectiveTimeoutError"]], results

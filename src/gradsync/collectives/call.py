@@ -59,8 +59,10 @@ class CollectiveCall:
     def __init__(self, transport: Transport, op_name: str, algorithm: str, timeout_s: float,
                  workspace: Workspace, *, options: OptionStore | None = None, deadline: float | None = None,
                  reported_rank: tuple[int, int] | None = None, hang_detector=None,
-                 locality: Locality | None = None):
+                 locality: Locality | None = None, tags: tuple[int, int] | None = None):
         self.transport = transport
+        # (payload tag, control tag) of this call's messages, or None: the transport's FIFO only
+        self.tags = tags
         self.rank = transport.rank
         self.world_size = transport.world_size
         # (rank, world_size) that errors name: a sub-call still reports the whole group's
@@ -89,7 +91,8 @@ class CollectiveCall:
                               self.timeout_s, self.workspace, options=OptionStore(options, self._options),
                               deadline=self.deadline, reported_rank=self.reported_rank,
                               hang_detector=self.hang_detector,
-                              locality=self.locality.sub(members) if self.locality is not None else None)
+                              locality=self.locality.sub(members) if self.locality is not None else None,
+                              tags=self.tags)
 
     def remaining_s(self) -> float:
         return max(self.deadline - time.monotonic(), 0.0)
@@ -101,19 +104,28 @@ class CollectiveCall:
         except PeerFailure as failure:
             raise self.failure(failure, step) from failure
 
-    def _start(self, start, tensor: torch.Tensor, peer: int, step: str):
+    def _start(self, start, tensor: torch.Tensor, peer: int, step: str, control: bool = False):
         try:
-            return start(tensor, peer)
+            if self.tags is None:
+                return start(tensor, peer)
+            return start(tensor, peer, tag=self.tags[1] if control else self.tags[0])
         except PeerFailure as failure:
             raise self.failure(failure, step) from failure
 
-    def isend(self, tensor: torch.Tensor, peer: int, step: str = "send"):
-        """Start a send (None for an empty tensor); finish it with :meth:`wait_on`."""
-        return (self._start(self.transport.isend, tensor, peer, step), peer) if tensor.numel() else None
+    def isend(self, tensor: torch.Tensor, peer: int, step: str = "send", control: bool = False):
+        """Start a send (None for an empty tensor); finish it with :meth:`wait_on`.
 
-    def irecv(self, tensor: torch.Tensor, peer: int, step: str = "receive"):
+        ``control``: a layout-check message, tagged so that it meets the peers' layout check
+        whatever collective they called (a payload message meets only the same collective's)."""
+        if not tensor.numel():
+            return None
+        return self._start(self.transport.isend, tensor, peer, step, control), peer
+
+    def irecv(self, tensor: torch.Tensor, peer: int, step: str = "receive", control: bool = False):
         """Start a receive (None for an empty tensor); finish it with :meth:`wait_on`."""
-        return (self._start(self.transport.irecv, tensor, peer, step), peer) if tensor.numel() else None
+        if not tensor.numel():
+            return None
+        return self._start(self.transport.irecv, tensor, peer, step, control), peer
 
     def wait_on(self, pending, step: str) -> None:
         """Finish one transfer started by :meth:`isend` / :meth:`irecv`."""
@@ -149,9 +161,9 @@ class CollectiveCall:
         peers = [peer for peer in range(self.world_size) if peer != self.rank]
         senders = set(range(self.world_size) if senders is None else senders)
         try:
-            sends = [self.isend(rows[self.rank], peer, f"{step} with peer rank {peer}")
+            sends = [self.isend(rows[self.rank], peer, f"{step} with peer rank {peer}", control=True)
                      for peer in peers if self.rank in senders]
-            receives = [(peer, self.irecv(rows[peer], peer, f"{step} with peer rank {peer}"))
+            receives = [(peer, self.irecv(rows[peer], peer, f"{step} with peer rank {peer}", control=True))
                         for peer in peers if peer in senders]
             for peer, pending in receives:
                 self.wait_on(pending, f"{step} with peer rank {peer}")

@@ -32,6 +32,12 @@ from gradsync.transport.locality import IDENTITY_WORDS, Locality, derive, host_i
 DEFAULT_TIMEOUT_S = 300.0
 
 
+_TAG_BASE = 1024  # above the parameter server's tags
+_TAG_KIND = {"all_reduce": 1, "broadcast": 2, "all_gather": 3, "reduce_scatter": 4, "all_to_all": 5,
+             "shared_buffer": 6}
+_TAG_KINDS = 8
+_TAG_ORDINALS = 2**26  # tags stay below 2**31
+
 def check_timeout(timeout_s: float) -> None:
     """Raise TypeError unless ``timeout_s`` is a real number, ValueError unless it is finite and > 0."""
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
@@ -79,6 +85,7 @@ class Communicator:
         self.timeout_s = float(timeout_s)
         self.workspace = Workspace()
         self.hang_detector = hang_detector
+        self.calls_started = 0  # every rank starts its calls in the same order: their ordinal is a tag
         self.lane = Lane()  # the communication thread that keeps collectives in issue order
         self.closed = False
         self.locality: Locality | None = getattr(transport, "locality", None)
@@ -129,8 +136,26 @@ class Communicator:
             timeout_s = self.timeout_s
         else:
             check_timeout(timeout_s)
+        self.calls_started += 1
         return CollectiveCall(self.transport, op_name, algorithm, float(timeout_s), self.workspace,
-                              options=self._options, hang_detector=self.hang_detector, locality=self.locality)
+                              options=self._options, hang_detector=self.hang_detector, locality=self.locality,
+                              tags=self._tags(op_name))
+
+    def _tags(self, op_name: str) -> tuple[int, int] | None:
+        """(payload, control) tags of the next call, on transports that match messages by tag.
+
+        Each call's messages carry its ordinal, and its payload also the kind of
+        collective, so a rank one call ahead, or in another collective (one extra
+        buffer broadcast against the peers' bucket AllReduce), never pairs its
+        messages with the peers': it times out, where a message of another size
+        would abort the process in Gloo and one of the same size would be summed in.
+        Layout checks use the control tag, so that ranks in different collectives
+        still compare descriptors and raise CollectiveMismatchError.
+        """
+        if not getattr(self.transport, "call_tags", False):
+            return None
+        base = _TAG_BASE + (self.calls_started % _TAG_ORDINALS) * _TAG_KINDS
+        return base + _TAG_KIND.get(op_name, _TAG_KINDS - 1), base
 
     def close(self) -> None:
         """Release what the options hold (shared-memory segments; their names are already gone) and

@@ -8,7 +8,11 @@ in-process threads in tests (``thread.py``) and, later, over a simulator.
 
 Messages between one ordered pair of ranks are matched in posting order
 (FIFO), as in Gloo and MPI: algorithms rely on it instead of tags.
-Collectives use tag 0. The parameter server's messages, whose order across
+A transport whose ``call_tags`` is true (Gloo's) also takes ``tag=`` in
+``isend``/``irecv``: the communicator then tags each call's messages with the
+call's ordinal and kind (``Communicator._tags``, from 1024 up), so that ranks
+out of step never pair one call's message with another's. Otherwise
+collectives use tag 0. The parameter server's messages, whose order across
 peers is not known in advance, travel on their own tags and are received with
 :meth:`TaggedTransport.irecv_any` (a receive from whichever peer sends first).
 """

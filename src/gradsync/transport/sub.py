@@ -42,11 +42,15 @@ class SubTransport:
         self.world_size = len(members)
         self.stats = parent.stats  # traffic is the parent's traffic
 
-    def isend(self, tensor: torch.Tensor, peer: int):
-        return self.parent.isend(tensor, self.members[peer])
+    @property
+    def call_tags(self) -> bool:
+        return getattr(self.parent, "call_tags", False)
 
-    def irecv(self, tensor: torch.Tensor, peer: int):
-        return self.parent.irecv(tensor, self.members[peer])
+    def isend(self, tensor: torch.Tensor, peer: int, **tag):
+        return self.parent.isend(tensor, self.members[peer], **tag)
+
+    def irecv(self, tensor: torch.Tensor, peer: int, **tag):
+        return self.parent.irecv(tensor, self.members[peer], **tag)
 
     def backend_all_reduce(self, tensor: torch.Tensor, timeout_s: float) -> None:
         raise ValueError("the backend's native all_reduce needs a backend group; "

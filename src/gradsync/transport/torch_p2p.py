@@ -83,15 +83,17 @@ class TorchP2PTransport:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.backend = dist.get_backend(group)
+        # Gloo matches messages by (peer, tag): collectives tag each call (Communicator._tags)
+        self.call_tags = self.backend == "gloo"
         self.stats = TransportStats()
 
-    def isend(self, tensor: torch.Tensor, peer: int) -> _WorkHandle:
-        work = _post(dist.isend, tensor, peer, group=self.group, group_dst=peer)
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> _WorkHandle:
+        work = _post(dist.isend, tensor, peer, group=self.group, group_dst=peer, tag=tag)
         self.stats.record_send(tensor.numel() * tensor.element_size())
         return _WorkHandle(work, peer)
 
-    def irecv(self, tensor: torch.Tensor, peer: int) -> _WorkHandle:
-        work = _post(dist.irecv, tensor, peer, group=self.group, group_src=peer)
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> _WorkHandle:
+        work = _post(dist.irecv, tensor, peer, group=self.group, group_src=peer, tag=tag)
         self.stats.record_recv(tensor.numel() * tensor.element_size())
         return _WorkHandle(work, peer)
 
