@@ -136,6 +136,8 @@ def _rank_out_of_step_calls() -> list:
         outcomes.append("no error")
     except Exception as exc:  # noqa: BLE001 - the test inspects it
         outcomes.append(type(exc).__name__)
+        outcomes.append(str(exc))
+    time.sleep(1.0)  # rank 0 hosts the store: keep it until the peer's diagnosis has read it
     return outcomes
 
 
@@ -144,6 +146,9 @@ def test_ranks_in_different_collectives_time_out_instead_of_pairing_messages():
     """Trigger (issue 16 trial): one extra grad-enabled forward on one rank made its buffer broadcast
     meet the peer's bucket AllReduce; Gloo aborted the process (SIGABRT, "12 vs 8 ... size doesn't
     match"). Each call's messages now carry its ordinal and kind as their tag: no rank pairs them,
-    both raise CollectiveTimeoutError within their timeout."""
+    both raise CollectiveTimeoutError within their timeout, naming where each rank is."""
     results = run_world(2, _rank_out_of_step_calls, timeout_s=40)
-    assert results == [["CollectiveTimeoutError"], ["CollectiveTimeoutError"]], results
+    assert [result[0] for result in results] == ["CollectiveTimeoutError"] * 2, results
+    assert "out of step: this rank is in all_reduce #" in results[0][1], results[0][1]
+    assert "rank 1 in broadcast #" in results[0][1], results[0][1]
+    assert "rank 0 in all_reduce #" in results[1][1], results[1][1]

@@ -59,8 +59,9 @@ class CollectiveCall:
     def __init__(self, transport: Transport, op_name: str, algorithm: str, timeout_s: float,
                  workspace: Workspace, *, options: OptionStore | None = None, deadline: float | None = None,
                  reported_rank: tuple[int, int] | None = None, hang_detector=None,
-                 locality: Locality | None = None, tags: tuple[int, int] | None = None):
+                 locality: Locality | None = None, tags: tuple[int, int] | None = None, ordinal: int = 0):
         self.transport = transport
+        self.ordinal = ordinal  # the communicator's count of calls started, this one included
         # (payload tag, control tag) of this call's messages, or None: the transport's FIFO only
         self.tags = tags
         self.rank = transport.rank
@@ -92,7 +93,7 @@ class CollectiveCall:
                               deadline=self.deadline, reported_rank=self.reported_rank,
                               hang_detector=self.hang_detector,
                               locality=self.locality.sub(members) if self.locality is not None else None,
-                              tags=self.tags)
+                              tags=self.tags, ordinal=self.ordinal)
 
     def remaining_s(self) -> float:
         return max(self.deadline - time.monotonic(), 0.0)
@@ -182,9 +183,17 @@ class CollectiveCall:
         peer = "an unknown peer" if failure.peer < 0 else f"peer rank {failure.peer}"
         rank, world_size = self.reported_rank
         blamed, reason = failure.peer, f"{peer} {failure.reason} at {step}"
-        silent = self.hang_detector.silent_ranks() if failure.timed_out and self.hang_detector else None
+        where = f"{self.op_name} #{self.ordinal}"
+        silent = self.hang_detector.silent_ranks(where) if failure.timed_out and self.hang_detector else None
+        elsewhere = getattr(self.hang_detector, "elsewhere", {}) if silent is not None else {}
         if silent:
             blamed, reason = self._blame(silent, failure.peer, step)
+        elif elsewhere:
+            others = "; ".join(f"rank {peer} in {place}" for peer, place in sorted(elsewhere.items()))
+            blamed = failure.peer if failure.peer in elsewhere else min(elsewhere)
+            reason += (f"; the ranks are out of step: this rank is in {where}, {others} (every rank must "
+                       f"issue the same collectives in the same order: a forward with grad enabled, a "
+                       f"backward or a collective ran on some ranks only)")
         elif silent is None and failure.timed_out and getattr(self.hang_detector, "store_unanswered", False):
             reason += "; the rendezvous store did not answer either (a stopped rank 0 hosts it under MASTER_ADDR)"
         message = (f"{self.op_name} (algorithm={self.algorithm}) on rank {rank} of "

@@ -139,7 +139,7 @@ class Communicator:
         self.calls_started += 1
         return CollectiveCall(self.transport, op_name, algorithm, float(timeout_s), self.workspace,
                               options=self._options, hang_detector=self.hang_detector, locality=self.locality,
-                              tags=self._tags(op_name))
+                              tags=self._tags(op_name), ordinal=self.calls_started)
 
     def _tags(self, op_name: str) -> tuple[int, int] | None:
         """(payload, control) tags of the next call, on transports that match messages by tag.

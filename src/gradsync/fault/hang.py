@@ -59,6 +59,7 @@ class HangDetector:
         self.grace_s = grace_s
         self._stuck: threading.Thread | None = None  # a diagnosis still waiting for the store
         self.dead: list[int] = []  # of the last diagnosis's silent ranks, those whose process is gone
+        self.elsewhere: dict[int, str] = {}  # ranks the last diagnosis found stuck in another call
         try:
             store.set(_proc_key(rank), f"{_machine()} {os.getpid()}")
         except Exception:  # noqa: BLE001 - without the record a death reads as a hang
@@ -69,8 +70,10 @@ class HangDetector:
         """Whether the store has not answered a diagnosis yet (its host may be the stopped rank)."""
         return self._stuck is not None and self._stuck.is_alive()
 
-    def silent_ranks(self) -> list[int] | None:
-        """Report this rank as stuck and return the ranks that did not report within the grace.
+    def silent_ranks(self, where: str = "") -> list[int] | None:
+        """Report this rank as stuck (in ``where``, e.g. "broadcast #12") and return the ranks that
+        did not report within the grace. Ranks that reported being stuck somewhere else are left in
+        :attr:`elsewhere` (``{rank: where}``): the ranks are out of step, not hung.
 
         Returns within ``grace_s`` + ``STORE_SLACK_S`` seconds whatever the store does.
 
@@ -79,11 +82,11 @@ class HangDetector:
             stall of the network, not of one rank), or None when the store
             could not be used or did not answer in time (then nothing is known).
         """
-        self.dead = []
+        self.dead, self.elsewhere = [], {}
         if self.store_unanswered:
             return None
         found: list = []
-        thread = threading.Thread(target=lambda: found.append(self._ask_store()), daemon=True,
+        thread = threading.Thread(target=lambda: found.append(self._ask_store(where)), daemon=True,
                                   name=f"gradsync-hang-detector-rank{self.rank}")
         thread.start()
         thread.join(self.grace_s + STORE_SLACK_S)
@@ -92,20 +95,25 @@ class HangDetector:
             return None
         if not found or found[0] is None:
             return None
-        silent, self.dead = found[0]
+        silent, self.dead, self.elsewhere = found[0]
         return silent
 
-    def _ask_store(self) -> tuple[list[int], list[int]] | None:
-        """The store round of :meth:`silent_ranks`: (silent ranks, those of them dead); unbounded if the store hangs."""
+    def _ask_store(self, where: str) -> tuple[list[int], list[int], dict[int, str]] | None:
+        """The store round of :meth:`silent_ranks`: (silent ranks, those of them dead, where the
+        others are stuck if not in ``where``); unbounded if the store hangs."""
         try:
-            self.store.set(_key(self.rank), str(time.time()))
-            pending = [rank for rank in range(self.world_size) if rank != self.rank]
+            self.store.set(_key(self.rank), f"{time.time()} {where}")
+            peers = [rank for rank in range(self.world_size) if rank != self.rank]
+            pending = list(peers)
             deadline = time.monotonic() + self.grace_s
             while pending and time.monotonic() < deadline:
                 pending = [rank for rank in pending if not self.store.check([_key(rank)])]
                 if pending:
                     time.sleep(_POLL_S)
-            return pending, [rank for rank in pending if self._process_gone(rank)]
+            reported = {rank: self.store.get(_key(rank)).decode().partition(" ")[2]
+                        for rank in peers if rank not in pending} if where else {}
+            elsewhere = {rank: place for rank, place in reported.items() if place and place != where}
+            return pending, [rank for rank in pending if self._process_gone(rank)], elsewhere
         except Exception:  # noqa: BLE001 - a broken store must not hide the original timeout
             return None
 
