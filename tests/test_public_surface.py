@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import gradsync
+from gradsync.parallel.sync_round import SLOTS_PER_RANK
 from _dist import run_threads
 from gradsync.collectives import HierarchicalOptions, SegmentOptions, ShmState, auto, check, hierarchical, registry
 from gradsync.collectives.communicator import Communicator
@@ -179,7 +180,7 @@ def test_bucket_algorithms_resolve_auto_per_bucket_size():
 
     for pairs, numels in run_threads(world_size, rank_fn, timeout_s=60):
         nbytes = [numel * 4 for numel in numels]
-        nbytes[-1] += 4 * (2 + world_size)  # the last bucket: a used flag per parameter, a status per rank
+        nbytes[-1] += 4 * (2 + world_size * SLOTS_PER_RANK)  # the last bucket: used flags, status slots
         assert [size for size, _ in pairs] == nbytes
         assert [name for _, name in pairs] == [auto.choose(size, world_size, world_size, shm_available=False)
                                                for size in nbytes]

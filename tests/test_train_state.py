@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import gradsync
+from gradsync.parallel.sync_round import SLOTS_PER_RANK
 from gradsync.cli import build_parser
 from gradsync.parallel.staleness import StalenessStats
 from gradsync.train import resume
@@ -96,8 +97,8 @@ def test_bucket_algorithms_name_what_auto_chose_per_bucket():
         return model.bucket_algorithms(), gradsync.LocalSGD(nn.Linear(4, 2), sync_every=2, group=comm,
                                                             algorithm="tree")
     (buckets, local_sgd), _ = run_threads(2, wrap)
-    # the gradients, one used-flag per parameter (4) and one status per rank (2) in the last bucket
-    assert sum(nbytes for nbytes, _ in buckets) == 4 * (40 * 64 + 64 + 64 * 10 + 10 + 4 + 2)
+    # the gradients, one used-flag per parameter (4) and the status slots of each rank (2) in the last bucket
+    assert sum(nbytes for nbytes, _ in buckets) == 4 * (40 * 64 + 64 + 64 * 10 + 10 + 4 + 2 * SLOTS_PER_RANK)
     assert len(buckets) >= 2 and all(name in gradsync.ALGORITHMS and name != "auto" for _, name in buckets)
     assert local_sgd.bucket_algorithms() == [(4 * (4 * 2 + 2), "tree")]
 
