@@ -56,6 +56,15 @@ class RankHangError(TimeoutError):
         self.ranks = ranks
 
 
+def capture_error(call: Callable[[], object]) -> Exception | None:
+    """Run ``call()``; return the exception it raised (None if none), for tests that inspect it."""
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return exc
+    return None
+
+
 def free_port() -> int:
     """Return a TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

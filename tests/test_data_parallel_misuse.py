@@ -18,15 +18,8 @@ from torch import nn
 import gradsync
 from gradsync.collectives import ops as collectives
 from gradsync.errors import CollectiveMismatchError, GradsyncError, GroupClosedError
-from _dist import run_threads, run_world
+from _dist import capture_error, run_threads, run_world
 
-
-def _capture(call):
-    try:
-        call()
-    except Exception as exc:  # noqa: BLE001 - the test inspects it
-        return exc
-    return None
 
 
 class Two(nn.Module):
@@ -72,7 +65,7 @@ def test_parameter_changed_after_wrapping_raises_on_every_rank(change, changed_r
         if comm.rank in changed_ranks:
             apply(model.module)
         x = torch.full((2,), comm.rank + 1.0, dtype=torch.float64)
-        return _capture(lambda: model(x).backward())
+        return capture_error(lambda: model(x).backward())
 
     for rank, error in enumerate(run_threads(2, body)):
         assert isinstance(error, GradsyncError), (rank, error)
@@ -90,8 +83,8 @@ def test_parameter_unfrozen_after_wrapping_raises_on_every_rank():
         module.b.requires_grad_(False)
         model = gradsync.DataParallel(module, group=comm)
         model.module.b.requires_grad_(True)
-        error = _capture(lambda: model(torch.ones(2, dtype=torch.float64)).backward())
-        again = _capture(lambda: model(torch.ones(2, dtype=torch.float64)))  # broken until re-wrapped
+        error = capture_error(lambda: model(torch.ones(2, dtype=torch.float64)).backward())
+        again = capture_error(lambda: model(torch.ones(2, dtype=torch.float64)))  # broken until re-wrapped
         return error, again
 
     for error, again in run_threads(2, body):
@@ -143,7 +136,7 @@ def test_buffer_reshaped_on_one_rank_raises_on_every_rank():
         model = gradsync.DataParallel(Summed(), group=comm)
         if comm.rank == 1:
             model.module.buf = torch.zeros(3, dtype=torch.float64)
-        return _capture(lambda: model(torch.ones(2, dtype=torch.float64)).backward())
+        return capture_error(lambda: model(torch.ones(2, dtype=torch.float64)).backward())
 
     errors = run_threads(2, body)
     assert all("rank 1: its parameters or buffers changed" in str(error) for error in errors)
@@ -164,9 +157,9 @@ def test_autograd_grad_through_data_parallel_raises_on_every_rank(mixed):
         model = _linear(comm)
         x = torch.full((1, 2), comm.rank + 1.0, dtype=torch.float64)
         if mixed and comm.rank == 0:
-            error = _capture(lambda: model(x).sum().backward())
+            error = capture_error(lambda: model(x).sum().backward())
         else:
-            error = _capture(lambda: torch.autograd.grad(model(x).sum(), list(model.parameters())))
+            error = capture_error(lambda: torch.autograd.grad(model(x).sum(), list(model.parameters())))
         model.module.weight.grad = None
         model(x).sum().backward()  # the next backward is averaged as usual
         return error, model.module.weight.grad.clone()
@@ -292,9 +285,9 @@ def test_exception_in_backward_on_one_rank_breaks_every_rank_until_reset():
         model = gradsync.DataParallel(Failing(), group=comm, bucket_cap_mb=20 * 8 / 2**20)
         x = torch.full((1, 2), comm.rank + 1.0, dtype=torch.float64)
         model.module.fail = comm.rank == 1
-        first = _capture(lambda: model(x).sum().backward())
+        first = capture_error(lambda: model(x).sum().backward())
         model.module.fail = False
-        second = _capture(lambda: model(x))
+        second = capture_error(lambda: model(x))
         model.reset_after_failure()
         model.zero_grad()
         model(x).sum().backward()
@@ -325,7 +318,7 @@ def test_bad_argument_on_one_rank_raises_at_once_on_every_rank(argument, value):
     """Before: the other ranks waited the whole timeout, then blamed the rank as "never reached this call"."""
     def body(comm):
         kwargs = {argument: value} if comm.rank == 1 else {}
-        return _capture(lambda: gradsync.DataParallel(nn.Linear(2, 1), group=comm, **kwargs))
+        return capture_error(lambda: gradsync.DataParallel(nn.Linear(2, 1), group=comm, **kwargs))
 
     started = time.monotonic()
     error0, error1 = run_threads(2, body, timeout_s=30, collective_timeout_s=10)
@@ -361,7 +354,7 @@ def test_buffer_without_plain_bytes_is_named():
     def body(comm):
         module = nn.Linear(2, 1)
         module.register_buffer("table", torch.eye(2).to_sparse())
-        return _capture(lambda: gradsync.DataParallel(module, group=comm))
+        return capture_error(lambda: gradsync.DataParallel(module, group=comm))
 
     for error in run_threads(2, body):
         assert isinstance(error, TypeError) and "'table'" in str(error)
@@ -372,8 +365,8 @@ def test_model_on_a_closed_group_raises_a_clear_error():
     def body(comm):
         model = gradsync.DataParallel(nn.Linear(2, 1), group=comm)
         comm.close()
-        return (_capture(lambda: model(torch.ones(1, 2))),
-                _capture(lambda: collectives.all_reduce(torch.ones(2), comm)))
+        return (capture_error(lambda: model(torch.ones(1, 2))),
+                capture_error(lambda: collectives.all_reduce(torch.ones(2), comm)))
 
     for forward_error, collective_error in run_threads(2, body):
         assert isinstance(forward_error, GroupClosedError)
@@ -387,10 +380,10 @@ def test_collective_after_a_failed_backward_raises_on_every_rank_until_reset():
         model = gradsync.DataParallel(Failing(), group=comm, bucket_cap_mb=20 * 8 / 2**20)
         x = torch.full((1, 2), comm.rank + 1.0, dtype=torch.float64)
         model.module.fail = comm.rank == 1
-        first = _capture(lambda: model(x).sum().backward())
+        first = capture_error(lambda: model(x).sum().backward())
         model.module.fail = False
         loss = torch.tensor([comm.rank + 1.0])
-        refused = _capture(lambda: collectives.all_reduce(loss, comm))
+        refused = capture_error(lambda: collectives.all_reduce(loss, comm))
         model.reset_after_failure()
         collectives.all_reduce(loss, comm)
         return first, refused, loss.item()
@@ -408,7 +401,7 @@ def _rank_model_used_after_shutdown_and_init():
         model(torch.ones(1, 2)).sum().backward()
         gradsync.shutdown()
         gradsync.init(backend="gloo", timeout=10)
-        error = _capture(lambda: model(torch.ones(1, 2)))
+        error = capture_error(lambda: model(torch.ones(1, 2)))
         results.append((type(error).__name__, str(error)))
     return results
 

@@ -16,15 +16,8 @@ from torch import nn
 
 import gradsync
 from gradsync.errors import GradsyncError
-from _dist import run_threads
+from _dist import capture_error, run_threads
 
-
-def _capture(call):
-    try:
-        call()
-    except Exception as exc:  # noqa: BLE001 - the test inspects it
-        return exc
-    return None
 
 
 def _linear():
@@ -49,10 +42,10 @@ def test_skipped_backward_on_one_rank_raises_on_every_rank_and_reset_recovers():
         _step(model, comm.rank, 0)
         if comm.rank == 1:
             model(_x(1, 1)).sum()  # forward, then `continue` without backward (a NaN-loss skip)
-            failed = _capture(lambda: _step(model, 1, 2))
+            failed = capture_error(lambda: _step(model, 1, 2))
         else:
-            failed = _capture(lambda: _step(model, 0, 1))
-        refused = _capture(lambda: model(_x(comm.rank, 3)))
+            failed = capture_error(lambda: _step(model, 0, 1))
+        refused = capture_error(lambda: model(_x(comm.rank, 3)))
         model.reset_after_failure()
         return failed, refused, _step(model, comm.rank, 4)
 
@@ -75,8 +68,8 @@ def test_no_sync_on_one_rank_only_raises_on_every_rank():
         if comm.rank == 1:
             with model.no_sync():
                 model(_x(1, 0)).sum().backward()
-            return _capture(lambda: _step(model, 1, 1))
-        return _capture(lambda: _step(model, 0, 0))
+            return capture_error(lambda: _step(model, 1, 1))
+        return capture_error(lambda: _step(model, 0, 0))
 
     started = time.monotonic()
     errors = run_threads(2, body, timeout_s=30, collective_timeout_s=10)
@@ -116,7 +109,7 @@ def test_counts_survive_low_precision_and_compressed_buckets(world_size, dtype, 
         x = torch.ones(1, 2, dtype=dtype)
         for _ in range(3 if comm.rank == 2 else 1):  # rank 2 skipped two backward()s
             model(x)
-        return _capture(lambda: model(x).sum().backward())
+        return capture_error(lambda: model(x).sum().backward())
 
     for error in run_threads(world_size, body, timeout_s=30, collective_timeout_s=10):
         assert "rank 2 ran 4 forwards since the last gradient sync, rank 0 ran 2, rank 1 ran 2" in str(error)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import gradsync
+from _dist import capture_error
 from gradsync import collectives
 from gradsync.collectives import Communicator
 from gradsync.errors import CollectiveTimeoutError
@@ -204,13 +205,6 @@ def test_ring_timeout_names_a_silent_rank_whose_process_is_gone_as_dead():
             assert f"peer rank {silent} died (its process is gone)" in str(exc), str(exc)
             assert "never reached" not in str(exc)
 
-
-def capture_error(call):
-    try:
-        call()
-    except Exception as exc:  # noqa: BLE001 - the test inspects it
-        return exc
-    return None
 
 
 @pytest.mark.timeout(30)

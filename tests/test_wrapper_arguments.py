@@ -16,15 +16,8 @@ from torch import nn
 
 import gradsync
 from gradsync.errors import CollectiveMismatchError, GradsyncError
-from _dist import run_threads, run_world
+from _dist import capture_error, run_threads, run_world
 
-
-def _capture(call):
-    try:
-        call()
-    except Exception as exc:  # noqa: BLE001 - the test inspects it
-        return exc
-    return None
 
 
 def _assert_rank1_rejected(error0, error1, words):
@@ -37,7 +30,7 @@ def test_data_parallel_non_module_on_one_rank_raises_at_once_on_every_rank():
     """Before: rank 1 raised TypeError before any exchange; rank 0 waited for the whole timeout."""
     def body(comm):
         module = "x" if comm.rank == 1 else nn.Linear(2, 1)
-        return _capture(lambda: gradsync.DataParallel(module, group=comm))
+        return capture_error(lambda: gradsync.DataParallel(module, group=comm))
 
     started = time.monotonic()
     error0, error1 = run_threads(2, body, timeout_s=30, collective_timeout_s=10)
@@ -57,7 +50,7 @@ def test_local_sgd_bad_argument_on_one_rank_raises_at_once_on_every_rank(argumen
         kwargs = {"module": nn.Linear(2, 1), "sync_every": 4, "group": comm}
         if comm.rank == 1:
             kwargs[argument] = value
-        return _capture(lambda: gradsync.LocalSGD(**kwargs))
+        return capture_error(lambda: gradsync.LocalSGD(**kwargs))
 
     started = time.monotonic()
     error0, error1 = run_threads(2, body, timeout_s=30, collective_timeout_s=10)
@@ -83,7 +76,7 @@ def _rank_bad_group_on_rank_1():
     for build in (lambda group: gradsync.DataParallel(nn.Linear(2, 1), group=group),
                   lambda group: gradsync.LocalSGD(nn.Linear(2, 1), sync_every=2, group=group)):
         started = time.monotonic()
-        error = _capture(lambda: build("g" if rank == 1 else None))
+        error = capture_error(lambda: build("g" if rank == 1 else None))
         results.append((type(error).__name__, str(error), time.monotonic() - started))
     total = torch.full((2,), float(rank + 1))
     gradsync.all_reduce(total)  # still in step

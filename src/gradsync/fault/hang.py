@@ -34,6 +34,8 @@ import os
 import threading
 import time
 
+from gradsync.transport.shm_segment import pid_alive
+
 DEFAULT_GRACE_S = 1.5  # how long a timed-out rank waits for the others to report (seconds)
 _POLL_S = 0.05
 STORE_SLACK_S = 0.25  # beyond the grace, how long an unanswered store call is waited for (seconds)
@@ -123,7 +125,7 @@ class HangDetector:
         if not self.store.check([_proc_key(rank)]):
             return False
         machine, _, pid = self.store.get(_proc_key(rank)).decode().rpartition(" ")
-        return machine == _machine() and pid.isdigit() and not _process_runs(int(pid))
+        return machine == _machine() and pid.isdigit() and not pid_alive(int(pid))
 
 
 def _key(rank: int) -> str:
@@ -142,19 +144,4 @@ def _machine() -> str:
         return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
     except OSError:
         return f"unknown-{os.getpid()}"  # never equal to another process's: no death is claimed
-
-
-def _process_runs(pid: int) -> bool:
-    """Whether ``pid`` exists and is not a zombie (a killed worker its launcher has not reaped yet)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as file:
-            return file.read().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return True
 

@@ -78,7 +78,7 @@ def _map(name: str, size: int | None = None) -> mmap.mmap:
         os.close(fd)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` exists and is not a zombie (a killed worker its launcher has not reaped)."""
     try:
         os.kill(pid, 0)
@@ -110,7 +110,7 @@ def remove_leftovers(shm_dir: str = "/dev/shm") -> list[str]:
             continue
         path = os.path.join(shm_dir, entry)
         try:
-            if os.stat(path).st_uid != os.getuid() or _pid_alive(int(parts[1])):
+            if os.stat(path).st_uid != os.getuid() or pid_alive(int(parts[1])):
                 continue
             os.unlink(path)
             removed.append(entry)
@@ -250,7 +250,7 @@ class ShmSegment:
             if now > next_liveness:  # a killed peer never arrives: say so now, not at the deadline
                 next_liveness = now + _LIVENESS_EVERY_S
                 pid = words[peer * stride + _PID_WORD]
-                if pid and not _pid_alive(pid):
+                if pid and not pid_alive(pid):
                     raise ShmPeerTimeout(peer, died=True)
             if checks <= _SPINS + _YIELDS:
                 os.sched_yield()
