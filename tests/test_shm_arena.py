@@ -16,13 +16,14 @@ Expected gradients are computed here with plain torch (mean of per-rank gradient
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
 from torch import nn
 
 import gradsync
-from _dist import free_port, run_threads, run_world
+from _dist import capture_error, free_port, run_threads, run_world
 from gradsync import CollectiveMismatchError
 from gradsync.collectives import ShmState, ops
 from gradsync.process_group import default_communicator
@@ -204,3 +205,21 @@ def test_closed_segment_stays_mapped_while_viewed_then_goes():
     del view
     gc.collect()
     assert mapping() is None, "the mapping outlived its last view"
+
+
+def test_a_rank_arriving_after_its_peer_gave_up_raises_too():
+    """Trigger (issue 16 trial): rank 1 reached a shm all_reduce after rank 0 had timed out there and
+    raised; rank 1 found rank 0's data, returned a sum and stepped on alone (replicas diverged). A rank
+    that gives up now says so in the segment, and a late rank raises naming it."""
+    def rank_fn(comm):
+        gradsync.all_reduce(torch.ones(4), algorithm="shm", group=comm)  # the segment exists
+        if comm.rank == 1:
+            time.sleep(0.6)
+        tensor = torch.full((4,), float(comm.rank + 1))
+        # unverified, as DataParallel's buckets: straight to the segment
+        error = capture_error(lambda: ops.all_reduce(tensor, comm, algorithm="shm", verify=False, timeout=0.3))
+        return type(error).__name__, str(error)
+
+    (kind0, _), (kind1, message1) = run_threads(2, rank_fn, timeout_s=20)
+    assert kind0 == "CollectiveTimeoutError"
+    assert kind1 == "CollectiveTimeoutError" and "peer rank 0 gave up" in message1, message1

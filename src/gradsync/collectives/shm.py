@@ -201,6 +201,9 @@ def _barrier(segment: ShmSegment, call: CollectiveCall, step: str) -> None:
     try:
         segment.barrier(call.deadline)
     except ShmPeerTimeout as timeout:
+        if timeout.gave_up:  # not a wait of this rank's: no hang diagnosis
+            reason = "gave up on an earlier step of this group's shared memory (it timed out there)"
+            raise call.failure(PeerFailure(timeout.peer, reason, False), step) from None
         reason = "died (its process is gone)" if timeout.died else "timed out waiting for it"
         raise call.failure(PeerFailure(timeout.peer, reason, not timeout.died), step) from None
 
