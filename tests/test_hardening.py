@@ -120,13 +120,18 @@ def test_launcher_listens_on_loopback_only():
     assert not exposed(listeners), f"listeners on every interface: {listeners}"
 
 
-def _rank_out_of_step_calls() -> list:
+def _rank_out_of_step_calls(mode: str = "kinds") -> list:
     """Rank 1 runs one extra buffer-sized broadcast where rank 0 runs a bucket-sized all_reduce
     (an extra grad-enabled forward on one rank), both unverified as DataParallel's are; then both
     make the same call."""
     outcomes = []
     try:
-        if gradsync.rank() == 0:
+        comm = gradsync.process_group.default_communicator()
+        if mode == "sizes":  # the same collective, unverified, of other sizes or algorithms
+            numel, algorithm = (128, "ring") if gradsync.rank() == 0 else (64, "tree")
+            gradsync.collectives.all_reduce(torch.ones(numel), comm, algorithm=algorithm, verify=False,
+                                            timeout=1.0)
+        elif gradsync.rank() == 0:
             gradsync.collectives.all_reduce(torch.ones(1000), gradsync.process_group.default_communicator(),
                                             verify=False, timeout=1.0)
         else:
@@ -151,3 +156,14 @@ def test_ranks_in_different_collectives_time_out_instead_of_pairing_messages():
     assert "out of step: this rank is in all_reduce #" in results[0][1], results[0][1]
     assert "rank 1 in broadcast #" in results[0][1], results[0][1]
     assert "rank 0 in all_reduce #" in results[1][1], results[1][1]
+
+
+@pytest.mark.timeout(60)
+def test_ranks_in_one_collective_of_other_sizes_time_out_instead_of_aborting():
+    """Trigger (issue 16, second trial): unverified all_reduce of 128 elements (ring) on rank 0 and 64
+    (tree) on rank 1: Gloo aborted the process ("256 vs 128"). The payload tag also carries the
+    resolved algorithm and layout: both time out, naming what each rank is in."""
+    results = run_world(2, _rank_out_of_step_calls, "sizes", timeout_s=40)
+    assert [result[0] for result in results] == ["CollectiveTimeoutError"] * 2, results
+    assert "(ring, 128 x float32), rank 1 in all_reduce #" in results[0][1], results[0][1]
+    assert "(tree, 64 x float32)" in results[0][1], results[0][1]

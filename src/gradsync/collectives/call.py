@@ -9,6 +9,7 @@ naming the operation, algorithm, step, this rank and the peer.
 from __future__ import annotations
 
 import time
+import zlib
 
 import torch
 
@@ -39,6 +40,13 @@ class Workspace:
         return buffer[:numel]
 
 
+# Message tags on transports with ``call_tags`` (see Communicator._tags): base + ((layout hash *
+# ordinals + call ordinal) * kinds + kind), below 2**31; kind 0 is the layout check's control tag.
+TAG_BASE = 1024  # above the parameter server's tags
+TAG_KINDS = 8
+TAG_ORDINALS = 2**20
+TAG_LAYOUTS = 64
+
 class CollectiveCall:
     """Deadline-bounded point-to-point helpers for one collective call.
 
@@ -62,6 +70,7 @@ class CollectiveCall:
                  locality: Locality | None = None, tags: tuple[int, int] | None = None, ordinal: int = 0):
         self.transport = transport
         self.ordinal = ordinal  # the communicator's count of calls started, this one included
+        self.layout = ""  # what refine_tag was told: the algorithm and layout, for error messages
         # (payload tag, control tag) of this call's messages, or None: the transport's FIFO only
         self.tags = tags
         self.rank = transport.rank
@@ -76,6 +85,17 @@ class CollectiveCall:
         self._options = options if options is not None else OptionStore()
         self.hang_detector = hang_detector
         self.locality = locality
+
+    def refine_tag(self, layout: str) -> None:
+        """Fold ``layout`` (the resolved algorithm, numel, dtype: equal on every rank of a correct
+        call) into the payload tag, so that ranks that disagree on it without a layout check
+        (``verify=False``) time out rather than exchange messages of other sizes (which aborts
+        the process in Gloo). Sub-calls made afterwards inherit it."""
+        self.layout = layout
+        if self.tags is not None:
+            payload, control = self.tags
+            shift = (zlib.crc32(layout.encode()) % TAG_LAYOUTS) * TAG_ORDINALS * TAG_KINDS
+            self.tags = (payload + shift, control)
 
     def options(self, kind: type[T]) -> T:
         """The group's ``kind`` options (e.g. ``SegmentOptions``), default-constructed if it has none."""
@@ -183,7 +203,7 @@ class CollectiveCall:
         peer = "an unknown peer" if failure.peer < 0 else f"peer rank {failure.peer}"
         rank, world_size = self.reported_rank
         blamed, reason = failure.peer, f"{peer} {failure.reason} at {step}"
-        where = f"{self.op_name} #{self.ordinal}"
+        where = f"{self.op_name} #{self.ordinal}" + (f" ({self.layout})" if self.layout else "")
         silent = self.hang_detector.silent_ranks(where) if failure.timed_out and self.hang_detector else None
         elsewhere = getattr(self.hang_detector, "elsewhere", {}) if silent is not None else {}
         if silent:

@@ -22,7 +22,7 @@ from typing import Iterable
 
 import torch
 
-from gradsync.collectives.call import CollectiveCall, Workspace
+from gradsync.collectives.call import TAG_BASE, TAG_KINDS, TAG_ORDINALS, CollectiveCall, Workspace
 from gradsync.collectives.lane import Lane
 from gradsync.collectives.options import AlgorithmOptions, OptionStore, T
 from gradsync.errors import GroupClosedError
@@ -32,11 +32,8 @@ from gradsync.transport.locality import IDENTITY_WORDS, Locality, derive, host_i
 DEFAULT_TIMEOUT_S = 300.0
 
 
-_TAG_BASE = 1024  # above the parameter server's tags
 _TAG_KIND = {"all_reduce": 1, "broadcast": 2, "all_gather": 3, "reduce_scatter": 4, "all_to_all": 5,
              "shared_buffer": 6}
-_TAG_KINDS = 8
-_TAG_ORDINALS = 2**26  # tags stay below 2**31
 
 def check_timeout(timeout_s: float) -> None:
     """Raise TypeError unless ``timeout_s`` is a real number, ValueError unless it is finite and > 0."""
@@ -149,13 +146,14 @@ class Communicator:
         buffer broadcast against the peers' bucket AllReduce), never pairs its
         messages with the peers': it times out, where a message of another size
         would abort the process in Gloo and one of the same size would be summed in.
+        :meth:`CollectiveCall.refine_tag` adds the call's algorithm and layout once resolved.
         Layout checks use the control tag, so that ranks in different collectives
         still compare descriptors and raise CollectiveMismatchError.
         """
         if not getattr(self.transport, "call_tags", False):
             return None
-        base = _TAG_BASE + (self.calls_started % _TAG_ORDINALS) * _TAG_KINDS
-        return base + _TAG_KIND.get(op_name, _TAG_KINDS - 1), base
+        base = TAG_BASE + (self.calls_started % TAG_ORDINALS) * TAG_KINDS
+        return base + _TAG_KIND.get(op_name, TAG_KINDS - 1), base
 
     def close(self) -> None:
         """Release what the options hold (shared-memory segments; their names are already gone) and

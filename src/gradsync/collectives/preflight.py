@@ -230,6 +230,11 @@ def _stage(prepare, algorithm: str):
         return _reject("a staging allocation failure", exc), None
 
 
+def _layout_key(tensor: torch.Tensor, algorithm: str, src) -> str:
+    key = f"{algorithm}, {tensor.numel()} x {str(tensor.dtype).replace('torch.', '')}"
+    return key if src is None else f"{key}, src {src}"
+
+
 def start_call(comm: Communicator, tensor, what: str, *, op=NO_OP, algorithm: str | None = None,
                src: int | None = None, timeout: float | None, verify: bool,
                prepare=None) -> tuple[CollectiveCall, str, object]:
@@ -252,6 +257,7 @@ def start_call(comm: Communicator, tensor, what: str, *, op=NO_OP, algorithm: st
             label = f"auto ({resolved})" if algorithm == AUTO else resolved
         call.algorithm = label
         problem = _runnable_problem(comm, resolved, device)
+        call.refine_tag(_layout_key(tensor, resolved, src))
     staged = None
     if problem is None:
         problem, staged = _stage(prepare, resolved)
