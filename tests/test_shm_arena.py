@@ -210,7 +210,7 @@ def test_closed_segment_stays_mapped_while_viewed_then_goes():
 def test_a_rank_arriving_after_its_peer_gave_up_raises_too():
     """Trigger (issue 16 trial): rank 1 reached a shm all_reduce after rank 0 had timed out there and
     raised; rank 1 found rank 0's data, returned a sum and stepped on alone (replicas diverged). A rank
-    that gives up now says so in the segment, and a late rank raises naming it."""
+    that gives up now says so in the segment (naming whom it waited for), and a late rank raises."""
     def rank_fn(comm):
         gradsync.all_reduce(torch.ones(4), algorithm="shm", group=comm)  # the segment exists
         if comm.rank == 1:
@@ -222,4 +222,5 @@ def test_a_rank_arriving_after_its_peer_gave_up_raises_too():
 
     (kind0, _), (kind1, message1) = run_threads(2, rank_fn, timeout_s=20)
     assert kind0 == "CollectiveTimeoutError"
-    assert kind1 == "CollectiveTimeoutError" and "peer rank 0 gave up" in message1, message1
+    assert kind1 == "CollectiveTimeoutError", message1
+    assert "peer rank 0 gave up waiting for this rank (it came too late)" in message1, message1

@@ -201,9 +201,15 @@ def _barrier(segment: ShmSegment, call: CollectiveCall, step: str) -> None:
     try:
         segment.barrier(call.deadline)
     except ShmPeerTimeout as timeout:
-        if timeout.gave_up:  # not a wait of this rank's: no hang diagnosis
-            reason = "gave up on an earlier step of this group's shared memory (it timed out there)"
-            raise call.failure(PeerFailure(timeout.peer, reason, False), step) from None
+        if timeout.gave_up is not None:  # a verdict of another rank's: no hang diagnosis here
+            if timeout.peer == call.rank:
+                peer, reason = timeout.gave_up, ("gave up waiting for this rank (it came too late) at an "
+                                                 "earlier step of this group's shared memory")
+            else:
+                what = "died (its process is gone)" if timeout.died else "stopped responding"
+                peer, reason = timeout.peer, (f"{what}: rank {timeout.gave_up} gave up waiting for it at an "
+                                              f"earlier step of this group's shared memory")
+            raise call.failure(PeerFailure(peer, reason, False), step) from None
         reason = "died (its process is gone)" if timeout.died else "timed out waiting for it"
         raise call.failure(PeerFailure(timeout.peer, reason, not timeout.died), step) from None
 

@@ -51,7 +51,7 @@ _YIELDS = 100                      # sched_yield calls before sleeping
 _MAX_SLEEP_S = 1e-3
 _LIVENESS_EVERY_S = 0.05           # how often a waiting rank checks that the laggard's process lives
 _PID_WORD = 1                      # word 1 of each rank's counter line holds its process id
-_GAVE_UP_WORD = 3                  # word 3: the barrier at which this rank gave up (0: never)
+_GAVE_UP_WORD = 3                  # word 3: whom this rank gave up on, 1 + 2 * peer + died (0: never)
 
 
 def _map(name: str, size: int | None = None) -> mmap.mmap:
@@ -124,11 +124,12 @@ class ShmPeerTimeout(GradsyncError, TimeoutError):
     """A rank did not reach a barrier in time (``peer`` is its rank), its process died (``died``), or
     it gave up on an earlier barrier of this segment (``gave_up``: it raised a timeout there)."""
 
-    def __init__(self, peer: int, died: bool = False, gave_up: bool = False):
-        super().__init__(f"peer rank {peer}" + (" died" if died else " gave up" if gave_up else ""))
+    def __init__(self, peer: int, died: bool = False, gave_up: int | None = None):
+        super().__init__(f"peer rank {peer}" + (" died" if died else "")
+                         + (f" (rank {gave_up} gave up on it)" if gave_up is not None else ""))
         self.peer = peer
         self.died = died
-        self.gave_up = gave_up
+        self.gave_up = gave_up  # the rank that gave up on ``peer`` at an earlier barrier, or None
 
 
 def host_id() -> int:
@@ -250,13 +251,13 @@ class ShmSegment:
                 continue
             now = time.monotonic()
             if now > deadline:
-                self._give_up(target)
+                self._give_up(peer, died=False)
                 raise ShmPeerTimeout(peer)
             if now > next_liveness:  # a killed peer never arrives: say so now, not at the deadline
                 next_liveness = now + _LIVENESS_EVERY_S
                 pid = words[peer * stride + _PID_WORD]
                 if pid and not pid_alive(pid):
-                    self._give_up(target)
+                    self._give_up(peer, died=True)
                     raise ShmPeerTimeout(peer, died=True)
                 self._check_nobody_gave_up()
             if checks <= _SPINS + _YIELDS:
@@ -265,16 +266,17 @@ class ShmSegment:
                 time.sleep(sleep_s)
                 sleep_s = min(2 * sleep_s, _MAX_SLEEP_S)
 
-    def _give_up(self, target: int) -> None:
-        """Say in this rank's line that it left barrier ``target`` unfinished: a rank that arrives
-        later must raise too, not finish a call its peers have given up on."""
-        self._words[self.rank * self._stride + _GAVE_UP_WORD] = target
+    def _give_up(self, peer: int, died: bool) -> None:
+        """Say in this rank's line that it left a barrier unfinished, waiting for ``peer``: a rank
+        that arrives later must raise too (naming ``peer``), not finish a call its peers gave up on."""
+        self._words[self.rank * self._stride + _GAVE_UP_WORD] = 1 + 2 * peer + int(died)
 
     def _check_nobody_gave_up(self) -> None:
         words, stride = self._words, self._stride
-        for peer in range(self.world_size):
-            if peer != self.rank and words[peer * stride + _GAVE_UP_WORD]:
-                raise ShmPeerTimeout(peer, gave_up=True)
+        for rank in range(self.world_size):
+            code = words[rank * stride + _GAVE_UP_WORD] if rank != self.rank else 0
+            if code:
+                raise ShmPeerTimeout((code - 1) // 2, died=bool((code - 1) % 2), gave_up=rank)
 
     def close(self) -> None:
         """Drop this segment's references to the mapping (idempotent); tensors viewing it keep it mapped
