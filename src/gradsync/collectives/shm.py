@@ -15,13 +15,8 @@ rank. Cost per slice: 2 barriers, 2 copies and (p-1)/p of a reduction per
 rank, against 2(p-1) messages through the kernel for a ring over TCP.
 Broadcast and all-gather are one copy in, one barrier, copies out.
 
-The segment is created at the first shm call of a group, which is
-collective: from the group's locality (or, when it is not known, host ids
-every rank sends to rank 0) rank 0 knows whether every rank shares its
-host, creates the segment and sends its name to the others point-to-point;
-every rank maps it and reports the outcome to rank 0, which tells every
-rank: a rank that failed to map it (or rank 0 failing to create it) makes
-every rank raise :class:`ShmSetupError` naming that rank and why.
+The segment is set up at the first shm call of a group
+(:mod:`~gradsync.collectives.shm_setup`, collective).
 """
 
 from __future__ import annotations
@@ -30,188 +25,15 @@ import torch
 
 from gradsync.collectives.call import CollectiveCall
 from gradsync.collectives.chunking import chunk_bounds, segment_bounds
-from gradsync.collectives.options import AlgorithmOptions
+from gradsync.collectives.shm_setup import ShmState, barrier, create_segment, group_segment, usable
 from gradsync.errors import CollectiveMismatchError, ShmSetupError
-from gradsync.transport.base import PeerFailure
-from gradsync.transport import shm_segment as shm_transport
-from gradsync.transport.shm_segment import ShmPeerTimeout, ShmSegment, host_id
-
-_NAME_BYTES = 64
+from gradsync.transport.shm_segment import ShmSegment
 SMALL_MESSAGE_BYTES = 64 * 2**10  # every rank sums every region: p-fold adds, but one barrier
 IN_PLACE_DTYPES = (torch.float32, torch.float64)  # reduced in the arena without staging (see allocate_shared)
 ARENA_MIN_BYTES = 2**20  # per rank: small buffers share an arena (tmpfs pages cost only once touched)
 ARENA_ALIGN = 64         # every buffer starts on its own cache line
 _PLACEMENT_WORD = 2      # word 2 of a rank's counter line: where its all_reduce data lies (see _check_placement)
 _NOT_IN_ARENA = -1
-
-
-class ShmState(AlgorithmOptions):
-    """A group's segment and arenas: shm's options, created on first use and kept until :meth:`close`.
-
-    ``available`` is None until the first shm call found out whether every
-    rank is on one machine. ``region_bytes``: bytes per rank region of the
-    segment (None: the transport's default). ``arenas``: the segments that
-    :func:`allocate_shared` hands out disjoint ranges of; ``arena_used[i]``
-    bytes of each rank's region of ``arenas[i]`` are taken (equal on every rank).
-    """
-
-    def __init__(self, region_bytes: int | None = None):
-        self.region_bytes = region_bytes or shm_transport.DEFAULT_REGION_BYTES
-        self.segment: ShmSegment | None = None
-        self.available: bool | None = None
-        self.arenas: list[ShmSegment] = []
-        self.arena_used: list[int] = []
-
-    def find(self, tensor: torch.Tensor) -> tuple[int, int] | None:
-        """``(arena index, byte offset)`` of ``tensor``'s data in this rank's region of an arena, or None."""
-        for index, arena in enumerate(self.arenas):
-            offset = arena.offset_in_own_region(tensor)
-            if offset is not None:
-                return index, offset
-        return None
-
-    def close(self) -> None:
-        """Drop the segments; tensors still viewing an arena keep its memory mapped until they are freed."""
-        for segment in (self.segment, *self.arenas):
-            if segment is not None:
-                segment.close()
-        self.segment = None
-        self.arenas, self.arena_used = [], []
-
-
-def usable(call: CollectiveCall) -> bool:
-    """Whether every rank of the group is on one machine, setting the segment up if so (collective
-    the first time; every rank learns the same answer)."""
-    state = call.options(ShmState)
-    if state.available is None:
-        state.segment = _create(call, state.region_bytes)
-        state.available = state.segment is not None
-    return state.available
-
-
-def _segment(call: CollectiveCall) -> ShmSegment:
-    if not usable(call):
-        raise ValueError("algorithm 'shm' needs every rank of the group on one machine; these ranks "
-                         "report different hosts (boot id or /dev/shm)")
-    return call.options(ShmState).segment
-
-
-_REPORT_BYTES = 256  # a rank's setup outcome: b"" (done) or the error text
-_NO_SHM, _NAMED, _CREATE_FAILED = 0, 1, 2  # the first byte of the name message
-
-
-def _text(buffer: torch.Tensor) -> str:
-    return bytes(buffer[buffer > 0].tolist()).decode(errors="replace")
-
-
-def _encode(text: str, size: int, first: int | None = None) -> torch.Tensor:
-    encoded = ((bytes([first]) if first is not None else b"") + text.encode())[:size]
-    buffer = torch.zeros(size, dtype=torch.uint8)
-    buffer[:len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
-    return buffer
-
-
-def _one_host(call: CollectiveCall) -> bool:
-    """Whether the call's ranks share a host: from the group's locality, else rank 0 asks every rank
-    (collective; every rank learns the answer from the name message)."""
-    if call.locality is not None:
-        return call.locality.one_host
-    if call.rank != 0:
-        call.send(torch.tensor([host_id()], dtype=torch.int64), 0, "shm setup (host check)")
-        return True  # rank 0 decides; the name message says
-    hosts = torch.zeros(call.world_size, dtype=torch.int64)
-    for peer in range(1, call.world_size):
-        call.recv(hosts[peer:peer + 1], peer, "shm setup (host check)")
-    return bool((hosts[1:] == host_id()).all())
-
-
-def _create(call: CollectiveCall, region_bytes: int, sets: int = 2) -> ShmSegment | None:
-    """Rank 0 creates the segment if every rank is on its host, every rank maps it and reports the
-    outcome to rank 0, which tells every rank; None when the ranks are on several hosts (collective).
-
-    Raises:
-        ShmSetupError: on every rank when creating or mapping failed on any, naming that rank and why.
-    """
-    one_host = _one_host(call)
-    if call.rank == 0:
-        return _create_as_root(call, region_bytes, sets, one_host)
-    name = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
-    call.recv(name, 0, "shm setup (segment name)")
-    if int(name[0]) == _NO_SHM:
-        return None
-    if int(name[0]) == _CREATE_FAILED:
-        raise ShmSetupError(_setup_failure(call, f"rank 0 could not create the segment: {_text(name[1:])}"))
-    segment, report, cause = None, "", None
-    try:
-        segment = ShmSegment.attach(_text(name[1:]), call.rank, call.world_size, region_bytes, sets)
-    except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised here as well
-        report, cause = f"{type(exc).__name__}: {exc}", exc
-    call.send(_encode(report, _REPORT_BYTES), 0, "shm setup (attach report)")
-    verdict = torch.zeros(_REPORT_BYTES, dtype=torch.uint8)
-    call.recv(verdict, 0, "shm setup (attach verdict)")
-    if int(verdict[0]):
-        if segment is not None:
-            segment.close()
-        raise ShmSetupError(_setup_failure(call, _text(verdict))) from cause
-    return segment
-
-
-def _create_as_root(call: CollectiveCall, region_bytes: int, sets: int, one_host: bool) -> ShmSegment | None:
-    segment, failure = None, ""
-    if one_host:
-        try:
-            segment = ShmSegment.create(call.world_size, region_bytes, sets)
-        except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised here as well
-            failure = f"{type(exc).__name__}: {exc}"
-    if failure:
-        message = _encode(failure, _NAME_BYTES, _CREATE_FAILED)
-    else:
-        message = _encode(segment.name if segment is not None else "", _NAME_BYTES,
-                          _NAMED if segment is not None else _NO_SHM)
-    for peer in range(1, call.world_size):
-        call.send(message, peer, "shm setup (segment name)")
-    if failure:
-        raise ShmSetupError(_setup_failure(call, f"rank 0 could not create the segment: {failure}"))
-    if segment is None:
-        return None
-    failed = []
-    try:
-        for peer in range(1, call.world_size):
-            report = torch.zeros(_REPORT_BYTES, dtype=torch.uint8)
-            call.recv(report, peer, "shm setup (attach report)")
-            if int(report[0]):
-                failed.append(f"rank {peer} failed to attach the segment: {_text(report)}")
-    finally:
-        segment.unlink()  # every rank mapped it (or failed): the name is no longer needed
-    verdict = _encode("; ".join(failed), _REPORT_BYTES)
-    for peer in range(1, call.world_size):
-        call.send(verdict, peer, "shm setup (attach verdict)")
-    if failed:
-        segment.close()
-        raise ShmSetupError(_setup_failure(call, "; ".join(failed)))
-    return segment
-
-
-def _setup_failure(call: CollectiveCall, reason: str) -> str:
-    rank, world_size = call.reported_rank
-    return f"{call.op_name} (algorithm={call.algorithm}) on rank {rank} of {world_size}: shm setup failed: {reason}"
-
-
-def _barrier(segment: ShmSegment, call: CollectiveCall, step: str) -> None:
-    try:
-        segment.barrier(call.deadline)
-    except ShmPeerTimeout as timeout:
-        if timeout.gave_up is not None:  # a verdict of another rank's: no hang diagnosis here
-            if timeout.peer == call.rank:
-                peer, reason = timeout.gave_up, ("gave up waiting for this rank (it came too late) at an "
-                                                 "earlier step of this group's shared memory")
-            else:
-                what = "died (its process is gone)" if timeout.died else "stopped responding"
-                peer, reason = timeout.peer, (f"{what}: rank {timeout.gave_up} gave up waiting for it at an "
-                                              f"earlier step of this group's shared memory")
-            raise call.failure(PeerFailure(peer, reason, False), step) from None
-        reason = "died (its process is gone)" if timeout.died else "timed out waiting for it"
-        raise call.failure(PeerFailure(timeout.peer, reason, not timeout.died), step) from None
 
 
 def _slices(numel: int, segment: ShmSegment, dtype: torch.dtype) -> list[tuple[int, int]]:
@@ -238,7 +60,7 @@ def all_reduce(flat: torch.Tensor, call: CollectiveCall) -> None:
     Raises:
         ValueError: the ranks are not on one machine; CollectiveTimeoutError.
     """
-    segment = _segment(call)
+    segment = group_segment(call)
     if flat.numel() * flat.element_size() <= SMALL_MESSAGE_BYTES:  # one barrier beats no copy here
         _all_reduce_small(flat, segment, call)
         return
@@ -255,7 +77,7 @@ def all_reduce(flat: torch.Tensor, call: CollectiveCall) -> None:
         regions[rank].copy_(part)
         if state.arenas and start == 0:
             segment.post(_PLACEMENT_WORD, _NOT_IN_ARENA)
-        _barrier(segment, call, "shm all_reduce (copy in)")
+        barrier(segment, call, "shm all_reduce (copy in)")
         if state.arenas and start == 0:
             _check_placement(segment, call)
         chunks = chunk_bounds(numel, world_size)
@@ -263,7 +85,7 @@ def all_reduce(flat: torch.Tensor, call: CollectiveCall) -> None:
         mine = regions[rank][a:b]
         for offset in range(1, world_size):
             mine += regions[(rank + offset) % world_size][a:b]
-        _barrier(segment, call, "shm all_reduce (reduce)")
+        barrier(segment, call, "shm all_reduce (reduce)")
         for peer, (a, b) in enumerate(chunks):
             part[a:b] = regions[peer][a:b]
 
@@ -300,7 +122,7 @@ def allocate_shared(call: CollectiveCall, nbytes: int) -> torch.Tensor | None:
     offset = state.arena_used[index] if index < len(state.arenas) else 0
     _agree_allocation(call, nbytes if valid else -1, index, offset)
     if index == len(state.arenas):
-        arena = _create(call, max(-(-size // 4096) * 4096, ARENA_MIN_BYTES), sets=1)
+        arena = create_segment(call, max(-(-size // 4096) * 4096, ARENA_MIN_BYTES), sets=1)
         if arena is None:
             raise RuntimeError("shared_buffer: the shared-memory arena could not be created")
         state.arenas.append(arena)
@@ -354,16 +176,16 @@ def _all_reduce_in_arena(flat: torch.Tensor, placement: tuple[int, int], call: C
     chunks = chunk_bounds(numel, world_size)
     _next_set(segment)  # the copy-through path advances it here too: the sets stay paired across ranks
     segment.post(_PLACEMENT_WORD, (placement[0] << 40) | placement[1])
-    _barrier(segment, call, "shm all_reduce in place (written)")
+    barrier(segment, call, "shm all_reduce in place (written)")
     _check_placement(segment, call)
     a, b = chunks[rank]
     for step in range(1, world_size):
         flat[a:b] += regions[(rank + step) % world_size][a:b]
-    _barrier(arena, call, "shm all_reduce in place (reduced)")
+    barrier(arena, call, "shm all_reduce in place (reduced)")
     for peer, (a, b) in enumerate(chunks):
         if peer != rank:
             flat[a:b] = regions[peer][a:b]
-    _barrier(arena, call, "shm all_reduce in place (copied)")
+    barrier(arena, call, "shm all_reduce in place (copied)")
 
 
 def _all_reduce_small(flat: torch.Tensor, segment: ShmSegment, call: CollectiveCall) -> None:
@@ -371,7 +193,7 @@ def _all_reduce_small(flat: torch.Tensor, segment: ShmSegment, call: CollectiveC
         part, numel = flat[start:stop], stop - start
         set_index = _next_set(segment)
         segment.region(set_index, call.rank, flat.dtype, numel).copy_(part)
-        _barrier(segment, call, "shm all_reduce (copy in)")
+        barrier(segment, call, "shm all_reduce (copy in)")
         torch.add(segment.region(set_index, 0, flat.dtype, numel),
                   segment.region(set_index, 1, flat.dtype, numel), out=part)
         for peer in range(2, call.world_size):
@@ -389,19 +211,19 @@ def reduce_scatter(flat: torch.Tensor, call: CollectiveCall) -> tuple[int, int]:
 
 def broadcast(flat: torch.Tensor, src: int, call: CollectiveCall) -> None:
     """Copy rank ``src``'s ``flat`` into every rank's ``flat`` through shared memory."""
-    segment = _segment(call)
+    segment = group_segment(call)
     for start, stop in _slices(flat.numel(), segment, flat.dtype):
         region = segment.region(_next_set(segment), src, flat.dtype, stop - start)
         if call.rank == src:
             region.copy_(flat[start:stop])
-        _barrier(segment, call, "shm broadcast")
+        barrier(segment, call, "shm broadcast")
         if call.rank != src:
             flat[start:stop] = region
 
 
 def all_gather(gathered: torch.Tensor, call: CollectiveCall) -> None:
     """Fill ``gathered`` (``(world_size * n,)``, rank r's own part at ``[r*n, (r+1)*n)``) from every rank."""
-    segment = _segment(call)
+    segment = group_segment(call)
     rank, world_size = call.rank, call.world_size
     numel = gathered.numel() // world_size
     parts = gathered.view(world_size, numel) if numel else None
@@ -409,7 +231,7 @@ def all_gather(gathered: torch.Tensor, call: CollectiveCall) -> None:
         set_index = _next_set(segment)
         regions = [segment.region(set_index, peer, gathered.dtype, stop - start) for peer in range(world_size)]
         regions[rank].copy_(parts[rank, start:stop])
-        _barrier(segment, call, "shm all_gather")
+        barrier(segment, call, "shm all_gather")
         for peer in range(world_size):
             if peer != rank:
                 parts[peer, start:stop] = regions[peer]

@@ -1,0 +1,193 @@
+"""Setting up a group's shared memory for :mod:`gradsync.collectives.shm`: the segment, the
+options object that holds it (:class:`ShmState`) and the barrier that names the rank waited for.
+
+The segment is created at the first shm call of a group, which is
+collective: from the group's locality (or, when it is not known, host ids
+every rank sends to rank 0) rank 0 knows whether every rank shares its
+host, creates the segment and sends its name to the others point-to-point;
+every rank maps it and reports the outcome to rank 0, which tells every
+rank: a rank that failed to map it (or rank 0 failing to create it) makes
+every rank raise :class:`~gradsync.errors.ShmSetupError` naming that rank and why.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gradsync.collectives.call import CollectiveCall
+from gradsync.collectives.options import AlgorithmOptions
+from gradsync.errors import ShmSetupError
+from gradsync.transport import shm_segment as shm_transport
+from gradsync.transport.base import PeerFailure
+from gradsync.transport.shm_segment import ShmPeerTimeout, ShmSegment, host_id
+
+_NAME_BYTES = 64
+
+
+class ShmState(AlgorithmOptions):
+    """A group's segment and arenas: shm's options, created on first use and kept until :meth:`close`.
+
+    ``available`` is None until the first shm call found out whether every
+    rank is on one machine. ``region_bytes``: bytes per rank region of the
+    segment (None: the transport's default). ``arenas``: the segments that
+    :func:`allocate_shared` hands out disjoint ranges of; ``arena_used[i]``
+    bytes of each rank's region of ``arenas[i]`` are taken (equal on every rank).
+    """
+
+    def __init__(self, region_bytes: int | None = None):
+        self.region_bytes = region_bytes or shm_transport.DEFAULT_REGION_BYTES
+        self.segment: ShmSegment | None = None
+        self.available: bool | None = None
+        self.arenas: list[ShmSegment] = []
+        self.arena_used: list[int] = []
+
+    def find(self, tensor: torch.Tensor) -> tuple[int, int] | None:
+        """``(arena index, byte offset)`` of ``tensor``'s data in this rank's region of an arena, or None."""
+        for index, arena in enumerate(self.arenas):
+            offset = arena.offset_in_own_region(tensor)
+            if offset is not None:
+                return index, offset
+        return None
+
+    def close(self) -> None:
+        """Drop the segments; tensors still viewing an arena keep its memory mapped until they are freed."""
+        for segment in (self.segment, *self.arenas):
+            if segment is not None:
+                segment.close()
+        self.segment = None
+        self.arenas, self.arena_used = [], []
+
+
+def usable(call: CollectiveCall) -> bool:
+    """Whether every rank of the group is on one machine, setting the segment up if so (collective
+    the first time; every rank learns the same answer)."""
+    state = call.options(ShmState)
+    if state.available is None:
+        state.segment = create_segment(call, state.region_bytes)
+        state.available = state.segment is not None
+    return state.available
+
+
+def group_segment(call: CollectiveCall) -> ShmSegment:
+    if not usable(call):
+        raise ValueError("algorithm 'shm' needs every rank of the group on one machine; these ranks "
+                         "report different hosts (boot id or /dev/shm)")
+    return call.options(ShmState).segment
+
+
+_REPORT_BYTES = 256  # a rank's setup outcome: b"" (done) or the error text
+_NO_SHM, _NAMED, _CREATE_FAILED = 0, 1, 2  # the first byte of the name message
+
+
+def _text(buffer: torch.Tensor) -> str:
+    return bytes(buffer[buffer > 0].tolist()).decode(errors="replace")
+
+
+def _encode(text: str, size: int, first: int | None = None) -> torch.Tensor:
+    encoded = ((bytes([first]) if first is not None else b"") + text.encode())[:size]
+    buffer = torch.zeros(size, dtype=torch.uint8)
+    buffer[:len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+    return buffer
+
+
+def _one_host(call: CollectiveCall) -> bool:
+    """Whether the call's ranks share a host: from the group's locality, else rank 0 asks every rank
+    (collective; every rank learns the answer from the name message)."""
+    if call.locality is not None:
+        return call.locality.one_host
+    if call.rank != 0:
+        call.send(torch.tensor([host_id()], dtype=torch.int64), 0, "shm setup (host check)")
+        return True  # rank 0 decides; the name message says
+    hosts = torch.zeros(call.world_size, dtype=torch.int64)
+    for peer in range(1, call.world_size):
+        call.recv(hosts[peer:peer + 1], peer, "shm setup (host check)")
+    return bool((hosts[1:] == host_id()).all())
+
+
+def create_segment(call: CollectiveCall, region_bytes: int, sets: int = 2) -> ShmSegment | None:
+    """Rank 0 creates the segment if every rank is on its host, every rank maps it and reports the
+    outcome to rank 0, which tells every rank; None when the ranks are on several hosts (collective).
+
+    Raises:
+        ShmSetupError: on every rank when creating or mapping failed on any, naming that rank and why.
+    """
+    one_host = _one_host(call)
+    if call.rank == 0:
+        return _create_as_root(call, region_bytes, sets, one_host)
+    name = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
+    call.recv(name, 0, "shm setup (segment name)")
+    if int(name[0]) == _NO_SHM:
+        return None
+    if int(name[0]) == _CREATE_FAILED:
+        raise ShmSetupError(_setup_failure(call, f"rank 0 could not create the segment: {_text(name[1:])}"))
+    segment, report, cause = None, "", None
+    try:
+        segment = ShmSegment.attach(_text(name[1:]), call.rank, call.world_size, region_bytes, sets)
+    except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised here as well
+        report, cause = f"{type(exc).__name__}: {exc}", exc
+    call.send(_encode(report, _REPORT_BYTES), 0, "shm setup (attach report)")
+    verdict = torch.zeros(_REPORT_BYTES, dtype=torch.uint8)
+    call.recv(verdict, 0, "shm setup (attach verdict)")
+    if int(verdict[0]):
+        if segment is not None:
+            segment.close()
+        raise ShmSetupError(_setup_failure(call, _text(verdict))) from cause
+    return segment
+
+
+def _create_as_root(call: CollectiveCall, region_bytes: int, sets: int, one_host: bool) -> ShmSegment | None:
+    segment, failure = None, ""
+    if one_host:
+        try:
+            segment = ShmSegment.create(call.world_size, region_bytes, sets)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised here as well
+            failure = f"{type(exc).__name__}: {exc}"
+    if failure:
+        message = _encode(failure, _NAME_BYTES, _CREATE_FAILED)
+    else:
+        message = _encode(segment.name if segment is not None else "", _NAME_BYTES,
+                          _NAMED if segment is not None else _NO_SHM)
+    for peer in range(1, call.world_size):
+        call.send(message, peer, "shm setup (segment name)")
+    if failure:
+        raise ShmSetupError(_setup_failure(call, f"rank 0 could not create the segment: {failure}"))
+    if segment is None:
+        return None
+    failed = []
+    try:
+        for peer in range(1, call.world_size):
+            report = torch.zeros(_REPORT_BYTES, dtype=torch.uint8)
+            call.recv(report, peer, "shm setup (attach report)")
+            if int(report[0]):
+                failed.append(f"rank {peer} failed to attach the segment: {_text(report)}")
+    finally:
+        segment.unlink()  # every rank mapped it (or failed): the name is no longer needed
+    verdict = _encode("; ".join(failed), _REPORT_BYTES)
+    for peer in range(1, call.world_size):
+        call.send(verdict, peer, "shm setup (attach verdict)")
+    if failed:
+        segment.close()
+        raise ShmSetupError(_setup_failure(call, "; ".join(failed)))
+    return segment
+
+
+def _setup_failure(call: CollectiveCall, reason: str) -> str:
+    rank, world_size = call.reported_rank
+    return f"{call.op_name} (algorithm={call.algorithm}) on rank {rank} of {world_size}: shm setup failed: {reason}"
+
+
+def barrier(segment: ShmSegment, call: CollectiveCall, step: str) -> None:
+    try:
+        segment.barrier(call.deadline)
+    except ShmPeerTimeout as timeout:
+        if timeout.gave_up is not None:  # a verdict of another rank's: no hang diagnosis here
+            if timeout.peer == call.rank:
+                peer, reason = timeout.gave_up, ("gave up waiting for this rank (it came too late) at an "
+                                                 "earlier step of this group's shared memory")
+            else:
+                what = "died (its process is gone)" if timeout.died else "stopped responding"
+                peer, reason = timeout.peer, (f"{what}: rank {timeout.gave_up} gave up waiting for it at an "
+                                              f"earlier step of this group's shared memory")
+            raise call.failure(PeerFailure(peer, reason, False), step) from None
+        reason = "died (its process is gone)" if timeout.died else "timed out waiting for it"
+        raise call.failure(PeerFailure(timeout.peer, reason, not timeout.died), step) from None
