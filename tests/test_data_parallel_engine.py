@@ -491,8 +491,8 @@ class PausingNet(nn.Module):
 def test_rebuild_ends_a_bucket_where_backward_pauses(monkeypatch):
     """After iteration 1, a pause in backward longer than PAUSE_S splits a bucket that already holds
     MIN_SPLIT_BYTES, so its AllReduce starts during the pause; without a pause the bucket stays whole."""
-    from gradsync.parallel import reducer
-    monkeypatch.setattr(reducer, "MIN_SPLIT_BYTES", 1024)
+    from gradsync.parallel import rebuild
+    monkeypatch.setattr(rebuild, "MIN_SPLIT_BYTES", 1024)
 
     def body(comm):
         model = gradsync.DataParallel(seeded(0, PausingNet), group=comm)

@@ -21,7 +21,7 @@ with final gradients.
 After the first synchronised iteration the buckets are rebuilt in the order
 rank 0 observed gradients arriving (DDP's bucket rebuild), so the first
 bucket (capped at 1 MiB) fills early and communication starts early. The
-rebuild also ends a bucket where backward paused (more than ``PAUSE_S``
+rebuild (:mod:`~gradsync.parallel.rebuild`) also ends a bucket where backward paused (more than ``PAUSE_S``
 between two gradients once the bucket holds ``MIN_SPLIT_BYTES``): in an MLP
 the last layer's weight gradient then starts reducing at once instead of
 waiting for the next layer's bias, ~100 ms later.
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from concurrent.futures import Future
 from typing import Callable, Sequence
 
 import torch
@@ -40,13 +40,11 @@ from gradsync.collectives import ops as collectives
 from gradsync.collectives.communicator import Communicator
 from gradsync.compression.compressor import BucketLayout, Compressor
 from gradsync.errors import GradsyncError
-from gradsync.parallel.bucketing import (DEFAULT_FIRST_BUCKET_CAP_BYTES, Bucket, assign_buckets, check_assignment,
-                                        default_order, pause_breaks, shared_bucket_nbytes)
+from gradsync.parallel.bucketing import DEFAULT_FIRST_BUCKET_CAP_BYTES, Bucket, assign_buckets, shared_bucket_nbytes
+from gradsync.parallel.rebuild import RebuildAndJoin
 from gradsync.parallel.round_failures import FailureHandling, accumulator, computes_grads_without_accumulating, weak_method
 from gradsync.parallel.sync_round import AUTOGRAD_GRAD, SLOTS_PER_RANK, Round, decode_statuses, encode_flags
 
-PAUSE_S = 0.002                # a gap in backward long enough to hide a bucket's AllReduce in
-MIN_SPLIT_BYTES = 2**20        # smaller buckets are latency-bound: splitting them costs more than it hides
 
 
 class _SkippedAfterFailure(GradsyncError):
@@ -70,7 +68,7 @@ def _weak_hook(reducer: "Reducer") -> Callable[[torch.Tensor], None]:
     return hook
 
 
-class Reducer(FailureHandling):
+class Reducer(FailureHandling, RebuildAndJoin):
     """Bucketed, overlapped gradient averaging for one module's parameters.
 
     Args:
@@ -364,57 +362,3 @@ class Reducer(FailureHandling):
             param.grad = view if self.gradient_as_bucket_view else view.clone()
         elif param.grad.data_ptr() != view.data_ptr():
             param.grad.copy_(view)
-
-    # -- bucket rebuild and join -----------------------------------------------------------------
-
-    def _rebuild(self, observed: list[int], ready_s: list[float]) -> None:
-        """Re-bucket in rank 0's observed ready order (collective: every rank calls it once).
-
-        A bucket also ends where backward paused for more than ``PAUSE_S``
-        after it already held ``MIN_SPLIT_BYTES``: launching it then lets the
-        pause hide its AllReduce instead of holding it for the next gradient.
-        """
-        self.rebuilt = True
-        seen = set(observed)
-        order = observed + [index for index in default_order(len(self.params)) if index not in seen]
-        breaks = pause_breaks(self.params, observed, ready_s, PAUSE_S, MIN_SPLIT_BYTES)
-        breaks += [0] * (len(order) - len(breaks))
-        if self.comm.world_size > 1:
-            plan = torch.tensor([order, breaks], dtype=torch.int64)
-            collectives.broadcast(plan, self.comm, src=0, verify=False)
-            order, breaks = plan.tolist()
-        breaks_before = [index for index, starts in zip(order, breaks) if starts]
-        assignment = assign_buckets(self.params, self.bucket_cap_bytes, DEFAULT_FIRST_BUCKET_CAP_BYTES, order,
-                                    breaks_before)
-        if assignment != self.assignment:
-            self._build(assignment)
-
-    def set_layout(self, assignment: list[list[int]]) -> None:
-        """Adopt a saved bucket layout and skip the rebuild (every rank must pass the same one)."""
-        check_assignment(self.params, assignment)
-        self.rebuilt = True
-        if assignment != self.assignment:
-            self._build(assignment)
-
-    def shadow_round(self, divisor: int) -> None:
-        """Take part in the other ranks' gradient sync with zeros (this rank has joined)."""
-        if not self.buckets:
-            return
-        futures, state = [], Round([], 0)
-        for bucket in self.buckets:
-            if bucket.shared:  # the zero-copy AllReduce reads peers' data in the arena
-                zeros = bucket.flat
-            else:
-                zeros = self._shadow.get(bucket.index)
-                if zeros is None:
-                    zeros = self._shadow[bucket.index] = torch.zeros_like(bucket.flat)
-            zeros.zero_()
-            futures.append(self._submit(zeros, bucket.index, divisor, state))
-        started = time.perf_counter()
-        wait(futures, return_when=FIRST_EXCEPTION)
-        spans = [future.result() for future in futures]
-        comm_s = sum(end - start for _, start, end in spans)
-        self.comm_seconds += comm_s
-        self.exposed_comm_seconds += min(time.perf_counter() - started, comm_s)
-        if not self.rebuilt:
-            self._rebuild([], [])
