@@ -87,3 +87,21 @@ def transposed_view(values):
     """A non-contiguous view covering its whole storage: the transpose of a (3, numel/3) tensor."""
     base = values.reshape(3, -1).clone()
     return base, base.t()
+
+
+def assert_rejected_everywhere(outcomes, bad_rank: int, bad_type: type, words: str,
+                               expected_follow_up: torch.Tensor, max_wait_s: float) -> None:
+    """``outcomes[rank] = (exception, seconds waited, follow-up all_reduce result)``: ``bad_rank``
+    raised its own ``bad_type``, every other rank a CollectiveMismatchError naming it as rejecting,
+    all mention ``words``, none waited ``max_wait_s``, and the follow-up call is exact everywhere."""
+    from gradsync import CollectiveMismatchError
+
+    for rank, (exc, elapsed_s, follow_up) in enumerate(outcomes):
+        if rank == bad_rank:
+            assert type(exc) is bad_type, f"rank {rank}: {exc!r}"
+        else:
+            assert isinstance(exc, CollectiveMismatchError), f"rank {rank}: {exc!r}"
+            assert f"rank {bad_rank} rejected the call" in str(exc), f"rank {rank}: {exc}"
+        assert words in str(exc), f"rank {rank}: {exc}"
+        assert elapsed_s < max_wait_s, f"rank {rank} waited {elapsed_s:.2f} s"
+        assert_bitwise_equal(follow_up, expected_follow_up, f"rank {rank} follow-up")
