@@ -1209,6 +1209,7 @@ def test_hierarchical_any_inter_node_algorithm_matches_reference(world_size, ran
 
 
 def test_communicator_rejects_unknown_inter_node_algorithm():
-    """inter_node_algorithm must be one hierarchical can run across nodes (not native, not itself)."""
-    with pytest.raises(ValueError, match="ring, tree, halving_doubling"):
-        Communicator(ThreadWorld(2).transport(0), options=[HierarchicalOptions(inter_node_algorithm="native")])
+    """inter_node_algorithm must be one hierarchical can run across nodes (not itself, not shm)."""
+    for name in ("hierarchical", "shm"):
+        with pytest.raises(ValueError, match="ring, tree, halving_doubling, native"):
+            Communicator(ThreadWorld(2).transport(0), options=[HierarchicalOptions(inter_node_algorithm=name)])

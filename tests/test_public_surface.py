@@ -66,7 +66,7 @@ def test_default_options_are_made_once_and_kept():
     state = comm.new_call("all_reduce", "shm").options(ShmState)
     assert comm.options(ShmState) is state
     assert comm.options(SegmentOptions) == SegmentOptions()
-    assert comm.options(HierarchicalOptions).node_size(2) == 2
+    assert comm.options(HierarchicalOptions).nodes(2) == ((0, 1),)
 
 
 def test_communicator_rejects_two_options_of_one_class_and_non_options():
@@ -82,9 +82,9 @@ def test_communicator_rejects_two_options_of_one_class_and_non_options():
 def test_bad_options_are_value_errors_with_the_old_messages():
     with pytest.raises(ValueError, match="segment_bytes must be > 0"):
         SegmentOptions(0)
-    with pytest.raises(ValueError, match="choose one of ring, tree, halving_doubling"):
-        HierarchicalOptions(inter_node_algorithm="native")
-    with pytest.raises(ValueError, match="choose one of ring, shm"):
+    with pytest.raises(ValueError, match="choose one of ring, tree, halving_doubling, native"):
+        HierarchicalOptions(inter_node_algorithm="shm")
+    with pytest.raises(ValueError, match="choose one of auto, ring, shm"):
         HierarchicalOptions(intra_node_algorithm="tree")
     with pytest.raises(ValueError, match="ranks_per_node=3 must be >= 1 and divide the world size 4"):
         Communicator(ThreadWorld(4).transport(0), options=[HierarchicalOptions(ranks_per_node=3)])

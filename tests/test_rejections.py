@@ -266,9 +266,9 @@ def test_a_failed_shm_attach_on_one_rank_raises_on_every_rank_naming_it(monkeypa
         assert_bitwise_equal(follow_up, torch.full((8,), 3.0), f"rank {rank} follow-up")
 
 
-def test_unequal_hosts_hierarchical_and_shm_raise_on_every_rank_auto_runs_flat():
-    """Hosts {0, 1} and {2}: hierarchical has no node size and shm no common host (ValueError on every
-    rank, naming the hosts); auto runs a flat algorithm and gives the exact sum."""
+def test_unequal_hosts_shm_raises_on_every_rank_hierarchical_and_auto_sum():
+    """Hosts {0, 1} and {2}: shm has no common host (ValueError on every rank, naming the hosts);
+    hierarchical (chunks split by the smallest host) and auto (flat at this size) give the exact sum."""
     def rank_fn(comm):
         comm.locality = locality.Locality((0, 0, 1))
         outcomes = {}
@@ -279,10 +279,10 @@ def test_unequal_hosts_hierarchical_and_shm_raise_on_every_rank_auto_runs_flat()
         return outcomes
 
     for rank, outcomes in enumerate(run_threads(3, rank_fn)):
-        for algorithm in ("hierarchical", "shm"):
+        exc, tensor = outcomes["shm"]
+        assert type(exc) is ValueError and "ranks [0, 1]" in str(exc), f"rank {rank} shm: {exc!r}"
+        assert_bitwise_equal(tensor, torch.arange(10, dtype=torch.float32) * (rank + 1), f"rank {rank}")
+        for algorithm in ("hierarchical", "auto"):
             exc, tensor = outcomes[algorithm]
-            assert type(exc) is ValueError and "ranks [0, 1]" in str(exc), f"rank {rank} {algorithm}: {exc!r}"
-            assert_bitwise_equal(tensor, torch.arange(10, dtype=torch.float32) * (rank + 1), f"rank {rank}")
-        exc, tensor = outcomes["auto"]
-        assert exc is None, f"rank {rank} auto: {exc!r}"
-        assert_bitwise_equal(tensor, torch.arange(10, dtype=torch.float32) * 6, f"rank {rank} auto")
+            assert exc is None, f"rank {rank} {algorithm}: {exc!r}"
+            assert_bitwise_equal(tensor, torch.arange(10, dtype=torch.float32) * 6, f"rank {rank} {algorithm}")

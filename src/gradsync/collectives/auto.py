@@ -1,4 +1,4 @@
-"""``algorithm="auto"``: pick an AllReduce algorithm from message size and world size.
+"""``algorithm="auto"``: pick an AllReduce algorithm from message size, world size and hosts.
 
 Thresholds measured with ``gradsync bench allreduce`` on a 2-core machine,
 Gloo over loopback, one thread per rank (tables in the README):
@@ -9,18 +9,22 @@ Gloo over loopback, one thread per rank (tables in the README):
 * 3 or more ranks, up to ``SMALL_MESSAGE_BYTES`` (4 MiB): ``tree``, whose
   2·log2(p) hops beat the ring's 2(p-1) wake-ups (1.4-2x native, 3x ring at
   ws=4); above it the pipelined ring, which matches native from 16 MiB.
-* ranks spread over several nodes (``ranks_per_node`` < world size) and a
-  large message: ``hierarchical``, so that only 1/L of the data crosses the
-  slower links between nodes. (On one machine with pretend nodes it is no
-  faster than the ring; the rule is for real clusters.)
+* ranks on several real hosts (``host_sizes`` has more than one entry), some
+  host holding more than one rank, and at least ``HIERARCHICAL_MIN_BYTES``:
+  ``hierarchical`` (equal hosts or not), so that each host sends
+  2(H-1)/H · n over its link instead of a flat ring's 2(p-1)/p · n (n against
+  1.5·n at 2 hosts x 2 ranks). The threshold is a first guess, to be tuned on
+  emulated hosts; below it the flat rules above.
+* pretend nodes (``ranks_per_node`` < world size, no ``host_sizes``) and a
+  message above ``SMALL_MESSAGE_BYTES``: ``hierarchical`` too. (On one machine
+  it is no faster than the ring; the rule keeps pretend nodes exercised.)
 * all ranks on one node (``ranks_per_node`` = world size) and shared memory
   not known to be unavailable: ``shm``, whose copies through one segment beat
-  every loopback-TCP path at every size (README tables). If the ranks turn
-  out to be on several hosts, ``shm_available`` becomes False and the rules
-  above apply.
+  every loopback-TCP path at every size (README tables). Never across hosts:
+  there ``shm_available`` is False.
 
-``ranks_per_node`` and ``shm_available`` come from the group's locality,
-learnt from host identities every rank exchanged
+``ranks_per_node``, ``host_sizes`` and ``shm_available`` come from the
+group's locality, learnt from host identities every rank exchanged
 (:mod:`gradsync.transport.locality`; an explicit
 ``HierarchicalOptions(ranks_per_node=...)`` wins), so every rank makes the
 same choice; the choice, not "auto", goes into the layout check, so ranks
@@ -36,24 +40,43 @@ that still chose differently all raise CollectiveMismatchError.
 'ring'
 >>> choose(64 * 2**20, world_size=8, ranks_per_node=4)
 'hierarchical'
+>>> choose(2**20, world_size=3, ranks_per_node=1, shm_available=False, host_sizes=(2, 1))
+'hierarchical'
+>>> choose(4096, world_size=3, ranks_per_node=1, shm_available=False, host_sizes=(2, 1))
+'tree'
+>>> choose(2**20, world_size=2, ranks_per_node=1, shm_available=False, host_sizes=(1, 1))
+'halving_doubling'
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
 PAIR_SMALL_MESSAGE_BYTES = 2**20
 SMALL_MESSAGE_BYTES = 4 * 2**20
+HIERARCHICAL_MIN_BYTES = 64 * 2**10  # across real hosts: hierarchical from here up (to be tuned)
 
 
-def choose(nbytes: int, world_size: int, ranks_per_node: int, shm_available: bool | None = None) -> str:
+def choose(nbytes: int, world_size: int, ranks_per_node: int, shm_available: bool | None = None,
+           host_sizes: Sequence[int] | None = None) -> str:
     """Return the algorithm name for an AllReduce of ``nbytes`` bytes over ``world_size`` ranks.
 
-    ``shm_available``: None (not known yet), True or False (the group's ranks
-    are, or are not, all on one machine).
+    Args:
+        nbytes: message bytes (after any upcast).
+        world_size: ranks in the group.
+        ranks_per_node: ranks per node when nodes are equal blocks (pretend or real), else 1.
+        shm_available: None (not known yet), True or False (the group's ranks
+            are, or are not, all on one machine).
+        host_sizes: ranks on each real host (the group's locality), None: not known or
+            pretend nodes given explicitly.
     """
     if world_size == 1:
         return "ring"
     if ranks_per_node >= world_size and shm_available is not False:
         return "shm"
+    if (host_sizes is not None and len(host_sizes) > 1 and max(host_sizes) > 1
+            and nbytes >= HIERARCHICAL_MIN_BYTES):
+        return "hierarchical"
     if world_size == 2:
         return "halving_doubling" if nbytes <= PAIR_SMALL_MESSAGE_BYTES else "ring"
     if nbytes <= SMALL_MESSAGE_BYTES:

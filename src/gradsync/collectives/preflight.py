@@ -10,7 +10,8 @@ arguments:
    src or timeout, a non-tensor, a sparse, meta or (for in-place calls)
    inference tensor, an unsupported dtype, a tensor the call writes into
    whose elements overlap in memory (``expand()``), an algorithm this group cannot
-   run (``shm`` across hosts, ``hierarchical`` over unequal hosts), and
+   run (``shm`` across hosts, ``hierarchical`` with "native" across nodes over a
+   transport without backend subgroups), and
    finally the staging buffers the call will need (so that an allocation
    failure, too, is known before the exchange);
 3. resolve the algorithm ("auto" becomes what it runs) and fingerprint the
@@ -29,7 +30,7 @@ import zlib
 
 import torch
 
-from gradsync.collectives import auto, shm
+from gradsync.collectives import auto, hierarchical, native, shm
 from gradsync.collectives.call import CollectiveCall
 from gradsync.collectives.check import rejection_code, verify_layout
 from gradsync.collectives.chunking import SegmentOptions
@@ -53,9 +54,6 @@ NO_OP = _NoOp()
 FIXED_ALGORITHM = {"broadcast": "tree", "all_gather": "ring", "reduce_scatter": "ring"}
 _CHOICES = {what: (default, "shm") for what, default in FIXED_ALGORITHM.items()}
 _IN_PLACE = ("all_reduce", "broadcast")
-# Gloo's own all_reduce lacks some narrow integer types; integer sums wrap the
-# same way in int64 followed by a narrowing cast, so native upcasts them.
-_NATIVE_UPCAST = {torch.int8: torch.int64, torch.uint8: torch.int64, torch.int16: torch.int64}
 
 Rejection = tuple[int, Exception]
 
@@ -69,7 +67,7 @@ def working_dtype(dtype: torch.dtype, algorithm: str) -> torch.dtype:
     if dtype in FLOAT32_ACCUMULATED:
         return torch.float32
     if algorithm == "native":
-        return _NATIVE_UPCAST.get(dtype, dtype)
+        return native.UPCAST.get(dtype, dtype)
     return dtype
 
 
@@ -169,21 +167,25 @@ def argument_problem(tensor, what: str, op, algorithm, src, timeout, world_size:
 def resolve_algorithm(comm: Communicator, nbytes: int, algorithm: str, device: str = "cpu") -> str:
     """The AllReduce algorithm that ``algorithm`` means for ``nbytes`` bytes on ``comm`` now: itself, or
     for "auto" :func:`~gradsync.collectives.auto.choose`'s pick from the group's locality (explicit
-    ``HierarchicalOptions.ranks_per_node`` wins over the hosts; hosts of unequal size: no hierarchy)."""
+    ``HierarchicalOptions.ranks_per_node`` wins over the hosts: pretend nodes of that size; else the
+    hosts' rank counts, equal or not)."""
     if algorithm != AUTO:
         return algorithm
     explicit = comm.options(HierarchicalOptions).ranks_per_node
     known = comm.locality
+    host_sizes = None
     if explicit is not None:
         ranks_per_node = explicit
     elif known is not None:
         ranks_per_node = known.ranks_per_node or 1
+        host_sizes = known.host_sizes
     else:
         ranks_per_node = comm.world_size
     shm_available = comm.options(shm.ShmState).available
     if device != "cpu" or (known is not None and not known.one_host):
         shm_available = False
-    return auto.choose(nbytes, comm.world_size, ranks_per_node, shm_available=shm_available)
+    return auto.choose(nbytes, comm.world_size, ranks_per_node, shm_available=shm_available,
+                       host_sizes=host_sizes)
 
 
 def _runnable_problem(comm: Communicator, algorithm: str, device: str) -> Rejection | None:
@@ -197,10 +199,15 @@ def _runnable_problem(comm: Communicator, algorithm: str, device: str) -> Reject
             return _reject(cause, ValueError(f"algorithm 'shm' needs every rank of the group on one host; this "
                                              f"group has {known.describe()}"))
     if algorithm == "hierarchical":
+        options = comm.options(HierarchicalOptions)
         try:
-            comm.options(HierarchicalOptions).node_size(comm.world_size, known)
+            options.nodes(comm.world_size, known)
         except ValueError as exc:
             return _reject(cause, exc)
+        if options.inter_node_algorithm == hierarchical.NATIVE:
+            problem = hierarchical.native_problem(comm.transport)
+            if problem is not None:
+                return _reject(cause, problem)
     return None
 
 
@@ -212,12 +219,12 @@ def options_fingerprint(comm: Communicator, algorithm: str) -> int:
     elif algorithm == "shm":
         parts = (comm.options(shm.ShmState).region_bytes,)
     elif algorithm == "hierarchical":
-        nodes = comm.options(HierarchicalOptions)
+        options = comm.options(HierarchicalOptions)
         try:
-            size = nodes.node_size(comm.world_size, comm.locality)
+            nodes = zlib.crc32(repr(options.nodes(comm.world_size, comm.locality)).encode())
         except ValueError:
-            size = None
-        parts = (segment_bytes, size, nodes.inter_node_algorithm, nodes.intra_node_algorithm)
+            nodes = None
+        parts = (segment_bytes, nodes, options.inter_node_algorithm, options.intra_node_algorithm)
     else:
         parts = (segment_bytes,)
     return zlib.crc32(repr((algorithm, parts)).encode())

@@ -16,8 +16,12 @@ The ranks of a group exchange identities once (``gradsync.init``,
 >>> a, b = (1, 2, 3, 4), (5, 6, 3, 4)
 >>> derive([a, a, b, b]).ranks_per_node
 2
->>> derive([a, a, b]).ranks_per_node is None  # unequal hosts: no hierarchy
+>>> derive([a, a, b]).ranks_per_node is None  # unequal hosts: no equal blocks
 True
+>>> derive([a, b, a]).members  # hierarchical's nodes: the ranks of each host
+((0, 2), (1,))
+>>> derive([a, b, a]).host_sizes
+(2, 1)
 >>> derive([a, a, a]).one_host
 True
 """
@@ -88,6 +92,20 @@ class Locality:
         size = self.hosts.count(self.hosts[0])
         expected = tuple(rank // size for rank in range(self.world_size))
         return size if self.world_size % size == 0 and self.hosts == expected else None
+
+    @property
+    def members(self) -> tuple[tuple[int, ...], ...]:
+        """The ranks of each host, sorted, hosts in the order of their numbers (``hosts`` (0, 1, 0) ->
+        ((0, 2), (1,))): ``hierarchical``'s nodes; a rank's index in its host's tuple is its local rank."""
+        groups: dict[int, list[int]] = {}
+        for rank, host in enumerate(self.hosts):
+            groups.setdefault(host, []).append(rank)
+        return tuple(tuple(groups[host]) for host in sorted(groups))
+
+    @property
+    def host_sizes(self) -> tuple[int, ...]:
+        """Ranks on each host, in the order of :attr:`members`."""
+        return tuple(len(ranks) for ranks in self.members)
 
     def sub(self, members: Sequence[int]) -> "Locality":
         """The locality of the sub-group ``members`` (ranks of this group)."""

@@ -122,6 +122,37 @@ class TorchP2PTransport:
         work = dist.broadcast(tensor, group=self.group, group_src=src, async_op=True)
         self._wait_backend(work, "broadcast", timeout_s)
 
+    @property
+    def can_make_subgroups(self) -> bool:
+        """Whether :meth:`backend_subgroups` works: this group holds every rank of the default group
+        (``dist.new_group`` must be called by all of those)."""
+        return dist.get_world_size(self.group) == dist.get_world_size()
+
+    def backend_subgroups(self, member_lists: list[list[int]], timeout_s: float) -> list["TorchP2PTransport | None"]:
+        """Make one backend group per list of ``member_lists`` (ranks of this group), in list order.
+
+        Collective over the default group: every rank calls it with equal lists. Subgroup rank i
+        is ``members[i]`` (``sort_ranks=False``).
+
+        Returns:
+            Per list, a transport over its subgroup where this rank is a member, else None.
+
+        Raises:
+            ValueError: :attr:`can_make_subgroups` is false; PeerFailure: the creation failed or timed out.
+        """
+        if not self.can_make_subgroups:
+            raise ValueError("backend subgroups need a group that holds every rank of the default group")
+        made = []
+        for members in member_lists:
+            ranks = [rank if self.group is None else dist.get_global_rank(self.group, rank) for rank in members]
+            try:
+                group = dist.new_group(ranks, timeout=_timedelta(timeout_s), sort_ranks=False)
+            except RuntimeError as exc:
+                reason, timed_out = _classify(exc)
+                raise PeerFailure(-1, f"backend new_group {reason}", timed_out) from exc
+            made.append(TorchP2PTransport(group) if self.rank in members else None)
+        return made
+
     def _wait_backend(self, work, what: str, timeout_s: float) -> None:
         try:
             work.wait(timeout=_timedelta(timeout_s))
