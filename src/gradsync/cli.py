@@ -92,6 +92,16 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         "~/.cache/gradsync)")
     add("--out", default=None, help="run folder (default runs/<timestamp>)")
     add("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
+    add("--hosts", type=int, default=None, metavar="H", help="run on H test hosts (network, UTS, mount and PID "
+        "namespaces on this machine, root needed) with --nproc workers each: one torchrun per host")
+    add("--inter-host-gbit", type=float, default=None, metavar="G", help="--hosts: shape each host's link to "
+        "G Gbit/s (tc tbf; default unshaped)")
+    add("--join-timeout", type=float, default=d.join_timeout, metavar="S", help="--hosts: seconds the "
+        "rendezvous waits for every host (default %(default)s)")
+    add("--cut-link-at", default=None, metavar="HOST:STEP", help="--hosts fault injection: set HOST's link down "
+        "at optimizer step STEP (up again after --timeout + 5 s when --max-restarts > 0)")
+    add("--kill-host-at", default=None, metavar="HOST:STEP", help="--hosts fault injection: kill every process "
+        "on HOST at optimizer step STEP (its agent is started again when --max-restarts > 0)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -238,7 +248,7 @@ def train(args: argparse.Namespace) -> int:
     from gradsync.train.summary import algorithm_line
 
     summary = run_job(_config_from_args(args))
-    if summary is not None:
+    if summary is not None and args.hosts is None:  # across hosts, host 0's rank 0 printed it (relayed)
         print(algorithm_line(summary))
         print(f"test accuracy {100 * summary['final_test_accuracy']:.2f}% | "
               f"{summary['samples_per_s']:.0f} samples/s | {summary['wall_s']:.1f} s | "

@@ -126,7 +126,11 @@ def _init_torch_distributed(backend: str, timeout: float):
     store = _rendezvous_store(rank, world_size, timeout)
     _Default.init_generation += 1
     # The elastic agent's store outlives a restart: a new attempt must not read the last one's addresses.
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    # A store of rank 0's own (no agent store, e.g. torchrun across hosts with
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) is new for every attempt, and the agents' restart counts differ
+    # once one host's agent was replaced: there every rank must use the same namespace.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if agent_store else "0"
     generation_store = dist.PrefixStore(f"gradsync/attempt{attempt}/init{_Default.init_generation}", store)
     startup_s = max(timeout, MIN_STARTUP_TIMEOUT_S)
     _wait_for_every_rank(generation_store, rank, world_size, startup_s)

@@ -14,12 +14,16 @@ on the first N attempts instead, which lets tests exhaust ``--max-restarts``.
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 from gradsync.fault.events import EventLog
 
 INJECTED_EXIT_CODE = 17
 ATTEMPTS_ENV = "GRADSYNC_FAULT_ATTEMPTS"
+# Set by the test-host harness (``--kill-host-at HOST:STEP``) for the first agent of that host only:
+# its local rank 0 kills every process of the host (its PID namespace) before optimizer step STEP.
+KILL_HOST_ENV = "GRADSYNC_KILL_HOST_AT"
 
 
 def attempt() -> int:
@@ -59,11 +63,19 @@ class FaultPlan:
         self.hang_step = hang_at[1] if armed and hang_at and hang_at[0] == rank else None
         self.rank = rank
         self.events = events
+        kill_host = os.environ.get(KILL_HOST_ENV, "")
+        in_test_host = "GRADSYNC_TESTHOSTS" in os.environ and os.environ.get("LOCAL_RANK", "0") == "0"
+        self.kill_host_step = int(kill_host) if kill_host.isdigit() and in_test_host else None
 
     def before_step(self, step: int) -> None:
         """Call before optimizer step ``step`` (1-based); fails or hangs if this is the planned step."""
         if step == self.fail_step:
             self._announce("kill", step, f"injected failure (--fail-at {self.rank}:{step}): exiting")
+            os._exit(INJECTED_EXIT_CODE)
+        if step == self.kill_host_step:
+            self._announce("kill-host", step, f"injected host loss (--kill-host-at): killing every process "
+                                              f"of this host")
+            os.kill(-1, signal.SIGKILL)  # in a test host's PID namespace: its agent and workers, not PID 1
             os._exit(INJECTED_EXIT_CODE)
         if step == self.hang_step:
             self._announce("hang", step, f"injected hang (--hang-at {self.rank}:{step}): sleeping until stopped")

@@ -51,7 +51,8 @@ class Fault:
 
     kind: str
     host: int
-    trigger: Callable[[], bool]
+    trigger: Callable[[], bool] | None  # None: the host's own workers fire it (``first_env``)
+    first_env: dict = field(default_factory=dict)  # extra environment of the host's first agent
     restore_after_s: float = 0.0  # "cut": seconds until the link comes up again (with restarts)
     fired_at: float | None = None
     restored: bool = False
@@ -126,11 +127,11 @@ class _Runner:
             raise HostsFailedError(f"the rendezvous store in the switch did not start: "
                                    f"{store.stderr.read1(4096).decode(errors='replace') if store.poll() else 'no answer'}")
 
-    def launch(self, index: int) -> None:
+    def launch(self, index: int, extra_env: dict | None = None) -> None:
         command = torchrun_command(self.testhosts.count, self.nproc, index, STORE_PORT, self.run_id,
                                    self.join_timeout_s, self.max_restarts, self.argv)
         self.job.commands.append(command)
-        process = self.testhosts.popen(index, command, env=host_environment(), stdin=subprocess.DEVNULL,
+        process = self.testhosts.popen(index, command, env=dict(host_environment(), **(extra_env or {})), stdin=subprocess.DEVNULL,
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.relays.append(_relay(process.stdout, self.log_dir / f"host{index}.log",
                                   self.echo if index == 0 else None))
@@ -138,6 +139,10 @@ class _Runner:
 
     def apply(self, fault: Fault) -> None:
         now = time.monotonic()
+        if fault.trigger is None:
+            if fault.fired_at is None and self.processes[fault.host].poll() is not None:
+                fault.fired_at = now  # the host's workers killed it
+            return
         if fault.fired_at is None and fault.trigger():
             fault.fired_at = now
             if fault.kind == "cut":
@@ -205,9 +210,10 @@ def run_on_hosts(hosts: int, nproc: int, argv: list[str], *, inter_host_gbit: fl
             testhosts.start()
         runner = _Runner(testhosts, nproc, argv, join_timeout_s, max_restarts, folder, echo_host0)
         runner.start_store()
+        first_env = {fault.host: fault.first_env for fault in faults or [] if fault.first_env}
         for index in range(testhosts.count):
             if index not in absent_hosts:
-                runner.launch(index)
+                runner.launch(index, first_env.get(index))
         runner.wait(list(faults or []), deadline_s)
     finally:
         for process in testhosts.started:

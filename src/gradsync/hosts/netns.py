@@ -274,10 +274,27 @@ class TestHosts:
         """
         where = self.switch if index is None else self.hosts[index]
         full_env = dict(os.environ if env is None else env, **{MARKER: self.marker})
-        process = subprocess.Popen(where.nsenter() + ["--", *argv], env=full_env,
-                                   preexec_fn=_die_with_parent, **kwargs)
+        cores = self.cores(index)
+
+        def prepare() -> None:
+            _die_with_parent()
+            os.sched_setaffinity(0, cores)
+
+        process = subprocess.Popen(where.nsenter() + ["--", *argv], env=full_env, preexec_fn=prepare, **kwargs)
         self.started.append(process)
         return process
+
+    def cores(self, index: int | None) -> set[int]:
+        """The CPUs host ``index`` runs on: this machine's cores split evenly among the hosts (host h
+        gets core h mod n when there are more hosts than cores; the switch gets all), so that each
+        host's workers size their thread pools (``torch.set_num_threads``) to their own share."""
+        available = sorted(os.sched_getaffinity(0))
+        if index is None:
+            return set(available)
+        if self.count >= len(available):
+            return {available[index % len(available)]}
+        share = len(available) // self.count
+        return set(available[index * share:(index + 1) * share])
 
     def run(self, index: int | None, argv: list[str], timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
         """Run ``argv`` inside host ``index`` to completion (output captured as text)."""

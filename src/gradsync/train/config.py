@@ -56,6 +56,11 @@ class TrainConfig:
     data_dir: str | None = None     # cache for the generated arrays
     out: str | None = None          # run folder (default runs/<timestamp>)
     progress: bool = True           # tqdm bar on rank 0
+    hosts: int | None = None        # test hosts (namespaces) with --nproc workers each, one torchrun per host
+    inter_host_gbit: float | None = None  # --hosts: egress rate of each host's link (tc tbf), Gbit/s
+    join_timeout: float = 30.0      # --hosts: seconds torchrun's rendezvous waits for every host
+    cut_link_at: str | None = None  # "HOST:STEP": the harness sets that host's link down at that step
+    kill_host_at: str | None = None  # "HOST:STEP": the harness kills every process on that host at that step
 
     def global_batch_size(self, world_size: int) -> int:
         return self.batch_size * self.accumulate * world_size
@@ -65,8 +70,25 @@ class TrainConfig:
         return world_size - 1 if self.mode == "async" else world_size
 
     def world_size(self) -> int:
-        """Processes ``gradsync train`` starts locally for ``nproc`` workers."""
+        """Processes ``gradsync train`` starts for ``nproc`` workers (per host with ``hosts``)."""
+        if self.hosts is not None:
+            return self.hosts * self.nproc
         return self.nproc + 1 if self.mode == "async" else self.nproc
+
+    def host_fault(self, name: str) -> tuple[int, int] | None:
+        """``(host, step)`` of ``--cut-link-at`` / ``--kill-host-at`` (``name``: the field), or None."""
+        text = getattr(self, name)
+        if text is None:
+            return None
+        option = "--" + name.replace("_", "-")
+        host, _, step = text.partition(":")
+        if not (host.isdigit() and step.isdigit()):
+            raise ValueError(f"{option} must be HOST:STEP (two integers), got {text!r}")
+        if self.hosts is None or int(host) >= self.hosts:
+            raise ValueError(f"{option} {text}: needs --hosts H with HOST in [0, H)")
+        if int(step) < 1:
+            raise ValueError(f"{option} {text}: STEP must be >= 1")
+        return int(host), int(step)
 
     def main_rank(self, world_size: int) -> int:
         """The rank that writes the run folder: the server (last rank) in async mode, else rank 0."""
@@ -116,6 +138,12 @@ def validate(config: TrainConfig) -> None:
     checks = [
         (config.nproc >= 1, f"--nproc must be >= 1, got {config.nproc}"),
         (config.epochs >= 1, f"--epochs must be >= 1, got {config.epochs}"),
+        (config.hosts is None or 1 <= config.hosts <= 250, f"--hosts must be in [1, 250], got {config.hosts}"),
+        (config.inter_host_gbit is None or (config.hosts is not None and 0 < config.inter_host_gbit <= 1000),
+         f"--inter-host-gbit needs --hosts and must be in (0, 1000] Gbit/s, got {config.inter_host_gbit}"),
+        (0 < config.join_timeout <= MAX_TIMEOUT_S,
+         f"--join-timeout must be in (0, {MAX_TIMEOUT_S}] seconds, got {config.join_timeout}"),
+        (config.hosts is None or config.mode == "sync", "--hosts runs --mode sync only (for now)"),
         (config.batch_size >= 1, f"--batch-size must be >= 1, got {config.batch_size}"),
         (config.accumulate >= 1, f"--accumulate must be >= 1, got {config.accumulate}"),
         (0 < config.lr < math.inf, f"--lr must be a finite number > 0, got {config.lr}"),

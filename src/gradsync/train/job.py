@@ -158,6 +158,8 @@ def _run_job(config: TrainConfig) -> dict | None:
     if config.checkpoint_dir is not None:
         config.checkpoint_dir = str(check_checkpoint_dir(config.checkpoint_dir))
         check_resumable(config, world_size)
+    if config.hosts is not None and not torchrun:
+        return _run_on_hosts(config)
     if torchrun and config.out is None:
         config.out = torchrun_out_dir()
     writes_folder = not torchrun or int(os.environ.get("RANK", "0")) == config.main_rank(world_size)
@@ -165,7 +167,8 @@ def _run_job(config: TrainConfig) -> dict | None:
         data_path = data.prepare(config.data_dir, config.num_samples)
         return run_worker(config, str(data_path), str(config.out or "runs/unused"))
     # torchrun restarts this whole function: a restarted rank 0 continues the folder it claimed
-    out_dir, created = claim_out_dir(config.out, reuse=torchrun and attempt() > 0)
+    # (a replaced host's new agent counts its attempts from 0: a resumable job may always take its folder over)
+    out_dir, created = claim_out_dir(config.out, reuse=torchrun and (attempt() > 0 or config.checkpoint_dir is not None))
     config.out = str(out_dir)
     try:
         data_path = data.prepare(config.data_dir, config.num_samples)  # after --out: a bad folder costs nothing
@@ -181,6 +184,23 @@ def _run_job(config: TrainConfig) -> dict | None:
         return results[config.main_rank(world_size)]
     finally:
         release_out_dir(out_dir, created)
+
+
+def _run_on_hosts(config: TrainConfig) -> dict:
+    """The job across ``config.hosts`` test hosts (:mod:`gradsync.train.hosts_job`)."""
+    from gradsync.hosts.netns import unavailable_reason
+    from gradsync.train.hosts_job import run_on_test_hosts
+
+    for name in ("cut_link_at", "kill_host_at"):
+        config.host_fault(name)
+    reason = unavailable_reason()
+    if reason:
+        raise ValueError(f"--hosts: {reason}")
+    out_dir = (Path(config.out) if config.out else default_out_dir()).resolve()
+    if (out_dir / METRICS_FILE).exists():
+        raise ValueError(f"--out {out_dir} already holds a run ({METRICS_FILE}); choose another folder")
+    data.prepare(config.data_dir, config.num_samples)  # once here, not on every host at the same time
+    return run_on_test_hosts(config, out_dir)  # HostsFailedError names the host and its error
 
 
 def _with_restarts(failure: WorkerFailedError, max_restarts: int) -> WorkerFailedError:

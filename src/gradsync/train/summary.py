@@ -40,6 +40,14 @@ class RunTotals:
     per_rank_communication_s: list[float]
 
 
+def _hosts() -> int:
+    """How many hosts the default group's ranks run on (from the host identities they exchanged)."""
+    from gradsync.process_group import default_communicator, is_initialized
+
+    locality = default_communicator().locality if is_initialized() else None
+    return len(set(locality.hosts)) if locality is not None else 1
+
+
 def build_summary(config: TrainConfig, epochs: list[dict], totals: RunTotals, staleness: dict,
                   algorithms: list[tuple[int, str]], model: torch.nn.Module, data: Splits,
                   extra: dict) -> dict:
@@ -61,6 +69,7 @@ def build_summary(config: TrainConfig, epochs: list[dict], totals: RunTotals, st
         "final_test_loss": last["test_loss"],
         "final_train_loss": last["train_loss"],
         "world_size": t.world_size,
+        "hosts": _hosts(),
         "mode": config.mode,
         "num_workers": t.num_workers,
         "compression": config.compression,
