@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from gradsync.hosts import netns
-from gradsync.hosts.launch import HostsFailedError, host_environment, run_on_hosts
+from gradsync.hosts.torchrun import HostsFailedError, host_environment, run_on_hosts
 from gradsync.hosts.netns import TestHosts, host_addr
 
 REASON = netns.unavailable_reason()

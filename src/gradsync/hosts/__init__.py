@@ -1,0 +1,1 @@
+"""Test hosts: emulated machines in Linux namespaces (netns), their store, and one torchrun per host."""

@@ -4,7 +4,7 @@ The options are checked here first (a bad one costs no namespace), the run
 folder gets an absolute path every host writes to (the hosts share this
 machine's file system; only ``/dev/shm`` and ``/proc`` are private), and each
 host runs ``torchrun ... -m gradsync train <the same options>``
-(:mod:`gradsync.hosts.launch`). ``--max-restarts`` goes to torchrun (its agents
+(:mod:`gradsync.hosts.torchrun`). ``--max-restarts`` goes to torchrun (its agents
 restart the workers, which resume from ``<run folder>/checkpoints``);
 ``--cut-link-at`` / ``--kill-host-at`` are carried out by the harness when
 rank 0's ``metrics.jsonl`` reaches the step.
@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from gradsync.fault.injection import KILL_HOST_ENV
-from gradsync.hosts.launch import Fault, run_on_hosts
+from gradsync.hosts.torchrun import Fault, run_on_hosts
 from gradsync.train.config import TrainConfig
 from gradsync.train.metrics import METRICS_FILE, SUMMARY_FILE
 
