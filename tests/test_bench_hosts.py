@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gradsync.bench import hosts as bench_hosts
+from gradsync.bench import across_hosts as bench_hosts
 from gradsync.bench.allreduce import _worker_argv, format_table
 from gradsync.cli import main
 from gradsync.hosts import netns

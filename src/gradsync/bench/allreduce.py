@@ -9,7 +9,7 @@ they see the same machine noise; the time of a repetition is the slowest
 rank's, and the reported time is the median over repetitions (OSU-style
 warm-up first, fewer iterations for large messages).
 
-With ``--hosts H`` the sweep runs on H test hosts (:mod:`gradsync.bench.hosts`);
+With ``--hosts H`` the sweep runs on H test hosts (:mod:`gradsync.bench.across_hosts`);
 rows then also give ``link_gbps``: the bytes host 0's interface sent during a
 row's timed calls (headers included) over their time, and ``link_fraction`` =
 link_gbps / the shaped rate (``--inter-host-gbit``).
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 import gradsync
-from gradsync.bench.hosts import LinkMeter, check_host_options, run_bench_on_hosts, world_layout
+from gradsync.bench.across_hosts import LinkMeter, check_host_options, run_bench_on_hosts, world_layout
 from gradsync.bench.output import claim_json_path, fmt_optional, write_json
 from gradsync.bench.mpi import MPI_COLUMN, MpiAllReduce, free_port, mpi_available, run_with_mpiexec
 from gradsync.collectives import HierarchicalOptions, SegmentOptions, ops
@@ -174,11 +174,13 @@ def run_worker(sizes: list[int], algorithms: list[str], repetitions: int, ranks_
 def format_table(rows: list[dict]) -> str:
     """Render rows as an aligned text table with units in the header.
 
-    Columns "hosts" (HxL) always; "link [Gb/s]" with hosts > 1; "link %" of the shaped rate when shaped.
+    With hosts > 1 also "hosts" (HxL) and "link [Gb/s]"; "link %" of the shaped rate when shaped.
+    (One-host tables keep their columns: docs/benchmarks.md renders committed rows.)
     """
     multi = any(row.get("hosts", 1) > 1 for row in rows)
     shaped = any(row.get("link_fraction") is not None for row in rows)
-    header = (f"{'hosts':>6} {'size [B]':>12} {'algorithm':>17} {'time [us]':>11} {'algbw [GB/s]':>13} "
+    header = ((f"{'hosts':>6} " if multi else "")
+              + f"{'size [B]':>12} {'algorithm':>17} {'time [us]':>11} {'algbw [GB/s]':>13} "
               f"{'busbw [GB/s]':>13} {'vs native':>10} {'sent/size':>10}"
               + (f" {'link [Gb/s]':>12}" if multi else "") + (f" {'link %':>7}" if shaped else ""))
     lines = [header, "-" * len(header)]
@@ -186,7 +188,8 @@ def format_table(rows: list[dict]) -> str:
         ratio = "-" if row["ratio_to_native"] is None else f"{row['ratio_to_native']:.2f}x"
         layout = f"{row.get('hosts', 1)}x{row.get('nproc_per_host', row['world_size'])}"
         fraction = row.get("link_fraction")
-        lines.append(f"{layout:>6} {row['nbytes']:>12} {row['algorithm']:>17} {row['time_us']:>11.1f} "
+        lines.append((f"{layout:>6} " if multi else "")
+                     + f"{row['nbytes']:>12} {row['algorithm']:>17} {row['time_us']:>11.1f} "
                      f"{row['algbw_gbps']:>13.3f} {row['busbw_gbps']:>13.3f} {ratio:>10} "
                      f"{row['bytes_sent_per_call'] / max(row['nbytes'], 1):>10.3f}"
                      + (f" {fmt_optional(row.get('link_gbps'), '.3f'):>12}" if multi else "")

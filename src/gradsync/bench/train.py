@@ -16,7 +16,7 @@ communication, comparable across implementations; ``exposed_comm_fraction``
 does not expose its communication time, so it is None there).
 
 With ``--hosts H`` one world of H test hosts x ``--nproc`` ranks runs under
-torchrun (:mod:`gradsync.bench.hosts`); rows gain ``hosts`` and ``nproc_per_host``.
+torchrun (:mod:`gradsync.bench.across_hosts`); rows gain ``hosts`` and ``nproc_per_host``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import gradsync
-from gradsync.bench.hosts import check_host_options, run_bench_on_hosts, world_layout
+from gradsync.bench.across_hosts import check_host_options, run_bench_on_hosts, world_layout
 from gradsync.bench.output import claim_json_path, fmt_optional, write_json
 from gradsync.train.job import under_torchrun
 from gradsync.train.models import build_model
@@ -238,7 +238,8 @@ def _current_rss_mib() -> float:
 def format_table(rows: list[dict]) -> str:
     """Render throughput rows as an aligned text table (times per step in ms)."""
     multi = any(row.get("hosts", 1) > 1 for row in rows)
-    header = ((f"{'hosts':>6} " if multi else "") + f"{'model':>6} {'world_size':>10} {'impl':>9} {'algorithm':>17} {'samples/s':>10} "
+    header = ((f"{'hosts':>6} " if multi else "")
+              + f"{'model':>6} {'world_size':>10} {'impl':>9} {'algorithm':>17} {'samples/s':>10} "
               f"{'ratio_to_ddp':>12} {'comm_ms/step':>12} {'exposed_ms/step':>15} {'exposed/comm':>12} "
               f"{'step overhead %':>15}")
     lines = [header, "-" * len(header)]
