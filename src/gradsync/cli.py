@@ -218,6 +218,7 @@ def _add_allreduce_bench_options(parser: argparse.ArgumentParser) -> None:
     add("--segment-bytes", type=int, default=None, help="pipelining segment of ring and tree "
         "(default: the library's)")
     add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
+    _add_bench_hosts_options(parser)
 
 
 def _add_train_bench_options(parser: argparse.ArgumentParser) -> None:
@@ -236,6 +237,19 @@ def _add_train_bench_options(parser: argparse.ArgumentParser) -> None:
     add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
     add("--no-memory", dest="memory", action="store_false", help="skip the peak-memory comparison of "
         "gradient_as_bucket_view False/True (largest model, world size 2)")
+    _add_bench_hosts_options(parser)
+
+
+def _add_bench_hosts_options(parser: argparse.ArgumentParser) -> None:
+    from gradsync.hosts.launch import DEFAULT_JOIN_TIMEOUT_S
+
+    add = parser.add_argument
+    add("--hosts", type=int, default=None, help="run on this many test hosts (network namespaces, needs "
+        "root), one torchrun each; --nproc is then the ranks per host")
+    add("--inter-host-gbit", type=float, default=None, help="shape each test host's link to this rate "
+        "(Gbit/s, tc tbf) (default: unshaped)")
+    add("--join-timeout", type=float, default=DEFAULT_JOIN_TIMEOUT_S, help="seconds the hosts' rendezvous "
+        "waits for every host (default %(default)s)")
 
 
 def _config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -261,7 +275,8 @@ def bench_allreduce(args: argparse.Namespace) -> int:
 
     run_sweep(nproc=args.nproc, sizes=args.sizes, algorithms=args.algorithms,
               repetitions=args.repetitions, ranks_per_node=args.ranks_per_node,
-              segment_bytes=args.segment_bytes, json_path=args.json)
+              segment_bytes=args.segment_bytes, json_path=args.json, hosts=args.hosts,
+              inter_host_gbit=args.inter_host_gbit, join_timeout_s=args.join_timeout)
     return 0
 
 
@@ -269,7 +284,8 @@ def bench_train(args: argparse.Namespace) -> int:
     from gradsync.bench.train import run_bench
 
     run_bench(nproc=args.nproc, models=args.model, algorithms=args.algorithms, steps=args.steps,
-              warmup=args.warmup, rounds=args.rounds, json_path=args.json, memory=args.memory)
+              warmup=args.warmup, rounds=args.rounds, json_path=args.json, memory=args.memory,
+              hosts=args.hosts, inter_host_gbit=args.inter_host_gbit, join_timeout_s=args.join_timeout)
     return 0
 
 

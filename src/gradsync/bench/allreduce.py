@@ -8,6 +8,11 @@ backend's own call). Algorithms are interleaved inside every repetition so
 they see the same machine noise; the time of a repetition is the slowest
 rank's, and the reported time is the median over repetitions (OSU-style
 warm-up first, fewer iterations for large messages).
+
+With ``--hosts H`` the sweep runs on H test hosts (:mod:`gradsync.bench.across_hosts`);
+rows then also give ``link_gbps``: the bytes host 0's interface sent during a
+row's timed calls (headers included) over their time, and ``link_fraction`` =
+link_gbps / the shaped rate (``--inter-host-gbit``).
 """
 
 from __future__ import annotations
@@ -23,11 +28,13 @@ from pathlib import Path
 import torch
 
 import gradsync
-from gradsync.bench.output import claim_json_path, write_json
+from gradsync.bench.across_hosts import LinkMeter, check_host_options, run_bench_on_hosts, world_layout
+from gradsync.bench.output import claim_json_path, fmt_optional, write_json
 from gradsync.bench.mpi import MPI_COLUMN, MpiAllReduce, free_port, mpi_available, run_with_mpiexec
 from gradsync.collectives import HierarchicalOptions, SegmentOptions, ops
 from gradsync.collectives.communicator import Communicator
 from gradsync.process_group import default_communicator
+from gradsync.train.job import under_torchrun
 
 _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
           "G": 2**30, "GB": 2**30, "GIB": 2**30}
@@ -35,7 +42,9 @@ MIN_NBYTES, MAX_NBYTES = 4, 2**30
 TARGET_BYTES_PER_REP = 8 * 2**20  # iterations per repetition: enough calls to move ~8 MiB
 MAX_ITERATIONS = 100
 DEFAULT_ALGORITHMS = "ring,tree,halving_doubling,hierarchical,shm,shm_zero_copy,native"
+HOSTS_ALGORITHMS = "ring,tree,halving_doubling,hierarchical,native,auto"  # shm cannot cross hosts
 ZERO_COPY = "shm_zero_copy"  # shm on a buffer that already lies in shared memory (ops.shared_buffer)
+ONE_HOST_ONLY = ("shm", ZERO_COPY)
 
 
 def parse_nbytes(text: str) -> int:
@@ -65,6 +74,10 @@ class Row:
     bytes_sent_per_call: float   # payload bytes this rank sent per call (rank 0)
     repetitions: int
     iterations: int
+    hosts: int = 1
+    nproc_per_host: int = 1
+    link_gbps: float | None = None      # host 0's interface, during the timed calls (hosts > 1)
+    link_fraction: float | None = None  # link_gbps / --inter-host-gbit (shaped links only)
 
 
 def _iterations(nbytes: int) -> int:
@@ -72,8 +85,10 @@ def _iterations(nbytes: int) -> int:
 
 
 def _time_once(comm: Communicator, tensor: torch.Tensor, algorithm: str, iterations: int,
-               mpi_all_reduce=None, shared: torch.Tensor | None = None) -> float:
+               mpi_all_reduce=None, shared: torch.Tensor | None = None, meter: LinkMeter | None = None) -> float:
     ops.all_reduce(torch.zeros(1), comm, algorithm="native", verify=False)  # line the ranks up
+    if meter is not None:
+        meter.start()
     started = time.perf_counter()
     for _ in range(iterations):
         if algorithm == MPI_COLUMN:
@@ -82,18 +97,25 @@ def _time_once(comm: Communicator, tensor: torch.Tensor, algorithm: str, iterati
             ops.all_reduce(shared, comm, algorithm="shm", verify=False)
         else:
             ops.all_reduce(tensor, comm, algorithm=algorithm, verify=False)
-    return (time.perf_counter() - started) / iterations
+    seconds = time.perf_counter() - started
+    if meter is not None:
+        meter.stop(algorithm)
+    return seconds / iterations
 
 
 def _slowest_rank(comm: Communicator, seconds: float) -> float:
     return max(float(t) for t in ops.all_gather(torch.tensor([seconds], dtype=torch.float64), comm))
 
 
-def sweep(comm: Communicator, sizes: list[int], algorithms: list[str], repetitions: int) -> list[Row]:
+def sweep(comm: Communicator, sizes: list[int], algorithms: list[str], repetitions: int,
+          layout: tuple[int, int] | None = None, link_gbit: float | None = None) -> list[Row]:
     """Measure every (size, algorithm); collective: every rank calls it with the same arguments.
 
     ``"mpi"`` among ``algorithms`` times MPI_Allreduce (the processes must run under mpiexec).
+    ``layout``: (hosts, ranks per host), default (1, world size); with hosts > 1 rank 0 also
+    reads its host's interface counters (``link_gbps``), over ``link_gbit`` when shaped.
     """
+    hosts, per_host = layout or (1, comm.world_size)
     mpi_all_reduce = MpiAllReduce() if MPI_COLUMN in algorithms else None
     arena = None
     if ZERO_COPY in algorithms:  # the data already lies in shared memory, as DataParallel's buckets do
@@ -108,27 +130,34 @@ def sweep(comm: Communicator, sizes: list[int], algorithms: list[str], repetitio
         iterations = _iterations(nbytes)
         times: dict[str, list[float]] = {name: [] for name in algorithms}
         sent: dict[str, float] = {}
+        meter = LinkMeter() if hosts > 1 and comm.rank == 0 else None
         for name in algorithms:  # warm-up: buffers, connections, caches
             _time_once(comm, tensor, name, 1, mpi_all_reduce, shared)
         for _ in range(repetitions):
             for name in algorithms:
                 before = comm.stats.bytes_sent
-                seconds = _time_once(comm, tensor, name, iterations, mpi_all_reduce, shared)
+                seconds = _time_once(comm, tensor, name, iterations, mpi_all_reduce, shared, meter)
                 sent[name] = (comm.stats.bytes_sent - before) / iterations
                 times[name].append(_slowest_rank(comm, seconds))
         median = {name: statistics.median(values) for name, values in times.items()}
         for name in algorithms:
             algbw = tensor.numel() * 4 / median[name] / 1e9
             ratio = median["native"] / median[name] if "native" in median else None
+            link = meter.gbps(name) if meter is not None else None
+            fraction = link / link_gbit if link is not None and link_gbit else None
             rows.append(Row(name, world_size, tensor.numel() * 4, median[name] * 1e6, algbw,
                             algbw * 2 * (world_size - 1) / world_size, ratio, sent[name],
-                            repetitions, iterations))
+                            repetitions, iterations, hosts, per_host, link, fraction))
     return rows
 
 
 def run_worker(sizes: list[int], algorithms: list[str], repetitions: int, ranks_per_node: int | None,
-               segment_bytes: int | None) -> list[dict] | None:
-    """Entry point of one benchmark process; rank 0 returns the rows."""
+               segment_bytes: int | None, layout: tuple[int, int] | None = None,
+               link_gbit: float | None = None) -> list[dict] | None:
+    """Entry point of one benchmark process; rank 0 returns the rows.
+
+    ``ranks_per_node`` None: hierarchical groups ranks by real host (the group's locality).
+    """
     torch.set_num_threads(1)
     gradsync.init()
     try:
@@ -136,27 +165,48 @@ def run_worker(sizes: list[int], algorithms: list[str], repetitions: int, ranks_
         segments = SegmentOptions(segment_bytes) if segment_bytes else base.options(SegmentOptions)
         comm = Communicator(base.transport, base.timeout_s,
                             options=[segments, HierarchicalOptions(ranks_per_node=ranks_per_node)])
-        rows = sweep(comm, sizes, algorithms, repetitions)
+        rows = sweep(comm, sizes, algorithms, repetitions, layout, link_gbit)
         return [asdict(row) for row in rows] if comm.rank == 0 else None
     finally:
         gradsync.shutdown()
 
 
 def format_table(rows: list[dict]) -> str:
-    """Render rows as an aligned text table with units in the header."""
-    header = (f"{'size [B]':>12} {'algorithm':>17} {'time [us]':>11} {'algbw [GB/s]':>13} "
-              f"{'busbw [GB/s]':>13} {'vs native':>10} {'sent/size':>10}")
+    """Render rows as an aligned text table with units in the header.
+
+    With hosts > 1 also "hosts" (HxL) and "link [Gb/s]"; "link %" of the shaped rate when shaped.
+    (One-host tables keep their columns: docs/benchmarks.md renders committed rows.)
+    """
+    multi = any(row.get("hosts", 1) > 1 for row in rows)
+    shaped = any(row.get("link_fraction") is not None for row in rows)
+    header = ((f"{'hosts':>6} " if multi else "")
+              + f"{'size [B]':>12} {'algorithm':>17} {'time [us]':>11} {'algbw [GB/s]':>13} "
+              f"{'busbw [GB/s]':>13} {'vs native':>10} {'sent/size':>10}"
+              + (f" {'link [Gb/s]':>12}" if multi else "") + (f" {'link %':>7}" if shaped else ""))
     lines = [header, "-" * len(header)]
     for row in rows:
         ratio = "-" if row["ratio_to_native"] is None else f"{row['ratio_to_native']:.2f}x"
-        lines.append(f"{row['nbytes']:>12} {row['algorithm']:>17} {row['time_us']:>11.1f} "
+        layout = f"{row.get('hosts', 1)}x{row.get('nproc_per_host', row['world_size'])}"
+        fraction = row.get("link_fraction")
+        lines.append((f"{layout:>6} " if multi else "")
+                     + f"{row['nbytes']:>12} {row['algorithm']:>17} {row['time_us']:>11.1f} "
                      f"{row['algbw_gbps']:>13.3f} {row['busbw_gbps']:>13.3f} {ratio:>10} "
-                     f"{row['bytes_sent_per_call'] / max(row['nbytes'], 1):>10.3f}")
+                     f"{row['bytes_sent_per_call'] / max(row['nbytes'], 1):>10.3f}"
+                     + (f" {fmt_optional(row.get('link_gbps'), '.3f'):>12}" if multi else "")
+                     + (f" {fmt_optional(None if fraction is None else 100 * fraction, '.1f'):>7}"
+                        if shaped else ""))
     return "\n".join(lines)
 
 
 def _parse_options(nproc: int, sizes: str, algorithms: str | None, repetitions: int,
-                   ranks_per_node: int | None, segment_bytes: int | None) -> tuple[list[int], list[str], int]:
+                   ranks_per_node: int | None, segment_bytes: int | None,
+                   hosts: int | None = None) -> tuple[list[int], list[str], int | None]:
+    """Checked sizes, algorithm names (native added) and ranks per pretend node (None across hosts).
+
+    Raises:
+        ValueError: a bad option; with ``hosts`` > 1, shm/shm_zero_copy (cannot cross hosts);
+        with ``hosts``, mpi or --ranks-per-node (hierarchical groups by real host).
+    """
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     if repetitions < 1:
@@ -167,36 +217,79 @@ def _parse_options(nproc: int, sizes: str, algorithms: str | None, repetitions: 
             raise ValueError(f"--sizes: {nbytes} bytes is outside [{MIN_NBYTES}, {MAX_NBYTES}] "
                              f"(one float32 to 1 GiB per message)")
     if algorithms is None:
-        algorithms = DEFAULT_ALGORITHMS + (f",{MPI_COLUMN}" if mpi_available() else "")
+        algorithms = HOSTS_ALGORITHMS if hosts else (
+            DEFAULT_ALGORITHMS + (f",{MPI_COLUMN}" if mpi_available() else ""))
     names = [name.strip() for name in algorithms.split(",")]
     for name in names:
+        if name == MPI_COLUMN and hosts:
+            raise ValueError("--algorithms mpi does not run across --hosts (mpiexec starts the processes)")
         if name == MPI_COLUMN and not mpi_available():
             raise ValueError("--algorithms mpi needs mpi4py and mpiexec: pip install -e '.[mpi]' in the "
                              "clone, or 'gradsync[mpi]'")
         if name not in ops.ALGORITHMS + (MPI_COLUMN, ZERO_COPY):
             raise ValueError(f"unknown algorithm {name!r} in --algorithms; choose from "
                              f"{', '.join(ops.ALGORITHMS + (ZERO_COPY, MPI_COLUMN))}")
+        if name in ONE_HOST_ONLY and hosts and hosts > 1:
+            raise ValueError(f"--algorithms {name}: shared memory cannot cross hosts (--hosts {hosts}); "
+                             f"use hierarchical (shm inside each host)")
     if "native" not in names:
         names.append("native")
+    if segment_bytes is not None and segment_bytes < 1:
+        raise ValueError(f"--segment-bytes must be >= 1, got {segment_bytes}")
+    if hosts:
+        if ranks_per_node is not None:
+            raise ValueError("--ranks-per-node pretends nodes on one machine; with --hosts, hierarchical "
+                             "groups the ranks by their real host")
+        return size_list, names, None
     if ranks_per_node is None:
         ranks_per_node = 2 if nproc >= 4 and nproc % 2 == 0 else nproc
     if ranks_per_node < 1 or nproc % ranks_per_node:
         raise ValueError(f"--ranks-per-node {ranks_per_node} must be >= 1 and divide --nproc {nproc}")
-    if segment_bytes is not None and segment_bytes < 1:
-        raise ValueError(f"--segment-bytes must be >= 1, got {segment_bytes}")
     return size_list, names, ranks_per_node
 
 
-def run_sweep(*, nproc: int, sizes: str, algorithms: str | None, repetitions: int, ranks_per_node: int | None,
-              segment_bytes: int | None, json_path: str | None) -> list[dict]:
-    """Validate the options, run the sweep in ``nproc`` local processes, print the table, write JSON."""
-    from gradsync.launch import launch_local
+def _worker_argv(sizes: str, names: list[str], repetitions: int, segment_bytes: int | None,
+                 inter_host_gbit: float | None) -> list[str]:
+    """The bench command each torchrun worker runs (without --hosts; the rate only labels link %).
 
+    No --nproc: torchrun's own parser would take it for a prefix of its --nproc-per-node (ambiguous).
+    """
+    argv = ["bench", "allreduce", "--sizes", sizes, "--algorithms", ",".join(names),
+            "--repetitions", str(repetitions)]
+    if segment_bytes:
+        argv += ["--segment-bytes", str(segment_bytes)]
+    if inter_host_gbit is not None:
+        argv += ["--inter-host-gbit", f"{inter_host_gbit:g}"]
+    return argv
+
+
+def run_sweep(*, nproc: int, sizes: str, algorithms: str | None, repetitions: int, ranks_per_node: int | None,
+              segment_bytes: int | None, json_path: str | None, hosts: int | None = None,
+              inter_host_gbit: float | None = None, join_timeout_s: float = 30.0) -> list[dict]:
+    """Validate the options, run the sweep, print the table, write JSON; returns the rows.
+
+    Local: ``nproc`` processes on this machine. ``hosts``: ``nproc`` ranks on each of
+    ``hosts`` test hosts (rank 0 prints and writes). Under torchrun (a worker of such a
+    run, or of the user's own): this process is one rank of the sweep.
+    """
+    if under_torchrun():
+        return _run_as_torchrun_worker(nproc, sizes, algorithms, repetitions, ranks_per_node, segment_bytes,
+                                       json_path, hosts, inter_host_gbit)
+    check_host_options(hosts, inter_host_gbit, join_timeout_s)
     size_list, names, ranks_per_node = _parse_options(nproc, sizes, algorithms, repetitions,
-                                                      ranks_per_node, segment_bytes)
+                                                      ranks_per_node, segment_bytes, hosts)
     claim_json_path(json_path)
+    if hosts:
+        shaping = f"{inter_host_gbit:g} Gbit/s per host link" if inter_host_gbit else "unshaped links"
+        print(f"# gradsync bench allreduce: {hosts} test hosts x {nproc} ranks, {shaping}", flush=True)
+        return run_bench_on_hosts(hosts, nproc, _worker_argv(sizes, names, repetitions, segment_bytes,
+                                                             inter_host_gbit),
+                                  inter_host_gbit=inter_host_gbit, join_timeout_s=join_timeout_s,
+                                  json_path=json_path)
     print(f"# gradsync bench allreduce: world_size={nproc} ranks_per_node={ranks_per_node} float32, "
           f"1 thread per rank, median of {repetitions} interleaved repetitions", flush=True)
+    from gradsync.launch import launch_local
+
     if MPI_COLUMN in names:  # MPI_COMM_WORLD needs processes started by mpiexec
         rows = run_with_mpiexec(nproc, dict(sizes=size_list, algorithms=names, repetitions=repetitions,
                                             ranks_per_node=ranks_per_node, segment_bytes=segment_bytes))
@@ -207,6 +300,24 @@ def run_sweep(*, nproc: int, sizes: str, algorithms: str | None, repetitions: in
     if json_path:
         write_json(json_path, rows)
     return rows
+
+
+def _run_as_torchrun_worker(nproc, sizes, algorithms, repetitions, ranks_per_node, segment_bytes,
+                            json_path, hosts, inter_host_gbit) -> list[dict]:
+    """One rank started by torchrun: hosts and ranks per host come from its environment."""
+    if hosts:
+        raise ValueError("--hosts starts torchrun on test hosts; this process already runs under torchrun")
+    layout = world_layout()  # torchrun's --nproc-per-node decides; --nproc only counts for a local run
+    size_list, names, _ = _parse_options(layout[1], sizes, algorithms, repetitions, None, segment_bytes,
+                                         hosts=layout[0])
+    rows = run_worker(size_list, names, repetitions, ranks_per_node, segment_bytes, layout, inter_host_gbit)
+    if rows is not None:
+        print(f"# gradsync bench allreduce: {layout[0]} hosts x {layout[1]} ranks, float32, 1 thread per "
+              f"rank, median of {repetitions} interleaved repetitions", flush=True)
+        print(format_table(rows), flush=True)
+        if json_path:
+            write_json(json_path, rows)
+    return rows or []
 
 
 def _main_under_mpiexec(options_path: str, rows_path: str) -> None:

@@ -14,6 +14,9 @@ speed of a step does not depend on the values. ``step_overhead_fraction`` =
 communication, comparable across implementations; ``exposed_comm_fraction``
 = exposed / total communication seconds is gradsync's own measurement (DDP
 does not expose its communication time, so it is None there).
+
+With ``--hosts H`` one world of H test hosts x ``--nproc`` ranks runs under
+torchrun (:mod:`gradsync.bench.across_hosts`); rows gain ``hosts`` and ``nproc_per_host``.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import gradsync
+from gradsync.bench.across_hosts import check_host_options, run_bench_on_hosts, world_layout
 from gradsync.bench.output import claim_json_path, fmt_optional, write_json
+from gradsync.train.job import under_torchrun
 from gradsync.train.models import build_model
 from gradsync.train.setup import threads_per_worker
 
@@ -179,14 +184,20 @@ def summarize(model: str, results: dict[tuple[str, str], list[dict]], steps: int
 
 
 def run_worker(models: list[str], algorithms: list[str], steps: int, warmup: int,
-               rounds: int) -> list[dict] | None:
-    """Entry point of one throughput process; rank 0 returns the rows."""
+               rounds: int, layout: tuple[int, int] | None = None) -> list[dict] | None:
+    """Entry point of one throughput process; rank 0 returns the rows.
+
+    ``layout``: (hosts, ranks per host), default one host of every rank.
+    """
     gradsync.init()
     try:
-        torch.set_num_threads(threads_per_worker(gradsync.world_size()))
+        torch.set_num_threads(threads_per_worker(gradsync.world_size()))  # test hosts share these cores
+        hosts, per_host = layout or (1, gradsync.world_size())
         rows = []
         for model in models:
             rows += bench_model(model, algorithms, steps_for(model, steps), warmup, rounds)
+        for row in rows:
+            row.update(hosts=hosts, nproc_per_host=per_host)
         return rows if gradsync.rank() == 0 else None
     finally:
         gradsync.shutdown()
@@ -226,14 +237,18 @@ def _current_rss_mib() -> float:
 
 def format_table(rows: list[dict]) -> str:
     """Render throughput rows as an aligned text table (times per step in ms)."""
-    header = (f"{'model':>6} {'world_size':>10} {'impl':>9} {'algorithm':>17} {'samples/s':>10} "
+    multi = any(row.get("hosts", 1) > 1 for row in rows)
+    header = ((f"{'hosts':>6} " if multi else "")
+              + f"{'model':>6} {'world_size':>10} {'impl':>9} {'algorithm':>17} {'samples/s':>10} "
               f"{'ratio_to_ddp':>12} {'comm_ms/step':>12} {'exposed_ms/step':>15} {'exposed/comm':>12} "
               f"{'step overhead %':>15}")
     lines = [header, "-" * len(header)]
     for row in rows:
         comm = None if row["comm_s_per_step"] is None else row["comm_s_per_step"] * 1e3
         exposed = None if row["exposed_comm_s_per_step"] is None else row["exposed_comm_s_per_step"] * 1e3
-        lines.append(f"{row['model']:>6} {row['world_size']:>10} {row['impl']:>9} {row['algorithm']:>17} "
+        layout = f"{row.get('hosts', 1)}x{row.get('nproc_per_host', row['world_size'])}"
+        lines.append((f"{layout:>6} " if multi else "")
+                     + f"{row['model']:>6} {row['world_size']:>10} {row['impl']:>9} {row['algorithm']:>17} "
                      f"{row['samples_per_s']:>10.0f} {row['ratio_to_ddp']:>11.2f}x {fmt_optional(comm, '.2f'):>12} "
                      f"{fmt_optional(exposed, '.2f'):>15} {fmt_optional(row['exposed_comm_fraction'], '.2f'):>12} "
                      f"{100 * row['step_overhead_fraction']:>15.1f}")
@@ -263,8 +278,14 @@ def _split(text: str) -> list[str]:
     return list(dict.fromkeys(item.strip() for item in text.split(",")))  # unique, in order
 
 
-def _parse_options(nproc: str, models: str, algorithms: str, steps: int, warmup: int,
-                   rounds: int) -> tuple[list[int], list[str], list[str]]:
+def _parse_options(nproc: str, models: str, algorithms: str, steps: int, warmup: int, rounds: int,
+                   hosts: int | None = None) -> tuple[list[int], list[str], list[str]]:
+    """Checked world sizes (ranks per host with ``hosts``), models and algorithms.
+
+    Raises:
+        ValueError: a bad option; with ``hosts``, more than one --nproc; with ``hosts`` > 1,
+        shm or shm_zero_copy (shared memory cannot cross hosts).
+    """
     world_sizes = []
     for text in _split(nproc):
         if not text.lstrip("-").isdigit():
@@ -281,6 +302,11 @@ def _parse_options(nproc: str, models: str, algorithms: str, steps: int, warmup:
         if name not in gradsync.ALGORITHMS + (ZERO_COPY,):
             raise ValueError(f"unknown algorithm {name!r} in --algorithms; choose from "
                              f"{', '.join(gradsync.ALGORITHMS + (ZERO_COPY,))}")
+        if hosts and hosts > 1 and name in ("shm", ZERO_COPY):
+            raise ValueError(f"--algorithms {name}: shared memory cannot cross hosts (--hosts {hosts}); "
+                             f"use hierarchical (shm inside each host)")
+    if hosts and len(world_sizes) != 1:
+        raise ValueError(f"with --hosts, --nproc is the ranks per host: one integer, got {nproc!r}")
     for option, value, low in (("--steps", steps, 1), ("--warmup", warmup, 0), ("--rounds", rounds, 1)):
         if value < low:
             raise ValueError(f"{option} must be >= {low}, got {value}")
@@ -296,12 +322,25 @@ def run_memory(models: list[str], algorithm: str) -> list[dict]:
 
 
 def run_bench(*, nproc: str, models: str, algorithms: str, steps: int, warmup: int, rounds: int,
-              json_path: str | None, memory: bool = True) -> list[dict]:
-    """Validate the options, run one world per world size, print the tables, write JSON; returns all rows."""
+              json_path: str | None, memory: bool = True, hosts: int | None = None,
+              inter_host_gbit: float | None = None, join_timeout_s: float = 30.0) -> list[dict]:
+    """Validate the options, run one world per world size, print the tables, write JSON; returns all rows.
+
+    ``hosts``: one world of ``hosts`` test hosts x ``nproc`` ranks, under torchrun (no memory
+    table). Under torchrun: this process is one rank of that world; rank 0 prints and writes.
+    """
     from gradsync.launch import launch_local
 
-    world_sizes, model_names, names = _parse_options(nproc, models, algorithms, steps, warmup, rounds)
+    if under_torchrun():
+        return _run_as_torchrun_worker(models, algorithms, steps, warmup, rounds, json_path, hosts)
+    check_host_options(hosts, inter_host_gbit, join_timeout_s)
+    world_sizes, model_names, names = _parse_options(nproc, models, algorithms, steps, warmup, rounds, hosts)
     claim_json_path(json_path)
+    if hosts:  # no --nproc in argv: torchrun's parser takes it for its --nproc-per-node
+        argv = ["bench", "train", "--model", ",".join(model_names), "--algorithms", ",".join(names),
+                "--steps", str(steps), "--warmup", str(warmup), "--rounds", str(rounds)]
+        return run_bench_on_hosts(hosts, world_sizes[0], argv, inter_host_gbit=inter_host_gbit,
+                                  join_timeout_s=join_timeout_s, json_path=json_path)
     print(f"# gradsync bench train: models {', '.join(model_names)}; steps "
           f"{', '.join(f'{m} {steps_for(m, steps)}' for m in model_names)} after {warmup} warm-up; "
           f"median of {rounds} alternating rounds; SGD lr {LR}, fixed random data", flush=True)
@@ -318,3 +357,21 @@ def run_bench(*, nproc: str, models: str, algorithms: str, steps: int, warmup: i
     if json_path:
         write_json(json_path, rows)
     return rows
+
+
+def _run_as_torchrun_worker(models: str, algorithms: str, steps: int, warmup: int, rounds: int,
+                            json_path: str | None, hosts: int | None) -> list[dict]:
+    """One rank started by torchrun: one world, hosts and ranks per host from its environment."""
+    if hosts:
+        raise ValueError("--hosts starts torchrun on test hosts; this process already runs under torchrun")
+    layout = world_layout()
+    _, model_names, names = _parse_options(str(layout[1]), models, algorithms, steps, warmup, rounds,
+                                           layout[0])
+    rows = run_worker(model_names, names, steps, warmup, rounds, layout)
+    if rows is not None:
+        print(f"# gradsync bench train: {layout[0]} hosts x {layout[1]} ranks; median of {rounds} "
+              f"alternating rounds", flush=True)
+        print(format_table(rows), flush=True)
+        if json_path:
+            write_json(json_path, rows)
+    return rows or []

@@ -1,0 +1,102 @@
+"""``gradsync bench allreduce|train --hosts H``: options checked before anything starts; one real 2-host sweep.
+
+The sweep runs on test hosts (network namespaces, :mod:`gradsync.hosts.netns`) and is
+skipped, with the reason, where they cannot be made (not root).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gradsync.bench import across_hosts as bench_hosts
+from gradsync.bench.allreduce import _worker_argv, format_table
+from gradsync.cli import main
+from gradsync.hosts import netns
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+@pytest.mark.parametrize("bench, args, needle", [
+    ("allreduce", ["--hosts", "2", "--algorithms", "ring,shm"], "shm"),
+    ("allreduce", ["--hosts", "2", "--algorithms", "shm_zero_copy"], "shm_zero_copy"),
+    ("allreduce", ["--hosts", "2", "--ranks-per-node", "1"], "--ranks-per-node"),
+    ("allreduce", ["--hosts", "0"], "--hosts"),
+    ("allreduce", ["--hosts", "2", "--inter-host-gbit", "0"], "--inter-host-gbit"),
+    ("allreduce", ["--inter-host-gbit", "1"], "--hosts"),
+    ("allreduce", ["--hosts", "2", "--join-timeout", "0"], "--join-timeout"),
+    ("allreduce", ["--hosts", "2", "--algorithms", "bogus"], "bogus"),
+    ("train", ["--hosts", "2", "--algorithms", "shm"], "shm"),
+    ("train", ["--hosts", "2", "--nproc", "1,2"], "one integer"),
+    ("train", ["--hosts", "-1"], "--hosts"),
+])
+def test_bench_hosts_bad_options_fail_before_any_host_starts(bench, args, needle, capsys, monkeypatch):
+    """Exit 2 and one error line naming the option; no test host is made (run_on_hosts is not reached)."""
+    import gradsync.hosts.launch as launch
+
+    monkeypatch.setattr(launch, "run_on_hosts", lambda *a, **k: pytest.fail("a host was started"))
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert main(["bench", bench, *args]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0], lines
+
+
+def test_bench_hosts_worker_argv_leaves_out_the_launch_options():
+    """The workers' command has no --hosts/--join-timeout and no --nproc (torchrun's parser: ambiguous prefix)."""
+    argv = _worker_argv("4K,1M", ["ring", "native"], 3, None, 1.0)
+    assert argv == ["bench", "allreduce", "--sizes", "4K,1M", "--algorithms", "ring,native",
+                    "--repetitions", "3", "--inter-host-gbit", "1"]
+
+
+def test_bench_hosts_tx_bytes_reads_field_9_of_the_device(tmp_path, monkeypatch):
+    """/proc/net/dev: receive bytes, packets, errs, drop, fifo, frame, compressed, multicast, then tx bytes."""
+    dev = tmp_path / "dev"
+    dev.write_text("Inter-|   Receive\n face |bytes packets\n"
+                   "    lo: 100 1 0 0 0 0 0 0 200 2 0 0 0 0 0 0\n"
+                   "  eth0: 5000 7 0 0 0 0 0 0 123456 9 0 0 0 0 0 0\n")
+    monkeypatch.setattr(bench_hosts, "NET_DEV", str(dev))
+    assert bench_hosts.tx_bytes() == 123456 and bench_hosts.tx_bytes("lo") == 200
+    assert bench_hosts.tx_bytes("eth9") is None
+
+
+def test_bench_hosts_table_has_hosts_and_link_columns():
+    """A 2x2 shaped row shows "2x2", its link Gbit/s and the percent of the shaped rate."""
+    row = dict(algorithm="ring", world_size=4, nbytes=1024, time_us=10.0, algbw_gbps=0.1, busbw_gbps=0.15,
+               ratio_to_native=1.0, bytes_sent_per_call=1536.0, repetitions=1, iterations=1, hosts=2,
+               nproc_per_host=2, link_gbps=0.8, link_fraction=0.8)
+    header, _, line = format_table([row]).splitlines()
+    assert "hosts" in header and "link [Gb/s]" in header and "link %" in header
+    assert line.split()[0] == "2x2" and line.split()[-2:] == ["0.800", "80.0"]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(150)
+def test_bench_allreduce_across_two_test_hosts(tmp_path):
+    """2 hosts x 1 rank: rows say so, and host 0's link carried at least the payload rank 0 sent."""
+    reason = netns.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    out = tmp_path / "rows.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
+    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        env.pop(name, None)
+    result = subprocess.run([sys.executable, "-m", "gradsync", "bench", "allreduce", "--hosts", "2", "--nproc", "1",
+                             "--sizes", "4K,64K", "--algorithms", "ring,hierarchical", "--repetitions", "1",
+                             "--json", str(out)], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert sorted((row["nbytes"], row["algorithm"]) for row in rows) == sorted(
+        (n, a) for n in (4096, 65536) for a in ("ring", "hierarchical", "native"))
+    for row in rows:
+        assert (row["hosts"], row["nproc_per_host"], row["world_size"]) == (2, 1, 2), row
+        assert row["busbw_gbps"] > 0 and row["link_fraction"] is None, row
+        # tx counts headers too, and rank 0's timed seconds are at most the slowest rank's (1 repetition)
+        payload_gbps = row["bytes_sent_per_call"] * 8 / (row["time_us"] * 1e-6) / 1e9
+        assert row["link_gbps"] > 0 and row["link_gbps"] >= 0.9 * payload_gbps, row
+    assert "2x1" in result.stdout
