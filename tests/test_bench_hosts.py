@@ -37,7 +37,7 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 ])
 def test_bench_hosts_bad_options_fail_before_any_host_starts(bench, args, needle, capsys, monkeypatch):
     """Exit 2 and one error line naming the option; no test host is made (run_on_hosts is not reached)."""
-    import gradsync.hosts.launch as launch
+    import gradsync.hosts.torchrun as launch
 
     monkeypatch.setattr(launch, "run_on_hosts", lambda *a, **k: pytest.fail("a host was started"))
     monkeypatch.delenv("RANK", raising=False)

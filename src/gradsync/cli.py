@@ -241,7 +241,7 @@ def _add_train_bench_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_bench_hosts_options(parser: argparse.ArgumentParser) -> None:
-    from gradsync.hosts.launch import DEFAULT_JOIN_TIMEOUT_S
+    from gradsync.hosts.torchrun import DEFAULT_JOIN_TIMEOUT_S
 
     add = parser.add_argument
     add("--hosts", type=int, default=None, help="run on this many test hosts (network namespaces, needs "

@@ -2,7 +2,7 @@
 
 With ``--hosts H`` a bench validates its options, then runs itself again as
 ``gradsync bench <name> ...`` under one ``torchrun`` per test host
-(:func:`gradsync.hosts.launch.run_on_hosts`). The workers see torchrun's
+(:func:`gradsync.hosts.torchrun.run_on_hosts`). The workers see torchrun's
 ``RANK``/``WORLD_SIZE`` and run the bench's worker directly; rank 0 (on host 0)
 prints the table, relayed to this terminal, and writes the JSON rows to the
 file the outer process then reads back.
@@ -96,7 +96,7 @@ def run_bench_on_hosts(hosts: int, nproc: int, argv: list[str], *, inter_host_gb
     ``argv`` is the bench command without ``--json``; the rows go to ``json_path``
     (or a temporary file, removed here). Raises HostsFailedError as run_on_hosts does.
     """
-    from gradsync.hosts.launch import remove_log_dir, run_on_hosts
+    from gradsync.hosts.torchrun import remove_log_dir, run_on_hosts
 
     own = json_path is None
     path = Path(tempfile.mkstemp(prefix="gradsync-bench-", suffix=".json")[1]) if own else Path(json_path)
