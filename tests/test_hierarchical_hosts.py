@@ -186,7 +186,9 @@ def test_native_across_nodes_on_threads_raises_on_every_rank_before_data_moves()
     ((0, 1), 2**20, "halving_doubling"),  # no host holds two ranks: flat
     ((0, 1, 2, 3), 2**30, "ring"),
     ((0, 0, 0), 4, "shm"),
-    ((0, 0, 0, 1), 4, "tree"),  # never shm across hosts
+    ((0, 0, 0, 1), 4, "halving_doubling"),  # never shm across hosts; small, power-of-two group
+    ((0, 0, 1, 1), auto.HIERARCHICAL_MIN_BYTES - 4, "halving_doubling"),
+    ((0, 0, 1, 1), auto.HIERARCHICAL_MIN_BYTES, "hierarchical"),
 ])
 def test_auto_picks_hierarchical_across_hosts_from_the_threshold(hosts, nbytes, expected):
     """auto over several hosts: hierarchical from HIERARCHICAL_MIN_BYTES when a host holds > 1 rank."""

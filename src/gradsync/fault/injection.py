@@ -73,8 +73,8 @@ class FaultPlan:
             self._announce("kill", step, f"injected failure (--fail-at {self.rank}:{step}): exiting")
             os._exit(INJECTED_EXIT_CODE)
         if step == self.kill_host_step:
-            self._announce("kill-host", step, f"injected host loss (--kill-host-at): killing every process "
-                                              f"of this host")
+            self._announce("kill-host", step, "injected host loss (--kill-host-at): killing every process "
+                                              "of this host")
             os.kill(-1, signal.SIGKILL)  # in a test host's PID namespace: its agent and workers, not PID 1
             os._exit(INJECTED_EXIT_CODE)
         if step == self.hang_step:
