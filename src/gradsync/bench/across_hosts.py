@@ -108,3 +108,13 @@ def run_bench_on_hosts(hosts: int, nproc: int, argv: list[str], *, inter_host_gb
     finally:
         if own:
             path.unlink(missing_ok=True)
+
+
+def print_rank0_rows(header: str, table: str, rows: list[dict], json_path: str | None) -> None:
+    """What rank 0 of a bench under torchrun does with its rows: print the header and table, write the JSON."""
+    from gradsync.bench.output import write_json
+
+    print(header, flush=True)
+    print(table, flush=True)
+    if json_path:
+        write_json(json_path, rows)

@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 import gradsync
-from gradsync.bench.across_hosts import LinkMeter, check_host_options, run_bench_on_hosts, world_layout
+from gradsync.bench.across_hosts import (LinkMeter, check_host_options, print_rank0_rows, run_bench_on_hosts,
+                                        world_layout)
 from gradsync.bench.output import claim_json_path, fmt_optional, write_json
 from gradsync.bench.mpi import MPI_COLUMN, MpiAllReduce, free_port, mpi_available, run_with_mpiexec
 from gradsync.collectives import HierarchicalOptions, SegmentOptions, ops
@@ -312,11 +313,9 @@ def _run_as_torchrun_worker(nproc, sizes, algorithms, repetitions, ranks_per_nod
                                          hosts=layout[0])
     rows = run_worker(size_list, names, repetitions, ranks_per_node, segment_bytes, layout, inter_host_gbit)
     if rows is not None:
-        print(f"# gradsync bench allreduce: {layout[0]} hosts x {layout[1]} ranks, float32, 1 thread per "
-              f"rank, median of {repetitions} interleaved repetitions", flush=True)
-        print(format_table(rows), flush=True)
-        if json_path:
-            write_json(json_path, rows)
+        print_rank0_rows(f"# gradsync bench allreduce: {layout[0]} hosts x {layout[1]} ranks, float32, 1 thread "
+                         f"per rank, median of {repetitions} interleaved repetitions", format_table(rows), rows,
+                         json_path)
     return rows or []
 
 

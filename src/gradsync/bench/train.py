@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import gradsync
-from gradsync.bench.across_hosts import check_host_options, run_bench_on_hosts, world_layout
+from gradsync.bench.across_hosts import check_host_options, print_rank0_rows, run_bench_on_hosts, world_layout
 from gradsync.bench.output import claim_json_path, fmt_optional, write_json
 from gradsync.train.job import under_torchrun
 from gradsync.train.models import build_model
@@ -369,9 +369,6 @@ def _run_as_torchrun_worker(models: str, algorithms: str, steps: int, warmup: in
                                            layout[0])
     rows = run_worker(model_names, names, steps, warmup, rounds, layout)
     if rows is not None:
-        print(f"# gradsync bench train: {layout[0]} hosts x {layout[1]} ranks; median of {rounds} "
-              f"alternating rounds", flush=True)
-        print(format_table(rows), flush=True)
-        if json_path:
-            write_json(json_path, rows)
+        print_rank0_rows(f"# gradsync bench train: {layout[0]} hosts x {layout[1]} ranks; median of {rounds} "
+                         f"alternating rounds", format_table(rows), rows, json_path)
     return rows or []
