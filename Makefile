@@ -32,8 +32,12 @@ test: $(STAMP)
 # says so and shows each command.
 # One bench: `make bench BENCHES=faults`; other options: `make bench BENCH_modes="--epochs 15"`.
 BENCH_DIR := docs/bench
-BENCHES ?= allreduce train compression modes faults
+BENCHES ?= allreduce allreduce_hosts_1g allreduce_hosts_10g train compression modes faults
 BENCH_allreduce ?= --nproc 4 --sizes 4K,64K,1M,16M,64M
+# across 2 test hosts (network namespaces: needs root, as `make test` does for its host tests)
+BENCH_HOSTS := --hosts 2 --nproc 2 --sizes 64K,256K,512K,1M,4M,16M,64M --repetitions 5
+BENCH_allreduce_hosts_1g ?= $(BENCH_HOSTS) --inter-host-gbit 1
+BENCH_allreduce_hosts_10g ?= $(BENCH_HOSTS) --inter-host-gbit 10
 BENCH_train ?= --nproc 2 --model cnn,mlp --steps 50 --rounds 3
 BENCH_compression ?= --compressions none,fp16,onebit,topk,powersgd --epochs 5 --compression-warmup-steps 125 \
 	--throughput-steps 2 --rounds 2

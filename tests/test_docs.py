@@ -98,7 +98,8 @@ def test_committed_bench_json_carries_its_metadata():
     documents = report.load(DOCS / "bench")
     assert set(documents) == set(report.BENCHES), f"missing: {set(report.BENCHES) - set(documents)}"
     for name, document in documents.items():
-        assert document["bench"] == name and document["command"].startswith(f"gradsync bench {name}")
+        assert document["bench"] == name, name
+        assert document["command"].startswith(f"gradsync bench {report.bench_of(name)} "), name
         assert document["rows"], name
         assert {"platform", "cpu_model", "cpu_count", "memory_gib"} <= set(document["machine"]), name
         assert len(document["load_before"]) == 3 and len(document["load_after"]) == 3, name
@@ -136,6 +137,12 @@ def test_record_wraps_the_rows_with_metadata_and_render_uses_the_bench_formatter
     assert document["date"] in page and "Not measured yet" in page  # the other benches
     with pytest.raises(ValueError, match="--json"):
         record("allreduce", ["--json", "x.json"], tmp_path, **cli)
+    path = record("allreduce_hosts_1g", ["--hosts", "2", "--nproc", "2"], tmp_path, **cli)
+    assert calls[-1][:2] == ["bench", "allreduce"]  # a record name "<bench>_<label>" runs <bench>
+    document = json.loads(path.read_text())
+    assert path.name == "allreduce_hosts_1g.json" and document["bench"] == "allreduce_hosts_1g"
+    assert document["command"] == "gradsync bench allreduce --hosts 2 --nproc 2"
+    assert document["options"]["hosts"] == 2
 
 
 def test_the_add_an_algorithm_example_runs_as_a_registered_algorithm(monkeypatch):

@@ -10,6 +10,9 @@ split by the smallest host), written here without the code under test.
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -18,6 +21,7 @@ from _dist import capture, run_threads, run_world
 from _reference import assert_bitwise_equal, closed_form_input, closed_form_result
 from gradsync.collectives import Communicator, HierarchicalOptions, auto
 from gradsync.collectives import ops as collectives_api
+from gradsync.collectives import hierarchical
 from gradsync.collectives.hierarchical import BackendSubgroups
 from gradsync.collectives.preflight import resolve_algorithm
 from gradsync.process_group import default_communicator
@@ -30,9 +34,9 @@ NUMELS = (0, 1, 7, 1000)
 COLLECTIVE_TIMEOUT_S = 10.0
 
 
-def host_comm(comm, hosts, **options) -> Communicator:
+def host_comm(comm, hosts, timeout_s: float = COLLECTIVE_TIMEOUT_S, **options) -> Communicator:
     """A communicator on ``comm``'s transport whose ranks are on ``hosts`` (hosts[r]: rank r's host)."""
-    made = Communicator(comm.transport, COLLECTIVE_TIMEOUT_S, options=[HierarchicalOptions(**options)])
+    made = Communicator(comm.transport, timeout_s, options=[HierarchicalOptions(**options)])
     made.locality = Locality(tuple(hosts))
     return made
 
@@ -41,7 +45,7 @@ def _ids(hosts):
     return "hosts" + "".join(map(str, hosts))
 
 
-@pytest.mark.parametrize("inter", ["ring", "tree", "halving_doubling"])
+@pytest.mark.parametrize("inter", ["auto", "ring", "tree", "halving_doubling"])
 @pytest.mark.parametrize("intra", ["ring", "shm"])
 @pytest.mark.parametrize("hosts", HOSTS, ids=_ids)
 def test_hierarchical_on_real_hosts_is_exact_and_bitwise_equal_everywhere(hosts, intra, inter):
@@ -185,9 +189,12 @@ def test_native_across_nodes_on_threads_raises_on_every_rank_before_data_moves()
     ((0, 1, 0, 1), 2**30, "hierarchical"),
     ((0, 1), 2**20, "halving_doubling"),  # no host holds two ranks: flat
     ((0, 1, 2, 3), 2**30, "ring"),
+    ((0, 1, 2, 3), auto.CROSS_HOST_RING_MIN_BYTES, "ring"),  # one rank per host: the links bound, not the hops
+    ((0, 1, 2, 3), auto.CROSS_HOST_RING_MIN_BYTES - 4, "tree"),
+    ((0, 1, 2), 2 * auto.CROSS_HOST_RING_MIN_BYTES, "ring"),
     ((0, 0, 0), 4, "shm"),
-    ((0, 0, 0, 1), 4, "halving_doubling"),  # never shm across hosts; small, power-of-two group
-    ((0, 0, 1, 1), auto.HIERARCHICAL_MIN_BYTES - 4, "halving_doubling"),
+    ((0, 0, 0, 1), 4, "tree"),  # never shm across hosts; small: the flat rules
+    ((0, 0, 1, 1), auto.HIERARCHICAL_MIN_BYTES - 4, "tree"),
     ((0, 0, 1, 1), auto.HIERARCHICAL_MIN_BYTES, "hierarchical"),
 ])
 def test_auto_picks_hierarchical_across_hosts_from_the_threshold(hosts, nbytes, expected):
@@ -254,3 +261,82 @@ def test_hierarchical_native_across_hosts_in_real_processes():
                     expected = closed_form_result(numel, world_size, dtype, "sum")
                     assert_bitwise_equal(results[(intra, repeat, str(dtype), numel)], expected,
                                          f"rank {rank} {intra} #{repeat} {dtype} n={numel}")
+
+
+# ---------------------------------------------------------------- the pipeline (shm inside, several hosts)
+
+
+@pytest.fixture
+def small_pieces(monkeypatch):
+    """Pieces of 1 KiB, so that messages of a few KB run the pipeline of several pieces."""
+    monkeypatch.setattr(hierarchical, "PIPELINE_PIECE_BYTES", 1024)
+
+
+def test_pipeline_pieces_cover_the_message_in_order():
+    """Pieces are contiguous, cover [0, numel), hold >= PIPELINE_PIECE_BYTES each, and number <= the maximum."""
+    piece = hierarchical.PIPELINE_PIECE_BYTES
+    for numel, element_size in [(0, 4), (1, 4), (piece // 4, 4), (piece // 2 - 1, 4), (5 * piece // 2 + 3, 2),
+                                (10**8, 4)]:
+        pieces = hierarchical.pipeline_pieces(numel, element_size)
+        assert pieces[0][0] == 0 and pieces[-1][1] == numel
+        assert all(a_stop == b_start for (_, a_stop), (b_start, _) in zip(pieces, pieces[1:]))
+        assert 1 <= len(pieces) <= hierarchical.PIPELINE_MAX_PIECES
+        if len(pieces) > 1:
+            assert min(b - a for a, b in pieces) * element_size >= piece, (numel, pieces)
+    assert len(hierarchical.pipeline_pieces(16 * 2**20 // 4, 4)) == hierarchical.PIPELINE_MAX_PIECES
+
+
+@pytest.mark.parametrize("hosts", [(0, 0, 1, 1), (0, 0, 0, 1, 1), (0, 1, 1), (1, 0, 1, 0)], ids=_ids)
+def test_pipelined_hierarchical_is_exact_and_bitwise_equal_everywhere(small_pieces, hosts):
+    """Several pieces crossing on the helper thread while shm works on the next: the exact closed-form
+    sum (float32, int64; 2 to PIPELINE_MAX_PIECES pieces), and random float32 with the same bits on every rank."""
+    world_size = len(hosts)
+    cases = [(torch.float32, 700), (torch.float32, 5000), (torch.int64, 301)]
+    assert [len(hierarchical.pipeline_pieces(n, d.itemsize)) for d, n in cases] == [2, hierarchical.PIPELINE_MAX_PIECES, 2]
+    generator = torch.Generator().manual_seed(5)
+    randoms = [torch.randn(3001, generator=generator) for _ in hosts]
+
+    def rank_fn(comm):
+        comm = host_comm(comm, hosts, intra_node_algorithm="shm")
+        results = []
+        for dtype, numel in cases:
+            tensor = closed_form_input(numel, comm.rank, world_size, dtype)
+            gradsync.all_reduce(tensor, algorithm="hierarchical", group=comm)
+            results.append(tensor)
+        tensor = randoms[comm.rank].clone()
+        gradsync.all_reduce(tensor, algorithm="hierarchical", group=comm)
+        comm.close()
+        return results, tensor
+
+    outcomes = run_threads(world_size, rank_fn)
+    for rank, (results, rounded) in enumerate(outcomes):
+        for (dtype, numel), result in zip(cases, results):
+            assert_bitwise_equal(result, closed_form_result(numel, world_size, dtype, "sum"),
+                                 f"rank {rank} {dtype} n={numel}")
+        assert_bitwise_equal(rounded, outcomes[0][1], f"rank {rank} random against rank 0")
+    reference = torch.stack([tensor.double() for tensor in randoms]).sum(0).float()
+    torch.testing.assert_close(outcomes[0][1], reference, rtol=1e-5, atol=1e-5)
+
+
+def test_pipeline_rank_that_never_calls_times_out_everywhere_and_leaves_no_helper_thread(small_pieces):
+    """Hosts (0, 0, 1, 1), rank 3 skips the call: its host peer waits in shm, the other host's ranks on the
+    crossing thread; every caller raises CollectiveTimeoutError within timeout + 2 s, and no thread stays."""
+    timeout_s = 1.0
+
+    def rank_fn(comm):
+        comm = host_comm(comm, (0, 0, 1, 1), timeout_s, intra_node_algorithm="shm")
+        if comm.rank == 3:
+            return None
+        started = time.monotonic()
+        exc, _ = capture(lambda: gradsync.all_reduce(torch.ones(5000), algorithm="hierarchical", group=comm))
+        return exc, time.monotonic() - started
+
+    outcomes = run_threads(4, rank_fn, timeout_s=30)
+    for rank, outcome in enumerate(outcomes[:3]):
+        exc, elapsed = outcome
+        assert isinstance(exc, gradsync.CollectiveTimeoutError), f"rank {rank}: {exc!r}"
+        assert elapsed < timeout_s + 2, f"rank {rank} took {elapsed:.1f} s"
+    deadline = time.monotonic() + 5
+    while any(t.name.startswith("gradsync-inter-node") for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "a crossing thread outlived its call"
+        time.sleep(0.05)

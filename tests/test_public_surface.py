@@ -82,7 +82,7 @@ def test_communicator_rejects_two_options_of_one_class_and_non_options():
 def test_bad_options_are_value_errors_with_the_old_messages():
     with pytest.raises(ValueError, match="segment_bytes must be > 0"):
         SegmentOptions(0)
-    with pytest.raises(ValueError, match="choose one of ring, tree, halving_doubling, native"):
+    with pytest.raises(ValueError, match="choose one of auto, ring, tree, halving_doubling, native"):
         HierarchicalOptions(inter_node_algorithm="shm")
     with pytest.raises(ValueError, match="choose one of auto, ring, shm"):
         HierarchicalOptions(intra_node_algorithm="tree")

@@ -22,7 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from gradsync.bench.report import PLOTS, BENCHES, DEFAULT_BENCH_DIR, FORMAT_VERSION
+from gradsync.bench.report import PLOTS, BENCHES, DEFAULT_BENCH_DIR, FORMAT_VERSION, bench_of
 
 Parse = Callable[[list[str]], argparse.Namespace]
 Run = Callable[[list[str]], int]
@@ -96,7 +96,8 @@ def record(name: str, bench_args: list[str], bench_dir: str | Path, *, parse: Pa
     for option in ("--json", "--out"):
         if any(arg == option or arg.startswith(option + "=") for arg in bench_args):
             raise ValueError(f"{option} is chosen by record; leave it out of the options")
-    parsed = vars(parse(["bench", name, *bench_args]))
+    bench = bench_of(name)
+    parsed = vars(parse(["bench", bench, *bench_args]))
     options = {key: value for key, value in parsed.items() if key not in ("command", "bench", "json", "out")}
     bench_dir = Path(bench_dir)
     try:
@@ -106,20 +107,20 @@ def record(name: str, bench_args: list[str], bench_dir: str | Path, *, parse: Pa
     where, what = machine(), versions()  # before the run: the code that ran
     with tempfile.TemporaryDirectory(prefix=f"gradsync-bench-{name}-") as scratch:
         json_path = Path(scratch) / "rows.json"
-        extra = ["--json", str(json_path)] + (["--out", str(Path(scratch) / "out")] if name in _WITH_OUT else [])
+        extra = ["--json", str(json_path)] + (["--out", str(Path(scratch) / "out")] if bench in _WITH_OUT else [])
         date = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         load_before, started = _load(), time.perf_counter()
-        code = run(["bench", name, *bench_args, *extra])
+        code = run(["bench", bench, *bench_args, *extra])
         duration_s, load_after = time.perf_counter() - started, _load()
         if code != 0:
-            raise RuntimeError(f"gradsync bench {name} exited with code {code}; {bench_dir / name}.json not written")
+            raise RuntimeError(f"gradsync bench {bench} exited with code {code}; {bench_dir / name}.json not written")
         rows = json.loads(json_path.read_text())
         plot = PLOTS.get(name)
         if plot and (Path(scratch) / "out" / plot).exists():
             shutil.copyfile(Path(scratch) / "out" / plot, bench_dir / plot)
     rows = [{key: value for key, value in row.items() if key not in _DROPPED_KEYS} for row in rows]
     document = {"format": FORMAT_VERSION, "bench": name,
-                "command": shlex.join(["gradsync", "bench", name, *bench_args]), "options": options,
+                "command": shlex.join(["gradsync", "bench", bench, *bench_args]), "options": options,
                 "date": date, "duration_s": round(duration_s, 1), "load_before": load_before,
                 "load_after": load_after, "machine": where, "versions": what, "rows": rows}
     path = bench_dir / f"{name}.json"

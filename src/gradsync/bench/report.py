@@ -23,7 +23,8 @@ import json
 import sys
 from pathlib import Path
 
-BENCHES = ("allreduce", "train", "compression", "modes", "faults")
+# Record names: a bench, or "<bench>_<label>" for a second setting of one (the test-host sweeps).
+BENCHES = ("allreduce", "allreduce_hosts_1g", "allreduce_hosts_10g", "train", "compression", "modes", "faults")
 DEFAULT_BENCH_DIR = "docs/bench"
 DEFAULT_OUT = "docs/benchmarks.md"
 FORMAT_VERSION = 1
@@ -85,6 +86,37 @@ copies, and the pipelined ring is close to Gloo's own ring. `shm` avoids the
 sockets altogether; `shm_zero_copy` also skips the copy in, which is what
 sets it apart on large messages. Smaller `--segment-bytes` cost more than they
 overlap on this kind of machine, hence the library's 4 MiB default.""",
+    "allreduce_hosts_1g": """\
+The same sweep across 2 test hosts (`--hosts 2 --nproc 2`: network
+namespaces on this machine, each with its own network, hostname and
+`/dev/shm`, 2 ranks per host, each host on its own core; see
+[training.md](training.md#test-hosts)), each host's link shaped to 1 Gbit/s
+with `tc tbf`. `hierarchical` groups the ranks by real host: shared memory
+inside, a ring across hosts among the ranks of equal local rank, pipelined in
+pieces so that the shared-memory steps overlap the crossing. Extra columns:
+`hosts` (hosts x ranks per host); `link [Gb/s]` = the bytes host 0's
+interface sent during the timed calls (headers included) over their time, and
+`link %` that against the shaped rate.""",
+    "allreduce_hosts_1g_after": """\
+How to read it. Per call of n bytes each host sends over its link: a flat
+ring over 4 ranks placed host by host, 2·(3/4)·n = 1.5 n (one ring edge
+leaves each host), and Gloo's native ring the same; `tree` and
+`halving_doubling` 2 n (two edges per host cross, or both ranks of a host
+exchange n/2 across twice); `hierarchical` n (each rank ring-all-reduces its
+n/2 with its peer on the other host). From 1 MiB up the link bounds the
+rows, so `hierarchical` approaches 1.5x the ring and native, and 2x tree
+and halving_doubling. Below about 512 KiB a call costs latency, not bytes:
+the two ranks of a host share one core, so algorithms that keep few ranks
+busy at once (tree) win, which is what `auto` picks there.""",
+    "allreduce_hosts_10g": """\
+As above with 10 Gbit/s links.""",
+    "allreduce_hosts_10g_after": """\
+How to read it. At 10 Gbit/s the cores, not the link, bound every row: each
+host has one core for its two ranks, the kernel's TCP copies and the
+reductions, so no algorithm comes near the link rate (`link %`), and the
+shared-memory copies that `hierarchical` adds cost as much as the bytes it
+saves; Gloo's native call, all in C++, leads at most sizes. The byte counts
+per link are those of the 1 Gbit/s table.""",
     "train": """\
 gradsync `DataParallel` (one row per algorithm), torch
 `DistributedDataParallel` (Gloo, the same 25 MiB buckets) and a compute-only
@@ -156,9 +188,15 @@ starts new Python processes, each of which imports torch before it joins the
 group and loads the checkpoint.""",
 }
 
-_TITLES = {"allreduce": "AllReduce sweep", "train": "Training: gradsync DataParallel against torch DDP",
+_TITLES = {"allreduce": "AllReduce sweep", "allreduce_hosts_1g": "AllReduce across 2 test hosts, 1 Gbit/s links",
+           "allreduce_hosts_10g": "AllReduce across 2 test hosts, 10 Gbit/s links", "train": "Training: gradsync DataParallel against torch DDP",
            "compression": "Gradient compression", "modes": "Sync, async and local SGD",
            "faults": "Faults: a killed and a hung worker"}
+
+
+def bench_of(name: str) -> str:
+    """The ``gradsync bench`` command a record name runs ("allreduce_hosts_1g" -> "allreduce")."""
+    return name.partition("_")[0]
 
 
 _REQUIRED_KEYS = ("command", "date", "duration_s", "load_before", "load_after", "machine", "versions", "rows")
@@ -189,6 +227,7 @@ def load(bench_dir: str | Path = DEFAULT_BENCH_DIR) -> dict[str, dict]:
 
 def tables(name: str, rows: list[dict]) -> list[str]:
     """The text tables ``gradsync bench NAME`` prints for ``rows``, made by the bench's own formatters."""
+    name = bench_of(name)
     if name == "allreduce":
         from gradsync.bench.allreduce import format_table
         return [format_table(rows)]
@@ -251,7 +290,7 @@ def render(bench_dir: str | Path = DEFAULT_BENCH_DIR) -> str:
     documents = load(bench_dir)
     parts = [_INTRO, _summary(documents)]
     for name in BENCHES:
-        parts.append(f"## {_TITLES[name]} (`gradsync bench {name}`)\n")
+        parts.append(f"## {_TITLES[name]} (`gradsync bench {bench_of(name)}`)\n")
         parts.append(_ABOUT[name] + "\n")
         document = documents.get(name)
         if document is None:

@@ -13,9 +13,13 @@ Gloo over loopback, one thread per rank (tables in the README):
   host holding more than one rank, and at least ``HIERARCHICAL_MIN_BYTES``:
   ``hierarchical`` (equal hosts or not), so that each host sends
   2(H-1)/H · n over its link instead of a flat ring's 2(p-1)/p · n (n against
-  1.5·n at 2 hosts x 2 ranks). The threshold was measured on 2 x 2 test
-  hosts; below it ``halving_doubling`` on a power-of-two group, else the
-  flat rules above.
+  1.5·n at 2 hosts x 2 ranks); with halving_doubling across 2 hosts it
+  also has the fewest latency steps, so the threshold (measured on 2 x 2
+  test hosts) is small; below it the flat rules above.
+* ranks on several hosts, one rank each, 3 or more ranks, at least
+  ``CROSS_HOST_RING_MIN_BYTES``: ``ring``, whose 2(p-1)/p · n per link is the
+  least any flat algorithm sends (``tree`` sends 2·n over some links: half the
+  ring's speed at 1-4 MiB on 4 x 1 test hosts at 1 Gbit/s).
 * pretend nodes (``ranks_per_node`` < world size, no ``host_sizes``) and a
   message above ``SMALL_MESSAGE_BYTES``: ``hierarchical`` too. (On one machine
   it is no faster than the ring; the rule keeps pretend nodes exercised.)
@@ -43,10 +47,12 @@ that still chose differently all raise CollectiveMismatchError.
 'hierarchical'
 >>> choose(2**20, world_size=3, ranks_per_node=1, shm_available=False, host_sizes=(2, 1))
 'hierarchical'
->>> choose(4096, world_size=3, ranks_per_node=1, shm_available=False, host_sizes=(2, 1))
+>>> choose(1024, world_size=3, ranks_per_node=1, shm_available=False, host_sizes=(2, 1))
 'tree'
 >>> choose(2**20, world_size=2, ranks_per_node=1, shm_available=False, host_sizes=(1, 1))
 'halving_doubling'
+>>> choose(2**20, world_size=4, ranks_per_node=1, shm_available=False, host_sizes=(1, 1, 1, 1))
+'ring'
 """
 
 from __future__ import annotations
@@ -55,11 +61,13 @@ from typing import Sequence
 
 PAIR_SMALL_MESSAGE_BYTES = 2**20
 SMALL_MESSAGE_BYTES = 4 * 2**20
-# Across real hosts (2 x 2 test hosts, 1 and 10 Gbit/s, `gradsync bench allreduce --hosts 2 --nproc 2`):
-# at 64 KiB halving_doubling took 2.05 ms, tree 2.73, hierarchical 4.10; at 1 MiB hierarchical 8.2 ms,
-# ring 13.5, halving_doubling 17.7 (1 Gbit/s). Below HIERARCHICAL_MIN_BYTES: halving_doubling on a
-# power-of-two group (its few exchanges cost latency, not bandwidth, there), else the flat rules.
-HIERARCHICAL_MIN_BYTES = 256 * 2**10
+# Across real hosts (test hosts, 1 Gbit/s links, one core per host; `gradsync bench allreduce --hosts 2
+# --nproc 2 --inter-host-gbit 1`, docs/benchmarks.md). 2 x 2: hierarchical (halving_doubling across) took
+# 3.7 ms at 4 KiB, 3.9 at 64 KiB, 6.6 at 512 KiB, against tree's 4.0, 4.8 and 13.9; from 1 MiB it leads by
+# the bytes it keeps off the links. 4 x 1 (no host of two): tree 4.2 ms at 64 KiB, ring 8.6; at 512 KiB
+# ring 13.3, tree 16.3, and from 1 MiB tree is half the ring's speed (it sends 2n over some links).
+HIERARCHICAL_MIN_BYTES = 4 * 2**10
+CROSS_HOST_RING_MIN_BYTES = 512 * 2**10
 
 
 def choose(nbytes: int, world_size: int, ranks_per_node: int, shm_available: bool | None = None,
@@ -79,11 +87,11 @@ def choose(nbytes: int, world_size: int, ranks_per_node: int, shm_available: boo
         return "ring"
     if ranks_per_node >= world_size and shm_available is not False:
         return "shm"
-    if host_sizes is not None and len(host_sizes) > 1 and max(host_sizes) > 1:
-        if nbytes >= HIERARCHICAL_MIN_BYTES:
+    if host_sizes is not None and len(host_sizes) > 1:
+        if max(host_sizes) > 1 and nbytes >= HIERARCHICAL_MIN_BYTES:
             return "hierarchical"
-        if world_size & (world_size - 1) == 0:
-            return "halving_doubling"
+        if max(host_sizes) == 1 and world_size > 2 and nbytes >= CROSS_HOST_RING_MIN_BYTES:
+            return "ring"  # one rank per host: the links, not the hops, bound; the ring sends least across
     if world_size == 2:
         return "halving_doubling" if nbytes <= PAIR_SMALL_MESSAGE_BYTES else "ring"
     if nbytes <= SMALL_MESSAGE_BYTES:

@@ -261,7 +261,9 @@ class TestHosts:
         host.ip("link", "set", HOST_DEVICE, "up")
         if self.inter_host_gbit is not None:
             rate_bits = self.inter_host_gbit * 1e9
-            burst = max(int(rate_bits / 8 / 100), 128 * 1024)  # 10 ms at the rate, at least two GSO packets
+            # 1 ms at the rate, at least two GSO packets: a deeper bucket lets a call of a few hundred KB
+            # pass at the unshaped rate (10 ms made a 512 KiB tree call 2x faster than the link allows)
+            burst = max(int(rate_bits / 8 / 1000), 128 * 1024)
             _run(host.nsenter(net_only=True) + ["tc", "qdisc", "add", "dev", HOST_DEVICE, "root", "tbf",
                                                  "rate", f"{int(rate_bits)}bit", "burst", str(burst),
                                                  "latency", "100ms"], f"tc tbf on host {index}")
