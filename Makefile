@@ -35,7 +35,7 @@ BENCH_DIR := docs/bench
 BENCHES ?= allreduce allreduce_hosts_1g allreduce_hosts_10g train compression modes faults
 BENCH_allreduce ?= --nproc 4 --sizes 4K,64K,1M,16M,64M
 # across 2 test hosts (network namespaces: needs root, as `make test` does for its host tests)
-BENCH_HOSTS := --hosts 2 --nproc 2 --sizes 64K,256K,512K,1M,4M,16M,64M --repetitions 5
+BENCH_HOSTS := --hosts 2 --nproc 2 --sizes 64K,256K,512K,1M,4M,16M,64M --repetitions 9
 BENCH_allreduce_hosts_1g ?= $(BENCH_HOSTS) --inter-host-gbit 1
 BENCH_allreduce_hosts_10g ?= $(BENCH_HOSTS) --inter-host-gbit 10
 BENCH_train ?= --nproc 2 --model cnn,mlp --steps 50 --rounds 3
