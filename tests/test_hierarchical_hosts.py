@@ -289,10 +289,13 @@ def test_pipeline_pieces_cover_the_message_in_order():
 @pytest.mark.parametrize("hosts", [(0, 0, 1, 1), (0, 0, 0, 1, 1), (0, 1, 1), (1, 0, 1, 0)], ids=_ids)
 def test_pipelined_hierarchical_is_exact_and_bitwise_equal_everywhere(small_pieces, hosts):
     """Several pieces crossing on the helper thread while shm works on the next: the exact closed-form
-    sum (float32, int64; 2 to PIPELINE_MAX_PIECES pieces), and random float32 with the same bits on every rank."""
+    sum (float32, int64, float16, bfloat16; 2 to PIPELINE_MAX_PIECES pieces), and random float32 with the same
+    bits on every rank."""
     world_size = len(hosts)
-    cases = [(torch.float32, 700), (torch.float32, 5000), (torch.int64, 301)]
-    assert [len(hierarchical.pipeline_pieces(n, d.itemsize)) for d, n in cases] == [2, hierarchical.PIPELINE_MAX_PIECES, 2]
+    cases = [(torch.float32, 700), (torch.float32, 5000), (torch.int64, 301), (torch.float16, 1100),
+             (torch.bfloat16, 1100)]
+    assert [len(hierarchical.pipeline_pieces(n, d.itemsize)) for d, n in cases[:3]] == [
+        2, hierarchical.PIPELINE_MAX_PIECES, 2]
     generator = torch.Generator().manual_seed(5)
     randoms = [torch.randn(3001, generator=generator) for _ in hosts]
 
