@@ -30,6 +30,10 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
     ("allreduce", ["--hosts", "2", "--inter-host-gbit", "0"], "--inter-host-gbit"),
     ("allreduce", ["--inter-host-gbit", "1"], "--hosts"),
     ("allreduce", ["--hosts", "2", "--join-timeout", "0"], "--join-timeout"),
+    ("allreduce", ["--hosts", "2", "--join-timeout", "inf"], "--join-timeout"),
+    ("allreduce", ["--hosts", "2", "--join-timeout", "1e12"], "--join-timeout"),
+    ("allreduce", ["--hosts", "2", "--inter-host-gbit", "1e-9"], "--inter-host-gbit must be in [0.001, 1000]"),
+    ("train", ["--hosts", "2", "--inter-host-gbit", "inf"], "--inter-host-gbit"),
     ("allreduce", ["--hosts", "2", "--algorithms", "bogus"], "bogus"),
     ("train", ["--hosts", "2", "--algorithms", "shm"], "shm"),
     ("train", ["--hosts", "2", "--nproc", "1,2"], "one integer"),
@@ -100,3 +104,52 @@ def test_bench_allreduce_across_two_test_hosts(tmp_path):
         payload_gbps = row["bytes_sent_per_call"] * 8 / (row["time_us"] * 1e-6) / 1e9
         assert row["link_gbps"] > 0 and row["link_gbps"] >= 0.9 * payload_gbps, row
     assert "2x1" in result.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--nproc", "2", "--kill-host-at", "1:5"], "need --hosts"),
+    (["--nproc", "2", "--cut-link-at", "1:5"], "need --hosts"),
+    (["--nproc", "2", "--join-timeout", "5"], "--join-timeout applies to --hosts"),
+    (["--hosts", "2", "--nproc", "2", "--algorithm", "shm"], "--algorithm shm needs every rank on one host"),
+    (["--hosts", "2", "--nproc", "1", "--inter-host-gbit", "1e-9"], "--inter-host-gbit must be in [0.001"),
+    (["--hosts", "2", "--nproc", "1", "--join-timeout", "1e12"], "--join-timeout must be in (0,"),
+    (["--hosts", "2", "--nproc", "1", "--epochs", "1", "--num-samples", "2000", "--kill-host-at", "0:99999"],
+     "--kill-host-at step 99999 is after the job's last step 25"),
+    (["--hosts", "2", "--nproc", "1", "--epochs", "1", "--num-samples", "2000", "--cut-link-at", "1:26"],
+     "--cut-link-at step 26 is after the job's last step 25"),
+])
+def test_train_hosts_bad_options_fail_before_any_host_starts(args, needle, capsys, monkeypatch):
+    """gradsync train: options that act on test hosts without --hosts, shm across hosts, a link rate tc cannot
+    set, fault steps after the run: exit 2 and one line naming the option, before any host starts."""
+    import gradsync.hosts.torchrun as launch
+
+    monkeypatch.setattr(launch, "run_on_hosts", lambda *a, **k: pytest.fail("a host was started"))
+    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["train", *args]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0], lines
+
+
+def test_train_hosts_under_torchrun_is_refused_not_ignored(capsys, monkeypatch):
+    """RANK/WORLD_SIZE set (a worker of the user's own torchrun): --hosts would be ignored, so it is refused."""
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "29555"}.items():
+        monkeypatch.setenv(name, value)
+    assert main(["train", "--hosts", "2", "--nproc", "1"]) == 2
+    assert "under torchrun (RANK and WORLD_SIZE are set) leave it out" in capsys.readouterr().err
+
+
+def test_diagnose_names_a_hosts_own_notice_not_a_separator_line(tmp_path):
+    """A host whose log has no "gradsync ...: error:" line (an injected fault, then torchrun's report): the
+    message quotes gradsync's own last notice, never the "=====" of torchrun's failure report."""
+    from gradsync.hosts.torchrun import HostJob, diagnose
+
+    report = tmp_path / "rendezvous.json"
+    report.write_text(json.dumps({"nodes": ["198.18.0.1", "198.18.0.2"]}))
+    (tmp_path / "host1.log").write_text("gradsync: rank 1, step 5: injected failure (--fail-at 1:5): exiting\n"
+                                        "Root Cause (first observed failure):\n" + "=" * 60 + "\n")
+    (tmp_path / "host0.log").write_text("torch failed\n" + "-" * 60 + "\n")
+    message = diagnose(HostJob(2, 1, log_dir=str(tmp_path)), report, 30, {0: 1, 1: 1})
+    assert "host 1 (198.18.0.2) failed: gradsync: rank 1, step 5: injected failure" in message, message
+    assert "host 0 (198.18.0.1) failed: torch failed" in message and "===" not in message, message

@@ -502,3 +502,20 @@ def test_malformed_fault_attempts_variable_is_an_error_before_any_worker(value, 
     monkeypatch.setenv(ATTEMPTS_ENV, value)
     with pytest.raises(ValueError, match=ATTEMPTS_ENV):
         check_environment()
+
+
+def test_a_fault_already_recorded_by_this_rank_is_not_injected_again(tmp_path, monkeypatch):
+    """Under test hosts a host's agent replaced by a re-rendezvous keeps restart count 0: the faults a rank
+    recorded in the run folder count as attempts, so --hang-at fires once, not on every new round."""
+    from gradsync.fault.events import EventLog
+    from gradsync.fault.injection import FaultPlan
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.delenv("GRADSYNC_FAULT_ATTEMPTS", raising=False)
+    events = EventLog(tmp_path)
+    assert FaultPlan(1, None, (1, 5), events).hang_step == 5
+    events.write({"event": "fault", "fault": "hang", "rank": 1, "step": 5, "attempt": 0})
+    assert FaultPlan(1, None, (1, 5), events).hang_step is None
+    assert FaultPlan(0, (0, 3), None, events).fail_step == 3  # another rank's record does not count
+    monkeypatch.setenv("GRADSYNC_FAULT_ATTEMPTS", "2")  # tests that exhaust restarts: the first 2 attempts
+    assert FaultPlan(1, None, (1, 5), events).hang_step == 5

@@ -114,6 +114,26 @@ def test_rendezvous_names_how_many_hosts_arrived(hosts, tmp_path):
     assert time.monotonic() - started < 60
 
 
+def test_a_host_whose_workers_hang_is_stopped_once_another_host_gave_up(hosts, tmp_path):
+    """Host 1's worker hangs (no restarts): host 0's worker raises naming rank 1 and its agent exits, but
+    host 1's agent would watch its frozen worker forever. The harness stops host 1 soon after and the
+    error names both: host 0's timeout and host 1 stopped by the harness."""
+    started = time.monotonic()
+    with pytest.raises(HostsFailedError) as caught:
+        run_on_hosts(2, 1, ["train", "--epochs", "1", "--num-samples", "1000", "--hang-at", "1:5", "--timeout",
+                            "3", "--no-progress", "--out", str(tmp_path / "run")], join_timeout_s=20,
+                     testhosts=hosts, log_dir=tmp_path / "logs", echo_host0=False, deadline_s=60)
+    message = str(caught.value)
+    assert "host 0 (198.18.0.1) failed:" in message and "peer rank 1" in message, message
+    assert "host 1 (198.18.0.2) stopped by the harness" in message, message
+    assert time.monotonic() - started < 50
+    deadline = time.monotonic() + 5
+    while hosts.hosts[1].processes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = {pid: Path(f"/proc/{pid}/cmdline").read_bytes()[:120] for pid in hosts.hosts[1].processes()}
+    assert not left, f"host 1 still runs {left}"
+
+
 def _train(args: list[str], out: Path, timeout_s: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "gradsync", "train", *args, "--out", str(out), "--no-progress"],
                           capture_output=True, text=True, timeout=timeout_s, env=host_environment())

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gradsync.hosts.netns import HOST_DEVICE, MAX_HOSTS
+from gradsync.hosts.netns import HOST_DEVICE, MAX_HOSTS, link_options_problem
 
 NET_DEV = "/proc/net/dev"
 
@@ -25,8 +25,9 @@ def check_host_options(hosts: int | None, inter_host_gbit: float | None, join_ti
     """Reject bad ``--hosts``/``--inter-host-gbit``/``--join-timeout`` before anything starts.
 
     Raises:
-        ValueError: ``hosts`` not in [1, MAX_HOSTS], a shaping rate <= 0 or without ``--hosts``,
-        a join timeout <= 0.
+        ValueError: ``hosts`` not in [1, MAX_HOSTS], a shaping rate outside
+        [MIN_INTER_HOST_GBIT, MAX_INTER_HOST_GBIT] or without ``--hosts``, a join timeout outside
+        (0, MAX_JOIN_TIMEOUT_S].
     """
     if hosts is None:
         if inter_host_gbit is not None:
@@ -34,10 +35,9 @@ def check_host_options(hosts: int | None, inter_host_gbit: float | None, join_ti
         return
     if not isinstance(hosts, int) or not 1 <= hosts <= MAX_HOSTS:
         raise ValueError(f"--hosts must be an integer in [1, {MAX_HOSTS}], got {hosts!r}")
-    if inter_host_gbit is not None and not inter_host_gbit > 0:
-        raise ValueError(f"--inter-host-gbit must be > 0 Gbit/s, got {inter_host_gbit}")
-    if not join_timeout_s > 0:
-        raise ValueError(f"--join-timeout must be > 0 s, got {join_timeout_s}")
+    problem = link_options_problem(inter_host_gbit, join_timeout_s)
+    if problem:
+        raise ValueError(problem)
 
 
 def world_layout() -> tuple[int, int]:

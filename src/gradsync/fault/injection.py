@@ -17,7 +17,7 @@ import os
 import signal
 import time
 
-from gradsync.fault.events import EventLog
+from gradsync.fault.events import EventLog, read_events
 
 INJECTED_EXIT_CODE = 17
 ATTEMPTS_ENV = "GRADSYNC_FAULT_ATTEMPTS"
@@ -47,6 +47,17 @@ def check_environment() -> None:
     _fault_attempts()
 
 
+def _recorded_faults(events: EventLog | None, rank: int) -> int:
+    """How many faults ``rank`` has already recorded in the run folder's event log."""
+    if events is None:
+        return 0
+    try:
+        return sum(1 for event in read_events(events.path.parent)
+                   if event.get("event") == "fault" and event.get("rank") == rank)
+    except (OSError, ValueError):
+        return 0
+
+
 class FaultPlan:
     """The faults this rank injects.
 
@@ -58,7 +69,9 @@ class FaultPlan:
 
     def __init__(self, rank: int, fail_at: tuple[int, int] | None, hang_at: tuple[int, int] | None,
                  events: EventLog | None = None):
-        armed = attempt() < _fault_attempts()
+        # the agents of different hosts count restarts apart (one replaced by a re-rendezvous, not by a
+        # failure of its own, stays at 0): the faults this rank already recorded count as attempts too
+        armed = max(attempt(), _recorded_faults(events, rank)) < _fault_attempts()
         self.fail_step = fail_at[1] if armed and fail_at and fail_at[0] == rank else None
         self.hang_step = hang_at[1] if armed and hang_at and hang_at[0] == rank else None
         self.rank = rank

@@ -50,7 +50,30 @@ _HOLDER_SCRIPT = ('hostname "$1" && mount -t tmpfs -o mode=1777 tmpfs /dev/shm &
                   'mount -t tmpfs -o size=1m tmpfs /mnt && printf "%s" "$2" > /mnt/hosts && '
                   'mount --bind /mnt/hosts /etc/hosts && '
                   '(mount -t sysfs sysfs /sys 2>/dev/null || true) && ip link set lo up && '
-                  'echo ready && exec sleep 2147483647')
+                  'echo ready && exec "$3" -I -c "$4"')
+# PID 1 of a host's PID namespace: it adopts the orphans of killed agents and must reap them (a plain
+# `sleep` left them as zombies until the host ended)
+_REAPER = ("import os, time\n"
+           "while True:\n"
+           "    try:\n"
+           "        os.wait()\n"
+           "    except ChildProcessError:\n"
+           "        time.sleep(0.2)\n")
+
+
+MIN_INTER_HOST_GBIT = 0.001  # 1 Mbit/s: tc tbf needs a rate of whole bits, and slower links stall rendezvous
+MAX_INTER_HOST_GBIT = 1000.0
+MAX_JOIN_TIMEOUT_S = 24 * 3600.0
+
+
+def link_options_problem(inter_host_gbit: float | None, join_timeout_s: float) -> str | None:
+    """Why ``--inter-host-gbit`` / ``--join-timeout`` cannot be used (None: they can)."""
+    if inter_host_gbit is not None and not MIN_INTER_HOST_GBIT <= inter_host_gbit <= MAX_INTER_HOST_GBIT:
+        return (f"--inter-host-gbit must be in [{MIN_INTER_HOST_GBIT:g}, {MAX_INTER_HOST_GBIT:g}] Gbit/s, "
+                f"got {inter_host_gbit}")
+    if not 0 < join_timeout_s <= MAX_JOIN_TIMEOUT_S:
+        return f"--join-timeout must be in (0, {MAX_JOIN_TIMEOUT_S:g}] seconds, got {join_timeout_s}"
+    return None
 
 
 def host_addr(index: int) -> str:
@@ -232,7 +255,7 @@ class TestHosts:
         env = dict(os.environ, **{MARKER: self.marker})
         launcher = subprocess.Popen(
             ["unshare", "--net", "--uts", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc",
-             "--", "sh", "-c", _HOLDER_SCRIPT, "holder", name, self.etc_hosts()],
+             "--", "sh", "-c", _HOLDER_SCRIPT, "holder", name, self.etc_hosts(), sys.executable, _REAPER],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
             preexec_fn=_die_with_parent)
         line = launcher.stdout.readline().decode().strip()
@@ -307,6 +330,16 @@ class TestHosts:
     def set_link(self, index: int, up: bool) -> None:
         """Set host ``index``'s interface up or down inside its namespace (a cut cable)."""
         self.hosts[index].ip("link", "set", HOST_DEVICE, "up" if up else "down")
+
+    def kill_all(self) -> None:
+        """SIGKILL every process in the switch and in every host (the namespaces stay): what ``popen``
+        started there and their children, which the killed ``nsenter`` would leave running."""
+        for namespace in [self.switch, *self.hosts]:
+            for pid in namespace.processes():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
 
     def kill_host(self, index: int) -> list[int]:
         """SIGKILL every process running in host ``index`` (its namespaces stay); returns their PIDs."""

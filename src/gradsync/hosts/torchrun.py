@@ -21,6 +21,7 @@ brings it back (link up again, or a new agent in the host).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -39,6 +40,10 @@ from gradsync.hosts.netns import HOST_DEVICE, SWITCH_ADDR, TestHosts, host_addr
 STORE_PORT = 29400
 DEFAULT_JOIN_TIMEOUT_S = 30.0
 STORE_START_S = 60.0
+# once a host's agent has given up (the job cannot finish with fewer than H hosts), how long the others get
+# to end by themselves before the harness stops them: an agent never learns that another host gave up, so
+# one whose worker is frozen would wait forever
+STOP_OTHERS_AFTER_S = 10.0
 
 
 class HostsFailedError(GradsyncError):
@@ -67,6 +72,7 @@ class HostJob:
     commands: list[list[str]] = field(default_factory=list)
     exit_codes: dict[int, int] = field(default_factory=dict)
     relaunches: int = 0
+    stopped: dict[int, int] = field(default_factory=dict)  # host -> the host whose failure made the harness stop it
     log_dir: str = ""
 
 
@@ -77,7 +83,7 @@ def torchrun_command(hosts: int, nproc: int, index: int, port: int, run_id: str,
     head = [str(launcher)] if launcher.exists() else [sys.executable, "-m", "torch.distributed.run"]
     return head + [f"--nnodes={hosts}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
                    f"--rdzv-endpoint={SWITCH_ADDR}:{port}", f"--rdzv-id={run_id}",
-                   f"--local-addr={host_addr(index)}", f"--rdzv-conf=join_timeout={join_timeout_s:g}",
+                   f"--local-addr={host_addr(index)}", f"--rdzv-conf=join_timeout={math.ceil(join_timeout_s)}",
                    f"--max-restarts={max_restarts}", "--monitor-interval=0.5", "-m", "gradsync", *argv]
 
 
@@ -114,6 +120,7 @@ class _Runner:
         self.processes: dict[int, subprocess.Popen] = {}
         self.relays: list[threading.Thread] = []
         self.job = HostJob(testhosts.count, nproc, log_dir=str(log_dir))
+        self._failed_since: tuple[float, int] | None = None  # (when, host) the first agent gave up
 
     def start_store(self) -> None:
         store = self.testhosts.popen(None, [sys.executable, "-m", "gradsync.hosts.store", SWITCH_ADDR,
@@ -171,6 +178,7 @@ class _Runner:
                     running.append(fault.host)
             if not running:
                 break
+            self._stop_after_a_failure(running)
             if deadline_s is not None and time.monotonic() - started > deadline_s:
                 raise HostsFailedError(f"the job across {self.testhosts.count} hosts did not end within "
                                        f"{deadline_s:g} s")
@@ -178,6 +186,21 @@ class _Runner:
         for relay in self.relays:
             relay.join(5)
         self.job.exit_codes = {index: process.returncode for index, process in self.processes.items()}
+
+    def _stop_after_a_failure(self, running: list[int]) -> None:
+        """Stop the running hosts ``STOP_OTHERS_AFTER_S`` after the first host whose agent exited with an
+        error (one being replaced by a relaunch is running again by now)."""
+        gave_up = [index for index, process in self.processes.items() if process.poll() not in (None, 0)]
+        if not gave_up:
+            return
+        if self._failed_since is None:
+            self._failed_since = (time.monotonic(), gave_up[0])
+        since, first = self._failed_since
+        if time.monotonic() - since < STOP_OTHERS_AFTER_S:
+            return
+        for index in running:
+            self.job.stopped[index] = first
+            self.testhosts.kill_host(index)
 
 
 def run_on_hosts(hosts: int, nproc: int, argv: list[str], *, inter_host_gbit: float | None = None,
@@ -219,6 +242,7 @@ def run_on_hosts(hosts: int, nproc: int, argv: list[str], *, inter_host_gbit: fl
         for process in testhosts.started:
             if process.poll() is None:
                 process.kill()
+        testhosts.kill_all()  # the store and any worker nsenter's children left behind
         if own:
             testhosts.close()
         else:
@@ -237,6 +261,7 @@ def tempfile_dir() -> str:
 
 
 _ERROR_LINE = re.compile(r"^gradsync [a-z ]+: error: (.*)$", re.M)
+_GRADSYNC_LINE = re.compile(r"^(gradsync: .*)$", re.M)  # e.g. an injected fault's notice
 
 
 def diagnose(job: HostJob, report: Path, join_timeout_s: float, failed: dict[int, int]) -> str:
@@ -249,8 +274,12 @@ def diagnose(job: HostJob, report: Path, join_timeout_s: float, failed: dict[int
                 f"{', '.join(map(str, never))} never joined; logs in {job.log_dir})")
     lines = []
     for index in sorted(failed):
+        if index in job.stopped:
+            lines.append(f"host {index} ({host_addr(index)}) stopped by the harness: still running "
+                         f"{STOP_OTHERS_AFTER_S:g} s after host {job.stopped[index]} gave up (a frozen worker?)")
+            continue
         text = _log_text(job, index)
-        errors = _ERROR_LINE.findall(text)
+        errors = _ERROR_LINE.findall(text) or _GRADSYNC_LINE.findall(text)[-1:]
         detail = errors[0] if errors else _last_line(text) or f"exit code {failed[index]}"
         lines.append(f"host {index} ({host_addr(index)}) failed: {detail}")
     return "; ".join(lines) + f" (logs in {job.log_dir})"
@@ -272,7 +301,8 @@ def _log_text(job: HostJob, index: int) -> str:
 
 
 def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith(("[", "W", "I"))]
+    lines = [line.strip() for line in text.splitlines()
+             if line.strip().strip("=-") and not line.startswith(("[", "W", "I"))]
     return lines[-1] if lines else ""
 
 

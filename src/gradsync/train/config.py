@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 
 from gradsync.collectives.ops import ALGORITHMS
 from gradsync.compression import COMPRESSIONS
+from gradsync.hosts.netns import link_options_problem
 from gradsync.train.data import DEFAULT_NUM_SAMPLES
 from gradsync.train.models import MODELS
 
@@ -139,10 +140,16 @@ def validate(config: TrainConfig) -> None:
         (config.nproc >= 1, f"--nproc must be >= 1, got {config.nproc}"),
         (config.epochs >= 1, f"--epochs must be >= 1, got {config.epochs}"),
         (config.hosts is None or 1 <= config.hosts <= 250, f"--hosts must be in [1, 250], got {config.hosts}"),
-        (config.inter_host_gbit is None or (config.hosts is not None and 0 < config.inter_host_gbit <= 1000),
-         f"--inter-host-gbit needs --hosts and must be in (0, 1000] Gbit/s, got {config.inter_host_gbit}"),
-        (0 < config.join_timeout <= MAX_TIMEOUT_S,
-         f"--join-timeout must be in (0, {MAX_TIMEOUT_S}] seconds, got {config.join_timeout}"),
+        (config.inter_host_gbit is None or config.hosts is not None, "--inter-host-gbit needs --hosts"),
+        (link_options_problem(config.inter_host_gbit, config.join_timeout) is None,
+         link_options_problem(config.inter_host_gbit, config.join_timeout)),
+        (config.hosts is not None or config.join_timeout == TrainConfig.join_timeout,
+         "--join-timeout applies to --hosts (torchrun's rendezvous across test hosts)"),
+        (config.hosts is not None or (config.cut_link_at is None and config.kill_host_at is None),
+         "--cut-link-at and --kill-host-at need --hosts (they act on test hosts)"),
+        (config.hosts is None or config.hosts == 1 or config.algorithm != "shm",
+         f"--algorithm shm needs every rank on one host; --hosts {config.hosts} puts the ranks on "
+         f"{config.hosts} hosts (use hierarchical or auto)"),
         (config.hosts is None or config.mode == "sync", "--hosts runs --mode sync only (for now)"),
         (config.batch_size >= 1, f"--batch-size must be >= 1, got {config.batch_size}"),
         (config.accumulate >= 1, f"--accumulate must be >= 1, got {config.accumulate}"),
@@ -273,3 +280,7 @@ def validate_against_data(config: TrainConfig, world_size: int, num_train: int) 
             raise ValueError(f"{flag} rank {fault[0]} is not a worker: workers are ranks 0..{world_size - 1}")
         if fault is not None and fault[1] > last_step:
             raise ValueError(f"{flag} step {fault[1]} is after the job's last step {last_step}")
+    for which in ("cut_link_at", "kill_host_at"):
+        fault = config.host_fault(which)
+        if fault is not None and fault[1] > last_step:
+            raise ValueError(f"--{which.replace('_', '-')} step {fault[1]} is after the job's last step {last_step}")

@@ -148,6 +148,9 @@ def _run_job(config: TrainConfig) -> dict | None:
     validate(config)
     check_environment()
     torchrun = under_torchrun()
+    if torchrun and config.hosts is not None:
+        raise ValueError("--hosts starts one torchrun per test host itself; under torchrun (RANK and "
+                         "WORLD_SIZE are set) leave it out")
     if torchrun and config.max_restarts:
         raise ValueError("under torchrun, give --max-restarts to torchrun (its agent restarts the workers) and "
                          "--checkpoint-dir to gradsync train (each worker resumes from it)")
