@@ -122,7 +122,8 @@ def test_a_host_whose_workers_hang_is_stopped_once_another_host_gave_up(hosts, t
     with pytest.raises(HostsFailedError) as caught:
         run_on_hosts(2, 1, ["train", "--epochs", "1", "--num-samples", "1000", "--hang-at", "1:5", "--timeout",
                             "3", "--no-progress", "--out", str(tmp_path / "run")], join_timeout_s=20,
-                     testhosts=hosts, log_dir=tmp_path / "logs", echo_host0=False, deadline_s=60)
+                     testhosts=hosts, log_dir=tmp_path / "logs", echo_host0=False, deadline_s=60,
+                     stop_others_after_s=2)
     message = str(caught.value)
     assert "host 0 (198.18.0.1) failed:" in message and "peer rank 1" in message, message
     assert "host 1 (198.18.0.2) stopped by the harness" in message, message
@@ -145,7 +146,7 @@ def test_train_across_hosts_survives_a_killed_host_bitwise(tmp_path):
     import torch
 
     common = ["--epochs", "1", "--num-samples", "1000", "--algorithm", "ring", "--checkpoint-every", "5",
-              "--max-restarts", "1", "--timeout", "5"]
+              "--max-restarts", "1", "--timeout", "3"]
     local = _train([*common, "--nproc", "2"], tmp_path / "local")
     assert local.returncode == 0, local.stderr[-3000:]
     across = _train([*common, "--hosts", "2", "--nproc", "1", "--kill-host-at", "1:8", "--join-timeout", "40"],

@@ -179,6 +179,9 @@ class CollectiveCall:
         """Send row ``rank`` of ``rows`` (``(world_size, n)``, contiguous) to every peer and receive
         each peer's row in its place, all in flight at once; counted as control traffic.
 
+        Sends are posted first (unlike payload steps): a send to a peer whose process is gone fails at
+        once, so a dead peer is named before a live one that has already given up and left.
+
         ``senders``: the ranks whose rows travel (None: every rank); the others only receive.
         """
         stats = self.transport.stats
@@ -186,10 +189,10 @@ class CollectiveCall:
         peers = [peer for peer in range(self.world_size) if peer != self.rank]
         senders = set(range(self.world_size) if senders is None else senders)
         try:
-            receives = [(peer, self.irecv(rows[peer], peer, f"{step} with peer rank {peer}", control=True))
-                        for peer in peers if peer in senders]
             sends = [self.isend(rows[self.rank], peer, f"{step} with peer rank {peer}", control=True)
                      for peer in peers if self.rank in senders]
+            receives = [(peer, self.irecv(rows[peer], peer, f"{step} with peer rank {peer}", control=True))
+                        for peer in peers if peer in senders]
             for peer, pending in receives:
                 self.wait_on(pending, f"{step} with peer rank {peer}")
             self.wait_all(sends, step)

@@ -72,7 +72,8 @@ class HostJob:
     commands: list[list[str]] = field(default_factory=list)
     exit_codes: dict[int, int] = field(default_factory=dict)
     relaunches: int = 0
-    stopped: dict[int, int] = field(default_factory=dict)  # host -> the host whose failure made the harness stop it
+    # host -> (the host whose failure made the harness stop it, seconds it waited)
+    stopped: dict[int, tuple[int, float]] = field(default_factory=dict)
     log_dir: str = ""
 
 
@@ -121,6 +122,7 @@ class _Runner:
         self.relays: list[threading.Thread] = []
         self.job = HostJob(testhosts.count, nproc, log_dir=str(log_dir))
         self._failed_since: tuple[float, int] | None = None  # (when, host) the first agent gave up
+        self.stop_others_after_s = STOP_OTHERS_AFTER_S
 
     def start_store(self) -> None:
         store = self.testhosts.popen(None, [sys.executable, "-m", "gradsync.hosts.store", SWITCH_ADDR,
@@ -196,10 +198,10 @@ class _Runner:
         if self._failed_since is None:
             self._failed_since = (time.monotonic(), gave_up[0])
         since, first = self._failed_since
-        if time.monotonic() - since < STOP_OTHERS_AFTER_S:
+        if time.monotonic() - since < self.stop_others_after_s:
             return
         for index in running:
-            self.job.stopped[index] = first
+            self.job.stopped[index] = (first, self.stop_others_after_s)
             self.testhosts.kill_host(index)
 
 
@@ -207,7 +209,8 @@ def run_on_hosts(hosts: int, nproc: int, argv: list[str], *, inter_host_gbit: fl
                  join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S, max_restarts: int = 0,
                  faults: list[Fault] | None = None, absent_hosts: tuple[int, ...] = (),
                  log_dir: str | Path | None = None, echo_host0: bool = True,
-                 deadline_s: float | None = None, testhosts: TestHosts | None = None) -> HostJob:
+                 deadline_s: float | None = None, testhosts: TestHosts | None = None,
+                 stop_others_after_s: float = STOP_OTHERS_AFTER_S) -> HostJob:
     """Run ``gradsync <argv>`` on ``hosts`` test hosts of ``nproc`` ranks each; returns when every host ends.
 
     Args:
@@ -215,6 +218,8 @@ def run_on_hosts(hosts: int, nproc: int, argv: list[str], *, inter_host_gbit: fl
         absent_hosts: hosts whose torchrun is never started (a machine that never arrives).
         testhosts: hosts already made (a shared test fixture); by default made and removed here.
         deadline_s: give up (and stop everything) after this many seconds; None: no limit.
+        stop_others_after_s: once a host's agent has exited with an error, stop the hosts still running
+            this many seconds later (an agent never learns that another host gave up).
 
     Raises:
         ValueError: bad counts. HostsFailedError: a host failed: rendezvous (naming how many
@@ -232,6 +237,7 @@ def run_on_hosts(hosts: int, nproc: int, argv: list[str], *, inter_host_gbit: fl
         if own:
             testhosts.start()
         runner = _Runner(testhosts, nproc, argv, join_timeout_s, max_restarts, folder, echo_host0)
+        runner.stop_others_after_s = stop_others_after_s
         runner.start_store()
         first_env = {fault.host: fault.first_env for fault in faults or [] if fault.first_env}
         for index in range(testhosts.count):
@@ -275,8 +281,9 @@ def diagnose(job: HostJob, report: Path, join_timeout_s: float, failed: dict[int
     lines = []
     for index in sorted(failed):
         if index in job.stopped:
+            first, after_s = job.stopped[index]
             lines.append(f"host {index} ({host_addr(index)}) stopped by the harness: still running "
-                         f"{STOP_OTHERS_AFTER_S:g} s after host {job.stopped[index]} gave up (a frozen worker?)")
+                         f"{after_s:g} s after host {first} gave up (a frozen worker?)")
             continue
         text = _log_text(job, index)
         errors = _ERROR_LINE.findall(text) or _GRADSYNC_LINE.findall(text)[-1:]
