@@ -76,6 +76,17 @@ def link_options_problem(inter_host_gbit: float | None, join_timeout_s: float) -
     return None
 
 
+def _kill_all_in(namespace: "Namespace") -> list[int]:
+    """SIGKILL every process of ``namespace`` but its PID 1; returns their PIDs."""
+    pids = namespace.processes()
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass  # already gone
+    return pids
+
+
 def host_addr(index: int) -> str:
     """The address of host ``index`` (0-based): ``198.18.0.{index+1}``."""
     return f"{SUBNET}.{index + 1}"
@@ -335,21 +346,11 @@ class TestHosts:
         """SIGKILL every process in the switch and in every host (the namespaces stay): what ``popen``
         started there and their children, which the killed ``nsenter`` would leave running."""
         for namespace in [self.switch, *self.hosts]:
-            for pid in namespace.processes():
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
+            _kill_all_in(namespace)
 
     def kill_host(self, index: int) -> list[int]:
         """SIGKILL every process running in host ``index`` (its namespaces stay); returns their PIDs."""
-        pids = self.hosts[index].processes()
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        return pids
+        return _kill_all_in(self.hosts[index])
 
     def tx_bytes(self, index: int) -> int:
         """Bytes host ``index``'s interface has sent (``/proc/PID/net/dev`` of its holder)."""
