@@ -112,7 +112,8 @@ def _relay(stream, log_path: Path, echo) -> threading.Thread:
 
 class _Runner:
     def __init__(self, testhosts: TestHosts, nproc: int, argv: list[str], join_timeout_s: float,
-                 max_restarts: int, log_dir: Path, echo_host0: bool):
+                 max_restarts: int, log_dir: Path, echo_host0: bool,
+                 stop_others_after_s: float = STOP_OTHERS_AFTER_S):
         self.testhosts, self.nproc, self.argv = testhosts, nproc, argv
         self.join_timeout_s, self.max_restarts, self.log_dir = join_timeout_s, max_restarts, log_dir
         self.echo = sys.stdout.buffer if echo_host0 else None
@@ -122,7 +123,7 @@ class _Runner:
         self.relays: list[threading.Thread] = []
         self.job = HostJob(testhosts.count, nproc, log_dir=str(log_dir))
         self._failed_since: tuple[float, int] | None = None  # (when, host) the first agent gave up
-        self.stop_others_after_s = STOP_OTHERS_AFTER_S
+        self.stop_others_after_s = stop_others_after_s
 
     def start_store(self) -> None:
         store = self.testhosts.popen(None, [sys.executable, "-m", "gradsync.hosts.store", SWITCH_ADDR,
@@ -190,7 +191,7 @@ class _Runner:
         self.job.exit_codes = {index: process.returncode for index, process in self.processes.items()}
 
     def _stop_after_a_failure(self, running: list[int]) -> None:
-        """Stop the running hosts ``STOP_OTHERS_AFTER_S`` after the first host whose agent exited with an
+        """Stop the running hosts ``stop_others_after_s`` after the first host whose agent exited with an
         error (one being replaced by a relaunch is running again by now)."""
         gave_up = [index for index, process in self.processes.items() if process.poll() not in (None, 0)]
         if not gave_up:
@@ -236,8 +237,8 @@ def run_on_hosts(hosts: int, nproc: int, argv: list[str], *, inter_host_gbit: fl
     try:
         if own:
             testhosts.start()
-        runner = _Runner(testhosts, nproc, argv, join_timeout_s, max_restarts, folder, echo_host0)
-        runner.stop_others_after_s = stop_others_after_s
+        runner = _Runner(testhosts, nproc, argv, join_timeout_s, max_restarts, folder, echo_host0,
+                         stop_others_after_s)
         runner.start_store()
         first_env = {fault.host: fault.first_env for fault in faults or [] if fault.first_env}
         for index in range(testhosts.count):
