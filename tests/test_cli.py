@@ -58,6 +58,8 @@ def _assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -
     (["--trace", "/proc/trace.json"], ["--trace", "cannot be written"]),
     (["--trace", ""], ["--trace", "empty"]),
     (["--bogus"], ["gradsync train: error:", "--bogus"]),
+    (["--check-replicas-every", "-1"], ["--check-replicas-every", "-1"]),
+    (["--mode", "async", "--check-replicas-every", "5"], ["--check-replicas-every", "async"]),
 ])
 @pytest.mark.timeout(60)
 def test_cli_rejects_bad_input_with_one_line(args, needles, tmp_path, capsys, monkeypatch):
@@ -197,7 +199,7 @@ def assert_private(*paths: Path) -> None:
 SMALL_RUN = early_job("cli-small-run", [
     "train", "--nproc", "2", "--model", "mlp", "--epochs", "2", "--num-samples", "2000", "--batch-size", "16",
     "--accumulate", "2", "--out", "{folder}/run", "--no-progress", "--trace", "{folder}/trace.json",
-    "--bucket-cap-mb", "0.01",
+    "--bucket-cap-mb", "0.01", "--check-replicas-every", "10",
     "--algorithm", "ring"],  # ring: its bytes go through the transport and are counted (auto picks shm here)
     env={"GRADSYNC_DATA_DIR": "{folder}"})
 
@@ -221,6 +223,8 @@ def test_cli_small_run_writes_metrics_summary_and_plots(early):
     # 1600 train samples / 2 ranks = 800 per rank; 800 // 16 = 50 micro-batches; // 2 = 25 steps per epoch
     assert len(steps) == summary["steps"] == 2 * 25
     assert [r["step"] for r in steps] == list(range(1, 51))
+    checks = [r for r in records if r["kind"] == "replica_check"]  # 6 parameters and Adam's 3 states of each
+    assert [(r["step"], r["equal"], r["tensors"]) for r in checks] == [(step, True, 24) for step in range(10, 51, 10)]
     assert len(epochs) == 2
     assert summary["samples"] == 50 * 16 * 2 * 2
     assert summary["final_test_accuracy"] == epochs[-1]["test_accuracy"]

@@ -301,7 +301,7 @@ def test_local_sgd_every_step_matches_sync(tmp_path, data_dir):
     launcher paths of the modes are run by the tests above and by ``bench modes`` below.
     """
     tiny = {"nproc": 2, "num_samples": 400, "epochs": 1, "batch_size": 16, "optimizer": "sgd", "lr": 0.05,
-            "progress": False}
+            "progress": False, "check_replicas_every": 4}
     data_path = str(data.prepare(Path(data_dir), tiny["num_samples"]))
     summaries = {}
     for mode, extra in (("sync", {}), ("local-sgd", {"sync_every": 1})):
@@ -316,6 +316,12 @@ def test_local_sgd_every_step_matches_sync(tmp_path, data_dir):
     assert local["final_train_loss"] == pytest.approx(sync["final_train_loss"], rel=1e-5, abs=1e-6)
     assert sync["staleness_max"] == 0 and local["staleness_max"] == 0  # H - 1
     assert local["staleness_histogram"] == sync["staleness_histogram"]
+    # 320 training samples / 2 workers / batch 16 = 10 steps: replicas compared at steps 4 and 8, equal;
+    # sync compares the 8 parameters of the CNN and SGD's 8 momentum buffers, local SGD the parameters only
+    for mode, tensors in (("sync", 16), ("local-sgd", 8)):
+        records = [json.loads(line) for line in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]
+        checks = [record for record in records if record["kind"] == "replica_check"]
+        assert [(c["step"], c["equal"], c["tensors"]) for c in checks] == [(4, True, tensors), (8, True, tensors)]
 
 
 # --------------------------------------------------------------------------------------------------

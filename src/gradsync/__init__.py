@@ -9,8 +9,9 @@ from gradsync import compression
 from gradsync.api import all_gather, all_reduce, all_to_all, broadcast, comm_stats, reduce_scatter
 from gradsync.collectives import ALGORITHMS, OPS, Communicator, HierarchicalOptions, SegmentOptions
 from gradsync.errors import (CheckpointFolderError, CollectiveMismatchError, CollectiveTimeoutError, GradsyncError,
-                             GroupClosedError, NotInitializedError, ShmSetupError)
+                             GroupClosedError, NotInitializedError, ReplicaDivergenceError, ShmSetupError)
 from gradsync.parallel import AsyncWorker, DataParallel, LocalSGD, ParameterServer
+from gradsync.parallel.replica_check import ReplicaCheck, check_replicas
 from gradsync.process_group import init, is_initialized, rank, shutdown, world_size
 from gradsync.transport.thread import ThreadTransport, ThreadWorld
 from gradsync.transport.torch_p2p import TorchP2PTransport
@@ -21,7 +22,7 @@ __all__ = [
     "ALGORITHMS", "AsyncWorker", "CheckpointFolderError", "CollectiveMismatchError",
     "CollectiveTimeoutError", "Communicator", "DataParallel", "GradsyncError", "GroupClosedError",
     "HierarchicalOptions", "LocalSGD", "NotInitializedError", "OPS", "ParameterServer",
-    "SegmentOptions", "ShmSetupError", "ThreadTransport", "ThreadWorld", "TorchP2PTransport",
-    "__version__", "all_gather", "all_reduce", "all_to_all", "broadcast", "comm_stats", "compression",
+    "ReplicaCheck", "ReplicaDivergenceError", "SegmentOptions", "ShmSetupError", "ThreadTransport", "ThreadWorld", "TorchP2PTransport",
+    "__version__", "all_gather", "all_reduce", "all_to_all", "broadcast", "check_replicas", "comm_stats", "compression",
     "init", "is_initialized", "rank", "reduce_scatter", "shutdown", "world_size",
 ]

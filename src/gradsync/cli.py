@@ -86,6 +86,10 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         "step STEP, on the first attempt only")
     add("--hang-at", default=None, metavar="RANK:STEP", help="fault injection: worker RANK hangs at optimizer "
         "step STEP, on the first attempt only (the others time out after --timeout)")
+    add("--check-replicas-every", type=int, default=d.check_replicas_every, metavar="N", help="compare a "
+        "checksum of every replica's parameters and optimizer state across ranks every N optimizer steps "
+        "(local-sgd: at the first average after each N), recorded in metrics.jsonl; a divergence stops the job "
+        "naming the tensor and the ranks (default 0: never)")
     add("--num-samples", type=int, default=d.num_samples, help="MNIST-1D samples to draw, 80%% train / "
         "20%% test (default %(default)s; 5000 is the paper's split)")
     add("--data-dir", default=None, help="cache for generated data (default $GRADSYNC_DATA_DIR or "
@@ -142,9 +146,33 @@ def build_parser() -> argparse.ArgumentParser:
                     "with a worker killed (--fail-at) and with a worker hung (--hang-at); print the seconds to "
                     "detect each fault and to be training again, the steps recomputed, and whether the final "
                     "parameters equal the run without a fault bit for bit."))
+    _add_replicas_bench_options(benches.add_parser(
+        "replicas", help="cost of a replica check against one training step",
+        description="Train the bench models with DataParallel and time a training step, check_replicas() "
+                    "and check_replicas(optimizer), alternating over rounds; print each check's share of a "
+                    "step and the overhead of checking every 100 steps."))
     bench_report.add_parser(benches)
     bench_record.add_parser(benches)
     return parser
+
+
+def _add_replicas_bench_options(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--nproc", default="2", help="comma-separated world sizes, one local world each (default %(default)s)")
+    add("--model", default="cnn,mlp", help="comma-separated bench models: cnn, mlp (default %(default)s)")
+    add("--steps", type=int, default=50, help="timed steps per round for cnn; mlp runs steps // 5 "
+        "(default %(default)s)")
+    add("--checks", type=int, default=10, help="timed checks of each kind per round (default %(default)s)")
+    add("--rounds", type=int, default=5, help="alternating rounds; the median is reported (default %(default)s)")
+    add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
+
+
+def bench_replicas(args: argparse.Namespace) -> int:
+    from gradsync.bench.replica_checks import run_bench
+
+    run_bench(nproc=args.nproc, models=args.model, steps=args.steps, checks=args.checks, rounds=args.rounds,
+              json_path=args.json)
+    return 0
 
 
 def _add_faults_bench_options(parser: argparse.ArgumentParser) -> None:
@@ -330,7 +358,7 @@ def _record(args: argparse.Namespace) -> int:
 
 
 _BENCHES = {"allreduce": bench_allreduce, "train": bench_train, "compression": bench_compression,
-            "modes": bench_modes, "faults": bench_faults, "report": bench_report.run,
+            "modes": bench_modes, "faults": bench_faults, "replicas": bench_replicas, "report": bench_report.run,
             "record": _record}
 
 

@@ -51,6 +51,26 @@ class CollectiveMismatchError(GradsyncError, ValueError):
     """
 
 
+class ReplicaDivergenceError(GradsyncError):
+    """The ranks' replicas are no longer bitwise equal (``check_replicas``).
+
+    Raised on every rank. The message names the first differing tensor
+    ("parameter 'fc.weight'"), the ranks on each side ("ranks 0, 2 have
+    checksum ...; rank 1 has ..."), and the step.
+
+    Attributes:
+        tensor: the first differing tensor's label, or None (ranks at different steps).
+        step: the step the check was told (-1: none given).
+        groups: the ranks grouped by what they hold there, the largest group first.
+    """
+
+    def __init__(self, message, *, tensor=None, step=-1, groups=()):
+        super().__init__(message)
+        self.tensor = tensor
+        self.step = step
+        self.groups = [list(group) for group in groups]
+
+
 class PeerFailure(GradsyncError):
     """A transport-level wait on ``peer`` failed: timed out, or the peer is gone.
 

@@ -23,6 +23,7 @@ from gradsync.compression import COMPRESSIONS, Compressor
 from gradsync.compression import make as make_compressor
 from gradsync.errors import GradsyncError, GroupClosedError
 from gradsync.parallel.reducer import Reducer
+from gradsync.parallel.replica_check import ReplicaCheck, check_replicas
 from gradsync.parallel.replicas import (ParameterWatch, agree_on_arguments, broadcast_tensors, buffer_signature,
                                         describe_buffer_change, name_code, placeholders, verify_parameters)
 from gradsync.parallel.sync_round import PARAMS_CHANGED
@@ -293,6 +294,23 @@ class DataParallel(nn.Module):
         tensors = [param.data for param in self.module.parameters()] + list(self.module.buffers())
         broadcast_tensors(tensors, self.comm, src=self._last_active[0], verify=False)
         self._other_comm_seconds += time.perf_counter() - started
+
+    def check_replicas(self, optimizer=None, *, buffers: bool | None = None, step: int | None = None,
+                       timeout: float | None = None) -> ReplicaCheck:
+        """Raise ReplicaDivergenceError on every rank unless the replicas are bitwise equal.
+
+        See :func:`gradsync.check_replicas` for what is compared and raised.
+        ``buffers=None`` compares buffers only with ``broadcast_buffers=False``:
+        otherwise they are rank 0's at every forward, and statistics a forward
+        updates (batch norm's) differ between forwards by design. ``step``
+        (None: this replica's count of synchronized backwards, quoted in the
+        error but not compared, as ranks under ``join()`` count differently).
+
+        Collective: every rank must call this at the same point, outside a backward.
+        """
+        buffers = not self.broadcast_buffers if buffers is None else buffers
+        return check_replicas(self.module, optimizer, buffers=buffers, group=self.comm, timeout=timeout,
+                              step=self._reducer.rounds if step is None else step, compare_step=step is not None)
 
     # -- measurements ----------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from gradsync import collectives
 from gradsync.collectives.communicator import check_timeout
+from gradsync.parallel.replica_check import ReplicaCheck, check_replicas
 from gradsync.parallel.replicas import agree_on_arguments, broadcast_tensors, verify_parameters
 
 
@@ -118,6 +119,22 @@ class LocalSGD(nn.Module):
             return False
         self.average()
         return True
+
+    def check_replicas(self, *, buffers: bool = True, step: int | None = None,
+                       timeout: float | None = None) -> ReplicaCheck:
+        """Raise ReplicaDivergenceError on every rank unless the replicas are bitwise equal; call it
+        right after an average (``step()`` returned True, or ``average()``), the only moment they
+        must agree. Optimizer state is per rank in local SGD and is not compared. ``step`` (None:
+        the number of averages so far) labels the error. See :func:`gradsync.check_replicas`.
+
+        Raises:
+            ValueError: ``local_steps`` is not 0 (steps taken since the last average).
+        """
+        if self.local_steps:
+            raise ValueError(f"LocalSGD.check_replicas: replicas differ between averages by design; call it "
+                             f"right after an average (this rank took {self.local_steps} local steps since)")
+        return check_replicas(self.module, buffers=buffers, group=self.comm, timeout=timeout,
+                              step=self.averages if step is None else step, compare_step=step is not None)
 
     @torch.no_grad()
     def average(self) -> None:

@@ -105,6 +105,7 @@ class Reducer(FailureHandling, RebuildAndJoin):
         self._num_flags = len(self.params) + comm.world_size * SLOTS_PER_RANK  # used flags, then slots
         self.wrapped_names: list[str] = []  # what a rank's name code indexes (parameters, then buffers)
         self.problem: tuple[int, str, int] | None = None  # (code, words, name code) reported in the next round
+        self.rounds = 0  # synchronised backwards completed
         self.forwards = 0  # grad-enabled forwards (no_sync ones too) since the last synchronised backward
         self.broken: str | None = None  # why the model must be reset or re-wrapped before it is used again
         self._accumulators = [accumulator(param) for param in self.params]  # to tell autograd.grad apart
@@ -305,6 +306,7 @@ class Reducer(FailureHandling, RebuildAndJoin):
             self._round = None
             self.comm.lane.release(state.hold)
         self._raise_statuses(state)
+        self.rounds += 1
         self.last_bucket_spans = spans
         comm_s = sum(end - start for _, start, end in spans)
         self.comm_seconds += comm_s

@@ -53,6 +53,7 @@ class TrainConfig:
     keep_checkpoints: int = 2       # complete checkpoints kept; older ones are pruned
     fail_at: str | None = None      # "RANK:STEP": that worker dies at that step (first attempt only)
     hang_at: str | None = None      # "RANK:STEP": that worker hangs at that step (first attempt only)
+    check_replicas_every: int = 0   # optimizer steps between replica checks (0: none; local-sgd: after an average)
     num_samples: int = DEFAULT_NUM_SAMPLES  # MNIST-1D samples drawn (80% train, 20% test)
     data_dir: str | None = None     # cache for the generated arrays
     out: str | None = None          # run folder (default runs/<timestamp>)
@@ -183,6 +184,12 @@ def validate(config: TrainConfig) -> None:
             raise ValueError(message)
     _validate_mode(config)
     _validate_fault_tolerance(config)
+    if not _is_int(config.check_replicas_every) or config.check_replicas_every < 0:
+        raise ValueError(f"--check-replicas-every must be an int >= 0 (optimizer steps), got "
+                         f"{config.check_replicas_every}")
+    if config.mode == "async" and config.check_replicas_every:
+        raise ValueError("--check-replicas-every applies to --mode sync and local-sgd: async workers hold "
+                         "different parameter versions by design")
 
 
 def _is_int(value) -> bool:

@@ -69,6 +69,7 @@ class Trainer:
         self.events = EventLog(self.out_dir)
         self.faults = FaultPlan(self.rank, config.fault_rank_step("fail_at"), config.fault_rank_step("hang_at"),
                                 self.events)
+        self._replica_check_due = False  # --check-replicas-every in local SGD: waiting for the next average
         self.checkpoint_root = Path(config.checkpoint_dir) if config.checkpointing() else None
         self.state, metrics_text, self.resumed_from = resume.load_latest(
             self.checkpoint_root, config, self.replica, self.out_dir / METRICS_FILE if self.is_main else None)
@@ -142,15 +143,35 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             lr = self.scheduler.get_last_lr()[0]
             self.scheduler.step()
+        averaged = False
         if self.local_sgd:  # the gradient just applied had not seen the others' last local_steps steps
             self.state.staleness.record(self.model.local_steps)
             started = time.perf_counter()
-            if self.model.step():
+            averaged = self.model.step()
+            if averaged:
                 meter.record("average", started, time.perf_counter())
         else:
             self.state.staleness.record(0)
         self._finish_step(meter, step_loss, lr)
+        self._check_replicas(averaged)
         return step_loss
+
+    def _check_replicas(self, averaged: bool) -> None:
+        """``--check-replicas-every N``: every N steps (local SGD: at the first average after), record it."""
+        every = self.config.check_replicas_every
+        if not every:
+            return
+        self._replica_check_due = self._replica_check_due or self.state.step % every == 0
+        if not self._replica_check_due or (self.local_sgd and not averaged):
+            return
+        self._replica_check_due = False
+        if self.local_sgd:
+            check = self.model.check_replicas(step=self.state.step)
+        else:
+            check = self.model.check_replicas(self.optimizer, step=self.state.step)
+        if self.log:
+            self.log.write({"kind": "replica_check", "step": self.state.step, "equal": True,
+                            "tensors": check.tensors, "bytes": check.nbytes, "seconds": check.seconds})
 
     def _finish_step(self, meter: StepMeter, step_loss: float, lr: float) -> None:
         record = meter.stop(self.state.times)
