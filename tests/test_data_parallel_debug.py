@@ -1,7 +1,8 @@
 """DataParallel's debug mode: each check fires on the mistake it names, on every rank, with its evidence,
 and stays quiet on a correct loop (DistributedSampler + set_epoch, loss / k under no_sync, clipping).
 
-The loops run on in-process thread ranks (``run_threads``).
+The loops run on in-process thread ranks (``run_threads``); ``gradsync train --debug``'s trainer runs in
+this process as a one-rank group.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import warnings
 from contextlib import nullcontext
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,11 +18,14 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import gradsync
+from gradsync.cli import build_parser
 from gradsync.errors import CollectiveMismatchError, DebugCheckError, EpochOrderWarning
 from gradsync.parallel.debug_findings import MASK64, Report, ce_loss_scale, checksum, decide
+from gradsync.train.config import TrainConfig, validate
 from _dist import capture_error, run_threads
 
 NUM_SAMPLES, BATCH_SIZE = 96, 8  # 2 ranks: 6 batches per rank per epoch
+SPLITS = (("train", 160), ("test", 40))  # the trainer's data file in test_gradsync_train_debug_...
 
 
 def _net() -> nn.Module:
@@ -247,6 +252,44 @@ def test_gradsync_debug_env_with_a_bad_value_and_ranks_that_disagree_raise(monke
         lambda: gradsync.DataParallel(_net(), group=comm, debug=comm.rank == 0)))
     for error in errors:
         assert isinstance(error, CollectiveMismatchError) and "debug" in str(error), error
+
+
+@pytest.fixture
+def single_process(monkeypatch):
+    """A one-process gradsync group (no launcher variables), shut down afterwards."""
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    gradsync.init(backend="gloo", timeout=30)
+    try:
+        yield
+    finally:
+        gradsync.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_gradsync_train_debug_sets_it_and_the_real_loop_stays_quiet(tmp_path, single_process):
+    """``gradsync train --debug`` parses into the config, is sync-only, and the trainer's loop
+    (DistributedSampler, set_epoch, loss / --accumulate) runs 2 epochs with every check on, none firing."""
+    from gradsync.train.loop import Trainer
+
+    assert build_parser().parse_args(["train", "--debug"]).debug is True
+    assert build_parser().parse_args(["train"]).debug is False
+    with pytest.raises(ValueError, match="--debug applies to --mode sync"):
+        validate(TrainConfig(debug=True, mode="local-sgd"))
+    config = TrainConfig(nproc=1, num_samples=200, epochs=2, batch_size=16, accumulate=2, debug=True,
+                         progress=False)
+    generator = np.random.default_rng(0)  # MNIST-1D's arrays (x (N, 40) float32, y (N,) int64), random
+    arrays = {f"x_{split}": generator.standard_normal((n, 40)).astype(np.float32) for split, n in SPLITS}
+    arrays.update({f"y_{split}": generator.integers(0, 10, n) for split, n in SPLITS})
+    np.savez(tmp_path / "data.npz", **arrays)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EpochOrderWarning)
+        trainer = Trainer(config, tmp_path / "data.npz", tmp_path)
+        summary = trainer.run()
+    batches = SPLITS[0][1] // config.batch_size
+    assert trainer.model.debug is True and summary["config"]["debug"] is True
+    assert trainer.model._debug.forwards == batches * config.epochs
+    assert trainer.model._debug.steps == batches // config.accumulate * config.epochs
 
 
 # -------------------------------------------------------------------------- the pure parts
