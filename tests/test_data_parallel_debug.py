@@ -224,6 +224,27 @@ def test_debug_under_join_shadows_the_exchange_and_stays_quiet():
             assert torch.equal(mine, first)
 
 
+def _rank_join_same_batches(comm):
+    """Rank 0 leaves join() after one batch; ranks 1 and 2 then train on the same batches."""
+    model = gradsync.DataParallel(_net(), group=comm, debug=True)
+    generator = torch.Generator().manual_seed(min(comm.rank, 1))  # ranks 1 and 2: one stream
+    first = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 + comm.rank))
+
+    def train():
+        with model.join():
+            for x in [first] + [torch.randn(4, 6, generator=generator) for _ in range(2 if comm.rank else 0)]:
+                F.cross_entropy(model(x), torch.tensor([0, 1, 2, 3])).backward()
+    return capture_error(train)
+
+
+def test_debug_under_join_a_rank_that_left_raises_with_the_others():
+    """Identical batches on the ranks still in join() raise on them and on the rank that left (no hang)."""
+    for rank, error in enumerate(run_threads(3, _rank_join_same_batches)):
+        assert isinstance(error, DebugCheckError) and error.checks == ("same_input",), (rank, error)
+        assert "at forward #2 the input batches of every rank still in join() are bitwise identical" in str(error)
+        assert "on ranks 1, 2" in str(error)
+
+
 # -------------------------------------------------------------------------- turning it on
 
 
@@ -303,7 +324,8 @@ def test_decide_names_the_ranks_that_share_a_batch_among_three():
     assert f"at forward #3 some ranks received bitwise-identical input batches (ranks 0, 2 share checksum " \
            f"{_hex(7)})" in error
     reports[1] = Report(present=0)  # rank 1 has left join(): its (stale) input does not count
-    assert "every rank's input batch is bitwise identical" in decide(reports, ["w"], rank=1)[0]
+    assert "the input batches of every rank still in join() are bitwise identical (checksum " \
+           f"{_hex(7)} on ranks 0, 2)" in decide(reports, ["w"], rank=1)[0]
 
 
 def test_checksum_sees_one_flipped_bit_and_two_swapped_elements():

@@ -178,6 +178,7 @@ class DebugChecks:
         self._reducer = reducer
         self.comm_seconds = 0.0
         self.forwards = 0   # grad-enabled forwards of the model so far
+        self.exchanges = 0  # debug exchanges so far (forwards, and shadowed ones under join())
         self.steps = 0      # optimizer steps over its parameters so far
         self._index = {id(param): index for index, param in enumerate(self.params)}
         self._pending = Report()
@@ -235,12 +236,13 @@ class DebugChecks:
 
     def _exchange(self, report: Report) -> None:
         self._pending = Report()
+        self.exchanges += 1  # the same count on every rank (a rank that left join() shadows), unlike forwards
         if self.comm.world_size == 1:
             reports = [report]
         else:
             started = time.perf_counter()
             # the row's layout is fixed: compared across ranks once (a second message per call otherwise)
-            rows = collectives.all_gather(report.to_row(), self.comm, verify=self.forwards <= 1)
+            rows = collectives.all_gather(report.to_row(), self.comm, verify=self.exchanges == 1)
             self.comm_seconds += time.perf_counter() - started
             reports = [Report.from_row(row) for row in rows]
         error, checks, warning = decide(reports, self.names, self.comm.rank)

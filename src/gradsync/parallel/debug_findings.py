@@ -150,7 +150,9 @@ def _same_input(reports: list[Report]) -> str | None:
         return None
     forward = present[0][1].forward
     if len(shared[0][1]) == len(present):
-        return (f"at forward #{forward} every rank's input batch is bitwise identical (checksum "
+        who = ("every rank's input batch is" if len(present) == len(reports) else
+               "the input batches of every rank still in join() are")
+        return (f"at forward #{forward} {who} bitwise identical (checksum "
                 f"{_hex(shared[0][0])} on {_ranks(shared[0][1])}): is a DistributedSampler missing? Give each "
                 f"rank its own shard: DataLoader(dataset, sampler=DistributedSampler(dataset)), and call "
                 f"sampler.set_epoch(epoch) at the start of every epoch")
