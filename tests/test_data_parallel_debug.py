@@ -26,6 +26,7 @@ from _dist import capture_error, run_threads
 
 NUM_SAMPLES, BATCH_SIZE = 96, 8  # 2 ranks: 6 batches per rank per epoch
 SPLITS = (("train", 160), ("test", 40))  # the trainer's data file in test_gradsync_train_debug_...
+NOT_DIVIDED = ("loss_not_divided", "grads_divided_instead")  # mistakes whose loss is not divided by k
 
 
 def _net() -> nn.Module:
@@ -37,9 +38,6 @@ def _dataset() -> TensorDataset:
     generator = torch.Generator().manual_seed(1)
     return TensorDataset(torch.randn(NUM_SAMPLES, 6, generator=generator),
                          torch.randint(0, 4, (NUM_SAMPLES,), generator=generator))
-
-
-NOT_DIVIDED = ("loss_not_divided", "grads_divided_instead")
 
 
 def _hex(value: int) -> str:
@@ -68,14 +66,13 @@ def _loop(comm, mistake: str | None = None, epochs: int = 1, accumulate: int = 1
     sampler = None if mistake == "no_sampler" else DistributedSampler(
         dataset, num_replicas=comm.world_size, rank=comm.rank, shuffle=True, seed=0)
     loader = DataLoader(dataset, batch_size=BATCH_SIZE, sampler=sampler, drop_last=True)
-    seen = {"first_batch": None, "step_sums": []}
+    step_sums = []  # what each step used, as debug mode's checksum
 
     def train() -> None:
         for epoch in range(epochs):
             if sampler is not None and mistake != "no_set_epoch":
                 sampler.set_epoch(epoch)
             batches = list(loader)
-            seen["first_batch"] = seen["first_batch"] if seen["first_batch"] is not None else batches[0][0]
             for start in range(0, len(batches) - accumulate + 1, accumulate):
                 window = batches[start:start + accumulate]
                 for index, (x, y) in enumerate(window):
@@ -89,12 +86,12 @@ def _loop(comm, mistake: str | None = None, epochs: int = 1, accumulate: int = 1
                         param.grad.div_(len(window))
                 if clip:  # scales .grad in place: legitimate, never "reduced twice"
                     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-                seen["step_sums"].append(checksum(_grads(model)))
+                step_sums.append(checksum(_grads(model)))
                 optimizer.step()
                 optimizer.zero_grad()
 
     error = capture_error(train)
-    return {"error": error, **seen, "forwards": model._debug.forwards, "steps": model._debug.steps}
+    return {"error": error, "step_sums": step_sums, "forwards": model._debug.forwards, "steps": model._debug.steps}
 
 
 def _errors(results: list[dict], check: str) -> list[DebugCheckError]:

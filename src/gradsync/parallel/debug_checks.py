@@ -46,10 +46,13 @@ count). Compressed gradients are equal on every rank after decompression, so
 every check holds. Debug mode is DataParallel's only (not LocalSGD's). The
 ``grads_differ`` and ``reduced_twice`` checks need a ``torch.optim`` optimizer
 (they use its global step pre-hook). Normal mode costs nothing: DataParallel
-only tests ``self._debug is None``. Debug mode costs one all_gather of
-``REPORT_NUMEL`` int64 per rank per forward, a checksum of the inputs, one
-checksum of every ``.grad`` per optimizer step, and one norm per parameter per
-synchronised backward.
+only tests ``self._debug is None`` (and the reducer ``after_sync is None``).
+Debug mode costs one all_gather of ``REPORT_NUMEL`` int64 per rank per forward
+(a second message at the first one, its layout check), a checksum of the
+inputs, and, at world size > 1, one checksum of every ``.grad`` per optimizer
+step and one norm per parameter per synchronised backward: the checksum reads
+every gradient (~150 ms per 100 MB on a busy CPU core; accelerator tensors are
+copied to the host first).
 """
 
 from __future__ import annotations
@@ -261,9 +264,15 @@ class DebugChecks:
     def after_sync(self, micro_batches: int) -> None:
         """Called at the end of a synchronised backward that averaged ``micro_batches`` forwards' gradients."""
         self._unsynced.clear()
+        self._check_loss_scales(micro_batches)
+        # the norms DataParallel wrote: for reduced_twice, and for a step that divides .grad by k instead
+        noted = self.comm.world_size > 1 or self._pending.micro_batches
         for index, param in enumerate(self.params):
             grad = param.grad
-            self._written[index] = None if grad is None else (id(grad), grad._version, _norm(grad))
+            self._written[index] = None if grad is None or not noted else (id(grad), grad._version, _norm(grad))
+
+    def _check_loss_scales(self, micro_batches: int) -> None:
+        """Note a window of ``micro_batches`` >= 2 forwards whose every loss scale was 1 (not divided by k)."""
         window = [self._scales.get(forward) for forward in range(self.forwards - micro_batches + 1,
                                                                  self.forwards + 1)]
         self._scales.clear()
@@ -283,7 +292,8 @@ class DebugChecks:
         self.steps += 1
         report = self._pending
         report.steps, report.step_calls = self.steps, report.step_calls + 1
-        report.step_sum = checksum([self.params[index].grad for index in indices], seed=report.step_sum)
+        if self.comm.world_size > 1:  # compared across ranks
+            report.step_sum = checksum([self.params[index].grad for index in indices], seed=report.step_sum)
         unsynced = [index for index in indices if index in self._unsynced]
         if unsynced and not report.unsynced:
             report.unsynced, report.unsynced_first = len(unsynced), unsynced[0]
