@@ -8,8 +8,9 @@
 from gradsync import compression
 from gradsync.api import all_gather, all_reduce, all_to_all, broadcast, comm_stats, reduce_scatter
 from gradsync.collectives import ALGORITHMS, OPS, Communicator, HierarchicalOptions, SegmentOptions
-from gradsync.errors import (CheckpointFolderError, CollectiveMismatchError, CollectiveTimeoutError, GradsyncError,
-                             GroupClosedError, NotInitializedError, ReplicaDivergenceError, ShmSetupError)
+from gradsync.errors import (CheckpointFolderError, CollectiveMismatchError, CollectiveTimeoutError, DebugCheckError,
+                             EpochOrderWarning, GradsyncError, GroupClosedError, NotInitializedError,
+                             ReplicaDivergenceError, ShmSetupError)
 from gradsync.parallel import AsyncWorker, DataParallel, LocalSGD, ParameterServer
 from gradsync.parallel.replica_check import ReplicaCheck, check_replicas
 from gradsync.process_group import init, is_initialized, rank, shutdown, world_size
@@ -20,9 +21,10 @@ __version__ = "0.1.0"  # the one version source: pyproject.toml reads it (dynami
 
 __all__ = [
     "ALGORITHMS", "AsyncWorker", "CheckpointFolderError", "CollectiveMismatchError",
-    "CollectiveTimeoutError", "Communicator", "DataParallel", "GradsyncError", "GroupClosedError",
-    "HierarchicalOptions", "LocalSGD", "NotInitializedError", "OPS", "ParameterServer",
-    "ReplicaCheck", "ReplicaDivergenceError", "SegmentOptions", "ShmSetupError", "ThreadTransport", "ThreadWorld", "TorchP2PTransport",
-    "__version__", "all_gather", "all_reduce", "all_to_all", "broadcast", "check_replicas", "comm_stats", "compression",
-    "init", "is_initialized", "rank", "reduce_scatter", "shutdown", "world_size",
+    "CollectiveTimeoutError", "Communicator", "DataParallel", "DebugCheckError", "EpochOrderWarning",
+    "GradsyncError", "GroupClosedError", "HierarchicalOptions", "LocalSGD", "NotInitializedError", "OPS",
+    "ParameterServer", "ReplicaCheck", "ReplicaDivergenceError", "SegmentOptions", "ShmSetupError",
+    "ThreadTransport", "ThreadWorld", "TorchP2PTransport", "__version__", "all_gather", "all_reduce",
+    "all_to_all", "broadcast", "check_replicas", "comm_stats", "compression", "init", "is_initialized", "rank",
+    "reduce_scatter", "shutdown", "world_size",
 ]

@@ -60,6 +60,9 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         "(default %(default)s)")
     add("--gradient-as-bucket-view", action="store_true",
         help="make each .grad a view into its bucket (one copy of the gradients fewer)")
+    add("--debug", action="store_true", help="sync: DataParallel's debug checks (one small all_gather per "
+        "forward): the same batch on every rank, gradients reduced twice or not at all, a loss not divided "
+        "by --accumulate, a fixed epoch order; also GRADSYNC_DEBUG=1")
     add("--compression", default=d.compression, metavar="{" + ",".join(COMPRESSIONS) + "}",
         help="gradient compression: fp16/bf16 (16-bit values), onebit (signs + error feedback), topk "
         "(largest entries + error feedback), powersgd (low rank + error feedback) (default %(default)s)")

@@ -101,3 +101,31 @@ class ShmSetupError(GradsyncError, OSError):
 
 class CheckpointFolderError(GradsyncError):
     """The checkpoint folder is not the same folder on every rank (a node-local disk); raised on every rank."""
+
+
+class DebugCheckError(GradsyncError):
+    """A debug-mode check of DataParallel (``debug=True`` / ``GRADSYNC_DEBUG=1``) found a training mistake.
+
+    Raised on every rank at the same forward, decided from one exchange of
+    every rank's findings; the message names the mistake, the ranks, the
+    forward and optimizer step, and the evidence (checksums, ratios). The
+    model stays usable: the next forward runs normally.
+
+    Attributes:
+        checks: the names of the checks that fired, in the order the message
+            lists them: ``"same_input"`` (ranks received bitwise-identical
+            batches), ``"grads_differ"`` (``.grad`` differed across ranks at an
+            optimizer step), ``"reduced_twice"`` (``.grad`` was world_size x
+            DataParallel's average at a step), ``"loss_not_divided"`` (the
+            loss of accumulated micro-batches was not divided by their number).
+    """
+
+    def __init__(self, message, *, checks=()):
+        super().__init__(message)
+        self.checks = tuple(checks)
+
+
+class EpochOrderWarning(UserWarning):
+    """Debug mode saw the first input batches of training repeat later in the same order (a missing
+    ``sampler.set_epoch(epoch)``). A warning, not an error: a fixed order (``shuffle=False``) is
+    legitimate; silence it with ``warnings.filterwarnings("ignore", category=gradsync.EpochOrderWarning)``."""

@@ -22,6 +22,7 @@ from gradsync.collectives import ops as collectives
 from gradsync.compression import COMPRESSIONS, Compressor
 from gradsync.compression import make as make_compressor
 from gradsync.errors import GradsyncError, GroupClosedError
+from gradsync.parallel.debug_checks import DebugChecks, resolve_debug
 from gradsync.parallel.reducer import Reducer
 from gradsync.parallel.replica_check import ReplicaCheck, check_replicas
 from gradsync.parallel.replicas import (ParameterWatch, agree_on_arguments, broadcast_tensors, buffer_signature,
@@ -50,6 +51,8 @@ class DataParallel(nn.Module):
         group: None (the default group), a Communicator or a torch ProcessGroup.
         gradient_as_bucket_view: make each ``.grad`` a view into its bucket,
             saving one copy of the gradients in memory (DDP's option of the same name).
+        debug: checks that name the usual mistakes, raising ``gradsync.DebugCheckError`` on every
+            rank (:mod:`~gradsync.parallel.debug_checks`); None (default) reads ``GRADSYNC_DEBUG``.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``, ``group`` is not a group
@@ -102,9 +105,9 @@ class DataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, algorithm: str = "ring",
                  compression=None, broadcast_buffers: bool = True, group=None,
-                 gradient_as_bucket_view: bool = False):
+                 gradient_as_bucket_view: bool = False, debug: bool | None = None):
         super().__init__()
-        settings = {"algorithm": algorithm, "bucket_cap_mb": bucket_cap_mb, "compression": compression,
+        settings = {"algorithm": algorithm, "bucket_cap_mb": bucket_cap_mb, "compression": compression, "debug": debug,
                     "broadcast_buffers": broadcast_buffers, "gradient_as_bucket_view": gradient_as_bucket_view}
 
         def check() -> None:
@@ -112,6 +115,7 @@ class DataParallel(nn.Module):
                 raise TypeError(f"DataParallel wraps a torch.nn.Module, got {type(module).__name__}")
             _check_bucket_cap_mb(bucket_cap_mb)
             collectives.validate_algorithm(algorithm)
+            settings["debug"] = resolve_debug(debug)
             settings["compression"] = _resolve_compression(compression)
             if settings["compression"] is not None:
                 settings["compression"].attach(self)  # raises if another model uses it
@@ -139,6 +143,8 @@ class DataParallel(nn.Module):
                                 compression=compression)
         self._reducer.wrapped_names = [name for name, _ in module.named_parameters()] + \
             [name for name, _ in module.named_buffers()]  # the same on every rank (verified above)
+        self.debug = settings["debug"]
+        self._debug = DebugChecks(named, self.comm, self._reducer) if self.debug else None
 
     # -- forward ---------------------------------------------------------------------------------
 
@@ -157,7 +163,10 @@ class DataParallel(nn.Module):
             self._join_step(active=True, will_sync=will_sync, sync_buffers=training)
         if training:  # evaluation under no_grad does not communicate (ranks may evaluate unevenly)
             self._sync_buffers()
-        output = self.module(*args, **kwargs)
+        if training and self._debug is not None:  # one small all_gather; DebugCheckError on every rank
+            output = self._debug.forward(self.module, args, kwargs)
+        else:
+            output = self.module(*args, **kwargs)
         if will_sync:
             self._hook_outputs(output)
         return output
@@ -283,6 +292,8 @@ class DataParallel(nn.Module):
         if not active:
             if buffers:
                 self._sync_buffers()
+                if self._debug is not None:  # the active ranks' debug exchange follows their buffers'
+                    self._debug.shadow()
             if syncing:
                 self._reducer.shadow_round(len(active_ranks))
         return True

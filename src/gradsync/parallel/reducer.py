@@ -108,6 +108,7 @@ class Reducer(FailureHandling, RebuildAndJoin):
         self.rounds = 0  # synchronised backwards completed
         self.forwards = 0  # grad-enabled forwards (no_sync ones too) since the last synchronised backward
         self.broken: str | None = None  # why the model must be reset or re-wrapped before it is used again
+        self.after_sync: Callable[[int], None] | None = None  # debug mode's: called with the round's forwards
         self._accumulators = [accumulator(param) for param in self.params]  # to tell autograd.grad apart
         self._lane_check = weak_method(self, "settle_if_stale")
         self._broken_hold: int | None = None  # the lane hold that refuses collectives while broken
@@ -319,6 +320,8 @@ class Reducer(FailureHandling, RebuildAndJoin):
             rebuild_s = time.perf_counter() - started
             self.comm_seconds += rebuild_s
             self.exposed_comm_seconds += rebuild_s
+        if self.after_sync is not None:  # .grad is final (and, after a rebuild, in its new bucket)
+            self.after_sync(state.forwards)
 
     def _wait_and_copy_out(self, state: Round) -> tuple[list[tuple[int, float, float]], float]:
         """Copy each bucket's averages into ``.grad`` as soon as it is done, while later buckets reduce.

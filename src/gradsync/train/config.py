@@ -40,6 +40,7 @@ class TrainConfig:
     algorithm: str = "auto"         # AllReduce algorithm for the gradients (auto: chosen per bucket size)
     bucket_cap_mb: float = 25.0     # MiB of gradients per bucket
     gradient_as_bucket_view: bool = False  # .grad is a view into its bucket (saves a gradient copy)
+    debug: bool = False             # DataParallel's debug checks (GRADSYNC_DEBUG=1 also turns them on)
     compression: str = "none"       # none | fp16 | bf16 | onebit | topk | powersgd
     topk_ratio: float = 0.01        # fraction of each bucket that topk sends
     powersgd_rank: int = 2          # approximation rank of powersgd
@@ -238,7 +239,8 @@ def _validate_mode(config: TrainConfig) -> None:
                       ("--no-staleness-lr", config.staleness_lr, d.staleness_lr)],
             "local-sgd": [("--sync-every", config.sync_every, d.sync_every)],
             "sync": [("--compression", config.compression, d.compression),
-                     ("--gradient-as-bucket-view", config.gradient_as_bucket_view, d.gradient_as_bucket_view)]}
+                     ("--gradient-as-bucket-view", config.gradient_as_bucket_view, d.gradient_as_bucket_view),
+                     ("--debug", config.debug, d.debug)]}
     for mode, options in only.items():
         for flag, value, default in options:
             if config.mode != mode and value != default:

@@ -72,4 +72,5 @@ def build_replica(config: TrainConfig) -> torch.nn.Module:
     compressor = make_compressor(config.compression, config.topk_ratio, config.powersgd_rank,
                                  config.compression_warmup_steps)
     return gradsync.DataParallel(module, bucket_cap_mb=config.bucket_cap_mb, algorithm=config.algorithm,
-                                 gradient_as_bucket_view=config.gradient_as_bucket_view, compression=compressor)
+                                 gradient_as_bucket_view=config.gradient_as_bucket_view, compression=compressor,
+                                 debug=True if config.debug else None)  # None: GRADSYNC_DEBUG decides
