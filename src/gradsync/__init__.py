@@ -6,7 +6,7 @@
 """
 
 from gradsync import compression
-from gradsync.api import all_gather, all_reduce, all_to_all, broadcast, comm_stats, reduce_scatter
+from gradsync.api import all_gather, all_reduce, all_to_all, broadcast, comm_stats, flight_records, reduce_scatter
 from gradsync.collectives import ALGORITHMS, OPS, Communicator, HierarchicalOptions, SegmentOptions
 from gradsync.errors import (CheckpointFolderError, CollectiveMismatchError, CollectiveTimeoutError, GradsyncError,
                              GroupClosedError, NotInitializedError, ShmSetupError)
@@ -23,5 +23,5 @@ __all__ = [
     "HierarchicalOptions", "LocalSGD", "NotInitializedError", "OPS", "ParameterServer",
     "SegmentOptions", "ShmSetupError", "ThreadTransport", "ThreadWorld", "TorchP2PTransport",
     "__version__", "all_gather", "all_reduce", "all_to_all", "broadcast", "comm_stats", "compression",
-    "init", "is_initialized", "rank", "reduce_scatter", "shutdown", "world_size",
+    "flight_records", "init", "is_initialized", "rank", "reduce_scatter", "shutdown", "world_size",
 ]
