@@ -14,7 +14,8 @@ Three measurements, each the median over rounds of the mean µs per call:
   on a peer) timed alone against the same code without it, in CPU time.
 
 Run it on two checkouts (before and after a change) and compare; the
-machines are noisy, so rounds alternate and the median is reported.
+machines are noisy, so each figure is the median (and, for whole calls, the
+minimum) over rounds, and verify on and off alternate.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import time
 
 import torch
 
-SIZES_NUMEL = 1  # 4 bytes of float32
+NUMEL = 1  # 4 bytes of float32
 
 
 def _free_port() -> int:
@@ -45,11 +46,16 @@ def _timed_calls(call, calls: int, clock=time.perf_counter) -> float:
     return (clock() - started) / calls * 1e6
 
 
-def _cpu_us(call, calls: int, rounds: int) -> float:
-    """Median over ``rounds`` of the mean CPU µs (this thread's) per ``call()``: other processes' load on a
-    shared machine does not count, as it does in wall-clock time."""
+def _cpu_samples(call, calls: int, rounds: int) -> list[float]:
+    """The mean CPU µs (this thread's) per ``call()`` of each of ``rounds`` rounds: other processes' load on a
+    shared machine counts less than in wall-clock time."""
     _timed_calls(call, calls // 4, time.thread_time)
-    return statistics.median(_timed_calls(call, calls, time.thread_time) for _ in range(rounds))
+    return [_timed_calls(call, calls, time.thread_time) for _ in range(rounds)]
+
+
+def _cpu_us(call, calls: int, rounds: int) -> float:
+    """The median of :func:`_cpu_samples`."""
+    return statistics.median(_cpu_samples(call, calls, rounds))
 
 
 def _rank_all_reduce(rank: int, port: int, calls: int, rounds: int, results) -> None:
@@ -63,7 +69,7 @@ def _rank_all_reduce(rank: int, port: int, calls: int, rounds: int, results) -> 
     torch.set_num_threads(1)
     gradsync.init(backend="gloo", timeout=60.0)
     comm = default_communicator()
-    tensor = torch.ones(SIZES_NUMEL)
+    tensor = torch.ones(NUMEL)
     checked = lambda: ops.all_reduce(tensor, comm)  # noqa: E731
     unchecked = lambda: ops.all_reduce(tensor, comm, verify=False)  # noqa: E731
     _timed_calls(checked, calls // 4)  # warm-up: connections, buffers
@@ -76,8 +82,8 @@ def _rank_all_reduce(rank: int, port: int, calls: int, rounds: int, results) -> 
     gradsync.shutdown()
 
 
-def all_reduce_cost(calls: int, rounds: int) -> dict[str, float]:
-    """Median µs per 4-byte all_reduce at world size 2 (Gloo, this machine), verify on and off."""
+def all_reduce_cost(calls: int, rounds: int) -> dict[str, list[float]]:
+    """µs per 4-byte all_reduce at world size 2 (Gloo, this machine) per round, verify on and off."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     port = _free_port()
@@ -88,17 +94,17 @@ def all_reduce_cost(calls: int, rounds: int) -> dict[str, float]:
     samples = results.get(timeout=600)
     for process in processes:
         process.join(60)
-    return {mode: statistics.median(values) for mode, values in samples.items()}
+    return samples
 
 
-def framework_cost(calls: int, rounds: int) -> float:
-    """Median CPU µs per all_reduce on a one-rank communicator (checks and bookkeeping only, no message)."""
+def framework_cost(calls: int, rounds: int) -> list[float]:
+    """CPU µs per all_reduce on a one-rank communicator per round (checks and bookkeeping only, no message)."""
     from gradsync.collectives import Communicator, ops
     from gradsync.transport.thread import ThreadWorld
 
     comm = Communicator(ThreadWorld(1).transport(0), 60.0)
-    tensor = torch.ones(SIZES_NUMEL)
-    return _cpu_us(lambda: ops.all_reduce(tensor, comm), calls, rounds)
+    tensor = torch.ones(NUMEL)
+    return _cpu_samples(lambda: ops.all_reduce(tensor, comm), calls, rounds)
 
 
 def recorder_costs(calls: int, rounds: int) -> list[tuple[str, float]] | None:
@@ -109,14 +115,19 @@ def recorder_costs(calls: int, rounds: int) -> list[tuple[str, float]] | None:
     except ImportError:
         return None
     from gradsync.collectives import Communicator
+    from gradsync.debug.flight import FlightEntry
     from gradsync.transport.thread import ThreadWorld
 
     comm = Communicator(ThreadWorld(1).transport(0), 60.0)
     call = comm.new_call("all_reduce", "ring")
-    tensor = torch.ones(SIZES_NUMEL)
+    for ordinal in range(comm.flight.capacity):  # a full ring, as after a while
+        entry = FlightEntry()
+        entry.ordinal = ordinal
+        comm.flight.enter(entry)
+    tensor = torch.ones(NUMEL)
 
     def bare(tensor, comm):
-        comm.calls_started += 1  # as new_call does; the entry is the one above
+        comm.calls_started += 1  # as new_call does (the ring's entries stand for its calls)
 
     def start_times():  # what CollectiveCall.__init__ adds: the wall clock, four stores
         call.started_mono = 0.0
@@ -149,14 +160,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=7, help="rounds; the median is shown (default %(default)s)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    rows = [(f"recorder: {name}", cost) for name, cost in recorder_costs(args.calls * 50, args.rounds) or []]
+    rows = [(f"recorder: {name}", [cost]) for name, cost in recorder_costs(args.calls * 50, args.rounds) or []]
     rows.append(("all_reduce 4 B, ws=1 (checks only, CPU)", framework_cost(args.calls * 5, args.rounds)))
     wide = all_reduce_cost(args.calls, args.rounds)
-    rows += [(f"all_reduce 4 B, ws=2 Gloo, {mode} (wall)", value) for mode, value in wide.items()]
-    print(f"{'measurement':<48} {'µs per call':>12}")
-    for name, value in rows:
-        print(f"{name:<48} {'-' if value is None else format(value, '.2f'):>12}")
-
+    rows += [(f"all_reduce 4 B, ws=2 Gloo, {mode} (wall)", values) for mode, values in wide.items()]
+    print(f"{'measurement':<48} {'median µs':>10} {'min µs':>10}")
+    for name, values in rows:
+        low = f"{min(values):.2f}" if len(values) > 1 else ""
+        print(f"{name:<48} {statistics.median(values):>10.2f} {low:>10}")
 
 if __name__ == "__main__":
     main()

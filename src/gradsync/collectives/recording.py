@@ -60,8 +60,8 @@ def recorded(collective: Callable[..., R]) -> Callable[..., R]:
         except BaseException as error:
             recorded_end(comm.flight, first, comm.calls_started, error)
             raise
-        if first == comm.calls_started:
-            comm.flight.finish(first, first)
+        if first == comm.calls_started:  # one call, the last one entered
+            comm.flight.finish_last(first)
         else:
             recorded_end(comm.flight, first, comm.calls_started)
         return result

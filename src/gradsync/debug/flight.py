@@ -149,13 +149,12 @@ class FlightRecorder:
             if entry is not None and entry.ordinal == ordinal and entry.ended_mono is None:
                 yield entry
 
+    def finish_last(self, ordinal: int) -> None:
+        """Mark the call ``ordinal`` done, now: the last one entered (the usual case, one call per collective)."""
+        self._entries[ordinal % self.capacity].ended_mono = time.monotonic()
+
     def finish(self, first: int, last: int) -> None:
-        """Mark the calls ``first..last`` (ordinals, inclusive) done, now."""
-        if first == last:  # one call per collective: the usual case, without the generator
-            entry = self._entries[last % self.capacity]
-            if entry is not None and entry.ordinal == last and entry.ended_mono is None:
-                entry.ended_mono = time.monotonic()
-            return
+        """Mark the calls ``first..last`` (ordinals, inclusive) done, now (those not ended yet)."""
         now = time.monotonic()
         for entry in self._span(first, last):
             entry.ended_mono = now
