@@ -2,12 +2,18 @@
 
 The report fits one screen::
 
-    gradsync debug: 3 of 4 ranks dumped in runs/x/flight, written within 0.4 s
+    gradsync debug: 3 of 4 ranks dumped in runs/x/flight, written within 0.1 s
     rank 2 is in all_reduce #1841 bucket 3; ranks 0, 1 are in broadcast #1842; rank 3 wrote no dump
-    disagreement at #1842: ranks 0, 1 reached broadcast #1842; rank 2 did not (its last call: all_reduce #1841 bucket 3)
-    rank 3 wrote no dump: ranks 0, 1 were waiting on it in broadcast #1842 ...
-    ranks  last call ...  (a table: state, when each entered it, host)
-    errors: ...
+    disagreement at #1842: ranks 0, 1 reached broadcast #1842; rank 2 did not (last call: all_reduce #1841 bucket 3)
+    rank 3 wrote no dump (frozen, killed, or its folder is not this one): ranks 0, 1 were waiting on it in
+    broadcast #1842, so it never reached broadcast #1842 or froze inside it; the timeout of rank 2 in
+    all_reduce #1841 bucket 3 named it; the last call every rank that dumped finished is all_reduce #1840 bucket 0
+      ranks  last call                  state                     entered   host
+      2      all_reduce #1841 bucket 3  failed waiting on peer 0  +0.000 s  node1
+      0, 1   broadcast #1842            failed waiting on peer 3  +1.000 s  node0
+    errors:
+      rank 2: CollectiveTimeoutError: all_reduce (algorithm=ring) on rank 2 of 4: peer rank 3 stopped ...
+      rank 0 (and 1 more): CollectiveTimeoutError: broadcast (algorithm=tree) on rank 0 of 4: ...
 
 Sequence numbers are the calls' ordinals on their communicator, equal on every
 rank of a correct program, so records of one seq on several ranks are one
@@ -16,8 +22,9 @@ mismatch the program caught is not why it stopped); after them, the first seq
 whose op, algorithm, dtype, shape or label differ across ranks (or that some
 ranks never reached) is the disagreement. A rank
 without a dump (frozen, killed, or its file unreadable) is placed by its
-peers' records: the ranks whose last call waited on it, or whose timeout
-blamed it, and the last call every other rank finished.
+peers' records: the ranks whose last call waited on it (and whether they saw
+its connection close), those whose timeout named it, and the last call every
+other rank finished.
 """
 
 from __future__ import annotations
@@ -147,22 +154,23 @@ def disagreement(dumps: dict[int, RankDump], settled: int) -> str | None:
 
 def _missing_text(missing: int, dumps: dict[int, RankDump], agreed: int, unreadable: bool) -> str:
     """Where the peers' records place a rank that wrote no (readable) dump; the rank itself is not named."""
-    waiters = {rank: dump.last for rank, dump in dumps.items()
-               if dump.last is not None and missing in (dump.last["peer"], dump.last["blamed"])}
+    lasts = {rank: dump.last for rank, dump in dumps.items() if dump.last is not None}
+    waiters = {rank: record for rank, record in lasts.items() if record["peer"] == missing}
+    blamers = {rank: record for rank, record in lasts.items() if record["blamed"] == missing and rank not in waiters}
     closed = [rank for rank, record in waiters.items() if record["timed_out"] is False]
     how = "its dump is unreadable" if unreadable else "frozen, killed, or its folder is not this one"
     if closed:
         how = f"its process died or left: {rank_list(closed)} saw the connection close"
-    if waiters:
-        groups = _by_value({rank: position(record) for rank, record in waiters.items()})
-        where = "; ".join(f"{rank_list(ranks)} {'was' if len(ranks) == 1 else 'were'} waiting on it in {place}"
-                          for place, ranks in groups)
-        text = f"({how}): {where}"
-        if len(groups) == 1:
-            text += (f", so it left before or during {groups[0][0]}" if closed else
+    parts = []
+    groups = _by_value({rank: position(record) for rank, record in waiters.items()})
+    for place, ranks in groups:
+        parts.append(f"{rank_list(ranks)} {'was' if len(ranks) == 1 else 'were'} waiting on it in {place}")
+    if len(groups) == 1:
+        parts[0] += (f", so it left before or during {groups[0][0]}" if closed else
                      f", so it never reached {groups[0][0]} or froze inside it")
-    else:
-        text = f"({how}): no rank that dumped was waiting on it"
+    for place, ranks in _by_value({rank: position(record) for rank, record in blamers.items()}):
+        parts.append(f"the timeout of {rank_list(ranks)} in {place} named it")
+    text = f"({how}): " + ("; ".join(parts) if parts else "no rank that dumped was waiting on it")
     if agreed:
         record = next(dump.records[agreed] for dump in dumps.values() if agreed in dump.records)
         text += f"; the last call every rank that dumped finished is {position(record)}"
