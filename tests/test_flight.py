@@ -169,13 +169,16 @@ def test_analyzer_carries_on_past_garbage_empty_and_damaged_files(tmp_path):
     (tmp_path / "rank-7.json").write_text('{"format": "gradsync-fl')  # cut inside the header
     (tmp_path / "rank-8.json").write_text('[' * 100_000)  # too deep for the json module
     (tmp_path / "notes.txt").write_text("not a dump")
+    (tmp_path / "rank-5.json").write_text('{"rank": 1000000000000, "world_size": 4, "records": []}')
+    (tmp_path / "rank-6.json").write_text('{"rank": 6, "world_size": 4, "records": [{"seq": 1, "op": "' + "x" * 5000
+                                          + '"}]}')
     document = json.loads((tmp_path / "rank-0.json").read_text())
     document["records"][:0] = [{"seq": "x", "op": "all_reduce"}, {"seq": 4, "op": 7}, "noise"]
     document["records"][-1]["shape"] = "not a shape"
     (tmp_path / "rank-0.json").write_text(json.dumps(document))
     text = analyze.render(tmp_path)
     assert "rank 3 wrote no dump (its dump is unreadable): ranks 0, 1 were waiting on it in broadcast #6" in text
-    for name in ("rank-3.json", "rank-7.json", "rank-8.json", "rank-9.json"):
+    for name in ("rank-3.json", "rank-5.json", "rank-6.json", "rank-7.json", "rank-8.json", "rank-9.json"):
         assert f"unreadable: {name}: " in text, name
     assert "note: rank-0.json: 3 unreadable records skipped" in text
     assert "notes.txt" not in text

@@ -73,8 +73,10 @@ def flight_records(group=None) -> list[dict]:
     group, equal on every rank of a correct program), ``op``, ``algorithm`` (resolved: ``"auto (ring)"``),
     ``label`` (``"bucket 3"`` for DataParallel's buckets, else None), ``dtype``, ``shape``, ``nbytes``,
     ``state`` ("started", "waiting", "done" or "failed"), ``peer`` (the rank it waited on), ``error``
-    (short text), ``start_wall`` / ``end_wall`` (``time.time()`` seconds) and ``start_monotonic`` /
-    ``end_monotonic``. How many are kept: ``GRADSYNC_FLIGHT_ENTRIES`` (default 2000).
+    (short text), ``blamed`` and ``timed_out`` (a timeout's named rank and kind), ``start_wall`` /
+    ``end_wall`` (``time.time()`` seconds) and ``start_monotonic`` / ``end_monotonic``. How many are
+    kept: ``GRADSYNC_FLIGHT_ENTRIES`` (default 2000). On a timeout or mismatch they are also written
+    to ``$GRADSYNC_FLIGHT_DIR/rank-<rank>.json`` (:mod:`gradsync.debug.flight`).
     """
     return resolve_group(group).flight.records()
 

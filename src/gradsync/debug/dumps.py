@@ -21,6 +21,8 @@ from gradsync.debug.flight import FLIGHT_FOLDER, STATES
 
 _NAME = re.compile(r"^rank-(\d+)\.json$")
 _MAX_BYTES = 512 * 2**20  # a dump of the default 2000 records is ~1 MB; bigger is not ours
+MAX_WORLD_SIZE = 2**20  # a rank or world size beyond this is damage, not a job
+_MAX_NAME_CHARS = 80  # of an op, algorithm or label shown (a damaged one must not flood the screen)
 
 
 @dataclass
@@ -74,6 +76,11 @@ def _text(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _name(value) -> str | None:
+    text = _text(value)
+    return text if text is None or len(text) <= _MAX_NAME_CHARS else text[:_MAX_NAME_CHARS - 1] + "…"
+
+
 def check_record(raw) -> dict | None:
     """``raw`` with every field of the right type (else None), or None when ``seq`` or ``op`` is unusable."""
     if not isinstance(raw, dict) or _int(raw.get("seq"), 1) is None or not _text(raw.get("op")):
@@ -82,8 +89,8 @@ def check_record(raw) -> dict | None:
     if not (isinstance(shape, list) and all(_int(dim) is not None for dim in shape)):
         shape = None
     state = raw.get("state")
-    return {"seq": raw["seq"], "op": raw["op"], "algorithm": _text(raw.get("algorithm")) or "",
-            "label": _text(raw.get("label")), "dtype": _text(raw.get("dtype")),
+    return {"seq": raw["seq"], "op": _name(raw["op"]), "algorithm": _name(raw.get("algorithm")) or "",
+            "label": _name(raw.get("label")), "dtype": _name(raw.get("dtype")),
             "shape": tuple(shape) if shape is not None else None, "nbytes": _int(raw.get("nbytes")),
             "state": state if state in STATES else "unknown", "peer": _int(raw.get("peer")),
             "blamed": _int(raw.get("blamed")), "error": _text(raw.get("error")),
@@ -148,6 +155,11 @@ def _checked(path: Path, document: dict, raw_records: list, notes: list[str]) ->
         notes.append(f"no readable rank inside: rank {rank} from the file name")
     elif named is not None and int(named.group(1)) != rank:
         notes.append(f"holds rank {rank}'s record")
+    world_size = _int(document.get("world_size"), 1)
+    if rank >= MAX_WORLD_SIZE or (world_size or 0) > MAX_WORLD_SIZE:
+        raise ValueError(f"rank {rank} of world size {world_size}: not a job's (damaged?)")
+    if world_size is not None and rank >= world_size:
+        raise ValueError(f"rank {rank} outside its own world size {world_size} (damaged?)")
     error = document.get("error")
     if isinstance(error, dict) and _text(error.get("message")) is not None:
         error = f"{_text(error.get('type')) or 'error'}: {error['message']}"
@@ -158,7 +170,7 @@ def _checked(path: Path, document: dict, raw_records: list, notes: list[str]) ->
             records[record["seq"]] = record
     if len(records) < len(raw_records):
         notes.append(f"{len(raw_records) - len(records)} unreadable records skipped")
-    return RankDump(path=path, rank=rank, world_size=_int(document.get("world_size"), 1),
+    return RankDump(path=path, rank=rank, world_size=world_size,
                     hostname=_text(document.get("hostname")), pid=_int(document.get("pid")),
                     error=_text(error), written_wall=_float(document.get("written_wall")),
                     records=records, notes=notes)
@@ -198,4 +210,4 @@ def _sort_key(name: str) -> tuple[int, str]:
     return (int(named.group(1)) if named else -1, name)
 
 
-__all__ = ["FLIGHT_FOLDER", "Folder", "RankDump", "check_record", "dump_folder", "load_dump", "load_folder"]
+__all__ = ["FLIGHT_FOLDER", "MAX_WORLD_SIZE", "Folder", "RankDump", "check_record", "dump_folder", "load_dump", "load_folder"]

@@ -206,7 +206,7 @@ class FlightRecorder:
         records = self.records()
         try:
             _write_atomically(path, header, records)
-        except OSError as exc:
+        except (OSError, TypeError, ValueError) as exc:  # never mask the collective's own error
             print(f"gradsync: rank {self.rank} could not write its flight record to {path}: {exc}", file=sys.stderr)
             return None
         print(f"gradsync: rank {self.rank} wrote its flight record (last {len(records)} collective calls) to "
