@@ -214,7 +214,8 @@ HANG_TIMEOUT_S, HANG_GRACE_S = 1.0, 0.5
 
 
 def _rank_flight_scenarios(root):
-    """Three scenarios, each dumping into its own folder; returns {scenario: seq of its failing call}.
+    """Three scenarios, each dumping into its own folder; returns ({scenario: seq of its failing call},
+    this rank's (seq, op, state) from gradsync.flight_records()).
 
     mismatch: rank 1 all-reduces 5 elements, the others 4. skip: rank 1 skips an all_reduce and calls the
     next broadcast. hang: rank 1 stops calling (alive, silent) while the others all_reduce.
@@ -242,35 +243,35 @@ def _rank_flight_scenarios(root):
         deadline = time.monotonic() + HANG_TIMEOUT_S + 20
         while not all(map(os.path.exists, others)) and time.monotonic() < deadline:
             time.sleep(0.05)
-        return seqs
-    with pytest.raises(CollectiveTimeoutError):
-        gradsync.all_reduce(torch.ones(2), timeout=HANG_TIMEOUT_S)
-    return seqs
+    else:
+        with pytest.raises(CollectiveTimeoutError):
+            gradsync.all_reduce(torch.ones(2), timeout=HANG_TIMEOUT_S)
+    return seqs, [(record["seq"], record["op"], record["state"]) for record in gradsync.flight_records()]
 
 
 @pytest.fixture(scope="module")
 def scenarios(tmp_path_factory):
     root = tmp_path_factory.mktemp("flight")
     per_rank = run_world(WORLD_SIZE, _rank_flight_scenarios, str(root), timeout_s=40)
-    assert all(seqs == per_rank[0] for seqs in per_rank), per_rank
-    return root, per_rank[0]
+    assert all(seqs == per_rank[0][0] for seqs, _ in per_rank), per_rank
+    return root, per_rank[0][0], [records for _, records in per_rank]
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(60)
 def test_real_mismatch_is_named_at_its_collective(scenarios):
-    root, seqs = scenarios
+    root, seqs, _ = scenarios
     text = analyze.render(root / "mismatch")
     k = seqs["mismatch"]
     assert "3 of 3 ranks dumped" in text
-    assert f"ranks 0-2 are in all_reduce #{k}" in text or f"ranks 0, 1, 2 are in all_reduce #{k}" in text
+    assert f"ranks 0, 1, 2 are in all_reduce #{k}" in text
     assert f"disagreement at all_reduce #{k}: shape: rank 1 has (5,); ranks 0, 2 have (4,)" in text
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(60)
 def test_real_skipped_collective_shows_the_ranks_in_different_collectives(scenarios):
-    root, seqs = scenarios
+    root, seqs, _ = scenarios
     k = seqs["skip"]
     text = analyze.render(root / "skip")
     assert f"rank 1 is in broadcast #{k}; ranks 0, 2 are in all_reduce #{k}" in text
@@ -280,7 +281,7 @@ def test_real_skipped_collective_shows_the_ranks_in_different_collectives(scenar
 @pytest.mark.dist
 @pytest.mark.timeout(60)
 def test_real_hang_names_the_silent_rank_from_its_peers_records(scenarios, capsys):
-    root, seqs = scenarios
+    root, seqs, _ = scenarios
     k = seqs["hang"]
     assert main(["debug", str(root / "hang")]) == 0
     text = capsys.readouterr().out
@@ -293,3 +294,19 @@ def test_real_hang_names_the_silent_rank_from_its_peers_records(scenarios, capsy
     assert "failed waiting on peer 1" in text and "stopped responding" in text
     records = load_folder(root / "hang").dumps[0].records
     assert records[k]["blamed"] == 1 and records[k]["start_wall"] >= records[k - 1]["end_wall"]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(60)
+def test_flight_records_returns_this_ranks_calls_in_order(scenarios):
+    """gradsync.flight_records() on each rank: init, then each scenario's calls with their ops and states."""
+    _, seqs, per_rank = scenarios
+    m, s, h = seqs["mismatch"], seqs["skip"], seqs["hang"]
+    for rank, records in enumerate(per_rank):
+        skipped = "broadcast" if rank == ODD_RANK else "all_reduce"
+        expected = [(1, "init", "done")] + [(seq, "all_reduce", "done") for seq in range(2, m)]
+        expected += [(m, "all_reduce", "failed"), (s, skipped, "failed")]
+        expected += [(seq, "broadcast", "done") for seq in range(s + 1, h)]
+        if rank != ODD_RANK:
+            expected.append((h, "all_reduce", "failed"))
+        assert records == expected, (rank, records)

@@ -210,4 +210,5 @@ def _sort_key(name: str) -> tuple[int, str]:
     return (int(named.group(1)) if named else -1, name)
 
 
-__all__ = ["FLIGHT_FOLDER", "MAX_WORLD_SIZE", "Folder", "RankDump", "check_record", "dump_folder", "load_dump", "load_folder"]
+__all__ = ["FLIGHT_FOLDER", "MAX_WORLD_SIZE", "Folder", "RankDump", "check_record", "dump_folder", "load_dump",
+           "load_folder"]
