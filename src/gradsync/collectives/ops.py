@@ -31,8 +31,7 @@ from gradsync.collectives.communicator import Communicator
 from gradsync.collectives.dtypes import SUPPORTED_DTYPES
 from gradsync.collectives.preflight import (OPS, nbytes_problem, resolve_algorithm, sequence_problem, start_call,
                                             working_dtype)
-from gradsync.collectives.lane import in_issue_order
-from gradsync.collectives.recording import recorded
+from gradsync.collectives.recording import public_collective, recorded
 from gradsync.collectives.registry import ALGORITHMS, ALL_REDUCE, AUTO, ZERO_COPY
 
 
@@ -72,8 +71,7 @@ def _flat_view(tensor: torch.Tensor, comm: Communicator, dtype: torch.dtype):
     tensor.copy_(staged.view(tensor.shape))
 
 
-@in_issue_order
-@recorded
+@public_collective
 @torch.no_grad()
 def all_reduce(tensor: torch.Tensor, comm: Communicator, *, op: str = "sum",
                algorithm: str = "ring", timeout: float | None = None,
@@ -142,8 +140,7 @@ def average(flat: torch.Tensor, comm: Communicator, divisor: int, algorithm: str
     return all_reduce(flat, comm, op="sum", algorithm=algorithm, verify=False)
 
 
-@in_issue_order
-@recorded
+@public_collective
 @torch.no_grad()
 def broadcast(tensor: torch.Tensor, comm: Communicator, *, src: int = 0,
               timeout: float | None = None, verify: bool = True,
@@ -171,8 +168,7 @@ def broadcast(tensor: torch.Tensor, comm: Communicator, *, src: int = 0,
     return tensor
 
 
-@in_issue_order
-@recorded
+@public_collective
 @torch.no_grad()
 def all_gather(tensor: torch.Tensor, comm: Communicator, *, timeout: float | None = None,
                verify: bool = True, algorithm: str | None = None) -> list[torch.Tensor]:
@@ -197,8 +193,7 @@ def all_gather(tensor: torch.Tensor, comm: Communicator, *, timeout: float | Non
         [tensor.new_empty(tensor.shape) for _ in range(world_size)]
 
 
-@in_issue_order
-@recorded
+@public_collective
 @torch.no_grad()
 def reduce_scatter(tensor: torch.Tensor, comm: Communicator, *, op: str = "sum",
                    timeout: float | None = None, verify: bool = True,
@@ -228,8 +223,7 @@ def reduce_scatter(tensor: torch.Tensor, comm: Communicator, *, op: str = "sum",
     return chunk.to(tensor.dtype, copy=True)
 
 
-@in_issue_order
-@recorded
+@public_collective
 @torch.no_grad()
 def all_to_all(sends: list[torch.Tensor], receives: list[torch.Tensor], comm: Communicator, *,
                timeout: float | None = None, verify: bool = True) -> list[torch.Tensor]:

@@ -37,9 +37,8 @@ from gradsync.collectives.chunking import SegmentOptions
 from gradsync.collectives.communicator import Communicator, check_timeout
 from gradsync.collectives.dtypes import FLOAT32_ACCUMULATED, SUPPORTED_DTYPES
 from gradsync.collectives.hierarchical import HierarchicalOptions
-from gradsync.collectives.lane import in_issue_order
 from gradsync.collectives.options import check_count
-from gradsync.collectives.recording import recorded
+from gradsync.collectives.recording import public_collective
 from gradsync.collectives import registry
 from gradsync.collectives.registry import AUTO
 
@@ -302,8 +301,7 @@ def sequence_problem(sends, receives, world_size: int, timeout) -> Rejection | N
     return _timeout_problem(timeout)
 
 
-@in_issue_order
-@recorded
+@public_collective
 def reject_call(comm: Communicator, what: str, error: Exception, cause: str = "a bad argument") -> None:
     """Take part in ``what``'s layout check on ``comm`` as a rank that rejects the call with ``error``;
     return once every rank knows (the caller then raises ``error``; the others raise

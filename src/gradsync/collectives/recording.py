@@ -1,14 +1,19 @@
-"""How a collective's flight record ends: done when the public call returns, failed when it raises.
+"""The one entry of every public collective: run it in issue order, then end its flight record.
 
-The calls a public collective starts (``Communicator.new_call``, usually one)
-are the ordinals between the communicator's count before and after it; the
-:func:`recorded` decorator marks them in the communicator's
-:class:`~gradsync.debug.flight.FlightRecorder`, which writes its dump on a
-timeout or mismatch. Calls started outside a public collective (the host
-identity exchange of ``gradsync.init``) use :func:`run_recorded`.
+:func:`public_collective` decorates each public collective (``ops``,
+``preflight.reject_call``). While some owner holds the communicator's lane
+(a DataParallel backward in flight, :mod:`~gradsync.collectives.lane`), the
+call runs on the lane's thread, after the buckets already queued; otherwise
+here. Either way, on the thread that ran it, the calls it started
+(``Communicator.new_call``, usually one: the ordinals between the
+communicator's count before and after) are marked done, or failed, in the
+communicator's :class:`~gradsync.debug.flight.FlightRecorder`, which writes
+its dump on a timeout or mismatch. :func:`recorded` does the second part only
+(collectives that never queue on the lane); calls started outside a public
+collective (``gradsync.init``'s host identity exchange) use :func:`run_recorded`.
 
-Decorators stack as ``@in_issue_order`` (outermost) then ``@recorded``, so the
-record ends on the thread that ran the call.
+Cost: one lookup of the communicator among the arguments and one clock read
+per call (``python -m gradsync.bench.flight_cost``).
 """
 
 from __future__ import annotations
@@ -40,30 +45,47 @@ def run_recorded(comm: Communicator, fn: Callable[..., R], *args, **kwargs) -> R
     except BaseException as error:
         recorded_end(comm.flight, first, comm.calls_started, error)
         raise
-    recorded_end(comm.flight, first, comm.calls_started)
+    if first == comm.calls_started:  # one call, the last one entered: the usual case
+        comm.flight.finish_last(first)
+    else:
+        recorded_end(comm.flight, first, comm.calls_started)
     return result
 
 
-def recorded(collective: Callable[..., R]) -> Callable[..., R]:
-    """Decorate a public collective whose arguments include its Communicator (``comm``)."""
+def _communicator(args: tuple, kwargs: dict) -> Communicator | None:
+    """The collective's ``comm`` argument (a keyword, or the first Communicator among the positional ones)."""
+    comm = kwargs.get("comm")
+    if comm is None:
+        for arg in args:
+            if isinstance(arg, Communicator):
+                return arg
+    return comm
+
+
+def public_collective(collective: Callable[..., R]) -> Callable[..., R]:
+    """Decorate a public collective whose arguments include its Communicator: issue order, then the record."""
 
     @functools.wraps(collective)
-    def run(*args, **kwargs):  # run_recorded, inlined: this runs on every call
-        comm = kwargs.get("comm")
+    def run(*args, **kwargs):
+        comm = _communicator(args, kwargs)
+        if comm is None:  # no communicator: let the collective raise its own error
+            return collective(*args, **kwargs)
+        lane = comm.lane
+        if lane.held:
+            return lane.run(lambda: run_recorded(comm, collective, *args, **kwargs))
+        return run_recorded(comm, collective, *args, **kwargs)
+
+    return run
+
+
+def recorded(collective: Callable[..., R]) -> Callable[..., R]:
+    """Decorate a collective whose arguments include its Communicator: end its calls' records (no lane)."""
+
+    @functools.wraps(collective)
+    def run(*args, **kwargs):
+        comm = _communicator(args, kwargs)
         if comm is None:
-            for comm in args:
-                if isinstance(comm, Communicator):
-                    break
-        first = comm.calls_started + 1
-        try:
-            result = collective(*args, **kwargs)
-        except BaseException as error:
-            recorded_end(comm.flight, first, comm.calls_started, error)
-            raise
-        if first == comm.calls_started:  # one call, the last one entered
-            comm.flight.finish_last(first)
-        else:
-            recorded_end(comm.flight, first, comm.calls_started)
-        return result
+            return collective(*args, **kwargs)
+        return run_recorded(comm, collective, *args, **kwargs)
 
     return run
