@@ -157,7 +157,10 @@ def test_cli_worker_failure_exits_nonzero_naming_the_failing_worker(early):
     assert result.returncode == 1, result.stderr
     assert "worker rank 1 failed: RuntimeError: injected failure on rank 1" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
-    assert not (tmp_path / "run").exists(), "a run that wrote nothing leaves no folder behind"
+    # a run that wrote nothing leaves no folder behind, but for the flight records of the ranks whose
+    # collectives failed with it (rank 0's, when rank 1 left during a collective)
+    left = sorted(path.name for path in (tmp_path / "run").iterdir()) if (tmp_path / "run").exists() else []
+    assert left in ([], ["flight"]), left
 
 
 def test_cli_corrupt_data_cache_is_regenerated(tmp_path):

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gradsync.debug.analyze import render
 from gradsync.fault.events import read_events
 from gradsync.fault.injection import ATTEMPTS_ENV, INJECTED_EXIT_CODE
 from gradsync.train import data
@@ -384,6 +385,10 @@ def test_hung_worker_is_named_by_the_others_and_the_job_recovers(baseline, env, 
         assert HANG_TIMEOUT_S - 0.5 <= event["time"] - fault["time"] <= HANG_TIMEOUT_S + 5, (event, fault)
     resumed = _one(events, event="resumed")
     assert resumed["attempt"] == 1 and HANG_STEP - CHECKPOINT_EVERY <= resumed["from_step"] < HANG_STEP
+    # the first attempt's rank 0 wrote its flight record; gradsync debug places the hung rank from it
+    report = render(job.out)
+    assert f"rank {FAULT_RANK} wrote no dump (frozen, killed, or its folder is not this one): rank 0 was " \
+           f"waiting on it in all_reduce #" in report, report
     _assert_same_model(job.out, baseline.out)
     _assert_same_trajectory(job.out, baseline.out, _total_steps(2))
 

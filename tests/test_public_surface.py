@@ -108,8 +108,8 @@ def test_no_two_modules_share_a_name_and_communicator_imports_no_algorithm():
     tree = ast.parse((SRC / "collectives" / "communicator.py").read_text())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert imported == {"__future__", "typing", "gradsync.collectives.call", "gradsync.collectives.lane",
-                        "gradsync.collectives.options", "gradsync.errors", "gradsync.transport.base",
-                        "gradsync.transport.locality"}
+                        "gradsync.collectives.options", "gradsync.debug.flight", "gradsync.errors",
+                        "gradsync.transport.base", "gradsync.transport.locality"}
 
 
 # ---------------------------------------------------------------- errors

@@ -6,7 +6,7 @@
 """
 
 from gradsync import compression
-from gradsync.api import all_gather, all_reduce, all_to_all, broadcast, comm_stats, reduce_scatter
+from gradsync.api import all_gather, all_reduce, all_to_all, broadcast, comm_stats, flight_records, reduce_scatter
 from gradsync.collectives import ALGORITHMS, OPS, Communicator, HierarchicalOptions, SegmentOptions
 from gradsync.errors import (CheckpointFolderError, CollectiveMismatchError, CollectiveTimeoutError, DebugCheckError,
                              EpochOrderWarning, GradsyncError, GroupClosedError, NotInitializedError,
@@ -25,6 +25,6 @@ __all__ = [
     "GradsyncError", "GroupClosedError", "HierarchicalOptions", "LocalSGD", "NotInitializedError", "OPS",
     "ParameterServer", "ReplicaCheck", "ReplicaDivergenceError", "SegmentOptions", "ShmSetupError",
     "ThreadTransport", "ThreadWorld", "TorchP2PTransport", "__version__", "all_gather", "all_reduce",
-    "all_to_all", "broadcast", "check_replicas", "comm_stats", "compression", "init", "is_initialized", "rank",
-    "reduce_scatter", "shutdown", "world_size",
+    "all_to_all", "broadcast", "check_replicas", "comm_stats", "compression", "flight_records", "init",
+    "is_initialized", "rank", "reduce_scatter", "shutdown", "world_size",
 ]

@@ -66,6 +66,21 @@ def all_to_all(sends: list[torch.Tensor], receives: list[torch.Tensor], group=No
     return _collectives.all_to_all(sends, receives, comm, timeout=timeout)
 
 
+def flight_records(group=None) -> list[dict]:
+    """This rank's flight record of the group: its last collective calls, oldest first.
+
+    One dict per call (:func:`gradsync.debug.flight.record_of`): ``seq`` (the call's ordinal on the
+    group, equal on every rank of a correct program), ``op``, ``algorithm`` (resolved: ``"auto (ring)"``),
+    ``label`` (``"bucket 3"`` for DataParallel's buckets, else None), ``dtype``, ``shape``, ``nbytes``,
+    ``state`` ("started", "waiting", "done" or "failed"), ``peer`` (the rank it waited on), ``error``
+    (short text), ``blamed`` and ``timed_out`` (a timeout's named rank and kind), ``start_wall`` /
+    ``end_wall`` (``time.time()`` seconds) and ``start_monotonic`` / ``end_monotonic``. How many are
+    kept: ``GRADSYNC_FLIGHT_ENTRIES`` (default 2000). On a timeout or mismatch they are also written
+    to ``$GRADSYNC_FLIGHT_DIR/rank-<rank>.json`` (:mod:`gradsync.debug.flight`).
+    """
+    return resolve_group(group).flight.records()
+
+
 def comm_stats(group=None) -> dict[str, int]:
     """Bytes and messages this rank sent and received in the group so far."""
     return resolve_group(group).stats.as_dict()

@@ -1,4 +1,5 @@
-"""Command line: ``gradsync train``, ``gradsync bench allreduce|train|compression|modes|faults`` (argparse only)."""
+"""Command line: ``gradsync train``, ``gradsync bench allreduce|train|compression|modes|faults``, ``gradsync debug``
+(argparse only)."""
 
 from __future__ import annotations
 
@@ -156,6 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "step and the overhead of checking every 100 steps."))
     bench_report.add_parser(benches)
     bench_record.add_parser(benches)
+    debug = commands.add_parser(
+        "debug", help="read every rank's flight record and say which rank stopped where",
+        description="Read the flight records the ranks wrote when a collective timed out or the ranks "
+                    "disagreed (rank-*.json in DIR or DIR/flight) and print, in one screen, which rank is in "
+                    "which collective, the first collective the ranks disagree on, and where the peers' "
+                    "records place a rank that wrote none.")
+    debug.add_argument("dir", metavar="DIR", help="a gradsync train run folder, or the folder named by "
+                       "GRADSYNC_FLIGHT_DIR")
     return parser
 
 
@@ -349,6 +358,18 @@ def bench_faults(args: argparse.Namespace) -> int:
     return 0
 
 
+def debug(args: argparse.Namespace) -> int:
+    """``gradsync debug DIR``: 0 when it could analyze the dumps, 1 when DIR holds none (with why)."""
+    from gradsync.debug.analyze import NoDumpsError, render
+
+    try:
+        print(render(args.dir))
+    except NoDumpsError as exc:
+        print(f"gradsync debug: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _record(args: argparse.Namespace) -> int:
     """``gradsync bench record``: the bench runs through this command line (parser and entry point)."""
     try:
@@ -381,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "bench":
             return _BENCHES[args.bench](args)
+        if args.command == "debug":
+            return debug(args)
         return train(args)
     except (ValueError, TypeError) as exc:
         print(f"gradsync {args.command}: error: {exc}", file=sys.stderr)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from gradsync.collectives.communicator import DEFAULT_TIMEOUT_S, Communicator
 from gradsync.collectives.preflight import reject_call
+from gradsync.collectives.recording import run_recorded
 from gradsync.errors import CollectiveTimeoutError, NotInitializedError
 from gradsync.fault.hang import HangDetector
 from gradsync.rendezvous import bounded, gloo_on_loopback, is_loopback, loopback_store_server
@@ -105,8 +106,11 @@ def _learn_locality(communicator: Communicator, timeout: float) -> None:
     """Exchange host identities now, at group creation (collective): "auto", "hierarchical" and "shm"
     then follow the hosts the ranks really run on, never a launcher variable (LOCAL_WORLD_SIZE may
     differ between nodes)."""
-    call = communicator.new_call("init", "host identity exchange", max(timeout, MIN_STARTUP_TIMEOUT_S))
-    communicator.learn_locality(call)
+    def exchange() -> None:
+        call = communicator.new_call("init", "host identity exchange", max(timeout, MIN_STARTUP_TIMEOUT_S))
+        communicator.learn_locality(call)
+
+    run_recorded(communicator, exchange)
 
 
 def _init_torch_distributed(backend: str, timeout: float):

@@ -3,7 +3,10 @@
 Algorithms move data through a :class:`CollectiveCall` rather than the raw
 transport, so that every wait takes the time left until the call's deadline
 and every failure becomes a :class:`~gradsync.errors.CollectiveTimeoutError`
-naming the operation, algorithm, step, this rank and the peer.
+naming the operation, algorithm, step, this rank and the peer. A call is also
+its own entry in the communicator's flight recorder
+(:class:`~gradsync.debug.flight.FlightEntry`): every wait notes the peer it
+waits for there, a sub-call's in its parent's entry.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import zlib
 import torch
 
 from gradsync.collectives.options import OptionStore, T
+from gradsync.debug.flight import FlightEntry
 from gradsync.errors import CollectiveTimeoutError
 from gradsync.transport.base import PeerFailure, Transport
 from gradsync.transport.locality import Locality
@@ -47,7 +51,7 @@ TAG_KINDS = 8
 TAG_ORDINALS = 2**20
 TAG_LAYOUTS = 64
 
-class CollectiveCall:
+class CollectiveCall(FlightEntry):
     """Deadline-bounded point-to-point helpers for one collective call.
 
     Args:
@@ -62,12 +66,19 @@ class CollectiveCall:
         hang_detector: names the rank that hung (:mod:`gradsync.fault.hang`); None: the waited-for peer.
         locality: which ranks share a host (:class:`~gradsync.transport.locality.Locality`), None: not
             learnt yet.
+        entry: the flight-recorder entry its waits are noted in (None: this call; a sub-call: its parent's).
+        group_ranks: ``group_ranks[r]`` is the rank of the entry's group that is rank r here (None: the same).
     """
 
     def __init__(self, transport: Transport, op_name: str, algorithm: str, timeout_s: float,
                  workspace: Workspace, *, options: OptionStore | None = None, deadline: float | None = None,
                  reported_rank: tuple[int, int] | None = None, hang_detector=None,
-                 locality: Locality | None = None, tags: tuple[int, int] | None = None, ordinal: int = 0):
+                 locality: Locality | None = None, tags: tuple[int, int] | None = None, ordinal: int = 0,
+                 entry: FlightEntry | None = None, group_ranks: list[int] | None = None):
+        self.started_mono = now = time.monotonic()
+        self.started_wall = time.time()
+        self.entry = entry  # None: this call (no reference to itself, which would need the cyclic GC)
+        self._group_ranks = group_ranks
         self.transport = transport
         self.ordinal = ordinal  # the communicator's count of calls started, this one included
         self.layout = ""  # what refine_tag was told: the algorithm and layout, for error messages
@@ -80,7 +91,7 @@ class CollectiveCall:
         self.op_name = op_name
         self.algorithm = algorithm
         self.timeout_s = timeout_s
-        self.deadline = time.monotonic() + timeout_s if deadline is None else deadline
+        self.deadline = now + timeout_s if deadline is None else deadline
         self.workspace = workspace
         self._options = options if options is not None else OptionStore()
         self.hang_detector = hang_detector
@@ -108,18 +119,24 @@ class CollectiveCall:
         rank and every option of this call; ``options`` override some of them
         for the sub-call only (e.g. a node's own shared-memory state).
         """
+        ranks = self._group_ranks
         return CollectiveCall(SubTransport(self.transport, members), self.op_name, algorithm,
                               self.timeout_s, self.workspace, options=OptionStore(options, self._options),
                               deadline=self.deadline, reported_rank=self.reported_rank,
                               hang_detector=self.hang_detector,
                               locality=self.locality.sub(members) if self.locality is not None else None,
-                              tags=self.tags, ordinal=self.ordinal)
+                              tags=self.tags, ordinal=self.ordinal, entry=self.entry or self,
+                              group_ranks=[ranks[member] for member in members] if ranks else list(members))
 
     def remaining_s(self) -> float:
         return max(self.deadline - time.monotonic(), 0.0)
 
     def wait(self, handle, peer: int, step: str) -> None:
-        """Wait for ``handle`` until the call's deadline."""
+        """Wait for ``handle`` (a transfer with ``peer``, a rank of this call) until the call's deadline."""
+        if self.entry is None:
+            self.waiting_on = peer
+        else:
+            self.entry.waiting_on = self._group_ranks[peer]
         try:
             handle.wait(self.remaining_s())
         except PeerFailure as failure:
@@ -208,6 +225,8 @@ class CollectiveCall:
         a silent rank whose process is gone is named as dead, first.
         """
         peer = "an unknown peer" if failure.peer < 0 else f"peer rank {failure.peer}"
+        if failure.peer >= 0:  # the group's rank already (transports keep the parent's numbers)
+            (self.entry or self).waiting_on = failure.peer
         rank, world_size = self.reported_rank
         blamed, reason = failure.peer, f"{peer} {failure.reason} at {step}"
         where = f"{self.op_name} #{self.ordinal}" + (f" ({self.layout})" if self.layout else "")

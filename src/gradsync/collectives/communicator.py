@@ -25,6 +25,7 @@ import torch
 from gradsync.collectives.call import TAG_BASE, TAG_KINDS, TAG_ORDINALS, CollectiveCall, Workspace
 from gradsync.collectives.lane import Lane
 from gradsync.collectives.options import AlgorithmOptions, OptionStore, T
+from gradsync.debug.flight import FlightRecorder
 from gradsync.errors import GroupClosedError
 from gradsync.transport.base import Transport, TransportStats
 from gradsync.transport.locality import IDENTITY_WORDS, Locality, derive, host_identity
@@ -67,10 +68,16 @@ class Communicator:
     they make the group, a hand-built communicator does it in its first
     collective call (every rank's first call, so every rank takes part).
 
+    Every call started is kept in :attr:`flight`, the group's
+    :class:`~gradsync.debug.flight.FlightRecorder` on this rank (its last
+    ``GRADSYNC_FLIGHT_ENTRIES`` calls), written out when a collective times
+    out or the ranks disagree.
+
     Raises:
         ValueError: ``timeout_s`` is not positive, an option does not fit the
-        world size (e.g. ``ranks_per_node`` does not divide it), or two options
-        of one class. TypeError: an option is not an ``AlgorithmOptions``.
+        world size (e.g. ``ranks_per_node`` does not divide it), two options
+        of one class, or a bad ``GRADSYNC_FLIGHT_ENTRIES``. TypeError: an
+        option is not an ``AlgorithmOptions``.
     """
 
     def __init__(self, transport: Transport, timeout_s: float = DEFAULT_TIMEOUT_S, *,
@@ -83,6 +90,7 @@ class Communicator:
         self.workspace = Workspace()
         self.hang_detector = hang_detector
         self.calls_started = 0  # every rank starts its calls in the same order: their ordinal is a tag
+        self.flight = FlightRecorder(transport.rank, transport.world_size)
         self.lane = Lane()  # the communication thread that keeps collectives in issue order
         self.closed = False
         self.locality: Locality | None = getattr(transport, "locality", None)
@@ -121,7 +129,10 @@ class Communicator:
         return self._options.get(kind)
 
     def new_call(self, op_name: str, algorithm: str, timeout_s: float | None = None) -> CollectiveCall:
-        """Start a call bounded by ``timeout_s`` (the communicator's default when None).
+        """Start a call bounded by ``timeout_s`` (the communicator's default when None), kept in :attr:`flight`.
+
+        Its record ends done or failed when the public collective that started it returns or raises
+        (:mod:`~gradsync.collectives.recording`).
 
         Raises:
             GroupClosedError: the communicator was closed (``gradsync.shutdown()``).
@@ -134,9 +145,11 @@ class Communicator:
         else:
             check_timeout(timeout_s)
         self.calls_started += 1
-        return CollectiveCall(self.transport, op_name, algorithm, float(timeout_s), self.workspace,
+        call = CollectiveCall(self.transport, op_name, algorithm, float(timeout_s), self.workspace,
                               options=self._options, hang_detector=self.hang_detector, locality=self.locality,
                               tags=self._tags(op_name), ordinal=self.calls_started)
+        self.flight.enter(call)
+        return call
 
     def _tags(self, op_name: str) -> tuple[int, int] | None:
         """(payload, control) tags of the next call, on transports that match messages by tag.

@@ -7,7 +7,8 @@ would race the buckets on the same transport, so that ranks could pair one
 rank's bucket with another's gather. While some owner *holds* the lane (a
 DataParallel backward in flight), every public collective on the
 communicator is therefore run on the lane's thread, after the buckets
-already handed to it: in issue order, on every rank.
+already handed to it: in issue order, on every rank
+(:func:`~gradsync.collectives.recording.public_collective` routes them).
 
 Before such a collective is queued, each holder's ``check`` runs on the
 calling thread; it may raise (a held round whose backward died, see the
@@ -24,7 +25,6 @@ False
 
 from __future__ import annotations
 
-import functools
 import itertools
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -94,18 +94,3 @@ class Lane:
         if executor is not None:
             executor.shutdown(wait=False)
 
-
-def in_issue_order(collective: Callable[..., R]) -> Callable[..., R]:
-    """Decorate a public collective whose first Communicator argument (``comm``) may have a held lane."""
-
-    @functools.wraps(collective)
-    def run(*args, **kwargs):
-        comm = kwargs.get("comm")
-        if comm is None:
-            comm = next((arg for arg in args if hasattr(arg, "lane")), None)
-        lane = getattr(comm, "lane", None)
-        if lane is None or not lane.held:
-            return collective(*args, **kwargs)
-        return lane.run(lambda: collective(*args, **kwargs))
-
-    return run

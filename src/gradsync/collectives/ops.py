@@ -31,7 +31,7 @@ from gradsync.collectives.communicator import Communicator
 from gradsync.collectives.dtypes import SUPPORTED_DTYPES
 from gradsync.collectives.preflight import (OPS, nbytes_problem, resolve_algorithm, sequence_problem, start_call,
                                             working_dtype)
-from gradsync.collectives.lane import in_issue_order
+from gradsync.collectives.recording import public_collective, recorded
 from gradsync.collectives.registry import ALGORITHMS, ALL_REDUCE, AUTO, ZERO_COPY
 
 
@@ -71,7 +71,7 @@ def _flat_view(tensor: torch.Tensor, comm: Communicator, dtype: torch.dtype):
     tensor.copy_(staged.view(tensor.shape))
 
 
-@in_issue_order
+@public_collective
 @torch.no_grad()
 def all_reduce(tensor: torch.Tensor, comm: Communicator, *, op: str = "sum",
                algorithm: str = "ring", timeout: float | None = None,
@@ -140,7 +140,7 @@ def average(flat: torch.Tensor, comm: Communicator, divisor: int, algorithm: str
     return all_reduce(flat, comm, op="sum", algorithm=algorithm, verify=False)
 
 
-@in_issue_order
+@public_collective
 @torch.no_grad()
 def broadcast(tensor: torch.Tensor, comm: Communicator, *, src: int = 0,
               timeout: float | None = None, verify: bool = True,
@@ -168,7 +168,7 @@ def broadcast(tensor: torch.Tensor, comm: Communicator, *, src: int = 0,
     return tensor
 
 
-@in_issue_order
+@public_collective
 @torch.no_grad()
 def all_gather(tensor: torch.Tensor, comm: Communicator, *, timeout: float | None = None,
                verify: bool = True, algorithm: str | None = None) -> list[torch.Tensor]:
@@ -193,7 +193,7 @@ def all_gather(tensor: torch.Tensor, comm: Communicator, *, timeout: float | Non
         [tensor.new_empty(tensor.shape) for _ in range(world_size)]
 
 
-@in_issue_order
+@public_collective
 @torch.no_grad()
 def reduce_scatter(tensor: torch.Tensor, comm: Communicator, *, op: str = "sum",
                    timeout: float | None = None, verify: bool = True,
@@ -223,7 +223,7 @@ def reduce_scatter(tensor: torch.Tensor, comm: Communicator, *, op: str = "sum",
     return chunk.to(tensor.dtype, copy=True)
 
 
-@in_issue_order
+@public_collective
 @torch.no_grad()
 def all_to_all(sends: list[torch.Tensor], receives: list[torch.Tensor], comm: Communicator, *,
                timeout: float | None = None, verify: bool = True) -> list[torch.Tensor]:
@@ -269,6 +269,7 @@ def zero_copy_dtypes(algorithm: str) -> tuple[torch.dtype, ...]:
     return capability.dtypes if capability else ()
 
 
+@recorded
 def shared_buffer(comm: Communicator, nbytes: int, algorithm: str) -> torch.Tensor | None:
     """A ``(nbytes,)`` uint8 buffer that ``all_reduce(..., algorithm=algorithm)`` reduces without
     copying in (DataParallel's zero-copy buckets), or None when ``algorithm`` offers no such storage

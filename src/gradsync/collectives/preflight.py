@@ -37,8 +37,8 @@ from gradsync.collectives.chunking import SegmentOptions
 from gradsync.collectives.communicator import Communicator, check_timeout
 from gradsync.collectives.dtypes import FLOAT32_ACCUMULATED, SUPPORTED_DTYPES
 from gradsync.collectives.hierarchical import HierarchicalOptions
-from gradsync.collectives.lane import in_issue_order
 from gradsync.collectives.options import check_count
+from gradsync.collectives.recording import public_collective
 from gradsync.collectives import registry
 from gradsync.collectives.registry import AUTO
 
@@ -255,7 +255,9 @@ def start_call(comm: Communicator, tensor, what: str, *, op=NO_OP, algorithm: st
     call = comm.new_call(what, str(algorithm), None if problem else timeout)
     comm.learn_locality(call)
     resolved = label = str(algorithm)
-    device = tensor.device.type if isinstance(tensor, torch.Tensor) else "cpu"
+    device = "cpu"
+    if isinstance(tensor, torch.Tensor):
+        device, call.dtype, call.shape = tensor.device.type, tensor.dtype, tensor.shape  # the last two: flight record
     if problem is None:
         if what in FIXED_ALGORITHM:
             resolved = label = algorithm or FIXED_ALGORITHM[what]
@@ -299,7 +301,7 @@ def sequence_problem(sends, receives, world_size: int, timeout) -> Rejection | N
     return _timeout_problem(timeout)
 
 
-@in_issue_order
+@public_collective
 def reject_call(comm: Communicator, what: str, error: Exception, cause: str = "a bad argument") -> None:
     """Take part in ``what``'s layout check on ``comm`` as a rank that rejects the call with ``error``;
     return once every rank knows (the caller then raises ``error``; the others raise

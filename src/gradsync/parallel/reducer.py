@@ -257,6 +257,8 @@ class Reducer(FailureHandling, RebuildAndJoin):
         if state.failed:  # one timeout per round, not one per bucket
             raise _SkippedAfterFailure(f"bucket {bucket_index} skipped after an earlier bucket failed")
         started = time.perf_counter()
+        flight = self.comm.flight
+        flight.label = f"bucket {bucket_index}"  # the label of this bucket's calls in the flight record
         try:
             if self.compression is not None:
                 self._reduce_compressed(flat, bucket_index, divisor)
@@ -265,6 +267,8 @@ class Reducer(FailureHandling, RebuildAndJoin):
         except BaseException:
             state.failed = True
             raise
+        finally:
+            flight.label = None
         ended = time.perf_counter()
         if self.timeline is not None:
             self.timeline.add("allreduce", started, ended, thread=thread, bucket=bucket_index,

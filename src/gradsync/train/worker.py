@@ -1,4 +1,8 @@
-"""Entry point of one ``gradsync train`` worker process: join the group, run its role, write the run folder."""
+"""Entry point of one ``gradsync train`` worker process: join the group, run its role, write the run folder.
+
+Each worker's flight recorder writes into ``<run folder>/flight`` when a
+collective times out or the ranks disagree (``gradsync debug <run folder>`` reads it).
+"""
 
 from __future__ import annotations
 
@@ -11,9 +15,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 import gradsync
+from gradsync.debug.flight import FLIGHT_FOLDER
 from gradsync.fault.events import EventLog
 from gradsync.fault.injection import attempt
 from gradsync.launch import die_with_launcher
+from gradsync.process_group import default_communicator
 from gradsync.train import resume
 from gradsync.train.async_loop import run_async_role
 from gradsync.train.config import TrainConfig
@@ -43,6 +49,8 @@ def _run_worker(config: TrainConfig, data_path: str, out_dir: str) -> dict | Non
     # restart) cannot unregister it, and the launcher then warns about "leaked semaphore objects".
     tqdm.set_lock(threading.RLock())
     gradsync.init(timeout=config.timeout)
+    if config.out:  # None: a torchrun rank that does not know rank 0's folder ($GRADSYNC_FLIGHT_DIR then)
+        default_communicator().flight.folder = Path(config.out).resolve() / FLIGHT_FOLDER
     try:
         if config.mode == "async":
             summary = run_async_role(config, Path(data_path), Path(out_dir))
