@@ -10,7 +10,7 @@ from gradsync.api import all_gather, all_reduce, all_to_all, broadcast, comm_sta
 from gradsync.collectives import ALGORITHMS, OPS, Communicator, HierarchicalOptions, SegmentOptions
 from gradsync.errors import (CheckpointFolderError, CollectiveMismatchError, CollectiveTimeoutError, GradsyncError,
                              GroupClosedError, NotInitializedError, ShmSetupError)
-from gradsync.parallel import AsyncWorker, DataParallel, LocalSGD, ParameterServer
+from gradsync.parallel import AsyncWorker, DataParallel, DeterministicDataParallel, LocalSGD, ParameterServer
 from gradsync.process_group import init, is_initialized, rank, shutdown, world_size
 from gradsync.transport.thread import ThreadTransport, ThreadWorld
 from gradsync.transport.torch_p2p import TorchP2PTransport
@@ -19,7 +19,8 @@ __version__ = "0.1.0"  # the one version source: pyproject.toml reads it (dynami
 
 __all__ = [
     "ALGORITHMS", "AsyncWorker", "CheckpointFolderError", "CollectiveMismatchError",
-    "CollectiveTimeoutError", "Communicator", "DataParallel", "GradsyncError", "GroupClosedError",
+    "CollectiveTimeoutError", "Communicator", "DataParallel", "DeterministicDataParallel", "GradsyncError",
+    "GroupClosedError",
     "HierarchicalOptions", "LocalSGD", "NotInitializedError", "OPS", "ParameterServer",
     "SegmentOptions", "ShmSetupError", "ThreadTransport", "ThreadWorld", "TorchP2PTransport",
     "__version__", "all_gather", "all_reduce", "all_to_all", "broadcast", "comm_stats", "compression",
