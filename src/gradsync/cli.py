@@ -47,6 +47,14 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         "(default %(default)s)")
     add("--accumulate", type=int, default=d.accumulate, help="micro-batches per optimizer step "
         "(default %(default)s)")
+    add("--global-batch-size", type=int, default=None, metavar="B", help="samples per optimizer step over all "
+        "workers, whatever the world size (instead of --batch-size): each worker takes B / (world size x "
+        "--accumulate), and the data order does not depend on the world size")
+    add("--deterministic", action="store_true", help="bitwise the same parameters at any world size and "
+        "placement for the same --global-batch-size, seed and thread count: the global batch is cut into "
+        "--micro-shards pieces, one backward each, summed exactly (1 torch thread per worker)")
+    add("--micro-shards", type=int, default=d.micro_shards, metavar="M", help="--deterministic: pieces of each "
+        "global batch; up to M workers, equal shares when the world size divides M (default %(default)s)")
     add("--lr", type=float, default=d.lr, help="peak learning rate (default %(default)s)")
     add("--lr-schedule", default=d.lr_schedule, metavar="{" + ",".join(LR_SCHEDULES) + "}",
         help="learning-rate schedule (default %(default)s)")
