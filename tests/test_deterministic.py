@@ -19,7 +19,8 @@ from torch import nn
 
 import gradsync
 from gradsync.errors import CollectiveMismatchError
-from gradsync.parallel.exact_sum import add_fixed_point, exponent_code, from_fixed_point, precision_bits
+from gradsync.parallel.exact_sum import (add_fixed_point, add_fixed_point_many, exponent_code, from_fixed_point,
+                                         precision_bits)
 from _dist import capture_error, run_threads
 
 NUM_SAMPLES, NUM_SHARDS = 24, 4
@@ -237,3 +238,18 @@ def test_fixed_point_sums_are_order_free_and_exact_to_float32(rows, random):
     result = from_fixed_point(whole, exponent, bits, divisor=1, dtype=torch.float32)
     exact = torch.tensor([math.fsum(column) for column in zip(*(v.tolist() for v in values))], dtype=torch.float64)
     _assert_close(result.double(), exact, rtol=2**-23, atol=2.0 ** (exponent - bits + 3))
+
+
+@pytest.mark.parametrize("dtype,magnitude", [(torch.float32, 1e-30), (torch.float32, 1e-3), (torch.float32, 1e20),
+                                             (torch.float16, 1e-3), (torch.float16, 100.0), (torch.bfloat16, 1e-30),
+                                             (torch.bfloat16, 1e20)])
+def test_the_float32_path_gives_the_float64_path_s_integers(dtype, magnitude):
+    """Narrow values are scaled in float32 when the power of two fits it (float64 otherwise): the same integers."""
+    values = (torch.randn(1000, generator=torch.Generator().manual_seed(3)) * magnitude).to(dtype)
+    exponent, bits = exponent_code(values), precision_bits(12)
+    narrow, many, wide = (torch.zeros(1000, dtype=torch.int64) for _ in range(3))
+    add_fixed_point(narrow, values, exponent, bits)
+    add_fixed_point_many(many, [(0, 600), (600, 1000)], [values[:600], values[600:]], [exponent] * 2, bits,
+                         torch.empty(1000), torch.empty(1000, dtype=torch.int64))
+    add_fixed_point(wide, values.double(), exponent, bits)
+    assert torch.equal(narrow, wide) and torch.equal(many, wide) and bool(wide.abs().max() > 2**50)

@@ -42,6 +42,7 @@ tensor([ 0.3000, -0.5000,  0.0000])
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 
@@ -49,6 +50,7 @@ ACCUMULATOR_BITS = 62  # magnitude bits of an int64 sum that cannot overflow (on
 NO_VALUE = -2**40      # exponent code: no contribution
 ZERO = -2**30          # exponent code: every contribution was exactly zero (below any float exponent)
 NON_FINITE = 2**40     # exponent code: some contribution held a NaN or an infinity
+FLOAT32_MAX_SHIFT = 127  # largest power of two a float32 holds: scaling by more takes the float64 path
 
 
 def precision_bits(num_contributions: int) -> int:
@@ -74,14 +76,26 @@ def exponent_code(tensor: torch.Tensor | None) -> int:
     >>> exponent_code(torch.tensor([0.75, -1.0])), exponent_code(torch.zeros(3)) == ZERO
     (1, True)
     """
-    if tensor is None or tensor.numel() == 0:
-        return NO_VALUE
-    largest = float(tensor.detach().abs().amax())
-    if not math.isfinite(largest):
-        return NON_FINITE
-    if largest == 0.0:
-        return ZERO
-    return math.frexp(largest)[1]
+    return exponent_codes([tensor])[0]
+
+
+@torch.no_grad()
+def exponent_codes(tensors: Sequence[torch.Tensor | None]) -> list[int]:
+    """:func:`exponent_code` of each tensor, with one host sync for all of them.
+
+    ``max(-min, max)`` from ``torch.aminmax`` (one vectorised pass, NaN propagating) is ~10x
+    faster on CPU than ``abs().amax()`` or an infinity norm.
+    """
+    codes = [NO_VALUE] * len(tensors)
+    present = [index for index, tensor in enumerate(tensors) if tensor is not None and tensor.numel()]
+    if not present:
+        return codes
+    extremes = [torch.aminmax(tensors[index].detach()) for index in present]
+    largest = torch.stack([torch.maximum(-low, high).double() for low, high in extremes])  # (len(present),)
+    exponents = torch.frexp(largest).exponent.tolist()
+    for index, value, exponent in zip(present, largest.tolist(), exponents):
+        codes[index] = NON_FINITE if not math.isfinite(value) else ZERO if value == 0.0 else exponent
+    return codes
 
 
 def combine_codes(a: int, b: int) -> int:
@@ -110,12 +124,56 @@ def add_fixed_point(accumulator: torch.Tensor, values: torch.Tensor, exponent: i
         raise ValueError("a NaN or infinity has no fixed-point value (exponent code NON_FINITE)")
     if exponent <= ZERO:
         return
-    numel = accumulator.numel()
+    numel, shift = accumulator.numel(), bits - exponent
     scratch = torch.empty(numel, dtype=torch.float64) if scratch is None else scratch[:numel]
     integers = torch.empty(numel, dtype=torch.int64) if integers is None else integers[:numel]
-    scratch.copy_(values.reshape(-1))          # exact: float64 holds every float32/16 value
-    scratch.mul_(2.0 ** (bits - exponent))     # exact: a power of two, far from float64's range ends
-    integers.copy_(scratch.round_())           # round half to even, then an exact conversion
+    flat = values.reshape(-1)
+    if flat.dtype != torch.float64 and 0 <= shift <= FLOAT32_MAX_SHIFT:
+        # float32 is enough, in half of scratch's bytes: the scaled values stay below 2**bits <= 2**62 and a
+        # power of two up to 2**127 is a float32, so the product is exact, and so is rounding it
+        work = scratch.view(torch.float32)[:numel]
+        if flat.dtype == torch.float32:
+            torch.mul(flat, 2.0 ** shift, out=work)
+        else:
+            work.copy_(flat).mul_(2.0 ** shift)  # float16 / bfloat16: widen first (exact), then scale
+    else:
+        work = scratch.copy_(flat).mul_(2.0 ** shift)  # exact: float64 holds every value and the power of two
+    integers.copy_(work.round_())              # round half to even (exact), then an exact conversion
+    accumulator.add_(integers)
+
+
+@torch.no_grad()
+def add_fixed_point_many(accumulator: torch.Tensor, bounds: Sequence[tuple[int, int]],
+                         tensors: Sequence[torch.Tensor | None], exponents: Sequence[int], bits: int,
+                         work: torch.Tensor, integers: torch.Tensor) -> None:
+    """:func:`add_fixed_point` of each tensor into ``accumulator[start:stop]``, converted and added in one pass.
+
+    Each tensor is scaled into its piece of ``work`` (float32 where that is exact, as in
+    :func:`add_fixed_point`); the whole of ``work`` is then rounded, converted and added
+    at once, which saves the per-tensor calls that dominate for small models.
+
+    Args:
+        accumulator: ``(numel,)`` int64, in place; ``bounds`` cover it without overlap.
+        bounds: ``(start, stop)`` of each tensor in ``accumulator``.
+        tensors: one contribution per bound (None: nothing to add there).
+        exponents: each tensor's shared code; ZERO, NO_VALUE or NON_FINITE add nothing.
+        bits: :func:`precision_bits` of the number of contributions.
+        work: reusable float32 buffer of ``>= numel``; integers: reusable int64 buffer of ``>= numel``.
+    """
+    numel = accumulator.numel()
+    work, integers = work[:numel], integers[:numel]
+    for (start, stop), tensor, exponent in zip(bounds, tensors, exponents):
+        piece, shift = work[start:stop], bits - exponent
+        if tensor is None or not ZERO < exponent < NON_FINITE:
+            piece.zero_()
+        elif tensor.dtype == torch.float32 and 0 <= shift <= FLOAT32_MAX_SHIFT:
+            torch.mul(tensor.reshape(-1), 2.0 ** shift, out=piece)
+        elif tensor.dtype != torch.float64 and 0 <= shift <= FLOAT32_MAX_SHIFT:
+            piece.copy_(tensor.reshape(-1)).mul_(2.0 ** shift)
+        else:  # float64 values, or a power of two beyond float32: on their own, in float64
+            piece.zero_()
+            add_fixed_point(accumulator[start:stop], tensor, exponent, bits)
+    integers.copy_(work.round_())
     accumulator.add_(integers)
 
 
