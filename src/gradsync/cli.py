@@ -1,4 +1,5 @@
-"""Command line: ``gradsync train``, ``gradsync bench allreduce|train|compression|modes|faults`` (argparse only)."""
+"""Command line: ``gradsync train``, ``gradsync bench allreduce|train|compression|modes|faults|deterministic``
+(argparse only)."""
 
 from __future__ import annotations
 
@@ -150,9 +151,27 @@ def build_parser() -> argparse.ArgumentParser:
                     "with a worker killed (--fail-at) and with a worker hung (--hang-at); print the seconds to "
                     "detect each fault and to be training again, the steps recomputed, and whether the final "
                     "parameters equal the run without a fault bit for bit."))
+    _add_deterministic_bench_options(benches.add_parser(
+        "deterministic", help="the cost of --deterministic: samples/s and peak memory next to DataParallel",
+        description="Train the MNIST-1D CNN (global batch 256) and the ~25M-parameter MLP (128) with DataParallel "
+                    "and DeterministicDataParallel per --micro-shards, alternating over rounds, 1 torch thread per "
+                    "rank; print samples/s, the ratio, communication per step and peak RSS per rank."))
     bench_report.add_parser(benches)
     bench_record.add_parser(benches)
     return parser
+
+
+def _add_deterministic_bench_options(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    for option, default, meaning in (("--nproc", "2,4", "world sizes"), ("--model", "cnn,mlp", "models"),
+                                     ("--micro-shards", "4,12", "micro-shard counts, a row each")):
+        add(option, default=default, help=f"comma-separated {meaning} (default %(default)s)")
+    add("--algorithm", default="auto", help="AllReduce algorithm of both modes (default %(default)s)")
+    for option, default, meaning in (("--steps", 30, "timed steps for cnn; mlp runs steps // 5"),
+                                     ("--warmup", 2, "untimed steps first"), ("--rounds", 3, "alternating rounds")):
+        add(option, type=int, default=default, help=f"{meaning} (default %(default)s)")
+    add("--no-memory", dest="memory", action="store_false", help="skip the peak-memory worlds")
+    add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
 
 
 def _add_faults_bench_options(parser: argparse.ArgumentParser) -> None:
@@ -297,6 +316,14 @@ def bench_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_deterministic(args: argparse.Namespace) -> int:
+    from gradsync.bench.deterministic import run_bench
+
+    run_bench(nproc=args.nproc, models=args.model, micro_shards=args.micro_shards, algorithm=args.algorithm,
+              steps=args.steps, warmup=args.warmup, rounds=args.rounds, json_path=args.json, memory=args.memory)
+    return 0
+
+
 def bench_compression(args: argparse.Namespace) -> int:
     from gradsync.bench.compression import run_bench
 
@@ -338,7 +365,8 @@ def _record(args: argparse.Namespace) -> int:
 
 
 _BENCHES = {"allreduce": bench_allreduce, "train": bench_train, "compression": bench_compression,
-            "modes": bench_modes, "faults": bench_faults, "report": bench_report.run,
+            "modes": bench_modes, "faults": bench_faults, "deterministic": bench_deterministic,
+            "report": bench_report.run,
             "record": _record}
 
 
