@@ -199,13 +199,18 @@ collectives (for `deterministic` it includes waiting for the slowest rank's
 micro-shards); peak RSS is `ru_maxrss` after a few steps in a fresh world per
 setting (max over ranks), `RSS after` the resident MiB then.""",
     "deterministic_after": """\
-How to read it. The cost is mostly compute: a micro-shard is a small batch,
-and small kernels are slower per sample (the CNN at 12 micro-shards runs
-batches of about 21 samples), so the ratio is best when each rank holds one
-micro-shard (M = world size). On the MLP each micro-shard's backward writes a
-full set of weight gradients and the int64 sum reads them again, and the
-gradients of a rank's micro-shards are held until the sum (about 100 MiB
-each) beside the int64 buffer (200 MiB): memory grows with M / world size.""",
+How to read it. Three things cost. The micro-shards: M / world_size smaller
+forwards and backwards per rank, and small kernels are slower per sample. The
+exact sum: a few passes over every micro-shard's gradients (the largest
+element, the scaling, the int64 conversion and addition) and one back, which
+on the MLP weighs as much as a backward. The exchange: two collectives after
+the last backward instead of bucket AllReduces overlapped with it, the second
+carrying int64 (twice the bytes); on these shared cores each extra round trip
+of the CNN's small messages waits for the other processes to be scheduled.
+Memory grows with the micro-shards a rank holds: each keeps a full set of
+gradients (about 100 MiB on the MLP) until the sum, beside the int64 buffer
+(200 MiB). Fewer micro-shards are cheaper; the default 12 gives equal shares
+at 1, 2, 3, 4, 6 and 12 workers.""",
 }
 
 _TITLES = {"allreduce": "AllReduce sweep", "allreduce_hosts_1g": "AllReduce across 2 test hosts, 1 Gbit/s links",
