@@ -33,7 +33,8 @@ from gradsync.transport.thread import ThreadWorld
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 20.0
 # Imported once by the fork server, so that rank processes start without importing torch.
-PRELOADED_MODULES = ["torch", "gradsync", "_dist", "_reference"]
+# torch._dynamo: the first torch.optim optimizer imports it (~4 s of CPU per rank here); it starts no thread.
+PRELOADED_MODULES = ["torch", "torch._dynamo", "gradsync", "_dist", "_reference"]
 _TEARDOWN_GRACE_S = 10.0  # a rank that reported its result may take this long to leave the group
 
 

@@ -62,7 +62,8 @@ def _epoch_records(out_dir: Path) -> list[dict]:
     {"compression": "onebit", "compression_warmup_steps": 5},
     {"compression": "powersgd", "powersgd_rank": 1},
     {"accumulate": 2, "optimizer": "sgd", "lr_schedule": "constant", "lr": 0.05},
-], ids=["local-sgd", "onebit", "powersgd", "accumulate-sgd"])
+    {"deterministic": True, "global_batch_size": 64, "micro_shards": 4},
+], ids=["local-sgd", "onebit", "powersgd", "accumulate-sgd", "deterministic"])
 @pytest.mark.timeout(120)
 def test_resumed_world_ends_bitwise_equal_to_the_uninterrupted_one(extra, data_path, tmp_path):
     batch_size = BATCH_SIZE // extra.get("accumulate", 1)

@@ -11,7 +11,7 @@ from gradsync.collectives import ALGORITHMS, OPS, Communicator, HierarchicalOpti
 from gradsync.errors import (CheckpointFolderError, CollectiveMismatchError, CollectiveTimeoutError, DebugCheckError,
                              EpochOrderWarning, GradsyncError, GroupClosedError, NotInitializedError,
                              ReplicaDivergenceError, ShmSetupError)
-from gradsync.parallel import AsyncWorker, DataParallel, LocalSGD, ParameterServer
+from gradsync.parallel import AsyncWorker, DataParallel, DeterministicDataParallel, LocalSGD, ParameterServer
 from gradsync.parallel.replica_check import ReplicaCheck, check_replicas
 from gradsync.process_group import init, is_initialized, rank, shutdown, world_size
 from gradsync.transport.thread import ThreadTransport, ThreadWorld
@@ -21,10 +21,10 @@ __version__ = "0.1.0"  # the one version source: pyproject.toml reads it (dynami
 
 __all__ = [
     "ALGORITHMS", "AsyncWorker", "CheckpointFolderError", "CollectiveMismatchError",
-    "CollectiveTimeoutError", "Communicator", "DataParallel", "DebugCheckError", "EpochOrderWarning",
-    "GradsyncError", "GroupClosedError", "HierarchicalOptions", "LocalSGD", "NotInitializedError", "OPS",
-    "ParameterServer", "ReplicaCheck", "ReplicaDivergenceError", "SegmentOptions", "ShmSetupError",
-    "ThreadTransport", "ThreadWorld", "TorchP2PTransport", "__version__", "all_gather", "all_reduce",
-    "all_to_all", "broadcast", "check_replicas", "comm_stats", "compression", "flight_records", "init",
-    "is_initialized", "rank", "reduce_scatter", "shutdown", "world_size",
+    "CollectiveTimeoutError", "Communicator", "DataParallel", "DebugCheckError", "DeterministicDataParallel",
+    "EpochOrderWarning", "GradsyncError", "GroupClosedError", "HierarchicalOptions", "LocalSGD",
+    "NotInitializedError", "OPS", "ParameterServer", "ReplicaCheck", "ReplicaDivergenceError", "SegmentOptions",
+    "ShmSetupError", "ThreadTransport", "ThreadWorld", "TorchP2PTransport", "__version__", "all_gather",
+    "all_reduce", "all_to_all", "broadcast", "check_replicas", "comm_stats", "compression", "flight_records",
+    "init", "is_initialized", "rank", "reduce_scatter", "shutdown", "world_size",
 ]

@@ -1,4 +1,5 @@
-"""Command line: ``gradsync train``, ``gradsync bench allreduce|train|compression|modes|faults``, ``gradsync debug``
+"""Command line: ``gradsync train``, ``gradsync bench allreduce|train|compression|modes|faults|deterministic|replicas``,
+``gradsync debug``
 (argparse only)."""
 
 from __future__ import annotations
@@ -48,6 +49,14 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         "(default %(default)s)")
     add("--accumulate", type=int, default=d.accumulate, help="micro-batches per optimizer step "
         "(default %(default)s)")
+    add("--global-batch-size", type=int, default=None, metavar="B", help="samples per optimizer step over all "
+        "workers, whatever the world size (instead of --batch-size): each worker takes B / (world size x "
+        "--accumulate), and the data order does not depend on the world size")
+    add("--deterministic", action="store_true", help="bitwise the same parameters at any world size and "
+        "placement for the same --global-batch-size, seed and thread count: the global batch is cut into "
+        "--micro-shards pieces, one backward each, summed exactly (1 torch thread per worker)")
+    add("--micro-shards", type=int, default=d.micro_shards, metavar="M", help="--deterministic: pieces of each "
+        "global batch; up to M workers, equal shares when the world size divides M (default %(default)s)")
     add("--lr", type=float, default=d.lr, help="peak learning rate (default %(default)s)")
     add("--lr-schedule", default=d.lr_schedule, metavar="{" + ",".join(LR_SCHEDULES) + "}",
         help="learning-rate schedule (default %(default)s)")
@@ -155,6 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train the bench models with DataParallel and time a training step, check_replicas() "
                     "and check_replicas(optimizer), alternating over rounds; print each check's share of a "
                     "step and the overhead of checking every 100 steps."))
+    _add_deterministic_bench_options(benches.add_parser(
+        "deterministic", help="the cost of --deterministic: samples/s and peak memory next to DataParallel",
+        description="Train the MNIST-1D CNN (global batch 256) and the ~25M-parameter MLP (128) with DataParallel "
+                    "and DeterministicDataParallel per --micro-shards, alternating over rounds, 1 torch thread per "
+                    "rank; print samples/s, the ratio, communication per step and peak RSS per rank."))
     bench_report.add_parser(benches)
     bench_record.add_parser(benches)
     debug = commands.add_parser(
@@ -185,6 +199,19 @@ def bench_replicas(args: argparse.Namespace) -> int:
     run_bench(nproc=args.nproc, models=args.model, steps=args.steps, checks=args.checks, rounds=args.rounds,
               json_path=args.json)
     return 0
+
+
+def _add_deterministic_bench_options(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    for option, default, meaning in (("--nproc", "2,4", "world sizes"), ("--model", "cnn,mlp", "models"),
+                                     ("--micro-shards", "4,12", "micro-shard counts, a row each")):
+        add(option, default=default, help=f"comma-separated {meaning} (default %(default)s)")
+    add("--algorithm", default="auto", help="AllReduce algorithm of both modes (default %(default)s)")
+    for option, default, meaning in (("--steps", 30, "timed steps for cnn; mlp runs steps // 5"),
+                                     ("--warmup", 2, "untimed steps first"), ("--rounds", 3, "alternating rounds")):
+        add(option, type=int, default=default, help=f"{meaning} (default %(default)s)")
+    add("--no-memory", dest="memory", action="store_false", help="skip the peak-memory worlds")
+    add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
 
 
 def _add_faults_bench_options(parser: argparse.ArgumentParser) -> None:
@@ -329,6 +356,14 @@ def bench_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_deterministic(args: argparse.Namespace) -> int:
+    from gradsync.bench.deterministic import run_bench
+
+    run_bench(nproc=args.nproc, models=args.model, micro_shards=args.micro_shards, algorithm=args.algorithm,
+              steps=args.steps, warmup=args.warmup, rounds=args.rounds, json_path=args.json, memory=args.memory)
+    return 0
+
+
 def bench_compression(args: argparse.Namespace) -> int:
     from gradsync.bench.compression import run_bench
 
@@ -382,7 +417,8 @@ def _record(args: argparse.Namespace) -> int:
 
 
 _BENCHES = {"allreduce": bench_allreduce, "train": bench_train, "compression": bench_compression,
-            "modes": bench_modes, "faults": bench_faults, "replicas": bench_replicas, "report": bench_report.run,
+            "modes": bench_modes, "faults": bench_faults, "deterministic": bench_deterministic,
+            "replicas": bench_replicas, "report": bench_report.run,
             "record": _record}
 
 

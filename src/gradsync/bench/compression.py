@@ -63,7 +63,7 @@ def run_accuracy(compression: str, warmup_steps: int, nproc: int, epochs: int, o
             "bytes_per_step": statistics.median(step_bytes),
             "mean_bytes_per_step": statistics.fmean(step_bytes),
             "compression_warmup_steps": config.compression_warmup_steps, "steps": summary["steps"],
-            "samples_per_step": config.global_batch_size(nproc),
+            "samples_per_step": config.samples_per_step(nproc),
             "test_accuracy_per_epoch": [r["test_accuracy"] for r in records if r["kind"] == "epoch"],
             "run_folder": str(out_dir / compression)}
 

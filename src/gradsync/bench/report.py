@@ -24,7 +24,8 @@ import sys
 from pathlib import Path
 
 # Record names: a bench, or "<bench>_<label>" for a second setting of one (the test-host sweeps).
-BENCHES = ("allreduce", "allreduce_hosts_1g", "allreduce_hosts_10g", "train", "compression", "modes", "faults")
+BENCHES = ("allreduce", "allreduce_hosts_1g", "allreduce_hosts_10g", "train", "compression", "modes", "faults",
+           "deterministic")
 DEFAULT_BENCH_DIR = "docs/bench"
 DEFAULT_OUT = "docs/benchmarks.md"
 FORMAT_VERSION = 1
@@ -186,12 +187,37 @@ compare notes, and then every rank names the hung one. Most of the time from
 detection to training again is start-up: the agent stops the workers and
 starts new Python processes, each of which imports torch before it joins the
 group and loads the checkpoint.""",
+    "deterministic": """\
+`DeterministicDataParallel` (what `gradsync train --deterministic` runs) next
+to `DataParallel` on one fixed global batch (256 samples for the CNN, 128 for
+the ~25.2M-parameter MLP of `bench train`), SGD, `auto`, one torch thread per
+rank in both, alternating over rounds. `normal`: each rank one forward and
+backward of its B / world_size samples; `deterministic M=…`: each rank one
+forward and backward per micro-shard of B / M samples, then the exact int64
+sum ([deterministic.md](deterministic.md)). `comm_ms/step` is the time in the
+collectives (for `deterministic` it includes waiting for the slowest rank's
+micro-shards); peak RSS is `ru_maxrss` after a few steps in a fresh world per
+setting (max over ranks), `RSS after` the resident MiB then.""",
+    "deterministic_after": """\
+How to read it. Three things cost. The micro-shards: M / world_size smaller
+forwards and backwards per rank, and small kernels are slower per sample. The
+exact sum: a few passes over every micro-shard's gradients (the largest
+element, the scaling, the int64 conversion and addition) and one back, which
+on the MLP weighs as much as a backward. The exchange: two collectives after
+the last backward instead of bucket AllReduces overlapped with it, the second
+carrying int64 (twice the bytes); on these shared cores each extra round trip
+of the CNN's small messages waits for the other processes to be scheduled.
+Memory grows with the micro-shards a rank holds: each keeps a full set of
+gradients (about 100 MiB on the MLP) until the sum, beside the int64 buffer
+(200 MiB). Fewer micro-shards are cheaper; the default 12 gives equal shares
+at 1, 2, 3, 4, 6 and 12 workers.""",
 }
 
 _TITLES = {"allreduce": "AllReduce sweep", "allreduce_hosts_1g": "AllReduce across 2 test hosts, 1 Gbit/s links",
            "allreduce_hosts_10g": "AllReduce across 2 test hosts, 10 Gbit/s links", "train": "Training: gradsync DataParallel against torch DDP",
            "compression": "Gradient compression", "modes": "Sync, async and local SGD",
-           "faults": "Faults: a killed and a hung worker"}
+           "faults": "Faults: a killed and a hung worker",
+           "deterministic": "Deterministic mode: the cost of the same bits at any world size"}
 
 
 def bench_of(name: str) -> str:
@@ -244,6 +270,9 @@ def tables(name: str, rows: list[dict]) -> list[str]:
                 + ([format_throughput_table(throughput)] if throughput else []))
     if name == "modes":
         from gradsync.bench.modes import format_table
+        return [format_table(rows)]
+    if name == "deterministic":
+        from gradsync.bench.deterministic import format_table
         return [format_table(rows)]
     from gradsync.bench.faults import format_table
     return [format_table(rows)]

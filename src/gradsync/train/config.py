@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 from gradsync.collectives.ops import ALGORITHMS
 from gradsync.compression import COMPRESSIONS
 from gradsync.hosts.netns import link_options_problem
+from gradsync.parallel.deterministic import DEFAULT_MICRO_SHARDS
 from gradsync.train.data import DEFAULT_NUM_SAMPLES
 from gradsync.train.models import MODELS
 
@@ -33,6 +34,9 @@ class TrainConfig:
     epochs: int = 15                # passes over the training split
     batch_size: int = 32            # samples per worker per micro-batch
     accumulate: int = 1             # micro-batches per optimizer step (no_sync on all but the last)
+    global_batch_size: int | None = None  # samples per optimizer step over all workers, whatever the world size
+    deterministic: bool = False     # bitwise the same parameters at any world size (needs global_batch_size)
+    micro_shards: int = DEFAULT_MICRO_SHARDS  # deterministic: pieces of each global batch, one backward each
     lr: float = 1e-2                # peak learning rate
     lr_schedule: str = "cosine"     # cosine decay to 0 over all steps, or constant
     optimizer: str = "adam"         # sgd (momentum 0.9) | adam
@@ -65,8 +69,17 @@ class TrainConfig:
     cut_link_at: str | None = None  # "HOST:STEP": the harness sets that host's link down at that step
     kill_host_at: str | None = None  # "HOST:STEP": the harness kills every process on that host at that step
 
-    def global_batch_size(self, world_size: int) -> int:
+    def samples_per_step(self, world_size: int) -> int:
+        """Samples in one optimizer step over all workers: ``global_batch_size``, else batch x accumulate x workers."""
+        if self.global_batch_size is not None:
+            return self.global_batch_size
         return self.batch_size * self.accumulate * world_size
+
+    def per_worker_batch_size(self, world_size: int) -> int:
+        """Samples per worker per micro-batch (``global_batch_size`` split evenly; validated to divide)."""
+        if self.global_batch_size is None:
+            return self.batch_size
+        return self.global_batch_size // (world_size * self.accumulate)
 
     def num_workers(self, world_size: int) -> int:
         """Processes that compute gradients: all of them, except the server in async mode."""
@@ -184,6 +197,7 @@ def validate(config: TrainConfig) -> None:
         if not ok:
             raise ValueError(message)
     _validate_mode(config)
+    _validate_trajectory(config)
     _validate_fault_tolerance(config)
     if not _is_int(config.check_replicas_every) or config.check_replicas_every < 0:
         raise ValueError(f"--check-replicas-every must be an int >= 0 (optimizer steps), got "
@@ -224,8 +238,49 @@ def _validate_fault_tolerance(config: TrainConfig) -> None:
     config.fault_rank_step("hang_at")
 
 
+def _validate_trajectory(config: TrainConfig) -> None:
+    """``--global-batch-size``, ``--deterministic`` and ``--micro-shards``: what they need and what they exclude."""
+    d = TrainConfig()
+    size = config.global_batch_size
+    if size is not None and (not _is_int(size) or size < 1):
+        raise ValueError(f"--global-batch-size must be an int >= 1, got {size!r}")
+    if size is not None and config.batch_size != d.batch_size:
+        raise ValueError(f"--batch-size {config.batch_size} and --global-batch-size {size} exclude each other: the "
+                         "global batch fixes each worker's share (global batch / (world size x --accumulate))")
+    if size is not None and config.mode == "async":
+        raise ValueError("--global-batch-size applies to --mode sync and local-sgd: async workers step alone")
+    if not _is_int(config.micro_shards) or config.micro_shards < 1:
+        raise ValueError(f"--micro-shards must be an int >= 1, got {config.micro_shards!r}")
+    if not config.deterministic:
+        if config.micro_shards != d.micro_shards:
+            raise ValueError("--micro-shards applies to --deterministic")
+        return
+    if size is None:
+        raise ValueError("--deterministic needs --global-batch-size B: the global batch is what stays the same "
+                         "whatever the world size")
+    if config.micro_shards > size:
+        raise ValueError(f"--micro-shards {config.micro_shards} is more than --global-batch-size {size}: every "
+                         "micro-shard needs at least one sample")
+    refused = [("--mode " + config.mode, config.mode != "sync",
+                "async applies gradients in arrival order and local SGD steps each worker on its own data"),
+               ("--compression " + config.compression, config.compression != d.compression,
+                "a lossy compressor with per-rank error feedback makes the sum depend on the placement"),
+               ("--accumulate", config.accumulate != d.accumulate,
+                "each worker already runs its micro-shards one after the other (--micro-shards sets their number)"),
+               ("--bucket-cap-mb", config.bucket_cap_mb != d.bucket_cap_mb,
+                "the gradients travel as one exact int64 sum after the last micro-shard, not in buckets"),
+               ("--gradient-as-bucket-view", config.gradient_as_bucket_view, "there are no buckets"),
+               ("--debug", config.debug, "its checks watch DataParallel's buckets and input batches; "
+                "DeterministicDataParallel checks its micro-shards itself")]
+    for option, used, why in refused:
+        if used:
+            raise ValueError(f"--deterministic cannot be combined with {option}: {why}")
+
+
 def total_steps(config: TrainConfig, world_size: int, num_train: int) -> int:
     """Optimizer steps of a sync or local-sgd job (DistributedSampler pads to equal shares)."""
+    if config.global_batch_size is not None:  # one permutation of the whole split, cut into global batches
+        return num_train // config.global_batch_size * config.epochs
     per_rank = -(-num_train // world_size)
     return per_rank // config.batch_size // config.accumulate * config.epochs
 
@@ -276,11 +331,14 @@ def validate_against_data(config: TrainConfig, world_size: int, num_train: int) 
         return
     if world_size > num_train:
         raise ValueError(f"world size {world_size} is larger than the {num_train} training samples")
-    per_rank = -(-num_train // world_size)  # DistributedSampler pads to equal shares
-    needed = config.batch_size * config.accumulate
-    if per_rank < needed:
-        raise ValueError(f"each of the {world_size} workers gets {per_rank} training samples, fewer than "
-                         f"--batch-size {config.batch_size} x --accumulate {config.accumulate} = {needed}")
+    if config.global_batch_size is not None:
+        _validate_global_batch(config, world_size, num_train)
+    else:
+        per_rank = -(-num_train // world_size)  # DistributedSampler pads to equal shares
+        needed = config.batch_size * config.accumulate
+        if per_rank < needed:
+            raise ValueError(f"each of the {world_size} workers gets {per_rank} training samples, fewer than "
+                             f"--batch-size {config.batch_size} x --accumulate {config.accumulate} = {needed}")
     last_step = total_steps(config, world_size, num_train)
     for which in ("fail_at", "hang_at"):
         fault = config.fault_rank_step(which)
@@ -293,3 +351,21 @@ def validate_against_data(config: TrainConfig, world_size: int, num_train: int) 
         fault = config.host_fault(which)
         if fault is not None and fault[1] > last_step:
             raise ValueError(f"--{which.replace('_', '-')} step {fault[1]} is after the job's last step {last_step}")
+
+
+def _validate_global_batch(config: TrainConfig, world_size: int, num_train: int) -> None:
+    """The global batch fits the data and splits over ``world_size`` workers (or micro-shards)."""
+    size = config.global_batch_size
+    if num_train < size:
+        raise ValueError(f"the {num_train} training samples are fewer than one --global-batch-size {size}")
+    if config.deterministic:
+        if world_size > config.micro_shards:
+            raise ValueError(f"--deterministic with --micro-shards {config.micro_shards} runs at most "
+                             f"{config.micro_shards} workers (one micro-shard each at least), got world size "
+                             f"{world_size}")
+        return
+    parts = world_size * config.accumulate
+    if size % parts:
+        raise ValueError(f"--global-batch-size {size} does not split evenly over world size {world_size} x "
+                         f"--accumulate {config.accumulate} = {parts} micro-batches ({size / parts:.2f} samples "
+                         f"each): choose a multiple of {parts}")

@@ -10,7 +10,11 @@ Launch (``gradsync train`` does the first for you)::
 Each optimizer step consumes ``accumulate`` micro-batches of ``batch_size``
 samples per worker; all but the last run under ``no_sync()`` and the loss is
 scaled by 1/accumulate, so one step equals one batch of
-``batch_size * accumulate * world_size`` samples. Timing and byte counts live
+``batch_size * accumulate * world_size`` samples. With ``global_batch_size``
+the step's samples are fixed instead (:mod:`~gradsync.train.global_batch`),
+and ``deterministic`` computes them as micro-shards whose exact sum is the same
+at any world size (:class:`~gradsync.parallel.deterministic.DeterministicDataParallel`).
+Timing and byte counts live
 in :class:`~gradsync.train.meter.StepMeter`, progress and counters in
 :class:`~gradsync.train.state.TrainState`, checkpoints in ``resume.py``.
 """
@@ -34,6 +38,7 @@ from gradsync.parallel.timeline import Timeline, trace_events, write_trace
 from gradsync.train import resume
 from gradsync.train.config import TrainConfig, validate_against_data
 from gradsync.train.data import load
+from gradsync.train.global_batch import global_batches, split_contiguous, worker_micro_batches
 from gradsync.train.meter import StepMeter
 from gradsync.train.metrics import METRICS_FILE, MODEL_FILE, MetricsLog
 from gradsync.train.setup import (build_replica, make_optimizer, make_scheduler, seed_everything, set_threads,
@@ -49,7 +54,7 @@ class Trainer:
         self.rank, self.world_size = gradsync.rank(), gradsync.world_size()
         self.is_main = self.rank == 0
         self.out_dir = Path(out_dir)
-        set_threads(self.world_size)
+        set_threads(self.world_size, deterministic=config.deterministic)
         seed_everything(config.seed)
         self.data = load(data_path)
         validate_against_data(config, self.world_size, len(self.data.y_train))
@@ -60,10 +65,14 @@ class Trainer:
         self.model.timeline = self.timeline
         self.meter = StepMeter(self.model, self.timeline, comm_outside=self.local_sgd)
         self.optimizer = make_optimizer(self.model.parameters(), config)
-        self.sampler = DistributedSampler(self.data.train_dataset(), num_replicas=self.world_size,
-                                          rank=self.rank, shuffle=True, seed=config.seed)
-        self.batches = BatchSampler(self.sampler, config.batch_size, drop_last=True)
-        self.steps_per_epoch = len(self.batches) // config.accumulate
+        self.sampler = self.batches = None
+        if config.global_batch_size is None:
+            self.sampler = DistributedSampler(self.data.train_dataset(), num_replicas=self.world_size,
+                                              rank=self.rank, shuffle=True, seed=config.seed)
+            self.batches = BatchSampler(self.sampler, config.batch_size, drop_last=True)
+            self.steps_per_epoch = len(self.batches) // config.accumulate
+        else:
+            self.steps_per_epoch = len(self.data.y_train) // config.global_batch_size
         self.scheduler = make_scheduler(self.optimizer, config, self.steps_per_epoch * config.epochs)
         self.replica = resume.Replica(self.model, self.optimizer, self.scheduler, self.local_sgd)
         self.events = EventLog(self.out_dir)
@@ -101,7 +110,19 @@ class Trainer:
         return summary
 
     def _micro_batch_groups(self):
-        """The epoch's optimizer steps, each a list of ``accumulate`` micro-batches of sample indices."""
+        """The epoch's optimizer steps, each a list of ``accumulate`` micro-batches of sample indices.
+
+        With ``deterministic``: this rank's micro-shards (``model.local_shards()``) of each global batch.
+        """
+        if self.config.global_batch_size is not None:
+            for batch in global_batches(len(self.data.y_train), self.config.global_batch_size, self.config.seed,
+                                        self.state.epoch):
+                if self.config.deterministic:
+                    shards = split_contiguous(batch, self.config.micro_shards)
+                    yield [shards[index] for index in self.model.local_shards()]
+                else:
+                    yield worker_micro_batches(batch, self.world_size, self.rank, self.config.accumulate)
+            return
         group = []
         for indices in self.batches:
             group.append(indices)
@@ -111,7 +132,8 @@ class Trainer:
 
     def _train_epoch(self, bar) -> None:
         """Run the epoch's optimizer steps after the ``state.steps_in_epoch`` done before a resume."""
-        self.sampler.set_epoch(self.state.epoch)
+        if self.sampler is not None:
+            self.sampler.set_epoch(self.state.epoch)
         self.model.train()
         done_before = self.state.steps_in_epoch
         for number, micro_batches in enumerate(self._micro_batch_groups(), start=1):
@@ -127,16 +149,10 @@ class Trainer:
         """One optimizer step over ``micro_batches`` (lists of sample indices); returns its loss."""
         self.faults.before_step(self.state.step + 1)
         meter = self.meter.start()
-        step_loss = 0.0
-        for index, indices in enumerate(micro_batches):
-            last = index == len(micro_batches) - 1
-            x, y = self.data.x_train[indices], self.data.y_train[indices]
-            with nullcontext() if last else self.model.no_sync():
-                with meter.phase("forward"):
-                    loss = F.cross_entropy(self.model(x), y) / len(micro_batches)
-                with meter.phase("backward"):
-                    loss.backward()  # the last micro-batch's AllReduces run inside it
-            step_loss += loss.item()
+        if self.config.deterministic:
+            step_loss = self._micro_shard_backward(micro_batches, meter)
+        else:
+            step_loss = self._backward(micro_batches, meter)
         straggle(self.straggler_factor, meter.compute_s())
         with meter.phase("optimizer"):
             self.optimizer.step()
@@ -173,6 +189,32 @@ class Trainer:
             self.log.write({"kind": "replica_check", "step": self.state.step, "equal": True,
                             "tensors": check.tensors, "bytes": check.nbytes, "seconds": check.seconds})
 
+    def _backward(self, micro_batches: list[list[int]], meter: StepMeter) -> float:
+        """Forward and backward of each micro-batch, synchronising on the last; returns this rank's loss."""
+        step_loss = 0.0
+        for index, indices in enumerate(micro_batches):
+            last = index == len(micro_batches) - 1
+            x, y = self.data.x_train[indices], self.data.y_train[indices]
+            with nullcontext() if last else self.model.no_sync():
+                with meter.phase("forward"):
+                    loss = F.cross_entropy(self.model(x), y) / len(micro_batches)
+                with meter.phase("backward"):
+                    loss.backward()  # the last micro-batch's AllReduces run inside it
+            step_loss += loss.item()
+        return step_loss
+
+    def _micro_shard_backward(self, shards: list, meter: StepMeter) -> float:
+        """One backward per micro-shard of this rank, then the exact sum; returns the global batch's mean loss."""
+        for index, indices in zip(self.model.local_shards(), shards):
+            x, y = self.data.x_train[indices], self.data.y_train[indices]
+            with self.model.micro_shard(index, self.state.step) as shard:
+                with meter.phase("forward"):
+                    loss = F.cross_entropy(self.model(x), y, reduction="sum")  # divided by B once, after the sum
+                with meter.phase("backward"):
+                    shard.backward(loss)
+        with meter.phase("backward"):  # the exchange, as DataParallel's end-of-backward wait
+            return self.model.synchronize(divisor=self.config.global_batch_size)
+
     def _finish_step(self, meter: StepMeter, step_loss: float, lr: float) -> None:
         record = meter.stop(self.state.times)
         self.state.step_bytes_sent += record.bytes_sent
@@ -185,7 +227,8 @@ class Trainer:
     def _end_epoch(self, bar) -> None:
         """All-reduce the epoch's loss, evaluate, record the epoch; the state moves to the next epoch."""
         loss_sum = self.state.epoch_loss()
-        gradsync.all_reduce(loss_sum, op="sum")
+        if not self.config.deterministic:  # deterministic step losses are already the global batch's
+            gradsync.all_reduce(loss_sum, op="sum")
         if self.local_sgd and self.model.local_steps:  # evaluate the average, as the paper does
             self.model.average()
         eval_started = time.perf_counter()
@@ -225,14 +268,28 @@ class Trainer:
 
     @torch.no_grad()
     def _evaluate(self) -> tuple[float, float]:
-        """Each rank scores its share of the test split; the sums are all-reduced."""
+        """Each rank scores its share of the test split; the sums are all-reduced.
+
+        With ``deterministic`` the split is cut into the micro-shards' number of pieces, each scored
+        on its own and gathered by piece, so the result does not depend on the world size either.
+        """
         self.model.eval()
-        shard = torch.tensor_split(torch.arange(len(self.data.y_test)), self.world_size)[self.rank]
-        x, y = self.data.x_test[shard], self.data.y_test[shard]
-        logits = self.model.module(x)
-        totals = torch.tensor([F.cross_entropy(logits, y, reduction="sum").item(),
-                               (logits.argmax(1) == y).sum().item(), len(y)], dtype=torch.float64)
-        gradsync.all_reduce(totals, op="sum")
+        pieces, mine = self.world_size, [self.rank]
+        if self.config.deterministic:
+            pieces, mine = self.config.micro_shards, list(self.model.local_shards())
+        table = torch.zeros(pieces, 3, dtype=torch.float64)  # (piece, [loss sum, correct, samples])
+        for index, shard in enumerate(torch.tensor_split(torch.arange(len(self.data.y_test)), pieces)):
+            if index in mine:
+                x, y = self.data.x_test[shard], self.data.y_test[shard]
+                logits = self.model.module(x)
+                table[index] = torch.tensor([F.cross_entropy(logits, y, reduction="sum").item(),
+                                             (logits.argmax(1) == y).sum().item(), len(y)], dtype=torch.float64)
+        if self.config.deterministic:
+            gradsync.all_reduce(table, op="sum")  # one rank's value and zeros per entry: exact in any order
+            totals = table.sum(0)
+        else:
+            totals = table.sum(0)
+            gradsync.all_reduce(totals, op="sum")
         loss_sum, correct, count = totals.tolist()
         return loss_sum / count, correct / count
 
@@ -263,7 +320,7 @@ class Trainer:
         mean = per_rank.mean(0).tolist()
         totals = RunTotals(
             world_size=self.world_size, num_workers=self.world_size, steps=state.step,
-            samples=state.step * self.config.global_batch_size(self.world_size), wall_s=wall_s,
+            samples=state.step * self.config.samples_per_step(self.world_size), wall_s=wall_s,
             train_wall_s=wall_s - state.eval_s, compute_s=mean[0], communication_s=mean[1],
             exposed_communication_s=mean[4],
             # inside the steps only: the start-up broadcast and evaluation sums are not per-step traffic

@@ -39,7 +39,9 @@ from gradsync.train.state import TrainState
 RESUME_FIELDS = ("mode", "model", "epochs", "batch_size", "accumulate", "lr", "lr_schedule", "optimizer",
                  "weight_decay", "seed", "num_samples", "sync_every", "compression", "topk_ratio",
                  "powersgd_rank", "compression_warmup_steps", "algorithm", "bucket_cap_mb",
-                 "gradient_as_bucket_view")
+                 "gradient_as_bucket_view", "global_batch_size", "deterministic", "micro_shards")
+# Added after checkpoints existed: a checkpoint without them was written with their defaults.
+_LATER_FIELDS = ("global_batch_size", "deterministic", "micro_shards")
 STATE_FORMAT = 2  # 2: "metrics" (length + SHA-256 of metrics.jsonl) instead of 1's "metrics_text" (still read)
 
 
@@ -50,6 +52,8 @@ def config_fields(config: TrainConfig) -> dict:
 def check_compatible(saved: dict, config: TrainConfig, world_size: int, saved_world_size: int,
                      folder) -> None:
     """Raise ValueError naming every option that differs from the checkpoint's job, or a changed world size."""
+    defaults = config_fields(TrainConfig())
+    saved = {**{name: defaults[name] for name in _LATER_FIELDS}, **saved}
     differences = [f"--{name.replace('_', '-')} {saved.get(name)!r} there, {value!r} here"
                    for name, value in config_fields(config).items() if saved.get(name) != value]
     if differences:
@@ -109,7 +113,7 @@ def shared_state(state: TrainState, replica: Replica, config: TrainConfig, metri
     if not replica.local_sgd:
         shared["model"] = replica.model.module.state_dict()
         shared["optimizer"] = replica.optimizer.state_dict()
-        shared["bucket_layout"] = replica.model.bucket_layout
+        shared["bucket_layout"] = getattr(replica.model, "bucket_layout", None)  # none: deterministic sums
     return shared
 
 

@@ -25,8 +25,19 @@ def threads_per_worker(local_world_size: int) -> int:
     return max(1, cores // max(local_world_size, 1))
 
 
-def set_threads(world_size: int) -> None:
-    """``torch.set_num_threads`` to this process's share (``LOCAL_WORLD_SIZE`` workers share the cores)."""
+DETERMINISTIC_THREADS = 1  # --deterministic: kernels block their sums by thread count, so it is fixed
+
+
+def set_threads(world_size: int, deterministic: bool = False) -> None:
+    """``torch.set_num_threads`` to this process's share (``LOCAL_WORLD_SIZE`` workers share the cores).
+
+    ``deterministic``: :data:`DETERMINISTIC_THREADS` whatever the world size. (Not
+    ``torch.use_deterministic_algorithms``: the CPU kernels of these models are
+    deterministic already, and it imports torch's compiler stack, ~4-10 s per worker.)
+    """
+    if deterministic:
+        torch.set_num_threads(DETERMINISTIC_THREADS)
+        return
     torch.set_num_threads(threads_per_worker(int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
 
 
@@ -65,8 +76,12 @@ def straggle(factor: float, compute_s: float) -> float:
 
 
 def build_replica(config: TrainConfig) -> torch.nn.Module:
-    """The model wrapped for the mode: DataParallel (sync) or LocalSGD (local-sgd) (collective)."""
+    """The model wrapped for the mode: DataParallel (sync), DeterministicDataParallel (``deterministic``)
+    or LocalSGD (local-sgd) (collective)."""
     module = build_model(config.model)
+    if config.deterministic:
+        return gradsync.DeterministicDataParallel(module, config.micro_shards, algorithm=config.algorithm,
+                                                  seed=config.seed)
     if config.mode == "local-sgd":
         return gradsync.LocalSGD(module, sync_every=config.sync_every, algorithm=config.algorithm)
     compressor = make_compressor(config.compression, config.topk_ratio, config.powersgd_rank,

@@ -1,0 +1,231 @@
+"""The cost of ``--deterministic``: DeterministicDataParallel next to DataParallel on the same global batch.
+
+For each world size one local world trains each model with DataParallel
+("normal": rank r takes its ``B / world_size`` share of the global batch, one
+forward and backward) and with DeterministicDataParallel for each ``M``
+("deterministic M=12": rank r runs its micro-shards of the same global batch,
+one forward and backward each, then the exact int64 sum), from the same
+initial weights, with the same SGD, AllReduce algorithm and one torch thread
+per rank (what ``--deterministic`` uses). The settings alternate inside every
+round; a round's time is the slowest rank's, and samples/s = steps · B /
+time, the median over rounds. Inputs and labels are a fixed seeded random
+global batch. Peak memory: one fresh world per setting runs a few steps and
+reports ``ru_maxrss`` (max over ranks) and the resident MiB after them.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import resource
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradsync
+from gradsync.bench.output import claim_json_path, fmt_optional, write_json
+from gradsync.bench.train import BENCH_MODELS, CNN_INPUT_NUMEL, MLP_WIDTHS, NUM_CLASSES, build_bench_model, steps_for
+from gradsync.train.setup import DETERMINISTIC_THREADS
+
+GLOBAL_BATCH = {"cnn": 256, "mlp": 128}  # samples per optimizer step over all ranks
+NORMAL = 0                               # the mode key of DataParallel; M > 0 is DeterministicDataParallel(M)
+LR = 0.01
+DATA_SEED, MODEL_SEED = 1234, 0
+MEMORY_STEPS = 3
+
+
+def mode_name(micro_shards: int) -> str:
+    return "normal" if micro_shards == NORMAL else f"deterministic M={micro_shards}"
+
+
+def make_global_batch(model: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fixed global batch: inputs (B, features) float32 and labels (B,) int64, the same on every rank."""
+    generator = torch.Generator().manual_seed(DATA_SEED)
+    features = CNN_INPUT_NUMEL if model == "cnn" else MLP_WIDTHS[0]
+    inputs = torch.randn(GLOBAL_BATCH[model], features, generator=generator)
+    return inputs, torch.randint(0, NUM_CLASSES, (GLOBAL_BATCH[model],), generator=generator)
+
+
+def wrap(micro_shards: int, module: nn.Module, algorithm: str) -> nn.Module:
+    if micro_shards == NORMAL:
+        return gradsync.DataParallel(module, algorithm=algorithm)
+    return gradsync.DeterministicDataParallel(module, micro_shards, algorithm=algorithm)
+
+
+def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, labels: torch.Tensor,
+                steps: int) -> None:
+    """``steps`` SGD steps on the global batch: this rank's share (normal) or its micro-shards (deterministic)."""
+    share = torch.tensor_split(torch.arange(len(inputs)), gradsync.world_size())[gradsync.rank()]
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        if isinstance(model, gradsync.DeterministicDataParallel):
+            bounds = model.shard_bounds(len(inputs))
+            for index in model.local_shards():
+                start, stop = bounds[index]
+                with model.micro_shard(index) as shard:
+                    shard.backward(F.cross_entropy(model(inputs[start:stop]), labels[start:stop], reduction="sum"))
+            model.synchronize(len(inputs))
+        else:
+            F.cross_entropy(model(inputs[share]), labels[share]).backward()
+        optimizer.step()
+
+
+def measure(micro_shards: int, initial: nn.Module, inputs, labels, steps: int, warmup: int, algorithm: str) -> dict:
+    """Seconds of ``steps`` steps (slowest rank) after ``warmup``, and communication seconds (mean over ranks).
+
+    Collective: every rank calls it with the same arguments.
+    """
+    model = wrap(micro_shards, copy.deepcopy(initial), algorithm)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    train_steps(model, optimizer, inputs, labels, warmup)
+    comm_before = model.comm_seconds
+    gradsync.all_reduce(torch.zeros(1), algorithm="native")  # line the ranks up
+    started = time.perf_counter()
+    train_steps(model, optimizer, inputs, labels, steps)
+    gradsync.all_reduce(torch.zeros(1), algorithm="native")
+    mine = torch.tensor([time.perf_counter() - started, model.comm_seconds - comm_before], dtype=torch.float64)
+    gathered = torch.stack(gradsync.all_gather(mine))  # (world_size, 2)
+    del model, optimizer
+    gc.collect()
+    return {"elapsed_s": float(gathered[:, 0].max()), "comm_s": float(gathered[:, 1].mean())}
+
+
+def throughput_worker(models: list[str], modes: list[int], steps: int, warmup: int, rounds: int,
+                      algorithm: str) -> list[dict] | None:
+    """Entry point of one throughput world; rank 0 returns one row per (model, mode)."""
+    gradsync.init()
+    try:
+        torch.set_num_threads(DETERMINISTIC_THREADS)
+        rows = []
+        for model in models:
+            torch.manual_seed(MODEL_SEED)
+            initial, (inputs, labels) = build_bench_model(model), make_global_batch(model)
+            timed = steps_for(model, steps)
+            runs: dict[int, list[dict]] = {mode: [] for mode in modes}
+            for round_index in range(rounds):
+                shift = round_index % len(modes)
+                for mode in modes[shift:] + modes[:shift]:
+                    runs[mode].append(measure(mode, initial, inputs, labels, timed, warmup, algorithm))
+            rows += _rows(model, runs, timed, algorithm)
+        return rows if gradsync.rank() == 0 else None
+    finally:
+        gradsync.shutdown()
+
+
+def _rows(model: str, runs: dict[int, list[dict]], steps: int, algorithm: str) -> list[dict]:
+    samples = GLOBAL_BATCH[model] * steps
+    speed = {mode: statistics.median(samples / r["elapsed_s"] for r in found) for mode, found in runs.items()}
+    return [{"kind": "throughput", "model": model, "world_size": gradsync.world_size(), "mode": mode_name(mode),
+             "micro_shards": mode or None, "algorithm": algorithm, "global_batch_size": GLOBAL_BATCH[model],
+             "samples_per_s": speed[mode], "ratio_to_normal": speed[mode] / speed[NORMAL],
+             "comm_s_per_step": statistics.median(r["comm_s"] for r in found) / steps, "steps": steps,
+             "rounds": len(found), "threads_per_rank": torch.get_num_threads()} for mode, found in runs.items()]
+
+
+def memory_worker(model: str, micro_shards: int, algorithm: str) -> dict | None:
+    """Entry point of one memory world: a few steps, then peak and current RSS; rank 0 returns the row."""
+    gradsync.init()
+    try:
+        torch.set_num_threads(DETERMINISTIC_THREADS)
+        torch.manual_seed(MODEL_SEED)
+        wrapped = wrap(micro_shards, build_bench_model(model), algorithm)
+        inputs, labels = make_global_batch(model)
+        train_steps(wrapped, torch.optim.SGD(wrapped.parameters(), lr=LR), inputs, labels, MEMORY_STEPS)
+        mine = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, _rss_mib()],
+                            dtype=torch.float64)  # ru_maxrss is KiB on Linux
+        gathered = torch.stack(gradsync.all_gather(mine))  # (world_size, 2) MiB
+        if gradsync.rank() != 0:
+            return None
+        return {"kind": "memory", "model": model, "world_size": gradsync.world_size(),
+                "mode": mode_name(micro_shards), "micro_shards": micro_shards or None,
+                "peak_rss_mib": float(gathered[:, 0].max()), "rss_after_mib": float(gathered[:, 1].max()),
+                "steps": MEMORY_STEPS}
+    finally:
+        gradsync.shutdown()
+
+
+def _rss_mib() -> float:
+    """Resident MiB of this process now (Linux /proc; NaN elsewhere)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as file:
+            return int(file.read().split()[1]) * resource.getpagesize() / 2**20
+    except OSError:
+        return float("nan")
+
+
+def format_table(rows: list[dict]) -> str:
+    """Throughput rows next to the memory rows of the same (model, world size, mode), as aligned text."""
+    memory = {(r["model"], r["world_size"], r["mode"]): r for r in rows if r["kind"] == "memory"}
+    header = (f"{'model':>5} {'world_size':>10} {'mode':>18} {'samples/s':>10} {'vs normal':>9} "
+              f"{'comm_ms/step':>12} {'peak RSS [MiB/rank]':>19} {'RSS after [MiB/rank]':>20}")
+    lines = [header, "-" * len(header)]
+    for row in (r for r in rows if r["kind"] == "throughput"):
+        found = memory.get((row["model"], row["world_size"], row["mode"]), {})
+        lines.append(f"{row['model']:>5} {row['world_size']:>10} {row['mode']:>18} {row['samples_per_s']:>10.0f} "
+                     f"{row['ratio_to_normal']:>8.2f}x {row['comm_s_per_step'] * 1e3:>12.2f} "
+                     f"{fmt_optional(found.get('peak_rss_mib'), '.0f'):>19} "
+                     f"{fmt_optional(found.get('rss_after_mib'), '.0f'):>20}")
+    return "\n".join(lines)
+
+
+def _integers(text: str, option: str, low: int) -> list[int]:
+    values = []
+    for part in dict.fromkeys(item.strip() for item in text.split(",") if item.strip()):
+        if not part.isdigit() or int(part) < low:
+            raise ValueError(f"{option}: {part!r} is not an integer >= {low} (use a comma-separated list like 4,12)")
+        values.append(int(part))
+    if not values:
+        raise ValueError(f"{option} needs at least one value")
+    return values
+
+
+def parse_options(nproc: str, models: str, micro_shards: str, algorithm: str, steps: int, warmup: int,
+                  rounds: int) -> tuple[list[int], list[str], list[int]]:
+    """Checked world sizes, models and micro-shard counts. Raises ValueError naming the bad option."""
+    world_sizes = _integers(nproc, "--nproc", 1)
+    names = list(dict.fromkeys(item.strip() for item in models.split(",")))
+    for name in names:
+        if name not in BENCH_MODELS:
+            raise ValueError(f"unknown model {name!r} in --model; choose from {', '.join(BENCH_MODELS)}")
+    counts = _integers(micro_shards, "--micro-shards", 1)
+    for count in counts:
+        for world_size in world_sizes:
+            if count < world_size:
+                raise ValueError(f"--micro-shards {count} is fewer than world size {world_size}")
+        for name in names:
+            if count > GLOBAL_BATCH[name]:
+                raise ValueError(f"--micro-shards {count} is more than {name}'s global batch {GLOBAL_BATCH[name]}")
+    if algorithm not in gradsync.ALGORITHMS:
+        raise ValueError(f"unknown --algorithm {algorithm!r}; choose from {', '.join(gradsync.ALGORITHMS)}")
+    for option, value, low in (("--steps", steps, 1), ("--warmup", warmup, 0), ("--rounds", rounds, 1)):
+        if value < low:
+            raise ValueError(f"{option} must be >= {low}, got {value}")
+    return world_sizes, names, counts
+
+
+def run_bench(*, nproc: str, models: str, micro_shards: str, algorithm: str, steps: int, warmup: int,
+              rounds: int, json_path: str | None, memory: bool = True) -> list[dict]:
+    """Validate, run a throughput world per world size and a memory world per setting, print, write JSON."""
+    from gradsync.launch import launch_local
+
+    world_sizes, names, counts = parse_options(nproc, models, micro_shards, algorithm, steps, warmup, rounds)
+    claim_json_path(json_path)
+    modes = [NORMAL] + counts
+    print(f"# gradsync bench deterministic: global batch {', '.join(f'{m} {GLOBAL_BATCH[m]}' for m in names)}; "
+          f"steps {', '.join(f'{m} {steps_for(m, steps)}' for m in names)} after {warmup} warm-up; median of "
+          f"{rounds} alternating rounds; SGD lr {LR}; algorithm {algorithm}; {DETERMINISTIC_THREADS} torch thread "
+          f"per rank; fixed random data", flush=True)
+    rows: list[dict] = []
+    for world_size in world_sizes:
+        rows += launch_local(world_size, throughput_worker, names, modes, steps, warmup, rounds, algorithm)[0]
+    if memory:
+        for world_size in world_sizes:
+            for name in names:
+                rows += [launch_local(world_size, memory_worker, name, mode, algorithm)[0] for mode in modes]
+    print(format_table(rows), flush=True)
+    if json_path:
+        write_json(json_path, rows)
+    return rows
