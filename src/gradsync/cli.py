@@ -357,7 +357,7 @@ def bench_train(args: argparse.Namespace) -> int:
 
 
 def bench_deterministic(args: argparse.Namespace) -> int:
-    from gradsync.bench.deterministic import run_bench
+    from gradsync.bench.determinism import run_bench
 
     run_bench(nproc=args.nproc, models=args.model, micro_shards=args.micro_shards, algorithm=args.algorithm,
               steps=args.steps, warmup=args.warmup, rounds=args.rounds, json_path=args.json, memory=args.memory)

@@ -272,7 +272,7 @@ def tables(name: str, rows: list[dict]) -> list[str]:
         from gradsync.bench.modes import format_table
         return [format_table(rows)]
     if name == "deterministic":
-        from gradsync.bench.deterministic import format_table
+        from gradsync.bench.determinism import format_table
         return [format_table(rows)]
     from gradsync.bench.faults import format_table
     return [format_table(rows)]
