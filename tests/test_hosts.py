@@ -147,10 +147,19 @@ def test_train_across_hosts_survives_a_killed_host_bitwise(tmp_path):
 
     common = ["--epochs", "1", "--num-samples", "1000", "--algorithm", "ring", "--checkpoint-every", "5",
               "--max-restarts", "1", "--timeout", "3"]
-    local = _train([*common, "--nproc", "2"], tmp_path / "local")
-    assert local.returncode == 0, local.stderr[-3000:]
-    across = _train([*common, "--hosts", "2", "--nproc", "1", "--kill-host-at", "1:8", "--join-timeout", "40"],
-                    tmp_path / "hosts")
+    # the reference runs while the hosts' run waits on its rendezvous, detection and restart
+    local = subprocess.Popen([sys.executable, "-m", "gradsync", "train", *common, "--nproc", "2", "--out",
+                              str(tmp_path / "local"), "--no-progress"], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True, env=host_environment())
+    try:
+        across = _train([*common, "--hosts", "2", "--nproc", "1", "--kill-host-at", "1:8", "--join-timeout",
+                         "40"], tmp_path / "hosts")
+        _, local_stderr = local.communicate(timeout=240)
+    finally:
+        if local.poll() is None:
+            local.kill()
+            local.wait()
+    assert local.returncode == 0, local_stderr[-3000:]
     assert across.returncode == 0, across.stderr[-3000:] + across.stdout[-3000:]
     summary = json.loads((tmp_path / "hosts" / "summary.json").read_text())
     assert summary["hosts"] == 2 and summary["world_size"] == 2

@@ -25,7 +25,7 @@ from pathlib import Path
 
 # Record names: a bench, or "<bench>_<label>" for a second setting of one (the test-host sweeps).
 BENCHES = ("allreduce", "allreduce_hosts_1g", "allreduce_hosts_10g", "train", "compression", "modes", "faults",
-           "deterministic")
+           "deterministic", "replicas")
 DEFAULT_BENCH_DIR = "docs/bench"
 DEFAULT_OUT = "docs/benchmarks.md"
 FORMAT_VERSION = 1
@@ -211,13 +211,27 @@ Memory grows with the micro-shards a rank holds: each keeps a full set of
 gradients (about 100 MiB on the MLP) until the sum, beside the int64 buffer
 (200 MiB). Fewer micro-shards are cheaper; the default 12 gives equal shares
 at 1, 2, 3, 4, 6 and 12 workers.""",
+    "replicas": """`DataParallel(algorithm="auto")` with SGD and momentum on the models of
+`bench train` (the MNIST-1D CNN, batch 128 per rank, and the ~25.2M-parameter
+MLP, batch 64 per rank): one training step, `check_replicas()` (parameters)
+and `check_replicas(optimizer)` (parameters and momentum), alternating over
+rounds, each the slowest rank's time ([correctness.md](correctness.md)).
+`every_100` is what a parameter + optimizer check every 100 steps adds to
+training; `GB/s` the bytes checksummed per second of that check.""",
+    "replicas_after": """How to read it. A check is the checksum of every tensor's bits (column and
+row sums of its 64-bit words, twice: memory speed, one core per rank) and one
+all_gather of five integers. On the MLP the checksum dominates and grows with
+the bytes compared; on the CNN (20 KiB of parameters) the one small
+collective does, and on these 2 shared cores it costs what a message round
+trip costs when the other rank has to be scheduled first.""",
 }
 
 _TITLES = {"allreduce": "AllReduce sweep", "allreduce_hosts_1g": "AllReduce across 2 test hosts, 1 Gbit/s links",
            "allreduce_hosts_10g": "AllReduce across 2 test hosts, 10 Gbit/s links", "train": "Training: gradsync DataParallel against torch DDP",
            "compression": "Gradient compression", "modes": "Sync, async and local SGD",
            "faults": "Faults: a killed and a hung worker",
-           "deterministic": "Deterministic mode: the cost of the same bits at any world size"}
+           "deterministic": "Deterministic mode: the cost of the same bits at any world size",
+           "replicas": "Replica checks: the cost of one check against one training step"}
 
 
 def bench_of(name: str) -> str:
@@ -273,6 +287,9 @@ def tables(name: str, rows: list[dict]) -> list[str]:
         return [format_table(rows)]
     if name == "deterministic":
         from gradsync.bench.determinism import format_table
+        return [format_table(rows)]
+    if name == "replicas":
+        from gradsync.bench.replica_checks import format_table
         return [format_table(rows)]
     from gradsync.bench.faults import format_table
     return [format_table(rows)]

@@ -4,9 +4,11 @@ Data parallelism is correct only while every replica holds the same bits;
 when they drift (a missed AllReduce, a rank-dependent code path, a flipped
 bit) training goes on silently and only a checkpoint that does not
 reproduce gives it away. :func:`check_replicas` compares every rank's
-:func:`~gradsync.parallel.checksum.fingerprint` of its tensors in one small
-all_gather (five int64 per rank); only when they differ does a second
-all_gather of per-tensor checksums find the first differing tensor, so that
+:func:`~gradsync.parallel.checksum.fingerprint` of its tensors (with the
+step, the tensor count and a code of their names, shapes and dtypes) in one
+small AllReduce (:func:`_all_equal`); only when they differ do two
+all_gathers of those rows and of per-tensor checksums find the first
+differing tensor, so that
 :class:`~gradsync.errors.ReplicaDivergenceError` names it, the ranks on
 each side and the step, on every rank.
 """
@@ -133,14 +135,35 @@ def check_replicas(module: nn.Module, optimizer: torch.optim.Optimizer | None = 
         row = [step, len(named), _layout_code(named), _signed(c1), _signed(c2)]
     except (TypeError, ValueError) as error:
         problem = error
-    rows = [part.tolist() for part in collectives.all_gather(torch.tensor(row, dtype=torch.int64), comm,
-                                                             timeout=timeout)] if comm.world_size > 1 else [row]
+    agreed = comm.world_size == 1 or _all_equal(row, comm, timeout)
+    if not agreed:  # only now: every rank's row, to say what differs
+        rows = [part.tolist() for part in collectives.all_gather(torch.tensor(row, dtype=torch.int64), comm,
+                                                                 timeout=timeout)]
     if problem is not None:
         raise problem
-    if any(other != rows[0] for other in rows):
+    if not agreed:
         _raise_divergence(named, rows, comm, timeout, step)
     nbytes = sum(tensor.numel() * tensor.element_size() for _, tensor in named)
     return ReplicaCheck(step, len(named), nbytes, time.perf_counter() - started)
+
+
+def _all_equal(row: list[int], comm: Communicator, timeout) -> bool:
+    """Whether every rank passed the same ``row`` of int64, by one small AllReduce.
+
+    Each value is cut into 16-bit chunks ``c``; the sum over ranks of ``c`` and
+    of ``c**2`` equal ``world_size * c`` and ``world_size * c**2`` on every
+    rank exactly when all ranks agree (if they differ somewhere, the chunks
+    there have a variance > 0, so no rank's own value satisfies both), and
+    neither sum can overflow. Every rank reaches the same answer. The layout
+    is the same on every rank by construction, so it is not compared first
+    (that check is a round trip of its own, ten times the AllReduce here);
+    a rank in another collective makes this time out.
+    """
+    chunks = torch.tensor([(value >> shift) & 0xFFFF for value in row for shift in (0, 16, 32, 48)],
+                          dtype=torch.int64)
+    mine = torch.cat([chunks, chunks * chunks])
+    total = collectives.all_reduce(mine.clone(), comm, algorithm="auto", timeout=timeout, verify=False)
+    return torch.equal(total, mine * comm.world_size)
 
 
 def _ranks_by(values: list) -> tuple[str, list[list[int]]]:
