@@ -230,3 +230,20 @@ def test_bench_replicas_times_a_step_and_both_checks(capsys):
         arguments = {"nproc": "2", "models": "cnn", "steps": 1, "checks": 1, "rounds": 1, "json_path": None}
         with pytest.raises(ValueError, match=needle):
             run_bench(**{**arguments, **options})
+
+
+@pytest.mark.parametrize("numel", [1, 7, 2 * ROW_WORDS, 16 * 2 * ROW_WORDS + 2, 40 * 2 * ROW_WORDS + 3])
+def test_checksum_is_the_position_weighted_word_sum_of_its_docstring(numel):
+    """The fast paths (one call for small tensors, column and row sums, shifts in chunks) against the
+    formula written out: word i in row r, column j weighs (2j + 1) + 2K (2r + 1), modulo 2**64."""
+    tensor = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    raw = tensor.view(torch.uint8)
+    padded = torch.zeros(-(-raw.numel() // 8) * 8, dtype=torch.uint8)
+    padded[:raw.numel()] = raw
+    words = [int(word) for word in padded.view(torch.int64)]
+    expected = []
+    for values in (words, [word >> 32 for word in words]):
+        total = sum(((2 * (i % ROW_WORDS) + 1) + 2 * ROW_WORDS * (2 * (i // ROW_WORDS) + 1)) * value
+                    for i, value in enumerate(values))
+        expected.append(total % 2**64)
+    assert checksum(tensor) == tuple(expected)

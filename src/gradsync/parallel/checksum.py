@@ -50,8 +50,26 @@ def _words(tensor: torch.Tensor) -> torch.Tensor:
     return padded.view(torch.int64)
 
 
+_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+
+
 def _weights(count: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(1, 2 * count + 1, 2, dtype=torch.int64, device=device)
+    """``1, 3, 5, ...`` (``count`` odd int64 weights); those of one row are kept per device."""
+    if count > ROW_WORDS:
+        return torch.arange(1, 2 * count + 1, 2, dtype=torch.int64, device=device)
+    if device not in _WEIGHTS:
+        _WEIGHTS[device] = torch.arange(1, 2 * ROW_WORDS + 1, 2, dtype=torch.int64, device=device)
+    return _WEIGHTS[device][:count]
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s bytes as a flat uint8 tensor (a view of a contiguous tensor)."""
+    flat = tensor.detach().reshape(-1)
+    if flat.dtype == torch.bool:
+        return flat.view(torch.uint8)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    return flat.contiguous().view(torch.uint8)
 
 
 def _combine(column_sums: torch.Tensor, row_sums: torch.Tensor) -> int:
@@ -100,6 +118,21 @@ def _upper_sums(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return columns, row_sums
 
 
+def _small(words: torch.Tensor) -> tuple[int, int]:
+    """:func:`checksum` of up to ``CHUNK_ROWS`` rows in a handful of torch calls (small tensors are
+    common and each call costs microseconds): both sums of both word sets at once."""
+    rows = -(-words.numel() // ROW_WORDS)
+    if words.numel() != rows * ROW_WORDS:
+        padded = torch.zeros(rows * ROW_WORDS, dtype=torch.int64, device=words.device)
+        padded[:words.numel()] = words
+        words = padded
+    matrix = words.view(rows, ROW_WORDS)
+    both = torch.stack([matrix, matrix >> 32])  # (2, rows, K)
+    columns = (both.sum(1) * _weights(ROW_WORDS, words.device)).sum(1).tolist()
+    row_sums = (both.sum(2) * _weights(rows, words.device)).sum(1).tolist()
+    return tuple((columns[k] + 2 * ROW_WORDS * row_sums[k]) & _MASK64 for k in (0, 1))
+
+
 def checksum(tensor: torch.Tensor) -> tuple[int, int]:
     """The pair ``(c1, c2)`` of unsigned 64-bit checksums of ``tensor``'s bits (see the module docstring).
 
@@ -120,6 +153,8 @@ def checksum(tensor: torch.Tensor) -> tuple[int, int]:
     words = _words(tensor)
     if words.numel() == 0:
         return 0, 0
+    if words.numel() <= CHUNK_ROWS * ROW_WORDS:
+        return _small(words)
     matrices = _as_matrices(words)
     return _sums(matrices, lambda matrix: (matrix.sum(0), matrix.sum(1))), _sums(matrices, _upper_sums)
 
@@ -136,11 +171,10 @@ def fingerprint(tensors: list[torch.Tensor]) -> tuple[int, int]:
     parts: list[tuple[int, int]] = []
     small: dict[torch.device, list[torch.Tensor]] = {}
     for tensor in tensors:
-        words = _words(tensor)
-        if words.numel() >= SMALL_WORDS:
-            parts.append(checksum(words))
-        elif words.numel():
-            small.setdefault(words.device, []).append(words)
-    parts += [checksum(torch.cat(group)) for group in small.values()]
+        if tensor.numel() * tensor.element_size() >= 8 * SMALL_WORDS:
+            parts.append(checksum(tensor))
+        elif tensor.numel():
+            small.setdefault(tensor.device, []).append(_bytes(tensor))
+    parts += [checksum(torch.cat(group)) for group in small.values()]  # their bytes, end to end
     folded = [sum((2 * index + 1) * part[k] for index, part in enumerate(parts)) & _MASK64 for k in (0, 1)]
     return folded[0], folded[1]
