@@ -125,6 +125,7 @@ def _rank_out_of_step_calls(mode: str = "kinds") -> list:
     (an extra grad-enabled forward on one rank), both unverified as DataParallel's are; then both
     make the same call."""
     outcomes = []
+    gradsync.all_reduce(torch.zeros(1), algorithm="native")  # both ranks start their 1 s timeouts together
     try:
         comm = gradsync.process_group.default_communicator()
         if mode == "sizes":  # the same collective, unverified, of other sizes or algorithms
@@ -141,7 +142,8 @@ def _rank_out_of_step_calls(mode: str = "kinds") -> list:
     except Exception as exc:  # noqa: BLE001 - the test inspects it
         outcomes.append(type(exc).__name__)
         outcomes.append(str(exc))
-    time.sleep(1.0)  # rank 0 hosts the store: keep it until the peer's diagnosis has read it
+    time.sleep(2.0)  # rank 0 hosts the store, and a rank that leaves closes its connection: stay until
+    # the peer's diagnosis has read the store, even on a loaded machine
     return outcomes
 
 
