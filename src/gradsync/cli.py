@@ -1,6 +1,5 @@
-"""Command line: ``gradsync train``, ``gradsync bench allreduce|train|compression|modes|faults|deterministic|replicas``,
-``gradsync debug``
-(argparse only)."""
+"""Command line: ``gradsync train``, ``gradsync bench ...`` (its subcommands in
+:mod:`gradsync.bench.command_line`), ``gradsync debug`` (argparse only)."""
 
 from __future__ import annotations
 
@@ -9,6 +8,12 @@ import sys
 
 from gradsync import __version__
 from gradsync.bench import record as bench_record
+from gradsync.bench.command_line import (_add_allreduce_bench_options, _add_compression_bench_options,
+                                         _add_deterministic_bench_options, _add_faults_bench_options,
+                                         _add_modes_bench_options, _add_replicas_bench_options,
+                                         _add_train_bench_options, bench_allreduce, bench_compression,
+                                         bench_deterministic, bench_faults, bench_modes, bench_replicas,
+                                         bench_train)
 from gradsync.bench import report as bench_report
 from gradsync.collectives.ops import ALGORITHMS
 from gradsync.compression import COMPRESSIONS
@@ -182,143 +187,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_replicas_bench_options(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add("--nproc", default="2", help="comma-separated world sizes, one local world each (default %(default)s)")
-    add("--model", default="cnn,mlp", help="comma-separated bench models: cnn, mlp (default %(default)s)")
-    add("--steps", type=int, default=50, help="timed steps per round for cnn; mlp runs steps // 5 "
-        "(default %(default)s)")
-    add("--checks", type=int, default=10, help="timed checks of each kind per round (default %(default)s)")
-    add("--rounds", type=int, default=5, help="alternating rounds; the median is reported (default %(default)s)")
-    add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
-
-
-def bench_replicas(args: argparse.Namespace) -> int:
-    from gradsync.bench.replica_checks import run_bench
-
-    run_bench(nproc=args.nproc, models=args.model, steps=args.steps, checks=args.checks, rounds=args.rounds,
-              json_path=args.json)
-    return 0
-
-
-def _add_deterministic_bench_options(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    for option, default, meaning in (("--nproc", "2,4", "world sizes"), ("--model", "cnn,mlp", "models"),
-                                     ("--micro-shards", "4,12", "micro-shard counts, a row each")):
-        add(option, default=default, help=f"comma-separated {meaning} (default %(default)s)")
-    add("--algorithm", default="auto", help="AllReduce algorithm of both modes (default %(default)s)")
-    for option, default, meaning in (("--steps", 30, "timed steps for cnn; mlp runs steps // 5"),
-                                     ("--warmup", 2, "untimed steps first"), ("--rounds", 3, "alternating rounds")):
-        add(option, type=int, default=default, help=f"{meaning} (default %(default)s)")
-    add("--no-memory", dest="memory", action="store_false", help="skip the peak-memory worlds")
-    add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
-
-
-def _add_faults_bench_options(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add("--nproc", type=int, default=4, help="workers (default %(default)s)")
-    add("--epochs", type=int, default=3, help="(default %(default)s)")
-    add("--checkpoint-every", type=int, default=25, help="optimizer steps between checkpoints (default %(default)s)")
-    add("--timeout", type=float, default=5.0, help="collective timeout, seconds: what a hang costs to detect "
-        "(default %(default)s)")
-    add("--fault-rank", type=int, default=1, help="the worker that dies or hangs (default %(default)s)")
-    add("--fault-step", type=int, default=None, help="the step it dies or hangs at (default: mid-run, the step "
-        "before a checkpoint, so the most steps are recomputed)")
-    add("--num-samples", type=int, default=None, help="MNIST-1D samples (default: the main job's)")
-    add("--out", default=None, help="folder for the run folders (default: a new temporary folder)")
-    add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
-
-
-def _add_modes_bench_options(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add("--staleness-bounds", default="none,4,none+lr", help="async runs, one per --max-staleness value; none = "
-        "unbounded; a +lr suffix adds --staleness-lr; empty: no async runs (default %(default)s)")
-    add("--sync-every", default="4,16", help="local-sgd runs, one per H; empty: none (default %(default)s)")
-    add("--straggler-factor", type=float, default=3.0, help="worker rank 1's compute takes this many times "
-        "as long in the second set of runs; 1: skip them (default %(default)s)")
-    add("--staleness-lr", action="store_true", help="every async run divides the lr by the staleness")
-    add("--nproc", type=int, default=4, help="workers (default %(default)s)")
-    add("--epochs", type=int, default=_DEFAULTS.epochs, help="(default %(default)s)")
-    add("--lr", type=float, default=None, help="learning rate of every run (default: the main job's)")
-    add("--num-samples", type=int, default=None, help="MNIST-1D samples (default: the main job's)")
-    add("--target", type=float, default=0.85, help="test accuracy whose first crossing is timed "
-        "(default %(default)s)")
-    add("--out", default=None, help="folder for the run folders and the plot (default: a new temporary folder)")
-    add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
-
-
-def _add_compression_bench_options(parser: argparse.ArgumentParser) -> None:
-    from gradsync.bench.compression import DEFAULT_WARMUP_STEPS
-
-    add = parser.add_argument
-    add("--compressions", default=",".join(COMPRESSIONS), help="comma-separated (default %(default)s)")
-    add("--nproc", type=int, default=4, help="workers of the accuracy runs (default %(default)s)")
-    add("--epochs", type=int, default=_DEFAULTS.epochs, help="epochs of the accuracy runs (default %(default)s)")
-    add("--num-samples", type=int, default=None, help="MNIST-1D samples of the accuracy runs (default: the "
-        "main job's)")
-    add("--compression-warmup-steps", dest="warmup_steps", type=int, default=DEFAULT_WARMUP_STEPS,
-        help="exact steps before compression starts, accuracy runs (default %(default)s)")
-    add("--throughput-nproc", type=int, default=4, help="workers of the MLP throughput part (default %(default)s)")
-    add("--throughput-steps", type=int, default=5, help="timed MLP steps per round (default %(default)s)")
-    add("--rounds", type=int, default=3, help="alternating MLP rounds; the median is reported "
-        "(default %(default)s)")
-    add("--no-accuracy", dest="accuracy", action="store_false", help="skip the accuracy runs")
-    add("--no-throughput", dest="throughput", action="store_false", help="skip the MLP throughput part")
-    add("--out", default=None, help="folder for the run folders and the plot (default: a new temporary folder)")
-    add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
-
-
-def _add_allreduce_bench_options(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add("--nproc", type=int, default=4, help="processes (default %(default)s)")
-    add("--sizes", default="4K,64K,1M,16M,64M", help="message sizes in bytes, K/M/G suffixes "
-        "(default %(default)s)")
-    add("--algorithms", default=None,
-        help="comma-separated; native is always measured for the ratio; 'mpi' adds MPI_Allreduce "
-        "measured in the same processes (needs pip install -e '.[mpi]' in the clone, or 'gradsync[mpi]') (default "
-        "ring,tree,halving_doubling,hierarchical,shm,shm_zero_copy,native, plus mpi when mpi4py is "
-        "installed; shm_zero_copy: shm on data already in shared memory, as zero-copy buckets)")
-    add("--repetitions", type=int, default=5, help="timed repetitions per point; the median is "
-        "reported (default %(default)s)")
-    add("--ranks-per-node", type=int, default=None, help="pretend nodes of this many ranks for "
-        "hierarchical (default: 2 when --nproc is even and >= 4, else --nproc)")
-    add("--segment-bytes", type=int, default=None, help="pipelining segment of ring and tree "
-        "(default: the library's)")
-    add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
-    _add_bench_hosts_options(parser)
-
-
-def _add_train_bench_options(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add("--nproc", default="2", help="comma-separated world sizes, one local world each (default %(default)s)")
-    add("--model", default="cnn,mlp", help="comma-separated: cnn (MNIST-1D CNN, batch 128 per rank), "
-        "mlp (1024-4096-4096-1024-10, ~25.2M parameters, batch 64 per rank) (default %(default)s)")
-    add("--algorithms", default="ring,native", help="gradsync AllReduce algorithms, one row each; torch "
-        "DDP is always measured; shm_zero_copy = shm with gradient_as_bucket_view (buckets in shared "
-        "memory) (default %(default)s)")
-    add("--steps", type=int, default=100, help="timed steps per measurement for cnn; mlp runs steps // 5 "
-        "(default %(default)s)")
-    add("--warmup", type=int, default=3, help="untimed steps before each measurement (default %(default)s)")
-    add("--rounds", type=int, default=5, help="alternating rounds; the median is reported "
-        "(default %(default)s)")
-    add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
-    add("--no-memory", dest="memory", action="store_false", help="skip the peak-memory comparison of "
-        "gradient_as_bucket_view False/True (largest model, world size 2)")
-    _add_bench_hosts_options(parser)
-
-
-def _add_bench_hosts_options(parser: argparse.ArgumentParser) -> None:
-    from gradsync.hosts.torchrun import DEFAULT_JOIN_TIMEOUT_S
-
-    add = parser.add_argument
-    add("--hosts", type=int, default=None, help="run on this many test hosts (network namespaces, needs "
-        "root), one torchrun each; --nproc is then the ranks per host")
-    add("--inter-host-gbit", type=float, default=None, help="shape each test host's link to this rate "
-        "(Gbit/s, tc tbf) (default: unshaped)")
-    add("--join-timeout", type=float, default=DEFAULT_JOIN_TIMEOUT_S, help="seconds the hosts' rendezvous "
-        "waits for every host (default %(default)s)")
-
-
 def _config_from_args(args: argparse.Namespace) -> TrainConfig:
     fields = {name: value for name, value in vars(args).items() if name != "command"}
     return TrainConfig(**fields)
@@ -334,62 +202,6 @@ def train(args: argparse.Namespace) -> int:
         print(f"test accuracy {100 * summary['final_test_accuracy']:.2f}% | "
               f"{summary['samples_per_s']:.0f} samples/s | {summary['wall_s']:.1f} s | "
               f"run folder {summary['config']['out']}")
-    return 0
-
-
-def bench_allreduce(args: argparse.Namespace) -> int:
-    from gradsync.bench.allreduce import run_sweep
-
-    run_sweep(nproc=args.nproc, sizes=args.sizes, algorithms=args.algorithms,
-              repetitions=args.repetitions, ranks_per_node=args.ranks_per_node,
-              segment_bytes=args.segment_bytes, json_path=args.json, hosts=args.hosts,
-              inter_host_gbit=args.inter_host_gbit, join_timeout_s=args.join_timeout)
-    return 0
-
-
-def bench_train(args: argparse.Namespace) -> int:
-    from gradsync.bench.train import run_bench
-
-    run_bench(nproc=args.nproc, models=args.model, algorithms=args.algorithms, steps=args.steps,
-              warmup=args.warmup, rounds=args.rounds, json_path=args.json, memory=args.memory,
-              hosts=args.hosts, inter_host_gbit=args.inter_host_gbit, join_timeout_s=args.join_timeout)
-    return 0
-
-
-def bench_deterministic(args: argparse.Namespace) -> int:
-    from gradsync.bench.determinism import run_bench
-
-    run_bench(nproc=args.nproc, models=args.model, micro_shards=args.micro_shards, algorithm=args.algorithm,
-              steps=args.steps, warmup=args.warmup, rounds=args.rounds, json_path=args.json, memory=args.memory)
-    return 0
-
-
-def bench_compression(args: argparse.Namespace) -> int:
-    from gradsync.bench.compression import run_bench
-
-    run_bench(compressions=args.compressions, nproc=args.nproc, epochs=args.epochs, warmup_steps=args.warmup_steps,
-              throughput_nproc=args.throughput_nproc, throughput_steps=args.throughput_steps, rounds=args.rounds,
-              out=args.out, json_path=args.json, num_samples=args.num_samples, accuracy=args.accuracy,
-              throughput=args.throughput)
-    return 0
-
-
-def bench_modes(args: argparse.Namespace) -> int:
-    from gradsync.bench.modes import run_bench
-
-    run_bench(staleness_bounds=args.staleness_bounds, sync_every=args.sync_every,
-              straggler_factor=args.straggler_factor, nproc=args.nproc, epochs=args.epochs,
-              num_samples=args.num_samples, lr=args.lr, staleness_lr=args.staleness_lr, target=args.target,
-              out=args.out, json_path=args.json)
-    return 0
-
-
-def bench_faults(args: argparse.Namespace) -> int:
-    from gradsync.bench.faults import run_bench
-
-    run_bench(nproc=args.nproc, epochs=args.epochs, checkpoint_every=args.checkpoint_every, timeout=args.timeout,
-              fault_rank=args.fault_rank, fault_step=args.fault_step, num_samples=args.num_samples, out=args.out,
-              json_path=args.json)
     return 0
 
 

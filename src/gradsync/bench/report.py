@@ -211,19 +211,22 @@ Memory grows with the micro-shards a rank holds: each keeps a full set of
 gradients (about 100 MiB on the MLP) until the sum, beside the int64 buffer
 (200 MiB). Fewer micro-shards are cheaper; the default 12 gives equal shares
 at 1, 2, 3, 4, 6 and 12 workers.""",
-    "replicas": """`DataParallel(algorithm="auto")` with SGD and momentum on the models of
+    "replicas": """\
+`DataParallel(algorithm="auto")` with SGD and momentum on the models of
 `bench train` (the MNIST-1D CNN, batch 128 per rank, and the ~25.2M-parameter
 MLP, batch 64 per rank): one training step, `check_replicas()` (parameters)
 and `check_replicas(optimizer)` (parameters and momentum), alternating over
 rounds, each the slowest rank's time ([correctness.md](correctness.md)).
 `every_100` is what a parameter + optimizer check every 100 steps adds to
 training; `GB/s` the bytes checksummed per second of that check.""",
-    "replicas_after": """How to read it. A check is the checksum of every tensor's bits (column and
+    "replicas_after": """\
+How to read it. A check is the checksum of every tensor's bits (column and
 row sums of its 64-bit words, twice: memory speed, one core per rank) and one
-all_gather of five integers. On the MLP the checksum dominates and grows with
-the bytes compared; on the CNN (20 KiB of parameters) the one small
-collective does, and on these 2 shared cores it costs what a message round
-trip costs when the other rank has to be scheduled first.""",
+small AllReduce of the ranks' rows. On the MLP the checksum dominates and
+grows with the bytes compared (momentum doubles them); on the CNN (20 KiB of
+parameters) the collective and Python do, and on these 2 shared cores a
+message round trip costs what it costs when the other rank has to be
+scheduled first.""",
 }
 
 _TITLES = {"allreduce": "AllReduce sweep", "allreduce_hosts_1g": "AllReduce across 2 test hosts, 1 Gbit/s links",
