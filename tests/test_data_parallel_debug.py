@@ -52,6 +52,10 @@ def _mistake_before_step(model, comm, mistake: str | None) -> None:
     if mistake == "all_reduce_grads":  # the user's own sum on top of DataParallel's average
         for param in model.parameters():
             gradsync.all_reduce(param.grad, group=comm)
+    elif mistake == "untracked_all_reduce":  # as torch.distributed.all_reduce: the sum, .grad's version kept
+        for param in model.parameters():
+            summed = gradsync.all_reduce(param.grad.clone(), group=comm)
+            param.grad.data.copy_(summed)  # .data: autograd's version counter does not see the write
     elif mistake == "grad_written_per_rank":
         for param in model.parameters():
             param.grad = param.grad + 0.01 * (comm.rank + 1)
@@ -130,10 +134,12 @@ def test_debug_missing_set_epoch_warns_on_every_rank_where_the_order_repeats():
         assert "on ranks 0, 1" in str(w.message) and "set_epoch(epoch) missing" in str(w.message)
 
 
-def test_debug_own_all_reduce_of_grads_is_reported_as_reduced_twice():
-    """A user's all_reduce (sum) of p.grad after backward makes .grad world_size x the average: raised."""
+@pytest.mark.parametrize("mistake", ["all_reduce_grads", "untracked_all_reduce"])
+def test_debug_own_all_reduce_of_grads_is_reported_as_reduced_twice(mistake):
+    """A user's all_reduce (sum) of p.grad after backward makes .grad world_size x the average: raised,
+    also when the write does not move .grad's version counter (Gloo's torch.distributed.all_reduce)."""
     world_size = 2
-    results = run_threads(world_size, lambda comm: _loop(comm, mistake="all_reduce_grads", epochs=1))
+    results = run_threads(world_size, lambda comm: _loop(comm, mistake=mistake, epochs=1))
     num_params = len(list(_net().parameters()))
     for error in _errors(results, "reduced_twice"):
         assert (f"on ranks 0, 1 at optimizer step 1 .grad was {world_size:.4f}x what DataParallel wrote "

@@ -156,6 +156,21 @@ def _enter(model, index: int) -> None:
     model.synchronize(2)
 
 
+def _enter_without_backward(model, rank: int) -> None:
+    """Rank 0 computes micro-shard 0; rank 1 enters micro-shard 1 and runs no backward (or two)."""
+    with model.micro_shard(rank) as shard:
+        if rank == 0:
+            shard.backward(model(torch.ones(2, 40)).sum())
+    model.synchronize(2)
+
+
+def _enter_backward_twice(model, rank: int) -> None:
+    with model.micro_shard(rank) as shard:
+        for _ in range(2 if rank == 1 else 1):
+            shard.backward(model(torch.ones(2, 40)).sum())
+    model.synchronize(2)
+
+
 def _errors(world_size: int, body) -> list[Exception | None]:
     """Run ``body(model, rank)`` on every rank; return each rank's exception (after checking a good step works)."""
     def rank_fn(comm):
@@ -177,8 +192,10 @@ def _errors(world_size: int, body) -> list[Exception | None]:
      "rank 1 passed a divisor that is not a finite number > 0"),
     (lambda model, rank: (rank == 0 and model(torch.ones(1, 40)).sum().backward(), _step(model, [rank])),
      "rank 0 had a gradient in parameter 'net.0.weight' before a micro_shard"),
+    (_enter_without_backward, "rank 1 ran no backward in micro_shard(1)"),
+    (_enter_backward_twice, "rank 1 called backward twice in micro_shard(1)"),
 ], ids=["missing", "twice-over-ranks", "out-of-range", "twice-on-a-rank", "divisors-differ", "bad-divisor",
-        "stale-grad"])
+        "stale-grad", "no-backward", "two-backwards"])
 def test_misuse_raises_the_same_error_on_every_rank(body, needle):
     """A wrong step raises CollectiveMismatchError naming the ranks and micro-shards on every rank, never a hang."""
     errors = _errors(2, body)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -10,7 +12,7 @@ from torch import nn
 
 import gradsync
 from gradsync.parallel.checksum import ROW_WORDS, SMALL_WORDS, checksum, fingerprint
-from _dist import RankError, run_threads
+from _dist import RankError, capture_error, run_threads
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
           torch.int32, torch.int64, torch.bool]
@@ -225,7 +227,8 @@ def test_bench_replicas_times_a_step_and_both_checks(capsys):
     assert row["check_fraction_of_step"] == pytest.approx(row["check_s"] / row["step_s"])
     assert row["overhead_every_100"] == pytest.approx(row["check_optimizer_s"] / (100 * row["step_s"]))
     assert format_table([row]).splitlines()[2].split()[:3] == ["cnn", "2", "5210"]
-    for options, needle in (({"nproc": "1"}, "--nproc"), ({"models": "resnet"}, "resnet"),
+    for options, needle in (({"nproc": "1"}, "--nproc"), ({"nproc": "abc"}, "--nproc must list"),
+                            ({"models": "resnet"}, "resnet"),
                             ({"checks": 0}, "--checks")):
         arguments = {"nproc": "2", "models": "cnn", "steps": 1, "checks": 1, "rounds": 1, "json_path": None}
         with pytest.raises(ValueError, match=needle):
@@ -247,3 +250,27 @@ def test_checksum_is_the_position_weighted_word_sum_of_its_docstring(numel):
                     for i, value in enumerate(values))
         expected.append(total % 2**64)
     assert checksum(tensor) == tuple(expected)
+
+
+@pytest.mark.parametrize("bad, error", [
+    ({"timeout": -1.0}, ValueError), ({"buffers": "no"}, TypeError), ({"step": 2**63}, ValueError),
+    ({"sparse": True}, TypeError), ({"local_steps": 1}, ValueError)])
+def test_a_bad_argument_on_one_rank_never_leaves_the_others_waiting(bad, error):
+    """Each rejection on rank 1 is raised there; rank 0 learns it in the same exchange (no timeout)."""
+    def body(comm):
+        model = _model()
+        if "local_steps" in bad:
+            local = gradsync.LocalSGD(model, sync_every=4, group=comm)
+            if comm.rank == 1:
+                local.step()  # a step after the last average: this rank cannot be compared now
+            return capture_error(local.check_replicas)
+        options = {key: value for key, value in bad.items() if key != "sparse"} if comm.rank == 1 else {}
+        if comm.rank == 1 and "sparse" in bad:
+            model.register_buffer("mask", torch.eye(3).to_sparse())
+        return capture_error(lambda: gradsync.check_replicas(model, group=comm, **options))
+
+    started = time.monotonic()
+    errors = run_threads(2, body, timeout_s=30, collective_timeout_s=10)
+    assert time.monotonic() - started < 5  # not the 10 s collective timeout
+    assert isinstance(errors[1], error), errors[1]
+    assert isinstance(errors[0], gradsync.CollectiveMismatchError) and "rank 1 rejected" in str(errors[0])

@@ -98,8 +98,11 @@ def run_bench(*, nproc: str, models: str, steps: int, checks: int, rounds: int,
     """Validate the options, run one local world per world size, print the table, write JSON."""
     from gradsync.launch import launch_local
 
-    world_sizes = [int(part) for part in nproc.split(",") if part.strip()]
-    model_names = [part.strip() for part in models.split(",") if part.strip()]
+    try:
+        world_sizes = [int(part) for part in nproc.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--nproc must list world sizes (integers >= 2), got {nproc!r}") from None
+    model_names = list(dict.fromkeys(part.strip() for part in models.split(",") if part.strip()))
     if not world_sizes or any(size < 2 for size in world_sizes):
         raise ValueError(f"--nproc must list world sizes >= 2 (a check compares ranks), got {nproc!r}")
     unknown = [name for name in model_names if name not in BENCH_MODELS]

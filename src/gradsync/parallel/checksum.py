@@ -171,6 +171,8 @@ def fingerprint(tensors: list[torch.Tensor]) -> tuple[int, int]:
     parts: list[tuple[int, int]] = []
     small: dict[torch.device, list[torch.Tensor]] = {}
     for tensor in tensors:
+        if tensor.layout != torch.strided or tensor.is_quantized:
+            raise TypeError(f"fingerprint needs dense tensors, got a {tensor.layout} tensor of dtype {tensor.dtype}")
         if tensor.numel() * tensor.element_size() >= 8 * SMALL_WORDS:
             parts.append(checksum(tensor))
         elif tensor.numel():

@@ -314,8 +314,8 @@ class DebugChecks:
             if grad is None or written is None or written[2] == 0:
                 continue
             with_grad += 1
-            if id(grad) == written[0] and grad._version == written[1]:
-                continue  # untouched since DataParallel wrote it
+            # always the norm: torch.distributed.all_reduce (Gloo) writes .grad without moving its
+            # version counter, so an unchanged version does not mean an unchanged gradient
             ratio = _norm(grad) / written[2]
             if abs(ratio - 1) > RATIO_RTOL:
                 changed.append((index, ratio))

@@ -57,7 +57,9 @@ _PROBLEMS = {1: "entered micro_shard({arg}), outside [0, {m})",
              3: "had a gradient in parameter {name!r} before a micro_shard (a backward outside micro_shard(), "
                 "or no zero_grad() after the last step)",
              4: "passed a divisor that is not a finite number > 0",
-             5: "entered micro_shard({arg}) inside another micro_shard"}
+             5: "entered micro_shard({arg}) inside another micro_shard",
+             6: "ran no backward in micro_shard({arg}) (every .grad was None at its end)",
+             7: "called backward twice in micro_shard({arg}) (its gradient would count twice)"}
 _HEADER_FIXED = 5  # problem code, problem argument, divisor (float64 bits), micro-shards with a loss, spare
 
 
@@ -67,10 +69,12 @@ class MicroShard:
     def __init__(self, index: int):
         self.index = index
         self.loss: float | None = None
+        self.backwards = 0
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, keeping the loss (a scalar, summed over the micro-shard's samples) for synchronize."""
         loss.backward()
+        self.backwards += 1
         self.loss = float(loss.detach())
 
 
@@ -186,6 +190,10 @@ class DeterministicDataParallel(nn.Module):
             grads = [param.grad for _, param in self._named]
             for _, param in self._named:
                 param.grad = None
+        if problem is None and all(grad is None for grad in grads):
+            problem = (6, index)
+        if problem is None and handle.backwards > 1:
+            problem = (7, index)
         if problem is not None:
             self._problem = self._problem or problem
         else:

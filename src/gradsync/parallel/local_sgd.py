@@ -130,11 +130,13 @@ class LocalSGD(nn.Module):
         Raises:
             ValueError: ``local_steps`` is not 0 (steps taken since the last average).
         """
-        if self.local_steps:
-            raise ValueError(f"LocalSGD.check_replicas: replicas differ between averages by design; call it "
-                             f"right after an average (this rank took {self.local_steps} local steps since)")
+        rejection = None
+        if self.local_steps:  # still takes part, so that a rank called right after an average is not left waiting
+            rejection = ValueError(f"LocalSGD.check_replicas: replicas differ between averages by design; call it "
+                                   f"right after an average (this rank took {self.local_steps} local steps since)")
         return check_replicas(self.module, buffers=buffers, group=self.comm, timeout=timeout,
-                              step=self.averages if step is None else step, compare_step=step is not None)
+                              step=self.averages if step is None else step, compare_step=step is not None,
+                              _rejection=rejection)
 
     @torch.no_grad()
     def average(self) -> None:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from gradsync.collectives import ops as collectives
-from gradsync.collectives.communicator import Communicator
+from gradsync.collectives.communicator import Communicator, check_timeout
 from gradsync.errors import CollectiveMismatchError, ReplicaDivergenceError
 from gradsync.parallel.checksum import checksum, fingerprint
 from gradsync.process_group import resolve_group
@@ -69,16 +69,20 @@ def named_state(module: nn.Module, optimizer: torch.optim.Optimizer | None = Non
     return named
 
 
-def _check_arguments(module, optimizer, step) -> int:
+def _check_arguments(module, optimizer, step, buffers, timeout) -> int:
     """The step as an int (-1 for None); TypeError/ValueError for a bad argument."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"check_replicas needs a torch.nn.Module, got {type(module).__name__}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"check_replicas: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not isinstance(buffers, bool):
+        raise TypeError(f"check_replicas: buffers must be True or False, got {buffers!r}")
+    if timeout is not None:
+        check_timeout(timeout)
     if step is None:
         return -1
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"check_replicas: step must be an int >= 0 or None, got {step!r}")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**63:
+        raise ValueError(f"check_replicas: step must be an int in [0, 2**63) or None, got {step!r}")
     return step
 
 
@@ -93,7 +97,8 @@ def _layout_code(named: list[tuple[str, torch.Tensor]]) -> int:
 
 def check_replicas(module: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                    buffers: bool = True, step: int | None = None, group=None,
-                   timeout: float | None = None, compare_step: bool = True) -> ReplicaCheck:
+                   timeout: float | None = None, compare_step: bool = True,
+                   _rejection: Exception | None = None) -> ReplicaCheck:
     """Raise ReplicaDivergenceError on every rank unless all ranks' tensors are bitwise equal.
 
     Compares every parameter, (``buffers=True``) every buffer and (with
@@ -111,6 +116,8 @@ def check_replicas(module: nn.Module, optimizer: torch.optim.Optimizer | None = 
         timeout: seconds each of the (at most two) collectives may take.
         compare_step: whether ranks at different ``step`` values diverge (False:
             the step only labels the error, as for ``DataParallel``'s own count).
+        _rejection: (wrappers) why this rank cannot take part: it still joins the
+            exchange, so the others raise CollectiveMismatchError naming it, then raises this.
 
     Returns:
         a :class:`ReplicaCheck` (what was compared, how long it took).
@@ -128,13 +135,17 @@ def check_replicas(module: nn.Module, optimizer: torch.optim.Optimizer | None = 
     started = time.perf_counter()
     problem, named, row = None, [], [-1, -1, 0, 0, 0]  # a rank that cannot take part says so
     try:
-        step = _check_arguments(module, optimizer, step)
+        if _rejection is not None:
+            raise _rejection
+        step = _check_arguments(module, optimizer, step, buffers, timeout)
         row[0] = step if compare_step else -1
         named = named_state(module, optimizer, buffers)
         c1, c2 = fingerprint([tensor for _, tensor in named])
         row = [step, len(named), _layout_code(named), _signed(c1), _signed(c2)]
     except (TypeError, ValueError) as error:
         problem = error
+    if problem is not None:
+        timeout = None  # a bad timeout must not keep this rank out of the exchange
     agreed = comm.world_size == 1 or _all_equal(row, comm, timeout)
     if not agreed:  # only now: every rank's row, to say what differs
         rows = [part.tolist() for part in collectives.all_gather(torch.tensor(row, dtype=torch.int64), comm,
