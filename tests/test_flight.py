@@ -204,6 +204,10 @@ def test_debug_command_exit_codes(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["debug", str(tmp_path / "empty")]) == 1
     assert "no readable flight record in" in capsys.readouterr().err
+    (tmp_path / "garbage").mkdir()
+    (tmp_path / "garbage" / "rank-0.json").write_text('{"a":')
+    assert main(["debug", str(tmp_path / "garbage")]) == 1  # every dump damaged: each named with why
+    assert "unreadable: rank-0.json: not valid JSON" in capsys.readouterr().err
     assert main(["debug", str(tmp_path / "absent")]) == 2
 
 

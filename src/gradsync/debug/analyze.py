@@ -259,8 +259,10 @@ def report(found: Folder) -> list[str]:
     """
     dumps = found.dumps
     if not dumps:
+        bad = "; ".join(f"{name}: {why}" for name, why in found.bad[:MAX_ROWS])
         raise NoDumpsError(f"no readable flight record in {found.path} (looked for rank-*.json there"
-                           + ("" if found.path.name == "flight" else " and in its flight folder") + ")")
+                           + ("" if found.path.name == "flight" else " and in its flight folder") + ")"
+                           + (f"; unreadable: {bad}" if bad else ""))
     world_size, notes = world_size_of(found)
     unreadable = {int(name[5:-5]) for name, _ in found.bad if name[5:-5].isdigit()}
     missing = [rank for rank in range(world_size) if rank not in dumps]
