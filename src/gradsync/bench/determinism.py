@@ -27,7 +27,8 @@ from torch import nn
 
 import gradsync
 from gradsync.bench.output import claim_json_path, fmt_optional, write_json
-from gradsync.bench.train import BENCH_MODELS, CNN_INPUT_NUMEL, MLP_WIDTHS, NUM_CLASSES, build_bench_model, steps_for
+from gradsync.bench.train import (BENCH_MODELS, CNN_INPUT_NUMEL, MLP_WIDTHS, NUM_CLASSES, build_bench_model,
+                                  current_rss_mib, steps_for)
 from gradsync.train.setup import DETERMINISTIC_THREADS
 
 GLOBAL_BATCH = {"cnn": 256, "mlp": 128}  # samples per optimizer step over all ranks
@@ -134,7 +135,7 @@ def memory_worker(model: str, micro_shards: int, algorithm: str) -> dict | None:
         wrapped = wrap(micro_shards, build_bench_model(model), algorithm)
         inputs, labels = make_global_batch(model)
         train_steps(wrapped, torch.optim.SGD(wrapped.parameters(), lr=LR), inputs, labels, MEMORY_STEPS)
-        mine = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, _rss_mib()],
+        mine = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, current_rss_mib()],
                             dtype=torch.float64)  # ru_maxrss is KiB on Linux
         gathered = torch.stack(gradsync.all_gather(mine))  # (world_size, 2) MiB
         if gradsync.rank() != 0:
@@ -145,15 +146,6 @@ def memory_worker(model: str, micro_shards: int, algorithm: str) -> dict | None:
                 "steps": MEMORY_STEPS}
     finally:
         gradsync.shutdown()
-
-
-def _rss_mib() -> float:
-    """Resident MiB of this process now (Linux /proc; NaN elsewhere)."""
-    try:
-        with open("/proc/self/statm", encoding="ascii") as file:
-            return int(file.read().split()[1]) * resource.getpagesize() / 2**20
-    except OSError:
-        return float("nan")
 
 
 def format_table(rows: list[dict]) -> str:

@@ -213,7 +213,7 @@ def memory_worker(model: str, algorithm: str, gradient_as_bucket_view: bool) -> 
         inputs, labels = make_batch(model, gradsync.rank())
         train_steps(wrapped, torch.optim.SGD(wrapped.parameters(), lr=LR), inputs, labels, MEMORY_STEPS)
         peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # ru_maxrss is KiB on Linux
-        mine = torch.tensor([peak_mib, _current_rss_mib()], dtype=torch.float64)
+        mine = torch.tensor([peak_mib, current_rss_mib()], dtype=torch.float64)
         gathered = torch.stack(gradsync.all_gather(mine))  # (world_size, 2) MiB
         if gradsync.rank() != 0:
             return None
@@ -225,7 +225,7 @@ def memory_worker(model: str, algorithm: str, gradient_as_bucket_view: bool) -> 
         gradsync.shutdown()
 
 
-def _current_rss_mib() -> float:
+def current_rss_mib() -> float:
     """Resident MiB of this process now (Linux /proc; NaN elsewhere)."""
     try:
         with open("/proc/self/statm", encoding="ascii") as file:

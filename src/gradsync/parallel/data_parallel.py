@@ -22,7 +22,7 @@ from gradsync.collectives import ops as collectives
 from gradsync.compression import COMPRESSIONS, Compressor
 from gradsync.compression import make as make_compressor
 from gradsync.errors import GradsyncError, GroupClosedError
-from gradsync.parallel.debug_checks import DebugChecks, resolve_debug
+from gradsync.parallel.debug_checks import DebugChecks, resolve_debug, tensors_in
 from gradsync.parallel.reducer import Reducer
 from gradsync.parallel.replica_check import ReplicaCheck, check_replicas
 from gradsync.parallel.replicas import (ParameterWatch, agree_on_arguments, broadcast_tensors, buffer_signature,
@@ -192,7 +192,7 @@ class DataParallel(nn.Module):
 
     def _hook_outputs(self, output) -> None:
         """Start the gradient sync when backward reaches an output, even if no parameter gets a gradient."""
-        for tensor in _tensors_in(output):
+        for tensor in tensors_in(output):
             if tensor.requires_grad:
                 tensor.register_hook(self._on_output_grad)
 
@@ -400,13 +400,3 @@ def _resolve_compression(compression) -> Compressor | None:
                         f"gradsync.compression.Compressor such as OneBit(), got {type(compression).__name__}")
     return compression
 
-
-def _tensors_in(output):
-    if isinstance(output, torch.Tensor):
-        yield output
-    elif isinstance(output, (list, tuple)):
-        for item in output:
-            yield from _tensors_in(item)
-    elif isinstance(output, dict):
-        for item in output.values():
-            yield from _tensors_in(item)

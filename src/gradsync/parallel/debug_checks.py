@@ -149,15 +149,16 @@ def _all_near(changed: list[tuple[int, float]], factor: float) -> bool:
     return bool(changed) and all(abs(ratio / factor - 1) <= RATIO_RTOL for _, ratio in changed)
 
 
-def _tensors_in(value):
+def tensors_in(value):
+    """The tensors in ``value``: a tensor, or lists, tuples and dicts of them, nested (a forward's output)."""
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, (list, tuple)):
         for item in value:
-            yield from _tensors_in(item)
+            yield from tensors_in(item)
     elif isinstance(value, dict):
         for item in value.values():
-            yield from _tensors_in(item)
+            yield from tensors_in(item)
 
 
 class DebugChecks:
@@ -214,7 +215,7 @@ class DebugChecks:
         self.forwards += 1
         report = self._pending
         report.present, report.forward, report.steps = 1, self.forwards, self.steps
-        tensors = list(_tensors_in((args, kwargs)))
+        tensors = list(tensors_in((args, kwargs)))
         if tensors:
             report.has_input, report.input_sum = 1, checksum(tensors)
             report.repeat_at = report.repeat_at or self._order.see(report.input_sum, self.forwards)
@@ -231,7 +232,7 @@ class DebugChecks:
         forward = self.forwards
         if self.should_sync() and self._reducer.forwards < 2:
             return  # a step of one micro-batch: no accumulation to check
-        for tensor in _tensors_in(output):
+        for tensor in tensors_in(output):
             if tensor.requires_grad and tensor.is_floating_point() and tensor.dim() == 2 and tensor.shape[1] >= 2:
                 logits = tensor.detach()
                 tensor.register_hook(lambda grad: self._scales.__setitem__(forward, ce_loss_scale(logits, grad)))
