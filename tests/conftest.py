@@ -8,6 +8,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
+import gradsync
 from _early import EarlyJob, EarlyRunner
 
 settings.register_profile("ci", deadline=None, max_examples=40,
@@ -34,3 +35,15 @@ def _early_jobs(request, tmp_path_factory):
 def early(request, _early_jobs) -> EarlyJob:
     """The early job named by this test's ``early_job`` marker."""
     return _early_jobs[request.node.get_closest_marker("early_job").args[0]]
+
+
+@pytest.fixture
+def single_process(monkeypatch):
+    """A one-process gradsync group (no launcher variables), shut down afterwards."""
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    gradsync.init(backend="gloo", timeout=30)
+    try:
+        yield
+    finally:
+        gradsync.shutdown()

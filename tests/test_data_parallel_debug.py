@@ -278,18 +278,6 @@ def test_gradsync_debug_env_with_a_bad_value_and_ranks_that_disagree_raise(monke
         assert isinstance(error, CollectiveMismatchError) and "debug" in str(error), error
 
 
-@pytest.fixture
-def single_process(monkeypatch):
-    """A one-process gradsync group (no launcher variables), shut down afterwards."""
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
-    gradsync.init(backend="gloo", timeout=30)
-    try:
-        yield
-    finally:
-        gradsync.shutdown()
-
-
 @pytest.mark.timeout(60)
 def test_gradsync_train_debug_sets_it_and_the_real_loop_stays_quiet(tmp_path, single_process):
     """``gradsync train --debug`` parses into the config, is sync-only, and the trainer's loop

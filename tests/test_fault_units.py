@@ -305,18 +305,6 @@ def test_metrics_log_empty_resumed_text_starts_empty(tmp_path):
 # ---------------------------------------------------------------- DataParallel.bucket_layout
 
 
-@pytest.fixture
-def single_process(monkeypatch):
-    """A one-process gradsync group (no launcher variables), shut down afterwards."""
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
-    gradsync.init(backend="gloo", timeout=30)
-    try:
-        yield
-    finally:
-        gradsync.shutdown()
-
-
 def _mlp() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))  # 4 parameters

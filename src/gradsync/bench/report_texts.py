@@ -1,0 +1,177 @@
+"""The prose of docs/benchmarks.md: each benchmark's title, what it measures and how to read it.
+
+:mod:`gradsync.bench.report` renders the page from these and the recorded rows.
+"""
+
+ABOUT = {
+    "allreduce": """\
+An nccl-tests-style sweep: every algorithm at every message size across local
+processes (Gloo over loopback TCP, float32, one thread per rank), interleaved
+with the backend's native `all_reduce` inside every repetition. Columns: the
+median time per call of the slowest rank; algbw = bytes / time and busbw =
+algbw · 2(p−1)/p (the nccl-tests definitions); `vs native` = native time /
+time (above 1: faster than Gloo's own call); `sent/size` = payload bytes this
+rank sent per call over the message size (`native` is the backend's own call,
+whose traffic gradsync cannot count). `shm_zero_copy` is `shm` on data that
+already lies in the shared arena, as `DataParallel`'s zero-copy buckets do.
+`hierarchical` runs on pretend nodes (`--ranks-per-node`, 2 by default at an
+even world size of 4 or more). With `pip install -e '.[mpi]'` an `mpi` column
+(MPI_Allreduce in the same processes) is added.""",
+    "allreduce_after": """\
+How to read it. For small messages every hop of a gradsync algorithm is a
+Python round trip plus the wake-up of the Gloo thread that completes it, and
+with more processes than cores each wake-up waits for a core, so algorithms
+with 2·log2 p sequential hops (tree, recursive doubling) beat the ring's
+2(p−1). For large messages both sides are bound by loopback TCP and memory
+copies, and the pipelined ring is close to Gloo's own ring. `shm` avoids the
+sockets altogether; `shm_zero_copy` also skips the copy in, which is what
+sets it apart on large messages. Smaller `--segment-bytes` cost more than they
+overlap on this kind of machine, hence the library's 4 MiB default.""",
+    "allreduce_hosts_1g": """\
+The same sweep across 2 test hosts (`--hosts 2 --nproc 2`: network
+namespaces on this machine, each with its own network, hostname and
+`/dev/shm`, 2 ranks per host, each host on its own core; see
+[training.md](training.md#test-hosts)), each host's link shaped to 1 Gbit/s
+with `tc tbf`. `hierarchical` groups the ranks by real host: shared memory
+inside, a ring across hosts among the ranks of equal local rank, pipelined in
+pieces so that the shared-memory steps overlap the crossing. Extra columns:
+`hosts` (hosts x ranks per host); `link [Gb/s]` = the bytes host 0's
+interface sent during the timed calls (headers included) over their time, and
+`link %` that against the shaped rate.""",
+    "allreduce_hosts_1g_after": """\
+How to read it. Per call of n bytes each host sends over its link: a flat
+ring over 4 ranks placed host by host, 2·(3/4)·n = 1.5 n (one ring edge
+leaves each host), and Gloo's native ring the same; `tree` and
+`halving_doubling` 2 n (two edges per host cross, or both ranks of a host
+exchange n/2 across twice); `hierarchical` n (each rank ring-all-reduces its
+n/2 with its peer on the other host). From 1 MiB up the link bounds the
+rows, so `hierarchical` approaches 1.5x the ring and native, and 2x tree
+and halving_doubling. Below about 512 KiB a call costs latency, not bytes:
+the two ranks of a host share one core, so algorithms that keep few ranks
+busy at once (tree) win, which is what `auto` picks there.""",
+    "allreduce_hosts_10g": """\
+As above with 10 Gbit/s links.""",
+    "allreduce_hosts_10g_after": """\
+How to read it. At 10 Gbit/s the cores, not the link, bound every row: each
+host has one core for its two ranks, the kernel's TCP copies and the
+reductions, so no algorithm comes near the link rate (`link %`), and the
+shared-memory copies that `hierarchical` adds cost as much as the bytes it
+saves; Gloo's native call, all in C++, leads at most sizes. The byte counts
+per link are those of the 1 Gbit/s table.""",
+    "train": """\
+gradsync `DataParallel` (one row per algorithm), torch
+`DistributedDataParallel` (Gloo, the same 25 MiB buckets) and a compute-only
+baseline train each model on the same initial weights, fixed random batches,
+world size and thread count, alternating in every round; samples/s is the
+median over rounds. `cnn` is the MNIST-1D CNN of `gradsync train` (batch 128
+per rank), `mlp` a 1024-4096-4096-1024-10 MLP (~25.2M parameters, batch 64 per
+rank). `comm_ms/step` is gradsync's AllReduce time (overlapped or not),
+`exposed_ms/step` the part backward waited for, `step overhead %` = 1 −
+compute-only step / step (comparable across implementations; DDP does not
+report its communication time, so its comm columns are empty). The second
+table is the peak resident memory per rank with `gradient_as_bucket_view` off
+and on, each in a fresh world of 2.""",
+    "train_after": """\
+How to read it. On the MLP most gradient bytes (the 4096×4096 layer and the
+first layer) become ready at the very end of backward, so much of the
+communication is exposed whatever the engine; only a faster transport or
+compression shrinks it. On the small CNN a step is a few milliseconds of
+compute and one small AllReduce, so per-call overhead decides: `native`
+and `shm` pay one call, `ring` pays Python-driven point-to-point hops through
+Gloo.""",
+    "compression": """\
+Two parts. Accuracy: the main job (MNIST-1D CNN, AdamW lr 1e-2 cosine) once
+per compressor, each after the exact warm-up steps shown in the command
+(1-bit Adam's warm-up stage); `bytes/step` is the median over steps of the
+bytes rank 0's transport sent (the compressed steady state), `mean bytes/step`
+includes the warm-up. Throughput: every compressor on the ~25M-parameter MLP
+of `bench train`, alternating over rounds. `break-even Gb/s` is the link speed
+under which the bytes saved would pay for the compressor's extra work per step
+(communication not hidden by compute).""",
+    "compression_after": """\
+How to read it. On one machine "the network" is a memory copy, so the work of
+compressing usually costs more than the bytes it saves; the break-even
+column says on which links it would pay off. On the
+small CNN, OneBit saves a little less than its nominal 28.4× because each chunk
+carries a reference scale and the unused-parameter flags travel exactly, a
+constant that large buckets amortise.""",
+    "modes": """\
+The main job (MNIST-1D CNN, AdamW lr 1e-2 cosine) in sync mode, async mode
+(parameter server, one more process) per staleness bound (`s<=S`; `lr/s`
+divides the lr by the staleness), and local SGD per H, each without and with
+worker rank 1 slowed down (`straggler`). `s to 85%` is the wall time at the
+first evaluation at or above the target accuracy; staleness is 0 for sync,
+the server versions a gradient missed for async, and the local steps since the
+last average for local SGD.""",
+    "modes_after": """\
+How to read it. With a straggler, fast async workers take the straggler's
+share of the batches while sync and local SGD wait for it (local SGD only at
+each average). Async runs are not deterministic (arrival order); plain
+Downpour async (no bound, full lr) is fragile with AdamW at this lr and may
+stay near chance. When compute is a small part of a sync step, as on these
+shared cores, a compute straggler slows sync less than its factor, and its
+sleep frees a core for the others.""",
+    "faults": """\
+The main job with checkpoints and `--max-restarts 1`, three times: without a
+fault, with a worker killed (`--fail-at`) and with a worker hung (`--hang-at`),
+at the step before a checkpoint so the most work is lost. From the workers'
+`events.jsonl` (wall clock): `detect s` is fault → the first worker that
+raised for it, `recover s` fault → the restarted workers have loaded the
+checkpoint and start the next step; `recomputed` is the steps lost with the
+failed attempt; `params equal` compares the final parameters with the run
+without a fault, bit for bit.""",
+    "faults_after": """\
+How to read it. A killed worker is noticed at once (its peers' sockets
+close); a hang costs the timeout plus the 1.5 s in which the live ranks
+compare notes, and then every rank names the hung one. Most of the time from
+detection to training again is start-up: the agent stops the workers and
+starts new Python processes, each of which imports torch before it joins the
+group and loads the checkpoint.""",
+    "deterministic": """\
+`DeterministicDataParallel` (what `gradsync train --deterministic` runs) next
+to `DataParallel` on one fixed global batch (256 samples for the CNN, 128 for
+the ~25.2M-parameter MLP of `bench train`), SGD, `auto`, one torch thread per
+rank in both, alternating over rounds. `normal`: each rank one forward and
+backward of its B / world_size samples; `deterministic M=…`: each rank one
+forward and backward per micro-shard of B / M samples, then the exact int64
+sum ([deterministic.md](deterministic.md)). `comm_ms/step` is the time in the
+collectives (for `deterministic` it includes waiting for the slowest rank's
+micro-shards); peak RSS is `ru_maxrss` after a few steps in a fresh world per
+setting (max over ranks), `RSS after` the resident MiB then.""",
+    "deterministic_after": """\
+How to read it. Three things cost. The micro-shards: M / world_size smaller
+forwards and backwards per rank, and small kernels are slower per sample. The
+exact sum: a few passes over every micro-shard's gradients (the largest
+element, the scaling, the int64 conversion and addition) and one back, which
+on the MLP weighs as much as a backward. The exchange: two collectives after
+the last backward instead of bucket AllReduces overlapped with it, the second
+carrying int64 (twice the bytes); on these shared cores each extra round trip
+of the CNN's small messages waits for the other processes to be scheduled.
+Memory grows with the micro-shards a rank holds: each keeps a full set of
+gradients (about 100 MiB on the MLP) until the sum, beside the int64 buffer
+(200 MiB). Fewer micro-shards are cheaper; the default 12 gives equal shares
+at 1, 2, 3, 4, 6 and 12 workers.""",
+    "replicas": """\
+`DataParallel(algorithm="auto")` with SGD and momentum on the models of
+`bench train` (the MNIST-1D CNN, batch 128 per rank, and the ~25.2M-parameter
+MLP, batch 64 per rank): one training step, `check_replicas()` (parameters)
+and `check_replicas(optimizer)` (parameters and momentum), alternating over
+rounds, each the slowest rank's time ([correctness.md](correctness.md)).
+`every_100` is what a parameter + optimizer check every 100 steps adds to
+training; `GB/s` the bytes checksummed per second of that check.""",
+    "replicas_after": """\
+How to read it. A check is the checksum of every tensor's bits (column and
+row sums of its 64-bit words, twice: memory speed, one core per rank) and one
+small AllReduce of the ranks' rows. On the MLP the checksum dominates and
+grows with the bytes compared (momentum doubles them); on the CNN (20 KiB of
+parameters) the collective and Python do, and on these 2 shared cores a
+message round trip costs what it costs when the other rank has to be
+scheduled first.""",
+}
+
+TITLES = {"allreduce": "AllReduce sweep", "allreduce_hosts_1g": "AllReduce across 2 test hosts, 1 Gbit/s links",
+           "allreduce_hosts_10g": "AllReduce across 2 test hosts, 10 Gbit/s links", "train": "Training: gradsync DataParallel against torch DDP",
+           "compression": "Gradient compression", "modes": "Sync, async and local SGD",
+           "faults": "Faults: a killed and a hung worker",
+           "deterministic": "Deterministic mode: the cost of the same bits at any world size",
+           "replicas": "Replica checks: the cost of one check against one training step"}
