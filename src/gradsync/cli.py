@@ -1,5 +1,6 @@
 """Command line: ``gradsync train``, ``gradsync bench ...`` (its subcommands in
-:mod:`gradsync.bench.command_line`), ``gradsync debug`` (argparse only)."""
+:mod:`gradsync.bench.command_line`), ``gradsync debug``, and the simulator's ``simulate`` / ``calibrate`` / ``explain`` (their options in
+:mod:`gradsync.sim.command_line`) (argparse only)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from gradsync.bench.command_line import (_add_allreduce_bench_options, _add_comp
 from gradsync.bench import report as bench_report
 from gradsync.collectives.ops import ALGORITHMS
 from gradsync.compression import COMPRESSIONS
+from gradsync.sim.command_line import ENTRY_POINTS as SIM_COMMANDS
+from gradsync.sim.command_line import add_parsers as add_sim_parsers
 from gradsync.errors import CollectiveMismatchError, CollectiveTimeoutError, GradsyncError
 from gradsync.train.config import LR_SCHEDULES, MODES, OPTIMIZERS, TrainConfig
 from gradsync.train.models import MODELS
@@ -184,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "records place a rank that wrote none.")
     debug.add_argument("dir", metavar="DIR", help="a gradsync train run folder, or the folder named by "
                        "GRADSYNC_FLIGHT_DIR")
+    add_sim_parsers(commands)
     return parser
 
 
@@ -252,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
             return _BENCHES[args.bench](args)
         if args.command == "debug":
             return debug(args)
+        if args.command in SIM_COMMANDS:
+            return SIM_COMMANDS[args.command](args)
         return train(args)
     except (ValueError, TypeError) as exc:
         print(f"gradsync {args.command}: error: {exc}", file=sys.stderr)

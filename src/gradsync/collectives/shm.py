@@ -60,6 +60,10 @@ def all_reduce(flat: torch.Tensor, call: CollectiveCall) -> None:
     Raises:
         ValueError: the ranks are not on one machine; CollectiveTimeoutError.
     """
+    simulated = getattr(call.transport, "shared_memory_model", None)
+    if simulated is not None:  # a simulated group (gradsync.sim): a formula, no segment
+        simulated.all_reduce(flat, call)
+        return
     segment = group_segment(call)
     if flat.numel() * flat.element_size() <= SMALL_MESSAGE_BYTES:  # one barrier beats no copy here
         _all_reduce_small(flat, segment, call)
@@ -211,6 +215,10 @@ def reduce_scatter(flat: torch.Tensor, call: CollectiveCall) -> tuple[int, int]:
 
 def broadcast(flat: torch.Tensor, src: int, call: CollectiveCall) -> None:
     """Copy rank ``src``'s ``flat`` into every rank's ``flat`` through shared memory."""
+    simulated = getattr(call.transport, "shared_memory_model", None)
+    if simulated is not None:
+        simulated.broadcast(flat, src, call)
+        return
     segment = group_segment(call)
     for start, stop in _slices(flat.numel(), segment, flat.dtype):
         region = segment.region(_next_set(segment), src, flat.dtype, stop - start)

@@ -46,6 +46,11 @@ class SubTransport:
     def call_tags(self) -> bool:
         return getattr(self.parent, "call_tags", False)
 
+    @property
+    def shared_memory_model(self):
+        """The simulator's shared-memory formula (:mod:`gradsync.sim.transport`), None on a real transport."""
+        return getattr(self.parent, "shared_memory_model", None)
+
     def isend(self, tensor: torch.Tensor, peer: int, **tag):
         return self.parent.isend(tensor, self.members[peer], **tag)
 

@@ -1,0 +1,109 @@
+"""``gradsync simulate``, ``gradsync simulate train``, ``gradsync calibrate``, ``gradsync explain``:
+options and entry points (argparse only); ``gradsync.cli`` registers them. Each entry point imports
+what it runs when it runs."""
+
+from __future__ import annotations
+
+import argparse
+
+from gradsync.sim.engine import SIMULATED
+from gradsync.sim.profiles import PROFILE_NAMES
+
+_ALGORITHMS = ",".join(name for name in SIMULATED if name != "shm")
+
+
+def add_parsers(commands) -> None:
+    """Add the simulator's commands to the ``gradsync`` subcommand group ``commands``."""
+    simulate = commands.add_parser(
+        "simulate", help="predict AllReduce and training-step time on a modelled cluster (8-4096 GPUs)",
+        description="Run gradsync's own AllReduce algorithms on a virtual clock over a hardware profile and "
+                    "print an nccl-tests-style table (time, algbw, busbw) per GPU count, size and algorithm; "
+                    "--validate checks the model against measurements here, --reproduce against published "
+                    "nccl-tests curves.")
+    _add_scale_options(simulate)
+    kinds = simulate.add_subparsers(dest="simulate", required=False, parser_class=type(simulate))
+    _add_train_options(kinds.add_parser(
+        "train", help="predict step time and exposed communication of data-parallel training at scale",
+        description="Predict the step time of data-parallel training from 8 to 4096 GPUs: the model's "
+                    "compute per layer, DataParallel's real bucket assignment, each bucket's AllReduce "
+                    "simulated per algorithm, bucket size and compressor, on a published profile."))
+    calibrate = commands.add_parser(
+        "calibrate", help="measure alpha, beta, gamma and the cores here and write a profile",
+        description="Measure the link latency and bandwidth of point-to-point messages (loopback, shared "
+                    "memory, and the shaped links of emulated hosts with --hosts), the time to add and copy "
+                    "a byte and the usable cores, from micro-benchmarks, and write a profile JSON file.")
+    _add_calibrate_options(calibrate)
+    explain = commands.add_parser(
+        "explain", help="show, from the real code, how an AllReduce algorithm moves the data",
+        description="Run ALG on simulated ranks and print each step's segments, who sends them to whom, "
+                    "and the alpha-beta-gamma terms that add up to the predicted time.")
+    _add_explain_options(explain)
+
+
+# -- gradsync simulate (the at-scale table; --validate; --reproduce) ------------------------------------
+def _add_scale_options(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--profile", default="h100-ib", help=f"a profile name ({', '.join(PROFILE_NAMES)}) or a profile "
+        "file from `gradsync calibrate` (default %(default)s)")
+    add("--gpus", default="8,64,512,4096", help="comma-separated GPU (rank) counts (default %(default)s)")
+    add("--sizes", default="4K-1G", help="message sizes: a list (4K,1M) or a range doubling by 4x from "
+        "the first to the last (4K-1G) (default %(default)s)")
+    add("--algorithms", default=_ALGORITHMS, help="comma-separated algorithms (default %(default)s)")
+    add("--plot", default=None, metavar="PNG", help="also draw time against GPU count per algorithm")
+    add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
+    add("--validate", action="store_true", help="calibrate here, then run a measured sweep (ws 2-4 on one "
+        "host and 2x2 emulated hosts) and print predicted against measured time with the error")
+    add("--reproduce", action="store_true", help="compare predictions with published nccl-tests curves")
+
+
+def simulate(args: argparse.Namespace) -> int:
+    if getattr(args, "simulate", None) == "train":
+        from gradsync.sim.training import run as run_train
+        return run_train(args)
+    if args.validate:
+        from gradsync.bench.sim_validation import run as run_validation
+        return run_validation(args)
+    if args.reproduce:
+        from gradsync.sim.reproduce import run as run_reproduce
+        return run_reproduce(args)
+    from gradsync.sim.scale import run as run_scale
+    return run_scale(args)
+
+
+# -- gradsync simulate train ---------------------------------------------------------------------------
+def _add_train_options(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--profile", default="h100-ib", help="a profile name or file (default %(default)s)")
+    add("--gpus", default="8,64,512,4096", help="comma-separated GPU counts (default %(default)s)")
+    add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
+
+
+# -- gradsync calibrate --------------------------------------------------------------------------------
+def _add_calibrate_options(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--out", default="profile.json", help="profile file to write (default %(default)s)")
+
+
+def calibrate(args: argparse.Namespace) -> int:
+    from gradsync.bench.calibrate import run as run_calibrate
+    return run_calibrate(args)
+
+
+# -- gradsync explain ----------------------------------------------------------------------------------
+def _add_explain_options(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("algorithm", metavar="ALG", choices=SIMULATED, help=f"one of {', '.join(SIMULATED)}")
+    add("--nproc", type=int, default=4, help="ranks (default %(default)s)")
+    add("--hosts", type=int, default=1, help="hosts the ranks are spread over, in blocks (default %(default)s)")
+    add("--size", default="1M", help="message bytes, e.g. 4096, 64K, 1M (default %(default)s)")
+    add("--profile", default="this-machine", help="a profile name or file (default %(default)s)")
+    add("--segment-bytes", type=int, default=None, help="ring and tree pipelining unit (default: the "
+        "algorithm's)")
+
+
+def explain(args: argparse.Namespace) -> int:
+    from gradsync.sim.explain import run as run_explain
+    return run_explain(args)
+
+
+ENTRY_POINTS = {"simulate": simulate, "calibrate": calibrate, "explain": explain}

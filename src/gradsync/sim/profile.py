@@ -1,0 +1,176 @@
+"""A hardware profile: the numbers the simulator costs every message, reduction and copy with.
+
+The model is the α-β-γ model of Hockney (1994) and Thakur, Rabenseifner &
+Gropp (2005), with two links and the resources that bound them:
+
+* ``intra``: between ranks of one host (NVLink through NVSwitch on a GPU
+  node; loopback TCP through the kernel on this machine). Every rank has its
+  own port in each direction, ``bandwidth_bytes_per_s`` each.
+* ``inter``: between hosts (InfiniBand; the veth bridge of the test hosts).
+  A host has ``nics_per_host`` NICs, each ``bandwidth_bytes_per_s`` per
+  direction; the rank of local rank j sends and receives through NIC
+  ``j % nics_per_host``, so ranks that outnumber the NICs share one.
+* a message of n bytes over a link costs ``alpha_s + n / bandwidth`` and
+  keeps the ports it crosses busy for ``n / bandwidth``.
+* ``gamma_s_per_byte``: time to add n bytes into a buffer (per output byte);
+  ``copy_s_per_byte``: time to copy them.
+* ``cores_per_host``: when a host runs more ranks than cores, its ranks wait
+  for one: their reductions, copies and (for a link with ``cpu_bound``, whose
+  bytes the CPU moves, as loopback TCP) their transfers take
+  ``ranks / cores`` times longer. None: ranks never wait (GPUs).
+* ``call_overhead_s``: what one collective call costs before its first
+  message (argument checks, the layout round, a kernel launch).
+* ``shm``: the shared-memory collective's costs (:class:`ShmModel`), None
+  where it does not exist.
+
+A profile's :meth:`digest` names it exactly: ranks compare it, with the
+algorithm ``auto`` chose, before a call, so they cannot decide from
+different numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of link.
+
+    Args:
+        alpha_s: seconds per message (latency, > 0).
+        bandwidth_bytes_per_s: bytes per second per port and direction (> 0).
+        cpu_bound: the CPU moves the bytes (loopback TCP): slower when ranks outnumber cores.
+    """
+
+    alpha_s: float
+    bandwidth_bytes_per_s: float
+    cpu_bound: bool = False
+
+    def __post_init__(self):
+        if not self.alpha_s >= 0 or not self.bandwidth_bytes_per_s > 0:
+            raise ValueError(f"a link needs alpha_s >= 0 and bandwidth_bytes_per_s > 0, got {self}")
+
+    @property
+    def beta_s_per_byte(self) -> float:
+        return 1.0 / self.bandwidth_bytes_per_s
+
+
+@dataclass(frozen=True)
+class ShmModel:
+    """Costs of the shared-memory collective (``algorithm="shm"``, :mod:`gradsync.collectives.shm`).
+
+    Args:
+        barrier_s: one barrier of the host's ranks (seconds).
+        memory_bandwidth_bytes_per_s: the host's whole memory traffic bound; copies and adds
+            of all its ranks share it.
+    """
+
+    barrier_s: float
+    memory_bandwidth_bytes_per_s: float
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A modelled cluster's hardware (see the module docstring for the model).
+
+    Args:
+        name: what ``--profile`` takes.
+        description: the system, and where every number comes from.
+        intra: the link inside a host.
+        inter: the link between hosts (None: the profile has one host).
+        gamma_s_per_byte: seconds to add one byte (of the output) into a buffer.
+        copy_s_per_byte: seconds to copy one byte.
+        ranks_per_host: ranks (GPUs) per host in the profile's own topology.
+        nics_per_host: NICs per host for ``inter``.
+        cores_per_host: cores a host's ranks share (None: not a limit).
+        call_overhead_s: fixed seconds per collective call.
+        shm: the shared-memory collective's costs (None: no such path).
+        in_switch_reduction_bytes_per_s: busbw of in-switch reduction inside a host
+            (NVLink SHARP / NVLS), None where the profile has none.
+        sources: where the numbers come from (specifications, measurements).
+    """
+
+    name: str
+    description: str
+    intra: Link
+    inter: Link | None
+    gamma_s_per_byte: float
+    copy_s_per_byte: float
+    ranks_per_host: int
+    nics_per_host: int = 1
+    cores_per_host: int | None = None
+    call_overhead_s: float = 0.0
+    shm: ShmModel | None = None
+    in_switch_reduction_bytes_per_s: float | None = None
+    sources: tuple[str, ...] = field(default=())
+
+    def link(self, same_host: bool) -> Link:
+        """The link a message between two ranks takes.
+
+        Raises:
+            ValueError: two hosts, and the profile has no ``inter`` link.
+        """
+        if same_host:
+            return self.intra
+        if self.inter is None:
+            raise ValueError(f"profile {self.name!r} describes a single host: it has no link between hosts")
+        return self.inter
+
+    def oversubscription(self, ranks_on_host: int) -> float:
+        """How many times slower a rank's CPU work runs when ``ranks_on_host`` share the cores (>= 1)."""
+        if self.cores_per_host is None:
+            return 1.0
+        return max(1.0, ranks_on_host / self.cores_per_host)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def digest(self) -> str:
+        """16 hex digits of SHA-256 over the profile's numbers (what ranks compare)."""
+        text = json.dumps(self.as_dict(), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Profile":
+        """The profile written by :meth:`as_dict` (a JSON file of ``gradsync calibrate``).
+
+        Raises:
+            ValueError: a missing or unknown field, or a bad number.
+        """
+        data = dict(data)
+        try:
+            data["intra"] = Link(**data["intra"])
+            data["inter"] = Link(**data["inter"]) if data.get("inter") else None
+            data["shm"] = ShmModel(**data["shm"]) if data.get("shm") else None
+            data["sources"] = tuple(data.get("sources", ()))
+            return cls(**data)
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"not a gradsync profile: {error}") from error
+
+
+def save(profile: Profile, path: str | Path) -> Path:
+    """Write ``profile`` as JSON to ``path`` (atomically) and return the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(profile.as_dict(), indent=2) + "\n")
+    partial.replace(path)
+    return path
+
+
+def load(path: str | Path) -> Profile:
+    """Read a profile JSON file.
+
+    Raises:
+        FileNotFoundError; ValueError: the file is not a profile.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not a gradsync profile (not JSON: {error})") from error
+    return Profile.from_dict(data)

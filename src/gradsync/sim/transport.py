@@ -1,0 +1,184 @@
+"""The simulator's :class:`~gradsync.transport.base.Transport`: messages priced on the virtual clock.
+
+``isend`` / ``irecv`` match in posting order per ordered pair of ranks (the
+FIFO the real transports give); a matched pair is priced by
+:meth:`VirtualCluster.transfer <gradsync.sim.cluster.VirtualCluster.transfer>`
+and ``handle.wait`` parks the rank's greenlet until the transfer's end. No
+byte moves; :attr:`stats` counts what the real transports count for the
+same calls (payload bytes and messages at posting).
+
+The shared-memory collective has no messages to price: the simulator gives
+it a formula instead (:class:`VirtualSharedMemory`, reached by
+:mod:`gradsync.collectives.shm` through ``transport.shared_memory_model``),
+with barriers among the node's simulated ranks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from gradsync.collectives.shm import SMALL_MESSAGE_BYTES
+from gradsync.sim.cluster import VirtualCluster
+from gradsync.transport.base import TransportStats
+from gradsync.transport.locality import Locality, derive
+
+
+class SimHandle:
+    """A simulated transfer: ``done_s`` is known once both ends have posted."""
+
+    __slots__ = ("cluster", "peer", "nbytes", "posted_s", "tensor", "done_s", "waiter")
+
+    def __init__(self, cluster: VirtualCluster, peer: int, nbytes: int, posted_s: float, tensor):
+        self.cluster = cluster
+        self.peer = peer
+        self.nbytes = nbytes
+        self.posted_s = posted_s
+        self.tensor = tensor
+        self.done_s: float | None = None
+        self.waiter = None
+
+    def wait(self, timeout_s: float) -> None:
+        if self.done_s is None:
+            self.waiter = self.cluster.current
+            self.cluster.block(f"waits for a transfer with rank {self.peer}")
+        self.cluster.advance_to(self.done_s)
+
+    def finish(self, done_s: float) -> None:
+        self.done_s = done_s
+        if self.waiter is not None:
+            self.cluster.wake(self.waiter, done_s)
+            self.waiter = None
+
+
+class SimWorld:
+    """The mailboxes and shared-memory model of one simulated run."""
+
+    def __init__(self, cluster: VirtualCluster):
+        self.cluster = cluster
+        hosts = cluster.topology.host_of()
+        self.locality: Locality = derive([(host,) for host in hosts])
+        self.sends: dict[tuple[int, int], deque] = {}
+        self.receives: dict[tuple[int, int], deque] = {}
+        self.shared_memory = VirtualSharedMemory(cluster)
+
+    def transport(self, rank: int) -> "SimTransport":
+        return SimTransport(self, rank)
+
+    def post(self, src: int, dst: int, handle: SimHandle, sending: bool) -> None:
+        mine, theirs = (self.sends, self.receives) if sending else (self.receives, self.sends)
+        waiting = theirs.get((src, dst))
+        if not waiting:
+            mine.setdefault((src, dst), deque()).append(handle)
+            return
+        other = waiting.popleft()
+        if other.nbytes != handle.nbytes:
+            raise ValueError(f"simulated message from rank {src} to rank {dst}: {handle.nbytes if sending else other.nbytes}"
+                             f" bytes sent into a receive of {other.nbytes if sending else handle.nbytes}")
+        tensor = handle.tensor if sending else other.tensor
+        done = self.cluster.transfer(src, dst, handle.nbytes, max(handle.posted_s, other.posted_s), tensor)
+        other.finish(done)
+        handle.finish(done)
+
+
+class SimTransport:
+    """Rank ``rank`` of a :class:`SimWorld` (the Transport protocol; no tags, no backend calls)."""
+
+    call_tags = False
+
+    def __init__(self, world: SimWorld, rank: int):
+        self.world = world
+        self.rank = rank
+        self.world_size = world.cluster.topology.world_size
+        self.stats = TransportStats()
+        self.locality = world.locality
+        self.shared_memory_model = world.shared_memory
+
+    def _post(self, tensor, peer: int, sending: bool) -> SimHandle:
+        cluster = self.world.cluster
+        cluster.keep_order()
+        nbytes = tensor.numel() * tensor.element_size()
+        handle = SimHandle(cluster, peer, nbytes, cluster.current.now, tensor)
+        if sending:
+            self.stats.record_send(nbytes)
+            self.world.post(self.rank, peer, handle, True)
+        else:
+            self.stats.record_recv(nbytes)
+            self.world.post(peer, self.rank, handle, False)
+        return handle
+
+    def isend(self, tensor, peer: int) -> SimHandle:
+        return self._post(tensor, peer, True)
+
+    def irecv(self, tensor, peer: int) -> SimHandle:
+        return self._post(tensor, peer, False)
+
+    def backend_all_reduce(self, tensor, timeout_s: float) -> None:
+        raise ValueError("the simulator does not model the backend's own all_reduce (native); simulate one "
+                         "of gradsync's algorithms (NCCL's are ring and tree)")
+
+    def backend_broadcast(self, tensor, src: int, timeout_s: float) -> None:
+        raise ValueError("the simulator does not model the backend's own broadcast")
+
+
+def _members(transport) -> list[int]:
+    """The simulated ranks of ``transport``'s group, in its rank order (through SubTransports)."""
+    if isinstance(transport, SimTransport):
+        return list(range(transport.world_size))
+    parent = _members(transport.parent)
+    return [parent[member] for member in transport.members]
+
+
+class VirtualSharedMemory:
+    """A formula for :mod:`gradsync.collectives.shm` on simulated ranks.
+
+    Per rank and slice of n bytes over p ranks of one host: copy in (n), a
+    barrier, the sum of its chunk over the p regions ((p-1)/p·n added; the
+    small-message path, up to ``SMALL_MESSAGE_BYTES``, adds all (p-1)·n
+    itself and needs no second barrier), a barrier, copy out (n). The CPU
+    terms slow down by ranks/cores; the host's memory traffic (read + write
+    of every copy, two reads and a write per add, for all its ranks) bounds
+    them from below at ``ShmModel.memory_bandwidth_bytes_per_s``.
+    """
+
+    def __init__(self, cluster: VirtualCluster):
+        self.cluster = cluster
+        self._barriers: dict[tuple, int] = {}
+
+    def _model(self):
+        model = self.cluster.profile.shm
+        if model is None:
+            raise ValueError(f"profile {self.cluster.profile.name!r} has no shared-memory model (shm)")
+        return model
+
+    def _phase(self, members: list[int], copy_bytes: float, add_bytes: float) -> None:
+        cluster, profile = self.cluster, self.cluster.profile
+        state = cluster.current
+        cpu = (copy_bytes * profile.copy_s_per_byte + add_bytes * profile.gamma_s_per_byte) * cluster.oversub[state.host]
+        memory = len(members) * (2 * copy_bytes + 3 * add_bytes) / self._model().memory_bandwidth_bytes_per_s
+        state.now += max(cpu, memory)
+
+    def _barrier(self, members: list[int]) -> None:
+        rank = self.cluster.current.rank
+        key = (tuple(members), rank)
+        count = self._barriers.get(key, 0)
+        self._barriers[key] = count + 1
+        self.cluster.barrier((tuple(members), count), members, self._model().barrier_s)
+
+    def all_reduce(self, flat, call) -> None:
+        members = _members(call.transport)
+        p, n = len(members), flat.numel() * flat.element_size()
+        self._phase(members, n, 0)
+        self._barrier(members)
+        if n <= SMALL_MESSAGE_BYTES:
+            self._phase(members, 0, (p - 1) * n)
+            return
+        self._phase(members, 0, (p - 1) * n / p)
+        self._barrier(members)
+        self._phase(members, n, 0)
+
+    def broadcast(self, flat, src: int, call) -> None:
+        members = _members(call.transport)
+        n = flat.numel() * flat.element_size()
+        self._phase(members, n if call.rank == src else 0, 0)
+        self._barrier(members)
+        self._phase(members, 0 if call.rank == src else n, 0)
