@@ -35,6 +35,10 @@ from _strict_transport import MODES, StrictWorld
 from gradsync import CollectiveMismatchError, CollectiveTimeoutError, Communicator
 from gradsync.collectives import ops as collectives_api
 from gradsync.collectives import HierarchicalOptions, SegmentOptions, auto, halving_doubling
+from gradsync.sim.formulas import predict_s
+from gradsync.sim.profile import Link, Profile
+from gradsync.sim.profiles import get_profile
+from gradsync.sim.topology import Topology
 from gradsync.transport import shm_segment as shm_transport
 from gradsync.transport.thread import ThreadWorld
 
@@ -1068,41 +1072,52 @@ def test_algorithms_silent_rank_in_payload_exchange_names_step(world_size, name)
 
 # ---------------------------------------------------------------- auto
 
-SMALL = auto.SMALL_MESSAGE_BYTES
+SMALL = 4 * 2**20  # a message well into the bandwidth-bound range at these world sizes
+PAIR_SMALL = 2**20
 
 
-PAIR_SMALL = auto.PAIR_SMALL_MESSAGE_BYTES
+def _model_choice(nbytes, host_sizes, candidates, profile):
+    """The candidate with the least predicted time, computed here from the formulas."""
+    topology = Topology(tuple(host_sizes))
+    return min(candidates, key=lambda name: predict_s(name, profile, topology, nbytes - nbytes % 4))
 
 
-@pytest.mark.parametrize("nbytes,world_size,ranks_per_node,expected", [
-    (0, 1, 1, "ring"),
-    (2**40, 1, 1, "ring"),
-    (0, 2, 2, "halving_doubling"),
-    (PAIR_SMALL, 2, 2, "halving_doubling"),
-    (PAIR_SMALL + 1, 2, 2, "ring"),
-    (2**30, 2, 1, "ring"),
-    (0, 3, 3, "tree"),
-    (SMALL, 3, 3, "tree"),
-    (SMALL + 1, 3, 3, "ring"),
-    (SMALL, 8, 4, "tree"),
-    (SMALL + 1, 8, 4, "hierarchical"),
-    (SMALL + 1, 4, 2, "hierarchical"),
-    (SMALL + 1, 4, 1, "ring"),
-    (SMALL + 1, 4, 4, "ring"),
-])
-def test_auto_choose_follows_documented_thresholds(nbytes, world_size, ranks_per_node, expected):
-    """choose without shared memory: p = 2 -> halving_doubling then ring; p >= 3 small -> tree;
-    large -> hierarchical across nodes, else ring."""
-    assert auto.choose(nbytes, world_size, ranks_per_node, shm_available=False) == expected
+@pytest.mark.parametrize("profile_name", ["this-machine", "test-hosts", "h100-ib"])
+@pytest.mark.parametrize("nbytes", [4, 4096, 65536, 2**20, 16 * 2**20, 2**28])
+@pytest.mark.parametrize("host_sizes", [(2,), (3,), (4,), (8,), (2, 2), (1, 1, 1, 1), (4, 4)])
+def test_auto_choose_follows_the_cost_model(nbytes, host_sizes, profile_name):
+    """choose picks the algorithm whose formula predicts the least time on the group's topology."""
+    profile = get_profile(profile_name)
+    several = len(host_sizes) > 1
+    if several and profile.inter is None:
+        return
+    world_size = sum(host_sizes)
+    flat = ("ring", "tree", "halving_doubling")
+    for shm_available in (None, False):
+        candidates = flat + (("hierarchical",) if several else ()) + \
+            (("shm",) if not several and shm_available is None and profile.shm else ())
+        expected = _model_choice(nbytes, host_sizes, candidates, profile)
+        chosen = auto.choose(nbytes, world_size, 1 if several else world_size, shm_available=shm_available,
+                             host_sizes=host_sizes if several else None, profile=profile)
+        assert chosen == expected, (nbytes, host_sizes, shm_available)
 
 
-@pytest.mark.parametrize("nbytes,world_size,ranks_per_node,shm_available,expected", [
-    (4, 2, 2, None, "shm"), (2**30, 4, 4, True, "shm"), (4, 1, 1, None, "ring"),
-    (4, 4, 2, None, "tree"), (4, 2, 2, False, "halving_doubling"),
-])
-def test_auto_prefers_shm_when_all_ranks_share_a_node(nbytes, world_size, ranks_per_node, shm_available,
-                                                       expected):
-    assert auto.choose(nbytes, world_size, ranks_per_node, shm_available) == expected
+def test_auto_moves_from_latency_to_bandwidth_algorithms_as_messages_grow():
+    """On a slow-start link the short messages go to a log-step algorithm and the long ones to the ring,
+    whose per-link bytes are the least: the crossover the thresholds used to encode, now from the model."""
+    profile = Profile("t", "", Link(1e-3, 1e9), None, 1e-10, 1e-10, ranks_per_host=8)
+    picks = [auto.choose(nbytes, 8, 8, shm_available=False, profile=profile) for nbytes in (4096, 2**30)]
+    assert picks[0] in ("tree", "halving_doubling") and picks[1] == "ring"
+    assert auto.choose(2**30, 1, 1, profile=profile) == "ring"
+
+
+@pytest.mark.parametrize("nbytes", [4, 2**20, 2**30])
+def test_auto_never_picks_shm_where_it_cannot_run(nbytes):
+    """shm only when every rank shares one node and shared memory is not known to be unavailable."""
+    assert auto.choose(nbytes, 4, 4, shm_available=False) != "shm"
+    assert auto.choose(nbytes, 4, 2) != "shm"  # pretend nodes
+    assert auto.choose(nbytes, 4, 1, shm_available=False, host_sizes=(2, 2)) != "shm"
+    assert auto.choose(nbytes, 1, 1) == "ring"
 
 
 @given(nbytes=st.integers(min_value=0, max_value=2**40), world_size=st.integers(min_value=1, max_value=64),

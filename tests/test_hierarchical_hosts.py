@@ -25,6 +25,9 @@ from gradsync.collectives import hierarchical
 from gradsync.collectives.hierarchical import BackendSubgroups
 from gradsync.collectives.preflight import resolve_algorithm
 from gradsync.process_group import default_communicator
+from gradsync.sim.formulas import predict_s
+from gradsync.sim.profiles import get_profile
+from gradsync.sim.topology import Topology
 from gradsync.transport.locality import Locality
 from gradsync.transport.thread import ThreadWorld
 
@@ -183,30 +186,36 @@ def test_native_across_nodes_on_threads_raises_on_every_rank_before_data_moves()
 # ---------------------------------------------------------------- auto across hosts
 
 
-@pytest.mark.parametrize("hosts,nbytes,expected", [
-    ((0, 0, 1), auto.HIERARCHICAL_MIN_BYTES, "hierarchical"),
-    ((0, 0, 1), auto.HIERARCHICAL_MIN_BYTES - 4, "tree"),
-    ((0, 1, 0, 1), 2**30, "hierarchical"),
-    ((0, 1), 2**20, "halving_doubling"),  # no host holds two ranks: flat
-    ((0, 1, 2, 3), 2**30, "ring"),
-    ((0, 1, 2, 3), auto.CROSS_HOST_RING_MIN_BYTES, "ring"),  # one rank per host: the links bound, not the hops
-    ((0, 1, 2, 3), auto.CROSS_HOST_RING_MIN_BYTES - 4, "tree"),
-    ((0, 1, 2), 2 * auto.CROSS_HOST_RING_MIN_BYTES, "ring"),
-    ((0, 0, 0), 4, "shm"),
-    ((0, 0, 0, 1), 4, "tree"),  # never shm across hosts; small: the flat rules
-    ((0, 0, 1, 1), auto.HIERARCHICAL_MIN_BYTES - 4, "tree"),
-    ((0, 0, 1, 1), auto.HIERARCHICAL_MIN_BYTES, "hierarchical"),
-])
-def test_auto_picks_hierarchical_across_hosts_from_the_threshold(hosts, nbytes, expected):
-    """auto over several hosts: hierarchical from HIERARCHICAL_MIN_BYTES when a host holds > 1 rank."""
+def _model_pick(hosts: tuple[int, ...], nbytes: int) -> str:
+    """The algorithm with the least predicted time on the test-hosts profile, from the formulas here
+    (hosts as rank counts)."""
+    sizes = tuple(hosts.count(host) for host in sorted(set(hosts)))
+    names = ("ring", "tree", "halving_doubling", "hierarchical")
+    profile = get_profile("test-hosts")
+    return min(names, key=lambda name: predict_s(name, profile, Topology(sizes), nbytes))
+
+
+@pytest.mark.parametrize("hosts", [(0, 0, 1), (0, 1, 0, 1), (0, 1), (0, 1, 2, 3), (0, 1, 2), (0, 0, 0, 1),
+                                   (0, 0, 1, 1)])
+@pytest.mark.parametrize("nbytes", [4, 4096, 65536, 2**20, 2**26])
+def test_auto_across_hosts_picks_what_the_model_predicts_fastest(hosts, nbytes):
+    """auto over several hosts: the cost model's fastest on the group's real topology, never shm."""
     comm = Communicator(ThreadWorld(len(hosts)).transport(0))
     comm.locality = Locality(hosts)
-    assert resolve_algorithm(comm, nbytes, "auto") == expected
+    chosen = resolve_algorithm(comm, nbytes, "auto")
+    assert chosen == _model_pick(hosts, nbytes) and chosen != "shm"
+
+
+def test_auto_on_one_host_may_pick_shm():
+    comm = Communicator(ThreadWorld(3).transport(0))
+    comm.locality = Locality((0, 0, 0))
+    assert resolve_algorithm(comm, 4, "auto") == auto.choose(4, 3, 3)
 
 
 def test_auto_across_unequal_hosts_runs_hierarchical_with_its_bytes():
-    """auto on hosts (0, 0, 1) at HIERARCHICAL_MIN_BYTES: exact sum and exactly hierarchical's payload bytes."""
-    hosts, numel = (0, 0, 1), auto.HIERARCHICAL_MIN_BYTES // 4
+    """auto on hosts (0, 0, 1) where the model picks hierarchical: exact sum and exactly its payload bytes."""
+    hosts = (0, 0, 1)
+    numel = next(n for n in (2**10, 2**14, 2**18, 2**22) if _model_pick(hosts, 4 * n) == "hierarchical")
 
     def rank_fn(algorithm):
         def run(comm):

@@ -1,78 +1,83 @@
-"""``algorithm="auto"``: pick an AllReduce algorithm from message size, world size and hosts.
+"""``algorithm="auto"``: the algorithm the cost model predicts fastest for this message and group.
 
-Thresholds measured with ``gradsync bench allreduce`` on a 2-core machine,
-Gloo over loopback, one thread per rank (tables in the README):
+For every algorithm the group can run, :func:`gradsync.sim.formulas.predict_s`
+predicts the call's time on the profile in use and the group's real topology
+(hosts x ranks per host, from its locality); the fastest wins. The formulas
+are the closed forms of the event simulation that runs the algorithms' own
+code (:mod:`gradsync.sim`), priced with a profile measured by
+``gradsync calibrate`` (DESIGN §7). This replaced a table of thresholds
+measured by hand on one machine.
 
-* 2 ranks, up to ``PAIR_SMALL_MESSAGE_BYTES`` (1 MiB): ``halving_doubling``,
-  whose short path is a single exchange of the whole vector (1.3-2.3x the
-  native call at 64 KiB-1 MiB); above it the ring.
-* 3 or more ranks, up to ``SMALL_MESSAGE_BYTES`` (4 MiB): ``tree``, whose
-  2·log2(p) hops beat the ring's 2(p-1) wake-ups (1.4-2x native, 3x ring at
-  ws=4); above it the pipelined ring, which matches native from 16 MiB.
-* ranks on several real hosts (``host_sizes`` has more than one entry), some
-  host holding more than one rank, and at least ``HIERARCHICAL_MIN_BYTES``:
-  ``hierarchical`` (equal hosts or not), so that each host sends
-  2(H-1)/H · n over its link instead of a flat ring's 2(p-1)/p · n (n against
-  1.5·n at 2 hosts x 2 ranks); with halving_doubling across 2 hosts it
-  also has the fewest latency steps, so the threshold (measured on 2 x 2
-  test hosts) is small; below it the flat rules above.
-* ranks on several hosts, one rank each, 3 or more ranks, at least
-  ``CROSS_HOST_RING_MIN_BYTES``: ``ring``, whose 2(p-1)/p · n per link is the
-  least any flat algorithm sends (``tree`` sends 2·n over some links: half the
-  ring's speed at 1-4 MiB on 4 x 1 test hosts at 1 Gbit/s).
-* pretend nodes (``ranks_per_node`` < world size, no ``host_sizes``) and a
-  message above ``SMALL_MESSAGE_BYTES``: ``hierarchical`` too. (On one machine
-  it is no faster than the ring; the rule keeps pretend nodes exercised.)
-* all ranks on one node (``ranks_per_node`` = world size) and shared memory
-  not known to be unavailable: ``shm``, whose copies through one segment beat
-  every loopback-TCP path at every size (README tables). Never across hosts:
-  there ``shm_available`` is False.
+The profile in use: the file or name in ``GRADSYNC_PROFILE``, else the
+calibrated profile shipped for this machine class (``this-machine`` for a
+group on one host, ``test-hosts`` for a group across hosts: the emulated
+hosts of ``--hosts``; calibrate your own cluster and set ``GRADSYNC_PROFILE``).
+Every rank must decide from the same numbers: the profile's digest is folded
+into the layout check's options fingerprint of every ``auto`` call
+(:mod:`~gradsync.collectives.preflight`), so ranks with different profiles
+raise CollectiveMismatchError instead of running different algorithms.
 
-``ranks_per_node``, ``host_sizes`` and ``shm_available`` come from the
-group's locality, learnt from host identities every rank exchanged
-(:mod:`gradsync.transport.locality`; an explicit
-``HierarchicalOptions(ranks_per_node=...)`` wins), so every rank makes the
-same choice; the choice, not "auto", goes into the layout check, so ranks
-that still chose differently all raise CollectiveMismatchError.
+Candidates: ``shm`` when every rank shares one host and shared memory is not
+known to be unavailable; ``ring``, ``tree``, ``halving_doubling``; and
+``hierarchical`` when the group spans hosts (or pretend nodes:
+``HierarchicalOptions.ranks_per_node``, priced as nodes joined by the
+intra-host link, each rank on its own port). The segment size is the group's
+(``SegmentOptions``), not chosen per call.
 
->>> choose(4096, world_size=2, ranks_per_node=2)
-'shm'
->>> choose(4096, world_size=2, ranks_per_node=2, shm_available=False)
+>>> from gradsync.sim.profile import Link, Profile
+>>> slow_start = Profile("example", "", Link(1e-3, 1e9), None, 1e-10, 1e-10, ranks_per_host=8)
+>>> choose(4096, 8, 8, shm_available=False, profile=slow_start)  # latency-bound: 3 exchanges, not 14 ring hops
 'halving_doubling'
->>> choose(4096, world_size=4, ranks_per_node=4, shm_available=False)
-'tree'
->>> choose(64 * 2**20, world_size=4, ranks_per_node=4, shm_available=False)
-'ring'
->>> choose(64 * 2**20, world_size=8, ranks_per_node=4)
-'hierarchical'
->>> choose(2**20, world_size=3, ranks_per_node=1, shm_available=False, host_sizes=(2, 1))
-'hierarchical'
->>> choose(1024, world_size=3, ranks_per_node=1, shm_available=False, host_sizes=(2, 1))
-'tree'
->>> choose(2**20, world_size=2, ranks_per_node=1, shm_available=False, host_sizes=(1, 1))
-'halving_doubling'
->>> choose(2**20, world_size=4, ranks_per_node=1, shm_available=False, host_sizes=(1, 1, 1, 1))
+>>> choose(2**30, 8, 8, shm_available=False, profile=slow_start)  # bandwidth-bound: the ring
 'ring'
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import os
 from typing import Sequence
 
-PAIR_SMALL_MESSAGE_BYTES = 2**20
-SMALL_MESSAGE_BYTES = 4 * 2**20
-# Across real hosts (test hosts, 1 Gbit/s links, one core per host; `gradsync bench allreduce --hosts 2
-# --nproc 2 --inter-host-gbit 1`, docs/benchmarks.md). 2 x 2: hierarchical (halving_doubling across) took
-# 3.7 ms at 4 KiB, 3.9 at 64 KiB, 6.6 at 512 KiB, against tree's 4.0, 4.8 and 13.9; from 1 MiB it leads by
-# the bytes it keeps off the links. 4 x 1 (no host of two): tree 4.2 ms at 64 KiB, ring 8.6; at 512 KiB
-# ring 13.3, tree 16.3, and from 1 MiB tree is half the ring's speed (it sends 2n over some links).
-HIERARCHICAL_MIN_BYTES = 4 * 2**10
-CROSS_HOST_RING_MIN_BYTES = 512 * 2**10
+from gradsync.sim import formulas
+from gradsync.sim.profile import Profile
+from gradsync.sim.profiles import get_profile
+from gradsync.sim.topology import Topology
+
+PROFILE_ENV = "GRADSYNC_PROFILE"
+FLAT = ("ring", "tree", "halving_doubling")
+
+
+def profile_in_use(several_hosts: bool) -> Profile:
+    """The profile ``auto`` decides with (see the module docstring).
+
+    Raises:
+        ValueError: ``GRADSYNC_PROFILE`` names no profile.
+    """
+    return _profile(os.environ.get(PROFILE_ENV) or ("test-hosts" if several_hosts else "this-machine"))
+
+
+def profile_digest(several_hosts: bool) -> str:
+    """The digest of :func:`profile_in_use` (what the layout check of an ``auto`` call compares)."""
+    return _digest(os.environ.get(PROFILE_ENV) or ("test-hosts" if several_hosts else "this-machine"))
+
+
+@functools.lru_cache(maxsize=8)
+def _digest(name: str) -> str:
+    return _profile(name).digest()
+
+
+@functools.lru_cache(maxsize=8)
+def _profile(name: str) -> Profile:
+    try:
+        return get_profile(name)
+    except (ValueError, OSError) as error:
+        raise ValueError(f"{PROFILE_ENV}={name!r}: {error}") from error
 
 
 def choose(nbytes: int, world_size: int, ranks_per_node: int, shm_available: bool | None = None,
-           host_sizes: Sequence[int] | None = None) -> str:
-    """Return the algorithm name for an AllReduce of ``nbytes`` bytes over ``world_size`` ranks.
+           host_sizes: Sequence[int] | None = None, profile: Profile | None = None) -> str:
+    """Return the algorithm the model predicts fastest for an AllReduce of ``nbytes`` bytes.
 
     Args:
         nbytes: message bytes (after any upcast).
@@ -82,20 +87,39 @@ def choose(nbytes: int, world_size: int, ranks_per_node: int, shm_available: boo
             are, or are not, all on one machine).
         host_sizes: ranks on each real host (the group's locality), None: not known or
             pretend nodes given explicitly.
+        profile: the hardware numbers (None: :func:`profile_in_use`).
+
+    Raises:
+        ValueError: the profile has no link between hosts and the group spans hosts.
     """
     if world_size == 1:
         return "ring"
-    if ranks_per_node >= world_size and shm_available is not False:
-        return "shm"
-    if host_sizes is not None and len(host_sizes) > 1:
-        if max(host_sizes) > 1 and nbytes >= HIERARCHICAL_MIN_BYTES:
-            return "hierarchical"
-        if max(host_sizes) == 1 and world_size > 2 and nbytes >= CROSS_HOST_RING_MIN_BYTES:
-            return "ring"  # one rank per host: the links, not the hops, bound; the ring sends least across
-    if world_size == 2:
-        return "halving_doubling" if nbytes <= PAIR_SMALL_MESSAGE_BYTES else "ring"
-    if nbytes <= SMALL_MESSAGE_BYTES:
-        return "tree"
-    if 1 < ranks_per_node < world_size:
-        return "hierarchical"
-    return "ring"
+    several = host_sizes is not None and len(host_sizes) > 1
+    profile = profile or profile_in_use(several)
+    if several:
+        sizes = tuple(host_sizes)
+    elif 1 < ranks_per_node < world_size:  # pretend nodes on one machine
+        sizes = (ranks_per_node,) * (world_size // ranks_per_node)
+        profile = dataclasses.replace(profile, inter=profile.intra, nics_per_host=ranks_per_node)
+    else:
+        sizes = (world_size,)
+    shm = not several and ranks_per_node >= world_size and shm_available is not False and profile.shm is not None
+    return _fastest(nbytes, sizes, shm, profile)
+
+
+@functools.lru_cache(maxsize=4096)
+def _fastest(nbytes: int, host_sizes: tuple[int, ...], shm: bool, profile: Profile) -> str:
+    candidates = FLAT + (("hierarchical",) if len(host_sizes) > 1 else ()) + (("shm",) if shm else ())
+    topology = Topology(host_sizes)
+    nbytes = nbytes - nbytes % 4
+    times = {name: formulas.predict_s(name, profile, topology, nbytes) for name in candidates}
+    return min(candidates, key=times.__getitem__)
+
+
+def predicted_times(nbytes: int, world_size: int, host_sizes: Sequence[int] | None = None,
+                    profile: Profile | None = None) -> dict[str, float]:
+    """Every candidate's predicted seconds (what :func:`choose` compares), for reports and tests."""
+    sizes = tuple(host_sizes) if host_sizes else (world_size,)
+    profile = profile or profile_in_use(len(sizes) > 1)
+    names = FLAT + (("hierarchical",) if len(sizes) > 1 else ("shm",) if profile.shm is not None else ())
+    return {name: formulas.predict_s(name, profile, Topology(sizes), nbytes - nbytes % 4) for name in names}

@@ -230,6 +230,16 @@ def options_fingerprint(comm: Communicator, algorithm: str) -> int:
     return zlib.crc32(repr((algorithm, parts)).encode())
 
 
+def _fingerprint(comm: Communicator, resolved: str, requested) -> int:
+    """The options fingerprint, with the cost model's profile digest when ``auto`` chose (so ranks that
+    decided from different numbers raise instead of running different algorithms)."""
+    fingerprint = options_fingerprint(comm, resolved)
+    if requested != AUTO:
+        return fingerprint
+    several = comm.locality is not None and not comm.locality.one_host
+    return zlib.crc32(f"{fingerprint}/{auto.profile_digest(several)}".encode())
+
+
 def _stage(prepare, algorithm: str):
     try:
         return None, prepare(algorithm) if prepare is not None else None
@@ -262,10 +272,13 @@ def start_call(comm: Communicator, tensor, what: str, *, op=NO_OP, algorithm: st
         if what in FIXED_ALGORITHM:
             resolved = label = algorithm or FIXED_ALGORITHM[what]
         else:
-            resolved = resolve_algorithm(comm, tensor.numel() * tensor.element_size(), algorithm, device)
+            try:
+                resolved = resolve_algorithm(comm, tensor.numel() * tensor.element_size(), algorithm, device)
+            except ValueError as exc:  # a bad GRADSYNC_PROFILE: tell the others, then raise it
+                problem = _reject("a bad argument", exc)
             label = f"auto ({resolved})" if algorithm == AUTO else resolved
         call.algorithm = label
-        problem = _runnable_problem(comm, resolved, device)
+        problem = problem or _runnable_problem(comm, resolved, device)
         call.refine_tag(_layout_key(tensor, resolved, src))
     staged = None
     if problem is None:
@@ -275,7 +288,7 @@ def start_call(comm: Communicator, tensor, what: str, *, op=NO_OP, algorithm: st
                       op=op if problem is None and op is not NO_OP else "none",
                       src=src if problem is None and src is not None else -1,
                       algorithm=resolved if problem is None else "none", rejection=problem,
-                      options=options_fingerprint(comm, resolved) if problem is None else 0)
+                      options=_fingerprint(comm, resolved, algorithm) if problem is None else 0)
     if problem is not None:
         raise problem[1]
     return call, resolved, staged

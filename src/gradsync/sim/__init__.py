@@ -14,7 +14,7 @@ collectives, so this package must not import the engine when it is imported.
 from importlib import import_module
 
 _NAMES = {
-    "SimulationDeadlock": "cluster", "Topology": "cluster",
+    "SimulationDeadlock": "cluster", "Topology": "topology",
     "SIMULATED": "engine", "SimResult": "engine", "simulate_all_reduce": "engine",
     "Link": "profile", "Profile": "profile", "ShmModel": "profile",
     "PROFILE_NAMES": "profiles", "get_profile": "profiles",

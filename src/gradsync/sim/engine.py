@@ -25,7 +25,8 @@ from gradsync.collectives.chunking import SegmentOptions
 from gradsync.collectives.hierarchical import HierarchicalOptions
 from gradsync.collectives.options import AlgorithmOptions, OptionStore
 from gradsync.collectives.registry import ALL_REDUCE
-from gradsync.sim.cluster import TraceEvent, Topology, VirtualCluster
+from gradsync.sim.cluster import TraceEvent, VirtualCluster
+from gradsync.sim.topology import Topology
 from gradsync.sim.profile import Profile
 from gradsync.sim.transport import SimWorld
 from gradsync.sim.virtual import VirtualTensor, VirtualWorkspace

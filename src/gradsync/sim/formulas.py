@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from gradsync.collectives.chunking import DEFAULT_SEGMENT_BYTES
 from gradsync.collectives.halving_doubling import SHORT_MESSAGE_BYTES as HD_SHORT_BYTES
 from gradsync.collectives.shm import SMALL_MESSAGE_BYTES as SHM_SMALL_BYTES
-from gradsync.sim.cluster import Topology
+from gradsync.sim.topology import Topology
 from gradsync.sim.profile import Profile
 
 FORMULAS = ("ring", "tree", "halving_doubling", "hierarchical", "shm")
@@ -30,11 +30,24 @@ FORMULAS = ("ring", "tree", "halving_doubling", "hierarchical", "shm")
 
 @dataclass(frozen=True)
 class Step:
-    """Per-message latency and per-byte transfer and reduction time of one kind of step (seconds)."""
+    """Per-message latency, per-byte transfer and reduction time of one kind of step (seconds), and how
+    many ranks share the busiest port it crosses."""
 
     alpha: float
     beta: float
     gamma: float
+    sharing: float = 1.0
+
+    def move_s(self, nbytes: float) -> float:
+        """Seconds to move ``nbytes`` per rank of a ring while ``sharing`` rings use the same port: the
+        latency hides the others' bytes until the port itself is the bound (the rings fall out of step
+        after their first collision, as in the event simulation)."""
+        return max(self.alpha + nbytes * self.beta, self.sharing * nbytes * self.beta)
+
+    def exchange_s(self, nbytes: float) -> float:
+        """Seconds of a lockstep exchange of ``nbytes`` (halving-doubling: every pair starts each step
+        together, so the ``sharing`` ranks' bytes queue on the port every time)."""
+        return self.alpha + self.sharing * nbytes * self.beta
 
 
 def _step(profile: Profile, topology: Topology, crosses_hosts: bool, sharing: float = 1.0,
@@ -45,8 +58,8 @@ def _step(profile: Profile, topology: Topology, crosses_hosts: bool, sharing: fl
         oversub = max(profile.oversubscription(size) for size in topology.host_sizes)
     link = profile.link(not crosses_hosts)
     slow = oversub if link.cpu_bound else 1.0
-    return Step(link.alpha_s * slow, link.beta_s_per_byte * slow * (sharing if crosses_hosts else 1.0),
-                profile.gamma_s_per_byte * oversub)
+    return Step(link.alpha_s * slow, link.beta_s_per_byte * slow, profile.gamma_s_per_byte * oversub,
+                sharing if crosses_hosts else 1.0)
 
 
 def _nic_sharing(profile: Profile, topology: Topology, active_per_host: int) -> float:
@@ -61,14 +74,21 @@ def _segments(chunk_bytes: float, segment_bytes: int, itemsize: int) -> tuple[fl
 
 
 def ring_phases_s(p: int, n: float, step: Step, segment_bytes: int, itemsize: int) -> tuple[float, float]:
-    """(reduce-scatter, all-gather) seconds of the pipelined ring over p ranks."""
+    """(reduce-scatter, all-gather) seconds of the pipelined ring over p ranks.
+
+    A hop of the reduce-scatter moves a chunk of c = n/p bytes in segments of s, each added on
+    arrival while the next one travels: the chunk's bytes on the link and the last segment's add,
+    or (adds slower than the link) the first segment's transfer and all the adds; a hop of the
+    all-gather is one α and the chunk's bytes.
+    """
     if p == 1 or n == 0:
         return 0.0, 0.0
     c = math.ceil(n / itemsize / p) * itemsize
     s, k = _segments(c, segment_bytes, itemsize)
-    per = max(s * step.beta, s * step.gamma)
-    scatter = (p - 1) * (step.alpha + s * step.beta + (k - 1) * per + s * step.gamma)
-    gather = (p - 1) * (step.alpha + k * s * step.beta)
+    s_last = c - (k - 1) * s
+    hop = max(step.move_s(c) + s_last * step.gamma, step.alpha + s * step.beta + c * step.gamma)  # link/add-bound
+    scatter = (p - 1) * hop
+    gather = (p - 1) * step.move_s(c)
     return scatter, gather
 
 
@@ -82,60 +102,123 @@ def ring_s(profile: Profile, topology: Topology, n: int, segment_bytes: int = DE
 
 def tree_s(profile: Profile, topology: Topology, n: int, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
            itemsize: int = 4) -> float:
-    """Heap-ordered binary tree, reduce to rank 0 then broadcast, both pipelined by segments.
+    """Heap-ordered binary tree (rank i's children 2i+1, 2i+2), reduce to rank 0 then broadcast, both
+    pipelined by segments of s bytes.
 
-    An inner rank receives two segments (its ingress carries 2s per segment) and adds both; the
-    broadcast sends each segment twice. Depth D = floor(log2 p) levels.
+    The first segment's way up and down is followed edge by edge (each edge intra- or inter-host,
+    two children into one port one after the other, then their adds); the other k-1 segments follow
+    at the pace of the busiest port or core: per segment, a port carries s for every edge through it
+    (a parent's ingress both children, a shared NIC all its host's crossing edges) and a rank adds
+    s per child.
     """
     p = topology.world_size
     if p == 1 or n == 0:
         return 0.0
-    depth = int(math.log2(p))
-    sharing = _nic_sharing(profile, topology, max(topology.host_sizes)) if topology.hosts > 1 else 1.0
-    step = _step(profile, topology, topology.hosts > 1, sharing)
+    hosts = topology.host_of()
+    local = _local_ranks(topology)
+    oversub = max(profile.oversubscription(size) for size in topology.host_sizes)
     s, k = _segments(n, segment_bytes, itemsize)
-    fan = 2 if p > 2 else 1
-    up = depth * (step.alpha + s * step.beta + fan * s * step.gamma) + (k - 1) * max(fan * s * step.beta,
-                                                                                   fan * s * step.gamma)
-    down = depth * (step.alpha + s * step.beta) + (k - 1) * fan * s * step.beta + (fan - 1) * s * step.beta
-    return up + down
+    s_last = n - (k - 1) * s
+    gamma = profile.gamma_s_per_byte * oversub
+    loads: dict[tuple, float] = {}
+
+    def edge(child: int) -> tuple[Step, tuple, tuple]:
+        parent = (child - 1) // 2
+        crosses = hosts[child] != hosts[parent]
+        step = _step(profile, topology, crosses, 1.0, oversub)
+        if crosses:
+            nics = profile.nics_per_host
+            return step, ("nic", hosts[child], local[child] % nics), ("nic", hosts[parent], local[parent] % nics)
+        return step, ("rank", child), ("rank", parent)
+
+    edges = [None] + [edge(child) for child in range(1, p)]
+    up = [0.0] * p
+    port_free: dict[tuple, float] = {}
+    for rank in range(p - 1, -1, -1):  # children before parents
+        children = [c for c in (2 * rank + 1, 2 * rank + 2) if c < p]
+        arrived = 0.0
+        for child in sorted(children, key=lambda c: up[c]):
+            step, out_port, in_port = edges[child]
+            out_key, in_key = ("out",) + out_port, ("in",) + in_port
+            start = max(up[child], port_free.get(out_key, 0.0), port_free.get(in_key, 0.0))
+            port_free[out_key] = port_free[in_key] = start + s * step.beta
+            arrived = max(arrived, start + s * step.beta + step.alpha)
+            for port in (("out",) + out_port, ("in",) + in_port):
+                loads[port] = loads.get(port, 0.0) + step.beta
+        up[rank] = arrived + len(children) * s * gamma if children else 0.0
+    reduce_pace = max(max(loads.values()) * s, 2 * s * gamma if p > 2 else s * gamma)
+    reduce_time = up[0] + (k - 1) * reduce_pace + (s_last - s) * reduce_pace / s
+    down = [0.0] * p
+    send_loads: dict[tuple, float] = {}
+    port_free = {}
+    for rank in range(p):
+        for child in (2 * rank + 1, 2 * rank + 2):
+            if child >= p:
+                continue
+            step, out_port, in_port = edges[child]
+            out_key, in_key = ("out",) + in_port, ("in",) + out_port  # the parent sends, the child receives
+            start = max(down[rank], port_free.get(out_key, 0.0), port_free.get(in_key, 0.0))
+            port_free[out_key] = port_free[in_key] = start + s * step.beta
+            down[child] = start + s * step.beta + step.alpha
+            for port in (("out",) + in_port, ("in",) + out_port):
+                send_loads[port] = send_loads.get(port, 0.0) + step.beta
+    broadcast_pace = max(send_loads.values()) * s
+    broadcast_time = max(down) + (k - 1) * broadcast_pace + (s_last - s) * broadcast_pace / s
+    return reduce_time + broadcast_time
+
+
+def _local_ranks(topology: Topology) -> list[int]:
+    local = []
+    for size in topology.host_sizes:
+        local.extend(range(size))
+    return local
 
 
 def halving_doubling_s(profile: Profile, topology: Topology, n: int, itemsize: int = 4, *,
                        sharing: float | None = None, oversub: float | None = None) -> float:
     """Recursive halving then doubling (long messages) or doubling of the whole vector (short), with
-    the fold of the ranks beyond the largest power of two. A step at distance d crosses hosts when
-    d >= ranks per host (hosts in blocks); then every rank of a host crosses at once."""
+    the fold of the ranks beyond the largest power of two. Each step's pairs are placed exactly: a
+    step crosses hosts when any pair does, and the ranks of a host that cross at once share its
+    NICs (``sharing`` overrides the count)."""
     p = topology.world_size
     if p == 1 or n == 0:
         return 0.0
     core = 1 << (p.bit_length() - 1)
     extra = p - core
-    per_host = max(topology.host_sizes)
-    if sharing is None:
-        sharing = _nic_sharing(profile, topology, per_host)
+    hosts, local = topology.host_of(), _local_ranks(topology)
+    members = [2 * c + 1 if c < extra else c + extra for c in range(core)]
+
+    def step_for(pairs) -> Step:
+        crossing: dict[tuple, int] = {}
+        for a, b in pairs:
+            if hosts[a] != hosts[b]:
+                key = (hosts[a], local[a] % profile.nics_per_host)
+                crossing[key] = crossing.get(key, 0) + 1
+        if not crossing:
+            return _step(profile, topology, False, 1.0, oversub)
+        return _step(profile, topology, True, sharing or max(crossing.values()), oversub)
 
     def step_at(distance: int) -> Step:
-        return _step(profile, topology, topology.hosts > 1 and distance >= per_host, sharing, oversub)
+        return step_for((members[c], members[c ^ distance]) for c in range(core))
 
     total = 0.0
     if extra:
-        fold = _step(profile, topology, topology.hosts > 1 and per_host == 1, 1.0, oversub)
-        total += 2 * (fold.alpha + n * fold.beta) + n * fold.gamma
+        fold = step_for((2 * i, 2 * i + 1) for i in range(extra))
+        total += 2 * fold.exchange_s(n) + n * fold.gamma
     levels = int(math.log2(core))
     if n <= HD_SHORT_BYTES or n // itemsize < core:
         for level in range(levels):
             st = step_at(1 << level)
-            total += st.alpha + n * (st.beta + st.gamma)
+            total += st.exchange_s(n) + n * st.gamma
         return total
     m = float(n)
     for level in range(levels):  # halving: distance core/2, core/4, ..., 1
         st = step_at(core >> (level + 1))
         m /= 2
-        total += 2 * (st.alpha + m * (st.beta + st.gamma)) - st.alpha - m * st.beta
+        total += st.exchange_s(m) + m * st.gamma
     for level in range(levels):  # doubling: distance 1, 2, ..., core/2
         st = step_at(1 << level)
-        total += st.alpha + m * st.beta
+        total += st.exchange_s(m)
         m *= 2
     return total
 
@@ -169,36 +252,39 @@ def hierarchical_s(profile: Profile, topology: Topology, n: int, segment_bytes: 
                    itemsize: int = 4, shm_inside: bool | None = None) -> float:
     """Inside each host (ring reduce-scatter, or the shm sum), chunk j across hosts by local rank j
     (halving_doubling over a power-of-two number of hosts, else ring; all L local ranks at once, sharing
-    the NICs), then inside again (ring all-gather, or shm broadcasts). Equal hosts only.
+    the NICs), then inside again (ring all-gather, or shm broadcasts).
 
-    Raises:
-        ValueError: hosts of different sizes (the event simulation handles those).
+    Unequal hosts: the L_min ranks of the smallest host own the chunks; with the ring inside, each
+    extra rank of a larger host hands its message to the owners and takes the result back (2 moves
+    of n inside the host, and the owners add the extras' chunks); with shm inside the largest host's
+    shared-memory sum and broadcasts set the pace.
     """
-    if len(set(topology.host_sizes)) > 1:
-        raise ValueError("the hierarchical formula needs equal hosts; simulate unequal ones with events")
-    local, hosts = topology.host_sizes[0], topology.hosts
     if topology.world_size == 1 or n == 0:
         return 0.0
-    one_host = Topology((local,))
-    inside = shm_inside if shm_inside is not None else (profile.shm is not None and local > 1)
+    local, largest, hosts = min(topology.host_sizes), max(topology.host_sizes), topology.hosts
+    inside = shm_inside if shm_inside is not None else (profile.shm is not None and largest > 1)
     chunk = math.ceil(n / itemsize / local) * itemsize
-    across = Topology((1,) * hosts) if hosts > 1 else None
-    sharing = _nic_sharing(profile, topology, local)
-    oversub = profile.oversubscription(local)
+    oversub = profile.oversubscription(largest)
     inter = 0.0
-    if across is not None:
+    if hosts > 1:
+        across = Topology((1,) * hosts)
+        sharing = _nic_sharing(profile, topology, local)
         if hosts & (hosts - 1) == 0:
             inter = halving_doubling_s(profile, across, chunk, itemsize, sharing=sharing, oversub=oversub)
         else:
             inter = ring_s(profile, across, chunk, segment_bytes, itemsize, sharing=sharing, oversub=oversub)
     if inside:
+        node = shm_s(profile, Topology((largest,)), n, itemsize)
         if hosts == 1:
-            return shm_s(profile, one_host, n, itemsize)
-        spread = local * (profile.shm.barrier_s + shm_phase_s(profile, local, chunk, 0, oversub))
-        return shm_s(profile, one_host, n, itemsize) + inter + spread
-    step = _step(profile, one_host, False)
+            return node
+        spread = local * (profile.shm.barrier_s + shm_phase_s(profile, largest, chunk, 0, oversub))
+        return node + inter + spread
+    step = _step(profile, Topology((largest,)), False)
     scatter, gather = ring_phases_s(local, n, step, segment_bytes, itemsize)
-    return scatter + inter + gather
+    extras = 0.0
+    if largest > local:
+        extras = 2 * step.move_s(n) + (largest - local) * chunk * step.gamma
+    return extras + scatter + inter + gather
 
 
 def predict_s(algorithm: str, profile: Profile, topology: Topology, nbytes: int, *,

@@ -114,7 +114,11 @@ class VirtualTensor:
         return self._like(tuple(out_shape), offset)
 
     def __setitem__(self, key, value) -> None:
-        self[key].copy_(value)
+        target = self[key]
+        if isinstance(value, VirtualTensor) and (value.root, value.offset, value.shape) == \
+                (target.root, target.offset, target.shape):
+            return  # ``x[a:b] += y`` writes the view back onto itself: torch's copy_ skips that too
+        target.copy_(value)
 
     def __len__(self) -> int:
         return self.shape[0]

@@ -1,0 +1,157 @@
+"""``gradsync explain ALG``: how an AllReduce moves the data, read off a run of the real code.
+
+The algorithm runs on simulated ranks with a trace
+(:func:`~gradsync.sim.engine.simulate_all_reduce`); every transfer the real
+code posted and every addition it made is an event. Transfers that start at
+the same instant form a step (for the ring: one hop of every rank at once).
+Each step lists who sends which elements to whom (and which chunk and
+segment they are), and the step's share of the predicted time split into
+its α (latency), β (bytes on the link), γ (additions) and waiting; the
+shares add up to the predicted time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gradsync.collectives.chunking import DEFAULT_SEGMENT_BYTES, chunk_bounds
+from gradsync.sim.cluster import TraceEvent
+from gradsync.sim.engine import SimResult, simulate_all_reduce
+from gradsync.sim.profiles import get_profile
+from gradsync.sim.topology import Topology
+
+_SHOWN_PER_STEP = 8
+_MAX_STEPS = 64
+
+
+@dataclass
+class Step:
+    """Transfers starting at ``start_s``, the additions that follow them, and the step's time terms."""
+
+    start_s: float
+    sends: list[TraceEvent] = field(default_factory=list)
+    adds: list[TraceEvent] = field(default_factory=list)
+    terms: dict = field(default_factory=dict)
+
+
+def parse_nbytes(text: str) -> int:
+    """``"4096"``, ``"64K"``, ``"1M"``, ``"1G"`` -> bytes (binary multiples).
+
+    Raises:
+        ValueError: not a size.
+    """
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    text = str(text).strip().upper().removesuffix("B")
+    try:
+        if text and text[-1] in units:
+            return int(float(text[:-1]) * units[text[-1]])
+        return int(text)
+    except ValueError:
+        raise ValueError(f"not a size in bytes: {text!r} (e.g. 4096, 64K, 1M)") from None
+
+
+def steps_of(result: SimResult, call_overhead_s: float) -> list[Step]:
+    """Group the trace into steps and split the time from the first transfer to the end among them."""
+    sends = sorted((e for e in result.trace if e.kind == "send"), key=lambda e: (e.start_s, e.src))
+    adds = sorted((e for e in result.trace if e.kind != "send"), key=lambda e: e.start_s)
+    steps: list[Step] = []
+    for event in sends:
+        if not steps or event.start_s > steps[-1].start_s + 1e-12:
+            steps.append(Step(event.start_s))
+        steps[-1].sends.append(event)
+    for event in adds:
+        index = max((i for i, step in enumerate(steps) if step.start_s <= event.start_s + 1e-12), default=0)
+        if steps:
+            steps[index].adds.append(event)
+    ends = [step.start_s for step in steps[1:]] + [result.time_s]
+    for step, end in zip(steps, ends):
+        span = end - step.start_s
+        first = step.sends[0].terms
+        alpha = min(first["alpha"], span)
+        beta = min(first["beta"], span - alpha)
+        gamma = min(max((a.end_s - a.start_s for a in step.adds), default=0.0), span - alpha - beta)
+        step.terms = {"alpha": alpha, "beta": beta, "gamma": gamma, "wait": span - alpha - beta - gamma}
+    if steps:
+        steps[0].terms["call"] = call_overhead_s
+    return steps
+
+
+def _where(event: TraceEvent, algorithm: str, chunks: list[tuple[int, int]], segment_numel: int) -> str:
+    if event.root != 0:
+        return "a scratch buffer"
+    a, b = event.offset, event.offset + event.numel
+    if algorithm == "tree":
+        return f"elements [{a}, {b}) = segment {a // segment_numel}"
+    chunk = next((index for index, (start, stop) in enumerate(chunks) if start <= a < stop), None)
+    if algorithm != "ring" or chunk is None:
+        return f"elements [{a}, {b})"
+    segment = (a - chunks[chunk][0]) // segment_numel
+    return f"elements [{a}, {b}) = chunk {chunk} segment {segment}"
+
+
+def render(algorithm: str, nproc: int, nbytes: int, profile_name: str, hosts: int = 1,
+           segment_bytes: int | None = None) -> str:
+    """The explanation as text (see the module docstring).
+
+    Raises:
+        ValueError: a bad algorithm, size, profile, or ranks that do not split over the hosts.
+    """
+    if nproc < 1 or hosts < 1 or nproc % hosts:
+        raise ValueError(f"--nproc {nproc} must be >= 1 and a multiple of --hosts {hosts}")
+    profile = get_profile(profile_name)
+    topology = Topology.uniform(hosts, nproc // hosts)
+    nbytes -= nbytes % 4
+    result = simulate_all_reduce(algorithm, nbytes, profile, topology, segment_bytes=segment_bytes, trace=True)
+    numel = nbytes // 4
+    segment_numel = max(1, (segment_bytes or DEFAULT_SEGMENT_BYTES) // 4)
+    chunks = chunk_bounds(numel, nproc)
+    if algorithm == "ring":
+        segment_numel = min(segment_numel, max(chunks[0][1] - chunks[0][0], 1))
+    lines = [f"{algorithm} AllReduce of {nbytes} bytes ({numel} float32) over {nproc} ranks "
+             f"({topology.describe()}), profile {profile.name}"]
+    if algorithm == "ring":
+        lines.append(f"chunks (rank r owns chunk r): {', '.join(f'[{a}, {b})' for a, b in chunks[:8])}"
+                     f"{' ...' if nproc > 8 else ''}; segments of {segment_numel} elements")
+    elif algorithm == "tree":
+        lines.append(f"rank i's children: 2i+1 and 2i+2; segments of {segment_numel} elements flow up to rank 0, "
+                     f"then down")
+    elif algorithm in ("shm", "hierarchical") and profile.shm is not None:
+        lines.append("shared-memory steps are priced by a formula (copy in, barrier, each rank sums its chunk, "
+                     "barrier, copy out), not by messages: see gradsync.sim.transport.VirtualSharedMemory")
+    lines.append("")
+    steps = steps_of(result, profile.call_overhead_s)
+    for number, step in enumerate(steps[:_MAX_STEPS]):
+        terms = step.terms
+        lines.append(f"step {number}: at {step.start_s * 1e6:.1f} us, {len(step.sends)} transfers "
+                     f"(alpha {terms['alpha'] * 1e6:.1f} + beta {terms['beta'] * 1e6:.1f} + gamma "
+                     f"{terms['gamma'] * 1e6:.1f} + waiting {terms['wait'] * 1e6:.1f} us)")
+        for event in step.sends[:_SHOWN_PER_STEP]:
+            lines.append(f"  rank {event.src} -> rank {event.dst}: {_where(event, algorithm, chunks, segment_numel)}, "
+                         f"{event.nbytes} B")
+        if len(step.sends) > _SHOWN_PER_STEP:
+            lines.append(f"  ... and {len(step.sends) - _SHOWN_PER_STEP} more")
+        added = [a for a in step.adds if a.kind == "reduce"]
+        if added:
+            ranks = sorted({a.src for a in added})
+            lines.append(f"  then ranks {', '.join(map(str, ranks[:_SHOWN_PER_STEP]))}"
+                         f"{' ...' if len(ranks) > _SHOWN_PER_STEP else ''} add what they received "
+                         f"({added[0].nbytes} B each)")
+    if len(steps) > _MAX_STEPS:
+        lines.append(f"... and {len(steps) - _MAX_STEPS} more steps")
+    total = {key: sum(step.terms.get(key, 0.0) for step in steps) for key in ("call", "alpha", "beta", "gamma", "wait")}
+    if not steps:  # shared memory only: no message to show
+        total["call"] = profile.call_overhead_s
+        total["wait"] = result.time_s - profile.call_overhead_s
+        lines.append("no messages: the shared-memory formula's copies, adds and barriers are the waiting below")
+    lines += ["", f"predicted time {result.time_s * 1e6:.1f} us = call overhead {total['call'] * 1e6:.1f} + alpha "
+              f"{total['alpha'] * 1e6:.1f} + beta {total['beta'] * 1e6:.1f} + gamma {total['gamma'] * 1e6:.1f} + "
+              f"waiting {total['wait'] * 1e6:.1f} us; busbw {result.busbw_gbps:.2f} GB/s",
+              f"link: alpha {profile.intra.alpha_s * 1e6:.2f} us per message, "
+              f"{profile.intra.bandwidth_bytes_per_s / 1e9:.2f} GB/s per port inside a host"
+              + (f"; {profile.inter.bandwidth_bytes_per_s / 1e9:.3f} GB/s between hosts" if profile.inter else "")]
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    print(render(args.algorithm, args.nproc, parse_nbytes(args.size), args.profile, args.hosts, args.segment_bytes))
+    return 0
