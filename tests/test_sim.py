@@ -9,7 +9,6 @@ import time
 import pytest
 import torch
 
-import gradsync
 from _dist import run_threads
 from gradsync.collectives import Communicator, HierarchicalOptions, SegmentOptions, auto, preflight
 from gradsync.collectives import ops as collectives_api

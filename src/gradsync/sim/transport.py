@@ -38,10 +38,15 @@ class SimHandle:
         self.waiter = None
 
     def wait(self, timeout_s: float) -> None:
+        cluster = self.cluster
         if self.done_s is None:
-            self.waiter = self.cluster.current
-            self.cluster.block(f"waits for a transfer with rank {self.peer}")
-        self.cluster.advance_to(self.done_s)
+            self.waiter = cluster.current
+            cluster.block(f"waits for a transfer with rank {self.peer}")
+        state = cluster.current
+        if self.done_s > state.now:
+            state.now = self.done_s
+        if cluster._ready and cluster._ready[0][0] < state.now:  # let the ranks behind this one go first
+            cluster.keep_order()
 
     def finish(self, done_s: float) -> None:
         self.done_s = done_s
@@ -95,7 +100,8 @@ class SimTransport:
 
     def _post(self, tensor, peer: int, sending: bool) -> SimHandle:
         cluster = self.world.cluster
-        cluster.keep_order()
+        if cluster._ready and cluster._ready[0][0] < cluster.current.now:
+            cluster.keep_order()
         nbytes = tensor.numel() * tensor.element_size()
         handle = SimHandle(cluster, peer, nbytes, cluster.current.now, tensor)
         if sending:

@@ -36,8 +36,8 @@ class VirtualTensor:
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, offset: int = 0, root: int = 0,
                  cluster=None, device: torch.device = _META):
-        self.shape = tuple(shape)
-        self._numel = math.prod(self.shape)
+        self.shape = shape if type(shape) is tuple else tuple(shape)
+        self._numel = shape[0] if len(shape) == 1 else math.prod(self.shape)
         self.dtype = dtype
         self.offset = offset
         self.root = root
