@@ -62,6 +62,12 @@ def profile_digest(several_hosts: bool) -> str:
     return _digest(os.environ.get(PROFILE_ENV) or ("test-hosts" if several_hosts else "this-machine"))
 
 
+def profiles_fingerprint() -> str:
+    """Which numbers this process's ``auto`` decides with, on one host and across hosts (for settings
+    that ranks compare once, such as DataParallel's)."""
+    return f"{profile_digest(False)}/{profile_digest(True)}"
+
+
 @functools.lru_cache(maxsize=8)
 def _digest(name: str) -> str:
     return _profile(name).digest()

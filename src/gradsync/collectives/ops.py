@@ -24,6 +24,7 @@ import torch
 from gradsync.collectives import broadcast as tree_broadcast
 from gradsync.collectives import ring, shm
 from gradsync.collectives.all_to_all import all_to_all as _all_to_all
+from gradsync.collectives.auto import profiles_fingerprint as auto_profiles_fingerprint
 from gradsync.collectives.call import CollectiveCall
 from gradsync.collectives.check import verify_layout, verify_pairs
 from gradsync.collectives.chunking import chunk_bounds
@@ -298,6 +299,6 @@ def shared_buffer(comm: Communicator, nbytes: int, algorithm: str) -> torch.Tens
     return capability.allocate(call, nbytes) if capability is not None else None
 
 
-__all__ = ["ALGORITHMS", "OPS", "SUPPORTED_DTYPES", "all_gather", "all_reduce", "all_to_all", "average",
+__all__ = ["ALGORITHMS", "OPS", "SUPPORTED_DTYPES", "all_gather", "auto_profiles_fingerprint", "all_reduce", "all_to_all", "average",
            "broadcast", "chunk_bounds", "reduce_scatter", "resolve_algorithm", "shared_buffer",
            "validate_algorithm", "validate_op", "zero_copy_dtypes"]

@@ -107,7 +107,8 @@ class DataParallel(nn.Module):
                  compression=None, broadcast_buffers: bool = True, group=None,
                  gradient_as_bucket_view: bool = False, debug: bool | None = None):
         super().__init__()
-        settings = {"algorithm": algorithm, "bucket_cap_mb": bucket_cap_mb, "compression": compression, "debug": debug,
+        settings = {"algorithm": algorithm, "auto_profile": "", "bucket_cap_mb": bucket_cap_mb, "compression": compression,
+                    "debug": debug,
                     "broadcast_buffers": broadcast_buffers, "gradient_as_bucket_view": gradient_as_bucket_view}
 
         def check() -> None:
@@ -115,6 +116,7 @@ class DataParallel(nn.Module):
                 raise TypeError(f"DataParallel wraps a torch.nn.Module, got {type(module).__name__}")
             _check_bucket_cap_mb(bucket_cap_mb)
             collectives.validate_algorithm(algorithm)
+            settings["auto_profile"] = collectives.auto_profiles_fingerprint() if algorithm == "auto" else ""
             settings["debug"] = resolve_debug(debug)
             settings["compression"] = _resolve_compression(compression)
             if settings["compression"] is not None:
