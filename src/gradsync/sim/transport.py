@@ -41,7 +41,7 @@ class SimHandle:
         cluster = self.cluster
         if self.done_s is None:
             self.waiter = cluster.current
-            cluster.block(f"waits for a transfer with rank {self.peer}")
+            cluster.block(("transfer", self.peer))
         state = cluster.current
         if self.done_s > state.now:
             state.now = self.done_s
