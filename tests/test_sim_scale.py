@@ -19,7 +19,7 @@ H100 = get_profile("h100-ib")
 
 def _args(tmp_path, **overrides):
     values = dict(profile="h100-ib", gpus="8,16", sizes="4K,1M", algorithms="ring,tree", json=str(tmp_path / "r.json"),
-                  plot=str(tmp_path / "t.png"), event_budget_s=60.0, event_total_s=200.0)
+                  plot=str(tmp_path / "t.png"), event_budget_s=60.0, event_total_s=120.0)
     values.update(overrides)
     return argparse.Namespace(**values)
 
@@ -71,6 +71,7 @@ def test_formula_beyond_the_event_limit():
     points = [(1024, "ring", 4096), (8, "ring", 4096), (4096, "tree", 4096)]
     assert scale.plan_events(points, H100) == {(8, "ring", 4096), (4096, "tree", 4096)}
     assert scale.plan_events(points, H100, total_s=0.0) == set()
+    assert "512-rank limit" in scale.formula_reason(row, H100, 60.0)
 
 
 def _row(gpus, algorithm, nbytes, time_us):
