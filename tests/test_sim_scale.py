@@ -68,9 +68,11 @@ def test_run_writes_table_rows_and_png(tmp_path, capsys):
 def test_formula_beyond_the_event_limit():
     row = scale.predict_row("ring", 1024, 4096, H100, event=False)
     assert row.method == "formula" and row.time_us > 0
-    points = [(1024, "ring", 4096), (8, "ring", 4096), (4096, "tree", 4096)]
-    assert scale.plan_events(points, H100) == {(8, "ring", 4096), (4096, "tree", 4096)}
-    assert scale.plan_events(points, H100, total_s=0.0) == set()
+    points = [(1024, "ring", 4096), (8, "ring", 4096), (8, "ring", 2 ** 20), (4096, "tree", 4096)]
+    assert scale.plan_events(points, H100) == {(8, "ring", 4096), (8, "ring", 2 ** 20), (4096, "tree", 4096)}
+    # beyond the total budget only the cheapest size of each (gpus, algorithm) runs
+    assert scale.plan_events(points, H100, total_s=0.0) == {(8, "ring", 4096), (4096, "tree", 4096)}
+    assert scale.plan_events(points, H100, budget_s=0.1) == {(8, "ring", 4096), (8, "ring", 2 ** 20)}
     assert "512-rank limit" in scale.formula_reason(row, H100, 60.0)
 
 
