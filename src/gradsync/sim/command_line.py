@@ -51,6 +51,10 @@ def _add_scale_options(parser: argparse.ArgumentParser) -> None:
     add("--algorithms", default=_ALGORITHMS, help="comma-separated algorithms (default %(default)s)")
     add("--plot", default=None, metavar="PNG", help="also draw time against GPU count per algorithm")
     add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
+    add("--event-budget-s", type=float, default=60.0, metavar="S", help="run the event simulation for a "
+        "point only where its estimated wall time is at most S seconds, else the formula (default %(default)s)")
+    add("--event-total-s", type=float, default=120.0, metavar="S", help="estimated wall seconds of all event "
+        "runs together, cheapest points first (default %(default)s)")
     add("--validate", action="store_true", help="calibrate here, then run a measured sweep (ws 2-4 on one "
         "host and 2x2 emulated hosts) and print predicted against measured time with the error")
     add("--reproduce", action="store_true", help="compare predictions with published nccl-tests curves")

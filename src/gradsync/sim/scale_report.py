@@ -1,0 +1,151 @@
+"""What the at-scale table shows: the fastest algorithm per point, where the ring stops being the
+fastest (its latency term 2(p-1)α overtakes its bandwidth term 2(p-1)/p·n·β), where hierarchical and
+tree win, and the PNG of time against GPU count (matplotlib, Agg backend).
+
+Rows are :class:`~gradsync.sim.scale.ScaleRow` (or anything with ``gpus``, ``algorithm``,
+``nbytes``, ``time_us``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gradsync.sim.profile import Profile
+
+
+def fastest(rows) -> dict[tuple[int, int], object]:
+    """``{(gpus, nbytes): the row with the smallest time_us}``."""
+    best: dict[tuple[int, int], object] = {}
+    for row in rows:
+        key = (row.gpus, row.nbytes)
+        if key not in best or row.time_us < best[key].time_us:
+            best[key] = row
+    return best
+
+
+def ring_overtaken(rows) -> list[tuple[int, int | None, object | None, object | None]]:
+    """Per size (ascending): (nbytes, the smallest GPU count from which the ring is never again the
+    fastest, the ring's row there, the winner's row there); GPU count None where the ring is fastest
+    at the largest count. Sizes without a ring row are left out."""
+    best = fastest(rows)
+    ring = {(row.gpus, row.nbytes): row for row in rows if row.algorithm == "ring"}
+    result = []
+    for nbytes in sorted({n for _, n in ring}):
+        counts = sorted(g for g, n in ring if n == nbytes)
+        lost_from = None
+        for count in reversed(counts):
+            if best[(count, nbytes)].algorithm == "ring":
+                break
+            lost_from = count
+        if lost_from is None:
+            result.append((nbytes, None, None, None))
+        else:
+            result.append((nbytes, lost_from, ring[(lost_from, nbytes)], best[(lost_from, nbytes)]))
+    return result
+
+
+def ring_latency_crossover_bytes(profile: Profile, gpus: int) -> float:
+    """The size below which the flat ring's latency term 2(p-1)α exceeds its bandwidth term
+    2(p-1)/p·n/bw, on its slowest link (inter-host once there are hosts): n* = p·α·bw (bytes)."""
+    link = profile.intra if gpus <= profile.ranks_per_host or profile.inter is None else profile.inter
+    return gpus * link.alpha_s * link.bandwidth_bytes_per_s
+
+
+def win_ranges(rows, algorithm: str) -> dict[int, list[int]]:
+    """``{gpus: sizes at which algorithm is the fastest}`` (GPU counts where it never wins left out)."""
+    wins: dict[int, list[int]] = {}
+    for (count, nbytes), row in sorted(fastest(rows).items()):
+        if row.algorithm == algorithm:
+            wins.setdefault(count, []).append(nbytes)
+    return wins
+
+
+def format_size(nbytes: int) -> str:
+    for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return str(nbytes)
+
+
+def _size(nbytes: float) -> str:
+    """4096 -> "4K"; 1.5 MiB -> "1.50M" (sizes that are not whole units get decimals)."""
+    whole = nbytes == int(nbytes) and (nbytes < 1024 or int(nbytes) % (2**20 if nbytes >= 2**20 else 1024) == 0)
+    if whole:
+        return format_size(int(nbytes))
+    return f"{nbytes / 2**20:.2f}M" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f}K"
+
+
+def crossover_lines(rows, profile: Profile) -> list[str]:
+    """The printed summary: ring's crossover per size and per GPU count, and the wins of the others."""
+    lines = ["# where the ring stops being the fastest (from this table):"]
+    for nbytes, count, ring, winner in ring_overtaken(rows):
+        if count is None:
+            lines.append(f"#   {_size(nbytes):>6}: ring is the fastest at the largest GPU count")
+        else:
+            lines.append(f"#   {_size(nbytes):>6}: from {count} GPUs on: ring {ring.time_us:.1f} us "
+                         f"({ring.method}) vs {winner.algorithm} {winner.time_us:.1f} us "
+                         f"({ring.time_us / winner.time_us:.1f}x)")
+    lines.append("# the ring's latency term 2(p-1)a exceeds its bandwidth term 2(p-1)/p*n/bw below n* = p*a*bw:")
+    for count in sorted({row.gpus for row in rows}):
+        link = profile.intra if count <= profile.ranks_per_host or profile.inter is None else profile.inter
+        lines.append(f"#   {count:>5} GPUs: latency term {2 * (count - 1) * link.alpha_s * 1e6:.0f} us, "
+                     f"n* = {_size(ring_latency_crossover_bytes(profile, count))}")
+    for algorithm in ("hierarchical", "tree", "halving_doubling", "ring"):
+        wins = win_ranges(rows, algorithm)
+        if not wins:
+            lines.append(f"# {algorithm} is never the fastest")
+            continue
+        parts = [f"{count} GPUs: {_size(sizes[0])}-{_size(sizes[-1])} ({len(sizes)} sizes)"
+                 for count, sizes in wins.items()]
+        lines.append(f"# {algorithm} is the fastest at " + "; ".join(parts))
+    return lines
+
+
+def plot_sizes(sizes: list[int], panels: int = 3) -> list[int]:
+    """The smallest, a middle and the largest size (at most ``panels`` distinct sizes)."""
+    if len(sizes) <= panels:
+        return sorted(sizes)
+    ordered = sorted(sizes)
+    picks = [ordered[round(i * (len(ordered) - 1) / (panels - 1))] for i in range(panels)]
+    return sorted(set(picks))
+
+
+def plot(rows, path: str, title: str) -> Path:
+    """Draw time (us) against GPU count per algorithm, log-log, one panel per chosen size; return the path.
+
+    Raises:
+        ValueError: no rows, or the file cannot be written.
+    """
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not rows:
+        raise ValueError("nothing to plot")
+    sizes = plot_sizes(sorted({row.nbytes for row in rows}))
+    figure, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4), squeeze=False)
+    for axis, nbytes in zip(axes[0], sizes):
+        for algorithm in sorted({row.algorithm for row in rows}):
+            points = sorted((r.gpus, r.time_us, r.method) for r in rows
+                            if r.algorithm == algorithm and r.nbytes == nbytes)
+            line, = axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=algorithm)
+            formula = [p for p in points if p[2] == "formula"]
+            axis.scatter([p[0] for p in formula], [p[1] for p in formula], marker="x", s=60, color="black",
+                         zorder=3)
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("GPUs")
+        axis.set_ylabel("time (us)")
+        axis.set_title(f"{title}: all_reduce {_size(nbytes)}")
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend(fontsize=8, title="x: formula", title_fontsize=7)
+    figure.tight_layout()
+    target = Path(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        figure.savefig(target, dpi=100)
+    except OSError as error:
+        raise ValueError(f"--plot {path}: cannot write the PNG: {error.strerror or error}") from None
+    finally:
+        plt.close(figure)
+    return target

@@ -1,0 +1,128 @@
+"""``gradsync simulate`` at scale and ``--reproduce``: rows, sizes, the ring's crossover, the PNG, the
+published comparison (all fast: small topologies only)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from gradsync.sim import reproduce, scale, scale_report
+from gradsync.sim.cluster import Topology
+from gradsync.sim.profiles import get_profile
+from gradsync.sim.published import CURVES, H100_NODE
+
+H100 = get_profile("h100-ib")
+
+
+def _args(tmp_path, **overrides):
+    values = dict(profile="h100-ib", gpus="8,16", sizes="4K,1M", algorithms="ring,tree", json=str(tmp_path / "r.json"),
+                  plot=str(tmp_path / "t.png"), event_budget_s=60.0, event_total_s=120.0)
+    values.update(overrides)
+    return argparse.Namespace(**values)
+
+
+def test_parse_sizes_range_and_list():
+    assert scale.parse_sizes("4K-1G") == [4096 * 4 ** i for i in range(10)]
+    assert scale.parse_sizes("4K-1G")[-1] == 2 ** 30
+    assert scale.parse_sizes("4K-32K") == [4096, 16384, 32768]  # the last size is always included
+    assert scale.parse_sizes("4K, 2M,1G") == [4096, 2 * 2 ** 20, 2 ** 30]
+    for bad in ("1G-4K", "6", "abc", "4X"):
+        with pytest.raises(ValueError, match="--sizes"):
+            scale.parse_sizes(bad)
+
+
+def test_parse_gpus_needs_whole_hosts():
+    assert scale.parse_gpus("8,64", H100) == [8, 64]
+    with pytest.raises(ValueError, match="multiple of 8"):
+        scale.parse_gpus("12", H100)
+    with pytest.raises(ValueError, match="--algorithms"):
+        scale.parse_algorithms("ring,fast")
+
+
+def test_row_bandwidths_follow_from_time():
+    row = scale.make_row(8, "ring", 2 ** 20, 1e-3, "event", 0.0)
+    assert row.algbw_gbps == pytest.approx(2 ** 20 / 1e-3 / 1e9)
+    assert row.busbw_gbps == pytest.approx(row.algbw_gbps * 2 * 7 / 8)
+
+
+def test_run_writes_table_rows_and_png(tmp_path, capsys):
+    assert scale.run(_args(tmp_path)) == 0
+    rows = json.loads((tmp_path / "r.json").read_text())
+    assert len(rows) == 2 * 2 * 2 and {r["method"] for r in rows} == {"event"}
+    for r in rows:
+        p = r["gpus"]
+        algbw = r["nbytes"] / (r["time_us"] * 1e-6) / 1e9
+        assert r["algbw_gbps"] == pytest.approx(algbw)
+        assert r["busbw_gbps"] == pytest.approx(algbw * 2 * (p - 1) / p)
+    ring16 = next(r for r in rows if (r["gpus"], r["algorithm"], r["nbytes"]) == (16, "ring", 4096))
+    # 30 steps of a flat ring across 2 hosts, each at least the network's per-message latency, plus the call
+    assert ring16["time_us"] >= (30 * H100.inter.alpha_s + H100.call_overhead_s) * 1e6
+    png = (tmp_path / "t.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    assert "ring is" in capsys.readouterr().out
+
+
+def test_formula_beyond_the_event_limit():
+    row = scale.predict_row("ring", 1024, 4096, H100, event=False)
+    assert row.method == "formula" and row.time_us > 0
+    points = [(1024, "ring", 4096), (8, "ring", 4096), (8, "ring", 2 ** 20), (4096, "tree", 4096)]
+    assert scale.plan_events(points, H100) == {(8, "ring", 4096), (8, "ring", 2 ** 20), (4096, "tree", 4096)}
+    # beyond the total budget only the cheapest size of each (gpus, algorithm) runs
+    assert scale.plan_events(points, H100, total_s=0.0) == {(8, "ring", 4096), (4096, "tree", 4096)}
+    assert scale.plan_events(points, H100, budget_s=0.1) == {(8, "ring", 4096), (8, "ring", 2 ** 20)}
+    assert "512-rank limit" in scale.formula_reason(row, H100, 60.0)
+
+
+def _row(gpus, algorithm, nbytes, time_us):
+    return SimpleNamespace(gpus=gpus, algorithm=algorithm, nbytes=nbytes, time_us=time_us, method="event")
+
+
+def test_ring_overtaken_on_a_synthetic_table():
+    rows = [_row(8, "ring", 1, 10), _row(8, "tree", 1, 20), _row(64, "ring", 1, 80), _row(64, "tree", 1, 40),
+            _row(512, "ring", 1, 900), _row(512, "tree", 1, 60),
+            _row(8, "ring", 2, 10), _row(8, "tree", 2, 20), _row(64, "ring", 2, 30), _row(64, "tree", 2, 40),
+            _row(512, "ring", 2, 50), _row(512, "tree", 2, 60),
+            # ring wins at 8, loses at 64, wins again at 512: it is never overtaken "for good"
+            _row(8, "ring", 3, 1), _row(8, "tree", 3, 2), _row(64, "ring", 3, 3), _row(64, "tree", 3, 2),
+            _row(512, "ring", 3, 1), _row(512, "tree", 3, 2)]
+    result = {nbytes: (count, winner.algorithm if winner else None)
+              for nbytes, count, _, winner in scale_report.ring_overtaken(rows)}
+    assert result == {1: (64, "tree"), 2: (None, None), 3: (None, None)}
+    assert scale_report.win_ranges(rows, "tree") == {64: [1, 3], 512: [1]}
+
+
+def test_ring_latency_crossover_is_p_alpha_bandwidth():
+    assert scale_report.ring_latency_crossover_bytes(H100, 64) == pytest.approx(64 * 14e-6 * 50e9)
+    assert scale_report.ring_latency_crossover_bytes(H100, 8) == pytest.approx(8 * 3.4e-6 * 370.8e9)
+
+
+def test_reproduce_one_curve():
+    rows = reproduce.compare(H100_NODE, sizes={4096, 2 ** 30})
+    assert [r.nbytes for r in rows] == [4096, 2 ** 30]
+    assert rows[0].published_busbw_gbps == pytest.approx(0.22, abs=0.005)    # as printed in the log
+    assert rows[1].published_busbw_gbps == pytest.approx(468.53, abs=0.01)
+    big = rows[1]
+    # NVLS: 25 us + n 2(p-1)/p at 2 x 0.85 x 18 x 20.6 GB/s x 7/9 busbw (NCCL's constants)
+    busbw = 2 * 0.85 * 18 * 20.6e9 * 7 / 9
+    seconds = 25e-6 + 2 ** 30 * 2 * 7 / 8 / busbw
+    assert big.candidate == "nvls"
+    assert big.predicted_busbw_gbps == pytest.approx(2 ** 30 / seconds / 1e9 * 2 * 7 / 8)
+    assert big.error_pct == pytest.approx((big.predicted_busbw_gbps / big.published_busbw_gbps - 1) * 100)
+
+
+def test_reproduce_candidates_across_hosts_use_channels():
+    curve = CURVES[1]
+    names = {name for _, name, _ in reproduce.candidates(curve, H100, 2 ** 20)}
+    assert {"ring/Simple", "tree/LL", "hierarchical/LL128"} <= names and "nvls" not in names
+    one = reproduce.protocol_profile(H100, "ring", "Simple", channels=8, hosts=4)
+    assert one.intra.bandwidth_bytes_per_s == pytest.approx(H100.intra.bandwidth_bytes_per_s / 8)
+    assert one.inter.bandwidth_bytes_per_s == H100.inter.bandwidth_bytes_per_s
+    assert reproduce.protocol_profile(H100, "ring", "LL").intra.bandwidth_bytes_per_s == reproduce.LL_MAX_BUSBW
+
+
+def test_topology_for_small_counts():
+    assert scale.topology_for(4, H100) == Topology((4,))
+    assert scale.topology_for(64, H100) == Topology.uniform(8, 8)
