@@ -14,7 +14,7 @@ from gradsync.collectives import Communicator, HierarchicalOptions, SegmentOptio
 from gradsync.collectives import ops as collectives_api
 from gradsync.sim.cluster import SimulationDeadlock, VirtualCluster
 from gradsync.sim.engine import simulate_all_reduce
-from gradsync.sim.explain import parse_nbytes, render
+from gradsync.sim.explain import render
 from gradsync.sim.formulas import predict_s
 from gradsync.sim.profile import Link, Profile, load, save
 from gradsync.sim.profiles import PROFILE_NAMES, get_profile
@@ -194,6 +194,3 @@ def test_explain_lists_the_ring_hops_and_its_terms_add_up():
                                          r"\+ beta ([\d.]+) \+ gamma ([\d.]+) \+ waiting ([\d.]+)", text).groups())
     assert sum(terms) == pytest.approx(total, abs=0.5)
     assert total == pytest.approx(predict_s("ring", HERE, Topology.uniform(1, 4), 2**20) * 1e6, rel=0.05)
-    assert parse_nbytes("64K") == 65536 and parse_nbytes("1M") == 2**20
-    with pytest.raises(ValueError, match="not a size"):
-        parse_nbytes("lots")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gradsync.bench.allreduce import parse_nbytes
 from gradsync.collectives.chunking import DEFAULT_SEGMENT_BYTES, chunk_bounds
 from gradsync.sim.cluster import TraceEvent
 from gradsync.sim.engine import SimResult, simulate_all_reduce
@@ -32,22 +33,6 @@ class Step:
     sends: list[TraceEvent] = field(default_factory=list)
     adds: list[TraceEvent] = field(default_factory=list)
     terms: dict = field(default_factory=dict)
-
-
-def parse_nbytes(text: str) -> int:
-    """``"4096"``, ``"64K"``, ``"1M"``, ``"1G"`` -> bytes (binary multiples).
-
-    Raises:
-        ValueError: not a size.
-    """
-    units = {"K": 2**10, "M": 2**20, "G": 2**30}
-    text = str(text).strip().upper().removesuffix("B")
-    try:
-        if text and text[-1] in units:
-            return int(float(text[:-1]) * units[text[-1]])
-        return int(text)
-    except ValueError:
-        raise ValueError(f"not a size in bytes: {text!r} (e.g. 4096, 64K, 1M)") from None
 
 
 def steps_of(result: SimResult, call_overhead_s: float) -> list[Step]:
