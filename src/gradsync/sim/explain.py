@@ -138,5 +138,9 @@ def render(algorithm: str, nproc: int, nbytes: int, profile_name: str, hosts: in
 
 
 def run(args) -> int:
-    print(render(args.algorithm, args.nproc, parse_nbytes(args.size), args.profile, args.hosts, args.segment_bytes))
+    try:
+        nbytes = parse_nbytes(args.size)
+    except ValueError:
+        raise ValueError(f"--size {args.size!r}: use a number of bytes with an optional K, M or G suffix") from None
+    print(render(args.algorithm, args.nproc, nbytes, args.profile, args.hosts, args.segment_bytes))
     return 0
