@@ -98,6 +98,8 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
     add("--layout", choices=("rebuilt", "initial"), default="rebuilt", help="DataParallel's buckets after "
         "its rebuild on the first backward (ready order, a new bucket after a pause > 2 ms), or as built "
         "at construction, which set_layout keeps (default %(default)s)")
+    add("--two-phase-events", action="store_true", help="run the compressors' all_to_all and all_gather "
+        "on simulated ranks too (up to --event-max-gpus; default: their formula)")
     add("--bucket-view", action="store_true", help="gradient_as_bucket_view=True: no copies into and out "
         "of the buckets")
     add("--validate", action="store_true", help="predict the CNN's and MLP's step here (this-machine "

@@ -74,12 +74,13 @@ def topology_for(gpus: int, ranks_per_host: int) -> Topology:
 
 def predict_step(compute: StepCompute, profile: Profile, topology: Topology, algorithm: str, bucket_mb: float,
                  compression: str = "none", *, event_max_ranks: int = 64, bucket_view: bool = False,
-                 rebuilt: bool = True) -> dict:
+                 rebuilt: bool = True, two_phase_events: bool = False) -> dict:
     """One row: the predicted steady-state step (see the module docstring for the fields)."""
     oversub = profile.oversubscription(max(topology.host_sizes))
     plan = plan_step(compute, bucket_mb, topology.world_size, profile.copy_s_per_byte * oversub, bucket_view,
                      rebuilt)
-    pricer = BucketPricer(profile, topology, algorithm, compression, event_max_ranks)
+    pricer = BucketPricer(profile, topology, algorithm, compression, event_max_ranks,
+                          two_phase_events=two_phase_events)
     dtypes = [compute.params[bucket[0]].dtype for bucket in plan.assignment]
     last = len(plan.numels) - 1
     comm = [pricer.bucket_s(numel, plan.flags if b == last else 0, dtypes[b]) for b, numel in enumerate(plan.numels)]
@@ -95,7 +96,8 @@ def predict_step(compute: StepCompute, profile: Profile, topology: Topology, alg
 
 def predict_rows(compute: StepCompute, profile: Profile, gpus: list[int], algorithms: list[str],
                  bucket_mbs: list[float], compressions: list[str], *, ranks_per_host: int | None = None,
-                 event_max_ranks: int = 64, bucket_view: bool = False, rebuilt: bool = True) -> list[dict]:
+                 event_max_ranks: int = 64, bucket_view: bool = False, rebuilt: bool = True,
+                 two_phase_events: bool = False) -> list[dict]:
     """Every combination, GPU count outermost."""
     per_host = ranks_per_host or profile.ranks_per_host
     rows = []
@@ -106,7 +108,7 @@ def predict_rows(compute: StepCompute, profile: Profile, gpus: list[int], algori
                 for compression in compressions:
                     rows.append(predict_step(compute, profile, topology, algorithm, bucket_mb, compression,
                                              event_max_ranks=event_max_ranks, bucket_view=bucket_view,
-                                             rebuilt=rebuilt))
+                                             rebuilt=rebuilt, two_phase_events=two_phase_events))
     return rows
 
 
@@ -175,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
               f"{compute.backward_s * 1e3:.2f} ms, optimizer {compute.optimizer_s * 1e3:.2f} ms")
         for row in predict_rows(compute, profile, gpus, algorithms, bucket_mbs, compressions,
                                 ranks_per_host=args.ranks_per_host, event_max_ranks=args.event_max_gpus,
-                                bucket_view=args.bucket_view, rebuilt=args.layout == "rebuilt"):
+                                bucket_view=args.bucket_view, rebuilt=args.layout == "rebuilt",
+                                two_phase_events=args.two_phase_events):
             rows.append({"tokens_per_gpu": tokens, **row})
     print(format_rows(rows))
     if args.json:
