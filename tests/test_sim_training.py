@@ -98,3 +98,11 @@ def test_predict_step_rows_and_bad_input():
         topology_for(12, 8)
     with pytest.raises(ValueError, match="compression"):
         BucketPricer(profile, topology_for(8, 8), "ring", "topk")
+
+
+def test_docstring_examples():
+    import doctest
+
+    from gradsync.sim import training
+    result = doctest.testmod(training, verbose=False)
+    assert result.attempted > 0 and result.failed == 0
