@@ -5,6 +5,10 @@
 * :mod:`~gradsync.sim.formulas`: closed-form α-β-γ times of the same
   algorithms, for sizes and world sizes beyond the event simulation.
 * :mod:`~gradsync.sim.profile`, :mod:`~gradsync.sim.profiles`: the hardware profiles.
+* ``gradsync simulate train`` (:mod:`~gradsync.sim.training`): a data-parallel step, from
+  :mod:`~gradsync.sim.compute` (6·P·T/(F·MFU), per-layer times; :mod:`~gradsync.sim.measure` times
+  one here), :mod:`~gradsync.sim.step` (DataParallel's real buckets, the overlap with backward) and
+  :mod:`~gradsync.sim.exchange` (each bucket's AllReduce or compressed two-phase exchange).
 
 The names load on first use: ``collectives.auto`` imports the cost model
 (profiles, formulas) from below the event engine, which itself runs the

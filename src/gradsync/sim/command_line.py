@@ -77,9 +77,41 @@ def simulate(args: argparse.Namespace) -> int:
 # -- gradsync simulate train ---------------------------------------------------------------------------
 def _add_train_options(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--profile", default="h100-ib", help="a profile name or file (default %(default)s)")
+    add("--profile", default=None, help="a profile name or file (default h100-ib; this-machine with --validate)")
     add("--gpus", default="8,64,512,4096", help="comma-separated GPU counts (default %(default)s)")
     add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
+    add("--model", default=None, help="one of gradsync.train.models (cnn, mlp, logreg); default cnn "
+        "unless --params is given")
+    add("--params", default=None, help="a parameter count (10B, 350M, ...) in --layers transformer blocks "
+        "instead of --model")
+    add("--layers", type=int, default=48, help="blocks of --params (default %(default)s)")
+    add("--layer-ms", type=float, default=None, help="forward + backward ms per layer (with --params)")
+    add("--tokens-per-gpu", default=None, help="tokens (samples for our models) per GPU per step, comma-"
+        "separated: compute = 6*params*tokens / (peak FLOP/s * MFU)")
+    add("--mfu", type=float, default=0.4, help="model FLOPs utilisation (default %(default)s)")
+    add("--peak-tflops", type=float, default=None, help="peak dense TFLOP/s of one GPU (default: the "
+        "profile's GPU datasheet, gradsync.sim.compute.PEAK_TFLOPS)")
+    add("--algorithms", default=None, help="comma-separated AllReduce algorithms (default ring,tree,"
+        "halving_doubling,hierarchical; ring,tree,halving_doubling,shm with --validate)")
+    add("--bucket-mb", default="25", help="comma-separated DataParallel bucket_cap_mb values (default "
+        "%(default)s)")
+    add("--compression", default="none", help="comma-separated: none, fp16, bf16, onebit (default %(default)s)")
+    add("--ranks-per-host", type=int, default=None, help="GPUs per host (default: the profile's)")
+    add("--event-max-gpus", type=int, default=64, help="run the real algorithm code on simulated ranks up "
+        "to this many GPUs, closed-form formulas beyond (default %(default)s)")
+    add("--layout", choices=("rebuilt", "initial"), default="rebuilt", help="DataParallel's buckets after "
+        "its rebuild on the first backward (ready order, a new bucket after a pause > 2 ms), or as built "
+        "at construction, which set_layout keeps (default %(default)s)")
+    add("--two-phase-events", action="store_true", help="run the compressors' all_to_all and all_gather "
+        "on simulated ranks too (up to --event-max-gpus; default: their formula)")
+    add("--bucket-view", action="store_true", help="gradient_as_bucket_view=True: no copies into and out "
+        "of the buckets")
+    add("--validate", action="store_true", help="predict the CNN's and MLP's step here (this-machine "
+        "profile, compute timed on one process) and compare with a gradsync bench train run")
+    add("--nproc", default="2,4", help="--validate: world sizes (default %(default)s)")
+    add("--steps", type=int, default=30, help="--validate: timed CNN steps per measurement, MLP steps // 5 "
+        "(default %(default)s)")
+    add("--rounds", type=int, default=3, help="--validate: alternating rounds (default %(default)s)")
 
 
 # -- gradsync calibrate --------------------------------------------------------------------------------
