@@ -61,6 +61,9 @@ def _add_scale_options(parser: argparse.ArgumentParser) -> None:
 
 
 def simulate(args: argparse.Namespace) -> int:
+    if getattr(args, "simulate", None) == "train" and args.validate:
+        from gradsync.bench.train_validation import run as run_train_validation
+        return run_train_validation(args)
     if getattr(args, "simulate", None) == "train":
         from gradsync.sim.training import run as run_train
         return run_train(args)

@@ -153,10 +153,7 @@ def _computes(args: argparse.Namespace, profile: Profile, params: list) -> list[
 
 
 def run(args: argparse.Namespace) -> int:
-    """Entry point of ``gradsync simulate train``."""
-    if args.validate:
-        from gradsync.bench.train_validation import run as run_validation
-        return run_validation(args)
+    """Entry point of ``gradsync simulate train`` (``--validate`` goes to :mod:`gradsync.bench.train_validation`)."""
     profile = get_profile(args.profile or "h100-ib")
     gpus = parse_list(args.gpus, int, "--gpus")
     algorithms = parse_list(args.algorithms or "ring,tree,halving_doubling,hierarchical", str, "--algorithms")
