@@ -10,9 +10,13 @@ are posted and every port they cross is free, and keep those ports busy for
 their bytes over the bandwidth. Reductions and copies advance the running
 rank's clock (:meth:`VirtualCluster.compute`).
 
-Ports: each rank has an egress and an ingress port on the intra-host link;
-each host has ``nics_per_host`` NICs with an egress and an ingress port each
-(see :mod:`gradsync.sim.profile`).
+Ports: each rank has an egress and an ingress port on the intra-host link
+(one port for both directions when the link is ``cpu_bound``: loopback TCP
+copies every byte on the sender's and the receiver's core, so a rank that
+sends and receives at once takes twice as long as one that only sends,
+as ``gradsync calibrate``'s exchange against its ping-pong shows); each host
+has ``nics_per_host`` NICs with an egress and an ingress port each (see
+:mod:`gradsync.sim.profile`).
 """
 
 from __future__ import annotations
@@ -210,7 +214,10 @@ class VirtualCluster:
         return the time it completes at both ends."""
         a, b = self.ranks[src], self.ranks[dst]
         if a.host == b.host:
-            link, ports = self.profile.intra, (("out", src), ("in", dst))
+            link = self.profile.intra
+            # a CPU-bound link (loopback TCP): the kernel copies a message on the sender's and the
+            # receiver's core, so a rank's sends and receives share one port (its core's time)
+            ports = (("cpu", src), ("cpu", dst)) if link.cpu_bound else (("out", src), ("in", dst))
         else:
             link, nics = self.profile.link(False), self.profile.nics_per_host
             ports = (("nic-out", a.host, a.local_rank % nics), ("nic-in", b.host, b.local_rank % nics))

@@ -44,7 +44,9 @@ class Link:
     Args:
         alpha_s: seconds per message (latency, > 0).
         bandwidth_bytes_per_s: bytes per second per port and direction (> 0).
-        cpu_bound: the CPU moves the bytes (loopback TCP): slower when ranks outnumber cores.
+        cpu_bound: the CPU moves the bytes (loopback TCP): slower when ranks outnumber cores, and a
+            rank's sends and receives share one port (its core), ``bandwidth_bytes_per_s`` being
+            the one-way rate of a single stream.
     """
 
     alpha_s: float
