@@ -26,8 +26,11 @@ from the AllReduce sweep the profile is validated against (``gradsync simulate -
   and DataParallel's buckets call it: no layout round) minus the time the
   simulation gives its messages with the links just measured (so the two
   are not counted twice).
-* ``shm``: one barrier of two ranks on a shared-memory segment; memory bandwidth =
-  bytes read and written by two ranks copying ``Settings.memory_bytes`` at once.
+* ``shm``: one barrier of two ranks on a shared-memory segment, each on a core of its
+  own, and (``oversubscribed_barrier_s``) both pinned to one core, as ranks that
+  outnumber the cores are (ws 3 and 4 here); memory bandwidth = bytes read and
+  written by one rank per core copying ``Settings.memory_bytes`` at once.
+* Each figure is the least of ``Settings.repeats`` batches (see :mod:`gradsync.bench.micro`).
 
 With ``--hosts H --nproc L`` the measurements run as a torchrun job on H test hosts
 (:mod:`gradsync.hosts`): ranks 0 and 1 on host 0 give ``intra``, the compute terms
@@ -142,7 +145,8 @@ def calibrate_comm(comm: Communicator, settings: Settings, *, name: str, layout:
     gamma, copy = micro.compute_per_byte(comm, settings.compute_bytes, settings.memory_bytes,
                                          settings.repeats, workers)
     memory = micro.memory_bandwidth(comm, settings.memory_bytes, settings.repeats, workers)
-    barrier = micro.shm_barrier(comm, settings.barriers, settings.repeats)
+    barrier = micro.shm_barrier(comm, settings.barriers, settings.repeats, one_core=cores < 2)
+    crowded = micro.shm_barrier(comm, max(settings.barriers // 10, 1), settings.repeats, one_core=True)
     micro.close_shm(comm)
     tiny = micro.tiny_all_reduce(comm, settings.tiny_calls, settings.repeats, OVERHEAD_ALGORITHM)
     if comm.rank != 0:
@@ -150,7 +154,8 @@ def calibrate_comm(comm: Communicator, settings: Settings, *, name: str, layout:
     profile = Profile(
         name=name, description="", intra=intra, inter=inter, gamma_s_per_byte=gamma, copy_s_per_byte=copy,
         ranks_per_host=per_host, nics_per_host=1, cores_per_host=cores, call_overhead_s=0.0,
-        shm=ShmModel(barrier_s=barrier, memory_bandwidth_bytes_per_s=memory) if barrier is not None else None)
+        shm=ShmModel(barrier_s=barrier, memory_bandwidth_bytes_per_s=memory, oversubscribed_barrier_s=crowded)
+        if barrier is not None else None)
     overhead = max(tiny - _message_time(profile, comm.world_size, layout), 0.0)
     description = (f"{'this machine' if hosts == 1 else f'{hosts} test hosts x {per_host} ranks'}: "
                    f"{cores} usable cores, Gloo over {'loopback' if hosts == 1 else 'veth'}, calibrated "
@@ -166,7 +171,8 @@ def calibrate_comm(comm: Communicator, settings: Settings, *, name: str, layout:
                f"cores_per_host: len(os.sched_getaffinity(0)) = {cores}",
                f"call_overhead_s: one-float {OVERHEAD_ALGORITHM} all_reduce (verify=False) = {tiny * 1e6:.1f} us "
                f"minus its simulated messages",
-               f"shm: barrier of ranks 0 and 1 ({settings.barriers} per batch); memory bandwidth: {workers} "
+               f"shm: barrier of ranks 0 and 1 ({settings.barriers} per batch; oversubscribed: both pinned to one "
+               f"core); memory bandwidth: {workers} "
                f"rank(s) copying {settings.memory_bytes} B at once")
     return dataclasses.replace(profile, description=description, call_overhead_s=overhead, sources=sources)
 
@@ -322,6 +328,9 @@ def describe(profile: Profile) -> str:
     lines.append(f"{'cores':>8}: {profile.cores_per_host} per host, {profile.ranks_per_host} ranks per host, "
                  f"call overhead {profile.call_overhead_s * 1e6:.1f} us")
     if profile.shm is not None:
-        lines.append(f"{'shm':>8}: barrier {profile.shm.barrier_s * 1e6:.1f} us, memory "
+        crowded = profile.shm.oversubscribed_barrier_s
+        lines.append(f"{'shm':>8}: barrier {profile.shm.barrier_s * 1e6:.1f} us"
+                     + (f" ({crowded * 1e6:.1f} us when ranks outnumber cores)" if crowded is not None else "")
+                     + ", memory "
                      f"{profile.shm.memory_bandwidth_bytes_per_s / 1e9:.2f} GB/s")
     return "\n".join(lines)

@@ -24,6 +24,7 @@ from gradsync.collectives.halving_doubling import SHORT_MESSAGE_BYTES as HD_SHOR
 from gradsync.collectives.shm import SMALL_MESSAGE_BYTES as SHM_SMALL_BYTES
 from gradsync.sim.cluster import Topology
 from gradsync.sim.profile import Profile
+from gradsync.transport.shm_segment import DEFAULT_REGION_BYTES
 
 FORMULAS = ("ring", "tree", "halving_doubling", "hierarchical", "shm")
 
@@ -140,6 +141,14 @@ def halving_doubling_s(profile: Profile, topology: Topology, n: int, itemsize: i
     return total
 
 
+def shm_slices(nbytes: int, itemsize: int) -> list[int]:
+    """The bytes of each slice :mod:`gradsync.collectives.shm` cuts an ``nbytes`` message into (regions
+    of ``DEFAULT_REGION_BYTES`` per rank; the last slice may be shorter)."""
+    region = DEFAULT_REGION_BYTES - DEFAULT_REGION_BYTES % itemsize
+    full, rest = divmod(nbytes, region)
+    return [region] * full + ([rest] if rest else [])
+
+
 def shm_phase_s(profile: Profile, ranks: int, copy_bytes: float, add_bytes: float, oversub: float) -> float:
     """One phase of the shared-memory collective on one rank: its copies and adds on a core, bounded
     below by the host's memory traffic (2 bytes moved per byte copied, 3 per byte added, all ranks)."""
@@ -157,12 +166,11 @@ def shm_s(profile: Profile, topology: Topology, n: int, itemsize: int = 4) -> fl
         return 0.0
     if profile.shm is None:
         raise ValueError(f"profile {profile.name!r} has no shared-memory model (shm)")
-    oversub, barrier = profile.oversubscription(p), profile.shm.barrier_s
-    total = shm_phase_s(profile, p, n, 0, oversub) + barrier
+    oversub, barrier = profile.oversubscription(p), profile.shm_barrier_s(p)
     if n <= SHM_SMALL_BYTES:
-        return total + shm_phase_s(profile, p, 0, (p - 1) * n, oversub)
-    return total + shm_phase_s(profile, p, 0, (p - 1) * n / p, oversub) + barrier + \
-        shm_phase_s(profile, p, n, 0, oversub)
+        return shm_phase_s(profile, p, n, 0, oversub) + barrier + shm_phase_s(profile, p, 0, (p - 1) * n, oversub)
+    return sum(2 * shm_phase_s(profile, p, s, 0, oversub) + 2 * barrier +
+               shm_phase_s(profile, p, 0, (p - 1) * s / p, oversub) for s in shm_slices(n, itemsize))
 
 
 def hierarchical_s(profile: Profile, topology: Topology, n: int, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
@@ -194,7 +202,7 @@ def hierarchical_s(profile: Profile, topology: Topology, n: int, segment_bytes: 
     if inside:
         if hosts == 1:
             return shm_s(profile, one_host, n, itemsize)
-        spread = local * (profile.shm.barrier_s + shm_phase_s(profile, local, chunk, 0, oversub))
+        spread = local * (profile.shm_barrier_s(local) + shm_phase_s(profile, local, chunk, 0, oversub))
         return shm_s(profile, one_host, n, itemsize) + inter + spread
     step = _step(profile, one_host, False)
     scatter, gather = ring_phases_s(local, n, step, segment_bytes, itemsize)
