@@ -34,7 +34,10 @@ from the AllReduce sweep the profile is validated against (``gradsync simulate -
 
 With ``--hosts H --nproc L`` the measurements run as a torchrun job on H test hosts
 (:mod:`gradsync.hosts`): ranks 0 and 1 on host 0 give ``intra``, the compute terms
-and the barrier; ranks 0 and L (host 1) give ``inter``.
+and the barrier; ranks 0 and L (host 1) give ``inter``. A test host has one core
+(:meth:`TestHosts.cores <gradsync.hosts.netns.TestHosts.cores>`), so ranks 0 and 1
+share it: their α and 1/bandwidth are divided by that oversubscription (2), which
+the simulator multiplies back for ranks that share a core.
 """
 
 from __future__ import annotations
@@ -137,6 +140,7 @@ def calibrate_comm(comm: Communicator, settings: Settings, *, name: str, layout:
         raise ValueError(f"calibration needs two ranks on one host (and, across hosts, two per host); got "
                          f"{comm.world_size} ranks as {hosts} x {per_host}")
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    load = " ".join(f"{value:.2f}" for value in os.getloadavg())
     intra, intra_raw = measure_link(comm, (0, 1), settings, cpu_bound=True)
     inter, inter_raw = (measure_link(comm, (0, per_host), settings, cpu_bound=False) if hosts > 1
                         else (None, None))
@@ -151,6 +155,9 @@ def calibrate_comm(comm: Communicator, settings: Settings, *, name: str, layout:
     tiny = micro.tiny_all_reduce(comm, settings.tiny_calls, settings.repeats, OVERHEAD_ALGORITHM)
     if comm.rank != 0:
         return None
+    shared = max(1.0, 2 / cores)  # ranks 0 and 1 on one core (a test host): the pair measured is oversubscribed
+    intra = Link(alpha_s=intra.alpha_s / shared, bandwidth_bytes_per_s=intra.bandwidth_bytes_per_s * shared,
+                 cpu_bound=True)
     profile = Profile(
         name=name, description="", intra=intra, inter=inter, gamma_s_per_byte=gamma, copy_s_per_byte=copy,
         ranks_per_host=per_host, nics_per_host=1, cores_per_host=cores, call_overhead_s=0.0,
@@ -160,10 +167,14 @@ def calibrate_comm(comm: Communicator, settings: Settings, *, name: str, layout:
     description = (f"{'this machine' if hosts == 1 else f'{hosts} test hosts x {per_host} ranks'}: "
                    f"{cores} usable cores, Gloo over {'loopback' if hosts == 1 else 'veth'}, calibrated "
                    f"{started}")
-    sources = (f"measured by `{command or 'gradsync calibrate'}` on {started} ({_host_text()})",
+    sources = (f"measured by `{command or 'gradsync calibrate'}` on {started} ({_host_text()}; load average "
+               f"{load} when it started)",
                f"intra: alpha = median one-way time of ping-pongs of {list(settings.small_sizes)} B; "
                f"bandwidth = 1/slope of the one-way time of ping-pongs of {list(settings.large_sizes)} B "
                f"between ranks 0 and 1 (CollectiveCall over Gloo): {_raw_text(intra_raw)}",
+               *([f"intra: divided by {shared:g}, the oversubscription of the pair measured (2 ranks on "
+                  f"{cores} core): the simulator multiplies it back for ranks that share a core"]
+                 if shared > 1 else []),
                *([f"inter: the same between rank 0 (host 0) and rank {per_host} (host 1): "
                   f"{_raw_text(inter_raw)}"] if inter is not None else []),
                f"gamma, copy: float32 add_ / copy_ in {settings.compute_bytes} B pieces over {settings.memory_bytes} B "

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 from dataclasses import asdict, dataclass
 
@@ -156,6 +157,11 @@ def measure_hosts(sizes: list[int], repetitions: int, inter_host_gbit: float) ->
                               json_path=None)
 
 
+def load_text() -> str:
+    """This machine's load averages (1, 5, 15 min): other processes' share of the cores."""
+    return "load average " + " ".join(f"{value:.2f}" for value in os.getloadavg())
+
+
 def hosts_problem() -> str | None:
     from gradsync.hosts.netns import unavailable_reason
 
@@ -171,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--repetitions must be >= 1, got {repetitions}")
     skip_hosts = getattr(args, "no_hosts", False)
     problem = None if skip_hosts else hosts_problem()
-    print("# gradsync simulate --validate: calibrating (quick micro-benchmarks)", flush=True)
+    print(f"# gradsync simulate --validate: calibrating (quick micro-benchmarks; {load_text()})", flush=True)
     local = calibrate(hosts=None, nproc=2, inter_host_gbit=None, settings=QUICK, out=None)
     print(describe(local), flush=True)
     remote = None
@@ -180,13 +186,14 @@ def run(args: argparse.Namespace) -> int:
         print(describe(remote), flush=True)
     rows: list[ValidationRow] = []
     for world_size in ONE_HOST_WORLD_SIZES:
-        print(f"# measuring 1 host x {world_size} ranks", flush=True)
+        print(f"# measuring 1 host x {world_size} ranks ({load_text()})", flush=True)
         rows += predict(measure_one_host(world_size, sizes, repetitions), local)
     if remote is not None:
-        print(f"# measuring {HOSTS} test hosts x {RANKS_PER_HOST} ranks, {gbit:g} Gbit/s", flush=True)
+        print(f"# measuring {HOSTS} test hosts x {RANKS_PER_HOST} ranks, {gbit:g} Gbit/s ({load_text()})", flush=True)
         rows += predict(measure_hosts(sizes, repetitions, gbit), remote)
     elif not skip_hosts:
         print(f"# no test hosts here ({problem}): only one-host rows", flush=True)
+    print(f"# done ({load_text()})")
     print(format_rows(rows))
     print(format_summary(summarize(rows)))
     if getattr(args, "json", None):

@@ -39,14 +39,18 @@ class Step:
 
 
 def _step(profile: Profile, topology: Topology, crosses_hosts: bool, sharing: float = 1.0,
-          oversub: float | None = None) -> Step:
+          oversub: float | None = None, duplex: bool = False) -> Step:
     """The costs of a step whose messages cross hosts or not, ``sharing`` ranks to a NIC
-    (``oversub``: the ranks-per-core slowdown, None: the topology's)."""
+    (``oversub``: the ranks-per-core slowdown, None: the topology's). ``duplex``: every rank sends
+    and receives at once (ring hops, halving/doubling exchanges); over a ``cpu_bound`` link both go
+    through the rank's one port, so its bytes take twice as long."""
     if oversub is None:
         oversub = max(profile.oversubscription(size) for size in topology.host_sizes)
     link = profile.link(not crosses_hosts)
     slow = oversub if link.cpu_bound else 1.0
-    return Step(link.alpha_s * slow, link.beta_s_per_byte * slow * (sharing if crosses_hosts else 1.0),
+    shared_port = 2.0 if duplex and link.cpu_bound and not crosses_hosts else 1.0
+    return Step(link.alpha_s * slow,
+                link.beta_s_per_byte * slow * (sharing if crosses_hosts else shared_port),
                 profile.gamma_s_per_byte * oversub)
 
 
@@ -76,7 +80,7 @@ def ring_phases_s(p: int, n: float, step: Step, segment_bytes: int, itemsize: in
 def ring_s(profile: Profile, topology: Topology, n: int, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
            itemsize: int = 4, *, sharing: float = 1.0, oversub: float | None = None) -> float:
     """Flat ring: every hop is as slow as its slowest edge (an inter-host edge when there are hosts)."""
-    step = _step(profile, topology, topology.hosts > 1, sharing, oversub)
+    step = _step(profile, topology, topology.hosts > 1, sharing, oversub, duplex=True)
     scatter, gather = ring_phases_s(topology.world_size, n, step, segment_bytes, itemsize)
     return scatter + gather
 
@@ -117,7 +121,7 @@ def halving_doubling_s(profile: Profile, topology: Topology, n: int, itemsize: i
         sharing = _nic_sharing(profile, topology, per_host)
 
     def step_at(distance: int) -> Step:
-        return _step(profile, topology, topology.hosts > 1 and distance >= per_host, sharing, oversub)
+        return _step(profile, topology, topology.hosts > 1 and distance >= per_host, sharing, oversub, duplex=True)
 
     total = 0.0
     if extra:
@@ -202,9 +206,10 @@ def hierarchical_s(profile: Profile, topology: Topology, n: int, segment_bytes: 
     if inside:
         if hosts == 1:
             return shm_s(profile, one_host, n, itemsize)
-        spread = local * (profile.shm_barrier_s(local) + shm_phase_s(profile, local, chunk, 0, oversub))
+        spread = local * sum(profile.shm_barrier_s(local) + shm_phase_s(profile, local, s, 0, oversub)
+                             for s in shm_slices(chunk, itemsize))
         return shm_s(profile, one_host, n, itemsize) + inter + spread
-    step = _step(profile, one_host, False)
+    step = _step(profile, one_host, False, duplex=True)
     scatter, gather = ring_phases_s(local, n, step, segment_bytes, itemsize)
     return scatter + inter + gather
 

@@ -184,7 +184,7 @@ class VirtualSharedMemory:
 
     def broadcast(self, flat, src: int, call) -> None:
         members = _members(call.transport)
-        n = flat.numel() * flat.element_size()
-        self._phase(members, n if call.rank == src else 0, 0)
-        self._barrier(members)
-        self._phase(members, 0 if call.rank == src else n, 0)
+        for n in shm_slices(flat.numel() * flat.element_size(), flat.element_size()):
+            self._phase(members, n if call.rank == src else 0, 0)
+            self._barrier(members)
+            self._phase(members, 0 if call.rank == src else n, 0)
