@@ -30,7 +30,7 @@ from the AllReduce sweep the profile is validated against (``gradsync simulate -
   own, and (``oversubscribed_barrier_s``) both pinned to one core, as ranks that
   outnumber the cores are (ws 3 and 4 here); memory bandwidth = bytes read and
   written by one rank per core copying ``Settings.memory_bytes`` at once.
-* Each figure is the least of ``Settings.repeats`` batches (see :mod:`gradsync.bench.micro`).
+* Each figure is the median of ``Settings.repeats`` batches (see :mod:`gradsync.bench.micro`).
 
 With ``--hosts H --nproc L`` the measurements run as a torchrun job on H test hosts
 (:mod:`gradsync.hosts`): ranks 0 and 1 on host 0 give ``intra``, the compute terms

@@ -8,10 +8,10 @@ message tags of Gloo stay in step. Messages go through gradsync's own path
 ``TorchP2PTransport`` on Gloo), so the Python cost per message that the algorithms
 pay is part of what is measured.
 
-What each one measures (all times in seconds, the least of ``repeats`` batches: this
-machine is shared, and other processes only ever add time, so the quickest batch is
-the closest to the machine's own cost; the sweep it is validated against reports
-medians, which keep that noise):
+What each one measures (all times in seconds, the median of ``repeats`` batches: the
+statistic of the sweep the profile is validated against, so that both see the machine
+as it is, other processes included; the least batch would be the machine's own cost,
+but a profile of it then predicts a loaded machine's sweep systematically low):
 
 * :func:`ping_pong`: one-way time of an ``nbytes`` message between two ranks (half a
   round trip; the reply's receive is posted before the ping is sent, as the
@@ -31,6 +31,7 @@ medians, which keep that noise):
 from __future__ import annotations
 
 import os
+import statistics
 import time
 
 import torch
@@ -48,8 +49,8 @@ def line_up(comm: Communicator) -> None:
 
 
 def _batches(repeats: int, once) -> float:
-    """The least of ``repeats`` values of ``once()`` (seconds, one value per batch)."""
-    return min(once() for _ in range(max(repeats, 1)))
+    """The median of ``repeats`` values of ``once()`` (seconds, one value per batch)."""
+    return statistics.median(once() for _ in range(max(repeats, 1)))
 
 
 def _slowest(comm: Communicator, seconds: float) -> float:
@@ -79,7 +80,7 @@ def ping_pong(comm: Communicator, pair: tuple[int, int], nbytes: int, iterations
                 call.send(tensor, first, "pong")
         if batch:
             results.append((time.perf_counter() - started) / iterations / 2)
-    return _from(comm, first, min(results) if comm.rank == first else 0.0)
+    return _from(comm, first, statistics.median(results) if comm.rank == first else 0.0)
 
 
 def exchange(comm: Communicator, pair: tuple[int, int], nbytes: int, iterations: int, repeats: int) -> float:
@@ -97,7 +98,7 @@ def exchange(comm: Communicator, pair: tuple[int, int], nbytes: int, iterations:
                 call.send_recv(tensor, peer, inbox, peer, "exchange")
         if batch:
             results.append((time.perf_counter() - started) / iterations)
-    return _from(comm, pair[0], min(results) if comm.rank == pair[0] else 0.0)
+    return _from(comm, pair[0], statistics.median(results) if comm.rank == pair[0] else 0.0)
 
 
 def _from(comm: Communicator, rank: int, value: float) -> float:
@@ -185,7 +186,7 @@ def shm_barrier(comm: Communicator, barriers: int, repeats: int, one_core: bool 
                 os.sched_setaffinity(0, cores)
         if batch:
             results.append(seconds)
-    return min(results) if comm.rank == 0 and results else 0.0
+    return statistics.median(results) if comm.rank == 0 and results else 0.0
 
 
 _STATE: dict[int, ShmState] = {}  # the calibration's own segment per communicator (closed by close_shm)
