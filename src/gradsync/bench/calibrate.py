@@ -20,12 +20,14 @@ from the AllReduce sweep the profile is validated against (``gradsync simulate -
   messages whose time the terms decide; a 4 MiB buffer added again and again stays
   in the cache and runs faster), on one rank per core at once, per output byte.
 * ``cores_per_host``: ``len(os.sched_getaffinity(0))``.
-* ``call_overhead_s``: what one ``all_reduce`` costs beyond its messages: the
-  measured time of a one-float ``halving_doubling`` ``all_reduce`` (one exchange at
-  two ranks; ``verify=False``, as the sweep
-  and DataParallel's buckets call it: no layout round) minus the time the
-  simulation gives its messages with the links just measured (so the two
-  are not counted twice).
+* ``call_overhead_s``: what one ``all_reduce`` costs beyond what the model prices
+  (messages, barriers, copies): the measured time of a one-float ``all_reduce``
+  (``verify=False``, as the sweep and DataParallel's buckets call it: no layout
+  round) minus the time the simulation gives that call with the terms just
+  measured (so nothing is counted twice). On one host the call is ``shm``: its
+  barrier spins, where every Gloo wait sleeps and, on a busy machine, waits
+  milliseconds to be woken (latency the link's α holds, not the call); across
+  hosts, where no shm spans the group, ``halving_doubling``.
 * ``shm``: one barrier of two ranks on a shared-memory segment, each on a core of its
   own, and (``oversubscribed_barrier_s``) both pinned to one core, as ranks that
   outnumber the cores are (ws 3 and 4 here); memory bandwidth = bytes read and
@@ -56,9 +58,10 @@ from gradsync.collectives.communicator import Communicator
 from gradsync.sim.profile import Link, Profile, ShmModel, load, save
 
 KIB, MIB = 2**10, 2**20
-# the call whose time less its messages is the call overhead: at 2 ranks one exchange of one float
-# (the ring sends two messages one after the other, so more of its time is the link model's)
-OVERHEAD_ALGORITHM = "halving_doubling"
+# the call whose time less its modelled cost is the call overhead: on one host shm (no message: a
+# barrier that spins, so a busy machine's wake-up latency, which every Gloo wait pays, does not count
+# as overhead); across hosts (no shm over the whole group) halving_doubling, one exchange per doubling
+OVERHEAD_ALGORITHMS = {True: "shm", False: "halving_doubling"}  # by "one host"
 
 
 @dataclass(frozen=True)
@@ -152,7 +155,9 @@ def calibrate_comm(comm: Communicator, settings: Settings, *, name: str, layout:
     barrier = micro.shm_barrier(comm, settings.barriers, settings.repeats, one_core=cores < 2)
     crowded = micro.shm_barrier(comm, max(settings.barriers // 10, 1), settings.repeats, one_core=True)
     micro.close_shm(comm)
-    tiny = micro.tiny_all_reduce(comm, settings.tiny_calls, settings.repeats, OVERHEAD_ALGORITHM)
+    barrier_known = barrier is not None and hosts == 1
+    overhead_algorithm = OVERHEAD_ALGORITHMS[barrier_known]
+    tiny = micro.tiny_all_reduce(comm, settings.tiny_calls, settings.repeats, overhead_algorithm)
     if comm.rank != 0:
         return None
     shared = max(1.0, 2 / cores)  # ranks 0 and 1 on one core (a test host): the pair measured is oversubscribed
@@ -163,7 +168,7 @@ def calibrate_comm(comm: Communicator, settings: Settings, *, name: str, layout:
         ranks_per_host=per_host, nics_per_host=1, cores_per_host=cores, call_overhead_s=0.0,
         shm=ShmModel(barrier_s=barrier, memory_bandwidth_bytes_per_s=memory, oversubscribed_barrier_s=crowded)
         if barrier is not None else None)
-    overhead = max(tiny - _message_time(profile, comm.world_size, layout), 0.0)
+    overhead = max(tiny - _modelled_time(profile, overhead_algorithm, comm.world_size, layout), 0.0)
     description = (f"{'this machine' if hosts == 1 else f'{hosts} test hosts x {per_host} ranks'}: "
                    f"{cores} usable cores, Gloo over {'loopback' if hosts == 1 else 'veth'}, calibrated "
                    f"{started}")
@@ -180,22 +185,22 @@ def calibrate_comm(comm: Communicator, settings: Settings, *, name: str, layout:
                f"gamma, copy: float32 add_ / copy_ in {settings.compute_bytes} B pieces over {settings.memory_bytes} B "
                f"buffers (from memory, not cache) on {workers} rank(s) at once (one a core)",
                f"cores_per_host: len(os.sched_getaffinity(0)) = {cores}",
-               f"call_overhead_s: one-float {OVERHEAD_ALGORITHM} all_reduce (verify=False) = {tiny * 1e6:.1f} us "
-               f"minus its simulated messages",
+               f"call_overhead_s: one-float {overhead_algorithm} all_reduce (verify=False) = {tiny * 1e6:.1f} us "
+               f"minus its simulated cost without overhead",
                f"shm: barrier of ranks 0 and 1 ({settings.barriers} per batch; oversubscribed: both pinned to one "
                f"core); memory bandwidth: {workers} "
                f"rank(s) copying {settings.memory_bytes} B at once")
     return dataclasses.replace(profile, description=description, call_overhead_s=overhead, sources=sources)
 
 
-def _message_time(profile: Profile, world_size: int, layout: tuple[int, int]) -> float:
-    """Simulated seconds of a one-float ``OVERHEAD_ALGORITHM`` all_reduce's messages on ``profile`` (no call overhead)."""
+def _modelled_time(profile: Profile, algorithm: str, world_size: int, layout: tuple[int, int]) -> float:
+    """Simulated seconds of a one-float ``algorithm`` all_reduce on ``profile`` (no call overhead yet)."""
     from gradsync.sim.cluster import Topology
     from gradsync.sim.engine import simulate_all_reduce
 
     hosts, per_host = layout
     topology = Topology.uniform(hosts, per_host) if hosts > 1 else Topology((world_size,))
-    return simulate_all_reduce(OVERHEAD_ALGORITHM, 4, profile, topology).time_s
+    return simulate_all_reduce(algorithm, 4, profile, topology).time_s
 
 
 def _raw_text(raw: dict) -> str:
