@@ -10,9 +10,13 @@ are posted and every port they cross is free, and keep those ports busy for
 their bytes over the bandwidth. Reductions and copies advance the running
 rank's clock (:meth:`VirtualCluster.compute`).
 
-Ports: each rank has an egress and an ingress port on the intra-host link;
-each host has ``nics_per_host`` NICs with an egress and an ingress port each
-(see :mod:`gradsync.sim.profile`).
+Ports: each rank has an egress and an ingress port on the intra-host link
+(one port for both directions when the link is ``cpu_bound``: loopback TCP
+copies every byte on the sender's and the receiver's core, so a rank that
+sends and receives at once takes twice as long as one that only sends,
+as ``gradsync calibrate``'s exchange against its ping-pong shows); each host
+has ``nics_per_host`` NICs with an egress and an ingress port each (see
+:mod:`gradsync.sim.profile`).
 """
 
 from __future__ import annotations
@@ -192,16 +196,22 @@ class VirtualCluster:
         return the time it completes at both ends."""
         a, b = self.ranks[src], self.ranks[dst]
         if a.host == b.host:
-            link, ports = self.profile.intra, (("out", src), ("in", dst))
+            link = self.profile.intra
+            # a CPU-bound link (loopback TCP): the kernel copies a message on the sender's and the
+            # receiver's core, so a rank's sends and receives share one port (its core's time)
+            ports = (("cpu", src), ("cpu", dst)) if link.cpu_bound else (("out", src), ("in", dst))
         else:
             link, nics = self.profile.link(False), self.profile.nics_per_host
             ports = (("nic-out", a.host, a.local_rank % nics), ("nic-in", b.host, b.local_rank % nics))
         slow = self.oversub[a.host] if link.cpu_bound else 1.0
         out, into = ports
         free = self.ports
-        start = max(posted_s, free.get(out, 0.0), free.get(into, 0.0))
         busy = nbytes * link.beta_s_per_byte * slow
-        free[out] = free[into] = start + busy
+        # each end's port serves its messages in turn, each end on its own: a message waiting for one
+        # end does not hold the other idle (socket buffers, a fabric sharing its links among flows)
+        sending, receiving = max(posted_s, free.get(out, 0.0)), max(posted_s, free.get(into, 0.0))
+        free[out], free[into] = sending + busy, receiving + busy
+        start = max(sending, receiving)
         done = start + busy + link.alpha_s * slow
         if self.trace is not None:
             self.trace.append(TraceEvent("send", src, dst, getattr(tensor, "root", 0), getattr(tensor, "offset", 0),

@@ -58,6 +58,13 @@ def _add_scale_options(parser: argparse.ArgumentParser) -> None:
     add("--validate", action="store_true", help="calibrate here, then run a measured sweep (ws 2-4 on one "
         "host and 2x2 emulated hosts) and print predicted against measured time with the error")
     add("--reproduce", action="store_true", help="compare predictions with published nccl-tests curves")
+    add("--validate-sizes", default="4K,64K,1M,16M,64M", help="--validate: message sizes of the measured "
+        "sweep (default %(default)s)")
+    add("--repetitions", type=int, default=5, help="--validate: interleaved repetitions per row "
+        "(default %(default)s)")
+    add("--inter-host-gbit", type=float, default=1.0, help="--validate: the test hosts' link rate "
+        "(Gbit/s, default %(default)s)")
+    add("--no-hosts", action="store_true", help="--validate: one host only (no test hosts)")
 
 
 def simulate(args: argparse.Namespace) -> int:
@@ -121,6 +128,14 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
 def _add_calibrate_options(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--out", default="profile.json", help="profile file to write (default %(default)s)")
+    add("--hosts", type=int, default=None, help="calibrate the emulated test hosts: H hosts (network "
+        "namespaces, needs root); also measures the link between hosts")
+    add("--nproc", type=int, default=2, help="ranks per test host with --hosts (default %(default)s)")
+    add("--inter-host-gbit", type=float, default=None, help="shape each test host's link to this rate "
+        "(Gbit/s, tc tbf), as `gradsync bench allreduce --hosts` does")
+    add("--settings", choices=("full", "quick", "tiny"), default="full", help="how long the micro-benchmarks "
+        "run: full (about a minute), quick (the one --validate uses), tiny (seconds; rough numbers)")
+    add("--name", default=None, help="the profile's name (default: this-machine, or test-hosts with --hosts)")
 
 
 def calibrate(args: argparse.Namespace) -> int:

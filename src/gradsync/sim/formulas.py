@@ -24,6 +24,7 @@ from gradsync.collectives.halving_doubling import SHORT_MESSAGE_BYTES as HD_SHOR
 from gradsync.collectives.shm import SMALL_MESSAGE_BYTES as SHM_SMALL_BYTES
 from gradsync.sim.topology import Topology
 from gradsync.sim.profile import Profile
+from gradsync.transport.shm_segment import DEFAULT_REGION_BYTES
 
 FORMULAS = ("ring", "tree", "halving_doubling", "hierarchical", "shm")
 
@@ -51,15 +52,18 @@ class Step:
 
 
 def _step(profile: Profile, topology: Topology, crosses_hosts: bool, sharing: float = 1.0,
-          oversub: float | None = None) -> Step:
+          oversub: float | None = None, duplex: bool = False) -> Step:
     """The costs of a step whose messages cross hosts or not, ``sharing`` ranks to a NIC
-    (``oversub``: the ranks-per-core slowdown, None: the topology's)."""
+    (``oversub``: the ranks-per-core slowdown, None: the topology's). ``duplex``: every rank sends
+    and receives at once (ring hops, halving/doubling exchanges); over a ``cpu_bound`` link both go
+    through the rank's one port, so its bytes take twice as long."""
     if oversub is None:
         oversub = max(profile.oversubscription(size) for size in topology.host_sizes)
     link = profile.link(not crosses_hosts)
     slow = oversub if link.cpu_bound else 1.0
-    return Step(link.alpha_s * slow, link.beta_s_per_byte * slow, profile.gamma_s_per_byte * oversub,
-                sharing if crosses_hosts else 1.0)
+    shared_port = 2.0 if duplex and link.cpu_bound and not crosses_hosts else 1.0
+    return Step(link.alpha_s * slow, link.beta_s_per_byte * slow * (1.0 if crosses_hosts else shared_port),
+                profile.gamma_s_per_byte * oversub, sharing if crosses_hosts else 1.0)
 
 
 def _nic_sharing(profile: Profile, topology: Topology, active_per_host: int) -> float:
@@ -94,9 +98,15 @@ def ring_phases_s(p: int, n: float, step: Step, segment_bytes: int, itemsize: in
 
 def ring_s(profile: Profile, topology: Topology, n: int, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
            itemsize: int = 4, *, sharing: float = 1.0, oversub: float | None = None) -> float:
-    """Flat ring: every hop is as slow as its slowest edge (an inter-host edge when there are hosts)."""
-    step = _step(profile, topology, topology.hosts > 1, sharing, oversub)
-    scatter, gather = ring_phases_s(topology.world_size, n, step, segment_bytes, itemsize)
+    """Flat ring: every hop is as slow as its slowest edge (intra- or inter-host, whichever moves a
+    chunk slower)."""
+    p = topology.world_size
+    steps = [_step(profile, topology, topology.hosts > 1, sharing, oversub, duplex=True)]
+    if topology.hosts > 1 and max(topology.host_sizes) > 1:
+        steps.append(_step(profile, topology, False, 1.0, oversub, duplex=True))
+    chunk = math.ceil(n / itemsize / p) * itemsize
+    step = max(steps, key=lambda st: st.move_s(chunk))
+    scatter, gather = ring_phases_s(p, n, step, segment_bytes, itemsize)
     return scatter + gather
 
 
@@ -122,14 +132,18 @@ def tree_s(profile: Profile, topology: Topology, n: int, segment_bytes: int = DE
     gamma = profile.gamma_s_per_byte * oversub
     loads: dict[tuple, float] = {}
 
-    def edge(child: int) -> tuple[Step, tuple, tuple]:
+    def edge(child: int) -> tuple[Step, tuple, tuple, tuple, tuple]:
+        """(costs, child's port up, parent's port up, parent's port down, child's port down)."""
         parent = (child - 1) // 2
         crosses = hosts[child] != hosts[parent]
         step = _step(profile, topology, crosses, 1.0, oversub)
         if crosses:
             nics = profile.nics_per_host
-            return step, ("nic", hosts[child], local[child] % nics), ("nic", hosts[parent], local[parent] % nics)
-        return step, ("rank", child), ("rank", parent)
+            mine, theirs = (hosts[child], local[child] % nics), (hosts[parent], local[parent] % nics)
+            return step, ("nic-out",) + mine, ("nic-in",) + theirs, ("nic-out",) + theirs, ("nic-in",) + mine
+        if profile.intra.cpu_bound:  # one port per rank for both directions, as the event simulation
+            return step, ("cpu", child), ("cpu", parent), ("cpu", parent), ("cpu", child)
+        return step, ("out", child), ("in", parent), ("out", parent), ("in", child)
 
     edges = [None] + [edge(child) for child in range(1, p)]
     up = [0.0] * p
@@ -138,12 +152,10 @@ def tree_s(profile: Profile, topology: Topology, n: int, segment_bytes: int = DE
         children = [c for c in (2 * rank + 1, 2 * rank + 2) if c < p]
         arrived = 0.0
         for child in sorted(children, key=lambda c: up[c]):
-            step, out_port, in_port = edges[child]
-            out_key, in_key = ("out",) + out_port, ("in",) + in_port
-            start = max(up[child], port_free.get(out_key, 0.0), port_free.get(in_key, 0.0))
-            port_free[out_key] = port_free[in_key] = start + s * step.beta
+            step, out_key, in_key = edges[child][:3]
+            start = _reserve(port_free, up[child], out_key, in_key, s * step.beta)
             arrived = max(arrived, start + s * step.beta + step.alpha)
-            for port in (("out",) + out_port, ("in",) + in_port):
+            for port in (out_key, in_key):
                 loads[port] = loads.get(port, 0.0) + step.beta
         up[rank] = arrived + len(children) * s * gamma if children else 0.0
     reduce_pace = max(max(loads.values()) * s, 2 * s * gamma if p > 2 else s * gamma)
@@ -155,16 +167,21 @@ def tree_s(profile: Profile, topology: Topology, n: int, segment_bytes: int = DE
         for child in (2 * rank + 1, 2 * rank + 2):
             if child >= p:
                 continue
-            step, out_port, in_port = edges[child]
-            out_key, in_key = ("out",) + in_port, ("in",) + out_port  # the parent sends, the child receives
-            start = max(down[rank], port_free.get(out_key, 0.0), port_free.get(in_key, 0.0))
-            port_free[out_key] = port_free[in_key] = start + s * step.beta
+            step, out_key, in_key = edges[child][0], edges[child][3], edges[child][4]
+            start = _reserve(port_free, down[rank], out_key, in_key, s * step.beta)
             down[child] = start + s * step.beta + step.alpha
-            for port in (("out",) + in_port, ("in",) + out_port):
+            for port in (out_key, in_key):
                 send_loads[port] = send_loads.get(port, 0.0) + step.beta
     broadcast_pace = max(send_loads.values()) * s
     broadcast_time = max(down) + (k - 1) * broadcast_pace + (s_last - s) * broadcast_pace / s
     return reduce_time + broadcast_time
+
+
+def _reserve(port_free: dict, ready: float, out_key: tuple, in_key: tuple, busy: float) -> float:
+    """Each end's port in turn, as :meth:`VirtualCluster.transfer`; the transfer's start."""
+    sending, receiving = max(ready, port_free.get(out_key, 0.0)), max(ready, port_free.get(in_key, 0.0))
+    port_free[out_key], port_free[in_key] = sending + busy, receiving + busy
+    return max(sending, receiving)
 
 
 def _local_ranks(topology: Topology) -> list[int]:
@@ -188,22 +205,22 @@ def halving_doubling_s(profile: Profile, topology: Topology, n: int, itemsize: i
     hosts, local = topology.host_of(), _local_ranks(topology)
     members = [2 * c + 1 if c < extra else c + extra for c in range(core)]
 
-    def step_for(pairs) -> Step:
+    def step_for(pairs, duplex: bool = True) -> Step:
         crossing: dict[tuple, int] = {}
         for a, b in pairs:
             if hosts[a] != hosts[b]:
                 key = (hosts[a], local[a] % profile.nics_per_host)
                 crossing[key] = crossing.get(key, 0) + 1
         if not crossing:
-            return _step(profile, topology, False, 1.0, oversub)
-        return _step(profile, topology, True, sharing or max(crossing.values()), oversub)
+            return _step(profile, topology, False, 1.0, oversub, duplex=duplex)
+        return _step(profile, topology, True, sharing or max(crossing.values()), oversub, duplex=duplex)
 
     def step_at(distance: int) -> Step:
         return step_for((members[c], members[c ^ distance]) for c in range(core))
 
     total = 0.0
     if extra:
-        fold = step_for((2 * i, 2 * i + 1) for i in range(extra))
+        fold = step_for([(2 * i, 2 * i + 1) for i in range(extra)], duplex=False)  # one way at a time
         total += 2 * fold.exchange_s(n) + n * fold.gamma
     levels = int(math.log2(core))
     if n <= HD_SHORT_BYTES or n // itemsize < core:
@@ -223,6 +240,14 @@ def halving_doubling_s(profile: Profile, topology: Topology, n: int, itemsize: i
     return total
 
 
+def shm_slices(nbytes: int, itemsize: int) -> list[int]:
+    """The bytes of each slice :mod:`gradsync.collectives.shm` cuts an ``nbytes`` message into (regions
+    of ``DEFAULT_REGION_BYTES`` per rank; the last slice may be shorter)."""
+    region = DEFAULT_REGION_BYTES - DEFAULT_REGION_BYTES % itemsize
+    full, rest = divmod(nbytes, region)
+    return [region] * full + ([rest] if rest else [])
+
+
 def shm_phase_s(profile: Profile, ranks: int, copy_bytes: float, add_bytes: float, oversub: float) -> float:
     """One phase of the shared-memory collective on one rank: its copies and adds on a core, bounded
     below by the host's memory traffic (2 bytes moved per byte copied, 3 per byte added, all ranks)."""
@@ -240,12 +265,11 @@ def shm_s(profile: Profile, topology: Topology, n: int, itemsize: int = 4) -> fl
         return 0.0
     if profile.shm is None:
         raise ValueError(f"profile {profile.name!r} has no shared-memory model (shm)")
-    oversub, barrier = profile.oversubscription(p), profile.shm.barrier_s
-    total = shm_phase_s(profile, p, n, 0, oversub) + barrier
+    oversub, barrier = profile.oversubscription(p), profile.shm_barrier_s(p)
     if n <= SHM_SMALL_BYTES:
-        return total + shm_phase_s(profile, p, 0, (p - 1) * n, oversub)
-    return total + shm_phase_s(profile, p, 0, (p - 1) * n / p, oversub) + barrier + \
-        shm_phase_s(profile, p, n, 0, oversub)
+        return shm_phase_s(profile, p, n, 0, oversub) + barrier + shm_phase_s(profile, p, 0, (p - 1) * n, oversub)
+    return sum(2 * shm_phase_s(profile, p, s, 0, oversub) + 2 * barrier +
+               shm_phase_s(profile, p, 0, (p - 1) * s / p, oversub) for s in shm_slices(n, itemsize))
 
 
 def hierarchical_s(profile: Profile, topology: Topology, n: int, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
@@ -277,9 +301,10 @@ def hierarchical_s(profile: Profile, topology: Topology, n: int, segment_bytes: 
         node = shm_s(profile, Topology((largest,)), n, itemsize)
         if hosts == 1:
             return node
-        spread = local * (profile.shm.barrier_s + shm_phase_s(profile, largest, chunk, 0, oversub))
+        spread = local * sum(profile.shm_barrier_s(largest) + shm_phase_s(profile, largest, s, 0, oversub)
+                             for s in shm_slices(chunk, itemsize))
         return node + inter + spread
-    step = _step(profile, Topology((largest,)), False)
+    step = _step(profile, Topology((largest,)), False, duplex=True)
     scatter, gather = ring_phases_s(local, n, step, segment_bytes, itemsize)
     extras = 0.0
     if largest > local:

@@ -44,7 +44,9 @@ class Link:
     Args:
         alpha_s: seconds per message (latency, > 0).
         bandwidth_bytes_per_s: bytes per second per port and direction (> 0).
-        cpu_bound: the CPU moves the bytes (loopback TCP): slower when ranks outnumber cores.
+        cpu_bound: the CPU moves the bytes (loopback TCP): slower when ranks outnumber cores, and a
+            rank's sends and receives share one port (its core), ``bandwidth_bytes_per_s`` being
+            the one-way rate of a single stream.
     """
 
     alpha_s: float
@@ -65,13 +67,17 @@ class ShmModel:
     """Costs of the shared-memory collective (``algorithm="shm"``, :mod:`gradsync.collectives.shm`).
 
     Args:
-        barrier_s: one barrier of the host's ranks (seconds).
+        barrier_s: one barrier of the host's ranks (seconds), each rank on a core of its own.
         memory_bandwidth_bytes_per_s: the host's whole memory traffic bound; copies and adds
             of all its ranks share it.
+        oversubscribed_barrier_s: one barrier when the host's ranks outnumber its cores (a
+            rank that spins waits for the late one to get the core: the kernel's scheduling,
+            not the memory, sets it); None: ``barrier_s``.
     """
 
     barrier_s: float
     memory_bandwidth_bytes_per_s: float
+    oversubscribed_barrier_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -126,6 +132,19 @@ class Profile:
         if self.cores_per_host is None:
             return 1.0
         return max(1.0, ranks_on_host / self.cores_per_host)
+
+    def shm_barrier_s(self, ranks_on_host: int) -> float:
+        """Seconds of one shared-memory barrier of ``ranks_on_host`` ranks (the ``shm`` model's
+        oversubscribed figure when they outnumber the cores).
+
+        Raises:
+            ValueError: the profile has no shared-memory model.
+        """
+        if self.shm is None:
+            raise ValueError(f"profile {self.name!r} has no shared-memory model (shm)")
+        if self.oversubscription(ranks_on_host) > 1 and self.shm.oversubscribed_barrier_s is not None:
+            return self.shm.oversubscribed_barrier_s
+        return self.shm.barrier_s
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -19,6 +19,7 @@ from collections import deque
 
 from gradsync.collectives.shm import SMALL_MESSAGE_BYTES
 from gradsync.sim.cluster import VirtualCluster
+from gradsync.sim.formulas import shm_slices
 from gradsync.transport.base import TransportStats
 from gradsync.transport.locality import Locality, derive
 
@@ -137,13 +138,15 @@ def _members(transport) -> list[int]:
 class VirtualSharedMemory:
     """A formula for :mod:`gradsync.collectives.shm` on simulated ranks.
 
-    Per rank and slice of n bytes over p ranks of one host: copy in (n), a
+    Per rank and slice of n bytes (a region, ``DEFAULT_REGION_BYTES``, as the real code
+    cuts a message) over p ranks of one host: copy in (n), a
     barrier, the sum of its chunk over the p regions ((p-1)/p·n added; the
     small-message path, up to ``SMALL_MESSAGE_BYTES``, adds all (p-1)·n
     itself and needs no second barrier), a barrier, copy out (n). The CPU
     terms slow down by ranks/cores; the host's memory traffic (read + write
     of every copy, two reads and a write per add, for all its ranks) bounds
-    them from below at ``ShmModel.memory_bandwidth_bytes_per_s``.
+    them from below at ``ShmModel.memory_bandwidth_bytes_per_s``. A barrier
+    costs ``Profile.shm_barrier_s`` (more when the ranks outnumber the cores).
     """
 
     def __init__(self, cluster: VirtualCluster):
@@ -168,23 +171,26 @@ class VirtualSharedMemory:
         key = (tuple(members), rank)
         count = self._barriers.get(key, 0)
         self._barriers[key] = count + 1
-        self.cluster.barrier((tuple(members), count), members, self._model().barrier_s)
+        self.cluster.barrier((tuple(members), count), members, self.cluster.profile.shm_barrier_s(len(members)))
 
     def all_reduce(self, flat, call) -> None:
         members = _members(call.transport)
-        p, n = len(members), flat.numel() * flat.element_size()
-        self._phase(members, n, 0)
-        self._barrier(members)
-        if n <= SMALL_MESSAGE_BYTES:
-            self._phase(members, 0, (p - 1) * n)
+        p, total = len(members), flat.numel() * flat.element_size()
+        if total <= SMALL_MESSAGE_BYTES:
+            self._phase(members, total, 0)
+            self._barrier(members)
+            self._phase(members, 0, (p - 1) * total)
             return
-        self._phase(members, 0, (p - 1) * n / p)
-        self._barrier(members)
-        self._phase(members, n, 0)
+        for n in shm_slices(total, flat.element_size()):  # the real code's slices of one region
+            self._phase(members, n, 0)
+            self._barrier(members)
+            self._phase(members, 0, (p - 1) * n / p)
+            self._barrier(members)
+            self._phase(members, n, 0)
 
     def broadcast(self, flat, src: int, call) -> None:
         members = _members(call.transport)
-        n = flat.numel() * flat.element_size()
-        self._phase(members, n if call.rank == src else 0, 0)
-        self._barrier(members)
-        self._phase(members, 0 if call.rank == src else n, 0)
+        for n in shm_slices(flat.numel() * flat.element_size(), flat.element_size()):
+            self._phase(members, n if call.rank == src else 0, 0)
+            self._barrier(members)
+            self._phase(members, 0 if call.rank == src else n, 0)

@@ -1,0 +1,352 @@
+"""``gradsync calibrate``: the simulator's profile of this machine (or of its test hosts), measured.
+
+Every number comes from the micro-benchmarks of :mod:`gradsync.bench.micro`, never
+from the AllReduce sweep the profile is validated against (``gradsync simulate --validate``):
+
+* ``intra`` (and ``inter`` with ``--hosts``): α = the median one-way time of
+  ping-pongs of ``Settings.small_sizes`` (4 B .. 4 KiB) through gradsync's own
+  message path (``CollectiveCall`` over Gloo), so the Python cost per message is
+  in it; bandwidth = 1 / the least-squares slope of the one-way time against the
+  bytes over ``Settings.large_sizes`` (1 MiB .. 16 MiB). Loopback TCP is
+  ``cpu_bound``: the kernel copies the bytes on the sender's and the receiver's
+  core, so a rank's sends and receives share its core (the simulator gives them
+  one port). The check: a simultaneous exchange of the largest size (both ranks
+  send and receive at once, a ring step at two ranks) is also measured and
+  recorded in ``sources``; over loopback it takes about twice the one-way time.
+  The test hosts' link is bounded by its ``tc tbf`` shaper, not by a core.
+* ``gamma_s_per_byte`` / ``copy_s_per_byte``: float32 ``add_`` and ``copy_`` in
+  pieces of ``Settings.compute_bytes`` (4 MiB, the default ring segment) over buffers
+  of ``Settings.memory_bytes`` (64 MiB: the data comes from memory, as in the large
+  messages whose time the terms decide; a 4 MiB buffer added again and again stays
+  in the cache and runs faster), on one rank per core at once, per output byte.
+* ``cores_per_host``: ``len(os.sched_getaffinity(0))``.
+* ``call_overhead_s``: what one ``all_reduce`` costs beyond what the model prices
+  (messages, barriers, copies): the measured time of a one-float ``all_reduce``
+  (``verify=False``, as the sweep and DataParallel's buckets call it: no layout
+  round) minus the time the simulation gives that call with the terms just
+  measured (so nothing is counted twice). On one host the call is ``shm``: its
+  barrier spins, where every Gloo wait sleeps and, on a busy machine, waits
+  milliseconds to be woken (latency the link's α holds, not the call); across
+  hosts, where no shm spans the group, ``halving_doubling``.
+* ``shm``: one barrier of two ranks on a shared-memory segment, each on a core of its
+  own, and (``oversubscribed_barrier_s``) both pinned to one core, as ranks that
+  outnumber the cores are (ws 3 and 4 here); memory bandwidth = bytes read and
+  written by one rank per core copying ``Settings.memory_bytes`` at once.
+* Each figure is the median of ``Settings.repeats`` batches (see :mod:`gradsync.bench.micro`).
+
+With ``--hosts H --nproc L`` the measurements run as a torchrun job on H test hosts
+(:mod:`gradsync.hosts`): ranks 0 and 1 on host 0 give ``intra``, the compute terms
+and the barrier; ranks 0 and L (host 1) give ``inter``. A test host has one core
+(:meth:`TestHosts.cores <gradsync.hosts.netns.TestHosts.cores>`), so ranks 0 and 1
+share it: their α and 1/bandwidth are divided by that oversubscription (2), which
+the simulator multiplies back for ranks that share a core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gradsync.bench import micro
+from gradsync.collectives.communicator import Communicator
+from gradsync.sim.profile import Link, Profile, ShmModel, load, save
+
+KIB, MIB = 2**10, 2**20
+# the call whose time less its modelled cost is the call overhead: on one host shm (no message: a
+# barrier that spins, so a busy machine's wake-up latency, which every Gloo wait pays, does not count
+# as overhead); across hosts (no shm over the whole group) halving_doubling, one exchange per doubling
+OVERHEAD_ALGORITHMS = {True: "shm", False: "halving_doubling"}  # by "one host"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How long each micro-benchmark runs (sizes in bytes)."""
+
+    small_sizes: tuple[int, ...] = (4, 256, 4 * KIB)
+    large_sizes: tuple[int, ...] = (1 * MIB, 4 * MIB, 16 * MIB)
+    repeats: int = 7
+    batch_bytes: int = 32 * MIB     # iterations per batch: enough messages to move this much
+    small_iterations: int = 200
+    compute_bytes: int = 4 * MIB
+    memory_bytes: int = 64 * MIB
+    barriers: int = 2000
+    tiny_calls: int = 200
+
+
+FULL = Settings()
+QUICK = Settings(large_sizes=(1 * MIB, 4 * MIB), repeats=5, batch_bytes=8 * MIB, small_iterations=100,
+                 memory_bytes=32 * MIB, barriers=500, tiny_calls=100)
+TINY = Settings(small_sizes=(4,), large_sizes=(64 * KIB, 256 * KIB), repeats=1, batch_bytes=256 * KIB,
+                small_iterations=5, compute_bytes=64 * KIB, memory_bytes=256 * KIB, barriers=20, tiny_calls=5)
+SETTINGS = {"full": FULL, "quick": QUICK, "tiny": TINY}
+
+
+def _iterations(settings: Settings, nbytes: int) -> int:
+    return max(1, min(settings.small_iterations, settings.batch_bytes // max(nbytes, 1)))
+
+
+def fit_line(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
+    """(intercept s, slope s/byte) of the least-squares line through (size, seconds).
+
+    Raises:
+        ValueError: fewer than two distinct sizes.
+
+    >>> fit_line([1, 2, 3], [1.0, 2.0, 3.0])
+    (0.0, 1.0)
+    """
+    if len(set(sizes)) < 2:
+        raise ValueError(f"a line needs two distinct sizes, got {sizes}")
+    mean_x, mean_y = sum(sizes) / len(sizes), sum(seconds) / len(seconds)
+    slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds))
+             / sum((x - mean_x) ** 2 for x in sizes))
+    return mean_y - slope * mean_x, slope
+
+
+def measure_link(comm: Communicator, pair: tuple[int, int], settings: Settings, cpu_bound: bool) -> tuple[Link, dict]:
+    """The link between the ranks of ``pair``: α from ping-pongs of small messages, bandwidth from
+    the slope of the one-way time of large ones (collective). Returns (link, raw seconds)."""
+    small = {n: micro.ping_pong(comm, pair, n, _iterations(settings, n), settings.repeats)
+             for n in settings.small_sizes}
+    large = {n: micro.ping_pong(comm, pair, n, _iterations(settings, n), settings.repeats)
+             for n in settings.large_sizes}
+    both = max(settings.large_sizes)
+    exchanged = micro.exchange(comm, pair, both, _iterations(settings, both), settings.repeats)
+    _, slope = fit_line(list(large), list(large.values()))
+    if slope <= 0:  # a noisy machine: fall back to the largest size's mean rate
+        slope = large[both] / both
+    alpha = sorted(small.values())[len(small) // 2]
+    raw = {"ping_pong_one_way_s": {str(n): s for n, s in {**small, **large}.items()},
+           "exchange_s": {str(both): exchanged}}
+    return Link(alpha_s=alpha, bandwidth_bytes_per_s=1.0 / slope, cpu_bound=cpu_bound), raw
+
+
+def calibrate_comm(comm: Communicator, settings: Settings, *, name: str, layout: tuple[int, int] = (1, 0),
+                   command: str = "") -> Profile | None:
+    """Measure every term of the profile over ``comm`` (collective; needs >= 2 ranks, ranks 0 and 1
+    on one host) and return it on rank 0 (None elsewhere).
+
+    ``layout``: (hosts, ranks per host); with hosts > 1 also the link between rank 0 and the first
+    rank of host 1 (rank ``ranks per host``).
+
+    Raises:
+        ValueError: fewer than 2 ranks, or hosts > 1 with fewer than 2 ranks per host.
+    """
+    hosts, per_host = layout
+    per_host = per_host or comm.world_size
+    if comm.world_size < 2 or (hosts > 1 and per_host < 2):
+        raise ValueError(f"calibration needs two ranks on one host (and, across hosts, two per host); got "
+                         f"{comm.world_size} ranks as {hosts} x {per_host}")
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    load = " ".join(f"{value:.2f}" for value in os.getloadavg())
+    intra, intra_raw = measure_link(comm, (0, 1), settings, cpu_bound=True)
+    inter, inter_raw = (measure_link(comm, (0, per_host), settings, cpu_bound=False) if hosts > 1
+                        else (None, None))
+    cores = len(os.sched_getaffinity(0))
+    workers = min(2, cores)
+    gamma, copy = micro.compute_per_byte(comm, settings.compute_bytes, settings.memory_bytes,
+                                         settings.repeats, workers)
+    memory = micro.memory_bandwidth(comm, settings.memory_bytes, settings.repeats, workers)
+    barrier = micro.shm_barrier(comm, settings.barriers, settings.repeats, one_core=cores < 2)
+    crowded = micro.shm_barrier(comm, max(settings.barriers // 10, 1), settings.repeats, one_core=True)
+    micro.close_shm(comm)
+    barrier_known = barrier is not None and hosts == 1
+    overhead_algorithm = OVERHEAD_ALGORITHMS[barrier_known]
+    tiny = micro.tiny_all_reduce(comm, settings.tiny_calls, settings.repeats, overhead_algorithm)
+    if comm.rank != 0:
+        return None
+    shared = max(1.0, 2 / cores)  # ranks 0 and 1 on one core (a test host): the pair measured is oversubscribed
+    intra = Link(alpha_s=intra.alpha_s / shared, bandwidth_bytes_per_s=intra.bandwidth_bytes_per_s * shared,
+                 cpu_bound=True)
+    profile = Profile(
+        name=name, description="", intra=intra, inter=inter, gamma_s_per_byte=gamma, copy_s_per_byte=copy,
+        ranks_per_host=per_host, nics_per_host=1, cores_per_host=cores, call_overhead_s=0.0,
+        shm=ShmModel(barrier_s=barrier, memory_bandwidth_bytes_per_s=memory, oversubscribed_barrier_s=crowded)
+        if barrier is not None else None)
+    overhead = max(tiny - _modelled_time(profile, overhead_algorithm, comm.world_size, layout), 0.0)
+    description = (f"{'this machine' if hosts == 1 else f'{hosts} test hosts x {per_host} ranks'}: "
+                   f"{cores} usable cores, Gloo over {'loopback' if hosts == 1 else 'veth'}, calibrated "
+                   f"{started}")
+    sources = (f"measured by `{command or 'gradsync calibrate'}` on {started} ({_host_text()}; load average "
+               f"{load} when it started)",
+               f"intra: alpha = median one-way time of ping-pongs of {list(settings.small_sizes)} B; "
+               f"bandwidth = 1/slope of the one-way time of ping-pongs of {list(settings.large_sizes)} B "
+               f"between ranks 0 and 1 (CollectiveCall over Gloo): {_raw_text(intra_raw)}",
+               *([f"intra: divided by {shared:g}, the oversubscription of the pair measured (2 ranks on "
+                  f"{cores} core): the simulator multiplies it back for ranks that share a core"]
+                 if shared > 1 else []),
+               *([f"inter: the same between rank 0 (host 0) and rank {per_host} (host 1): "
+                  f"{_raw_text(inter_raw)}"] if inter is not None else []),
+               f"gamma, copy: float32 add_ / copy_ in {settings.compute_bytes} B pieces over {settings.memory_bytes} B "
+               f"buffers (from memory, not cache) on {workers} rank(s) at once (one a core)",
+               f"cores_per_host: len(os.sched_getaffinity(0)) = {cores}",
+               f"call_overhead_s: one-float {overhead_algorithm} all_reduce (verify=False) = {tiny * 1e6:.1f} us "
+               f"minus its simulated cost without overhead",
+               f"shm: barrier of ranks 0 and 1 ({settings.barriers} per batch; oversubscribed: both pinned to one "
+               f"core); memory bandwidth: {workers} "
+               f"rank(s) copying {settings.memory_bytes} B at once")
+    return dataclasses.replace(profile, description=description, call_overhead_s=overhead, sources=sources)
+
+
+def _modelled_time(profile: Profile, algorithm: str, world_size: int, layout: tuple[int, int]) -> float:
+    """Simulated seconds of a one-float ``algorithm`` all_reduce on ``profile`` (no call overhead yet)."""
+    from gradsync.sim.cluster import Topology
+    from gradsync.sim.engine import simulate_all_reduce
+
+    hosts, per_host = layout
+    topology = Topology.uniform(hosts, per_host) if hosts > 1 else Topology((world_size,))
+    return simulate_all_reduce(algorithm, 4, profile, topology).time_s
+
+
+def _raw_text(raw: dict) -> str:
+    def us(table: dict) -> str:
+        return ", ".join(f"{n} B {s * 1e6:.1f} us" for n, s in table.items())
+    return f"one-way {us(raw['ping_pong_one_way_s'])}; exchange {us(raw['exchange_s'])}"
+
+
+def _host_text() -> str:
+    return f"{os.uname().nodename}, torch {torch.__version__}, {os.cpu_count()} CPUs"
+
+
+# -- the command ---------------------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> int:
+    """``gradsync calibrate``: measure, write the profile to ``--out``, print it."""
+    profile = calibrate(hosts=getattr(args, "hosts", None), nproc=getattr(args, "nproc", 2),
+                        inter_host_gbit=getattr(args, "inter_host_gbit", None),
+                        settings=SETTINGS[getattr(args, "settings", "full")], out=args.out,
+                        name=getattr(args, "name", None))
+    if profile is not None:
+        print(describe(profile))
+        print(f"# wrote {args.out}")
+    return 0
+
+
+def calibrate(*, hosts: int | None, nproc: int, inter_host_gbit: float | None, settings: Settings,
+              out: str | None, name: str | None = None) -> Profile | None:
+    """Calibrate here (2 local processes), on test hosts (``hosts`` x ``nproc``), or as one torchrun
+    worker of such a job; write the profile to ``out`` (rank 0) and return it (None on other workers).
+
+    Raises:
+        ValueError: bad options; HostsFailedError: the job across test hosts failed.
+    """
+    from gradsync.train.job import under_torchrun
+
+    if under_torchrun():
+        return _as_torchrun_worker(settings, out, name, inter_host_gbit)
+    if out:
+        _claim(out)
+    if hosts is not None and hosts > 1:
+        return _on_hosts(hosts, nproc, inter_host_gbit, settings, out, name)
+    from gradsync.launch import launch_local
+
+    profile = Profile.from_dict(launch_local(2, _local_worker, settings, name or "this-machine",
+                                             _command_text(None, 2, None, settings))[0])
+    if out:
+        save(profile, out)
+    return profile
+
+
+def _local_worker(settings: Settings, name: str, command: str) -> dict | None:
+    import gradsync
+    from gradsync.process_group import default_communicator
+
+    torch.set_num_threads(1)
+    gradsync.init()
+    try:
+        profile = calibrate_comm(default_communicator(), settings, name=name, command=command)
+        return profile.as_dict() if profile is not None else None
+    finally:
+        gradsync.shutdown()
+
+
+def _as_torchrun_worker(settings: Settings, out: str | None, name: str | None,
+                        inter_host_gbit: float | None) -> Profile | None:
+    import gradsync
+    from gradsync.bench.across_hosts import world_layout
+    from gradsync.process_group import default_communicator
+
+    torch.set_num_threads(1)
+    layout = world_layout()
+    gradsync.init()
+    try:
+        profile = calibrate_comm(default_communicator(), settings, name=name or "test-hosts", layout=layout,
+                                 command=_command_text(layout[0], layout[1], inter_host_gbit, settings))
+    finally:
+        gradsync.shutdown()
+    if profile is not None and out:
+        save(profile, out)
+    return profile
+
+
+def _on_hosts(hosts: int, nproc: int, inter_host_gbit: float | None, settings: Settings, out: str | None,
+              name: str | None) -> Profile:
+    import tempfile
+
+    from gradsync.bench.across_hosts import check_host_options
+    from gradsync.hosts.torchrun import DEFAULT_JOIN_TIMEOUT_S, remove_log_dir, run_on_hosts
+
+    check_host_options(hosts, inter_host_gbit, DEFAULT_JOIN_TIMEOUT_S)
+    if nproc < 2:
+        raise ValueError(f"--nproc must be >= 2 with --hosts (the link inside a host is measured too), got {nproc}")
+    target = Path(out) if out else Path(tempfile.mkstemp(prefix="gradsync-profile-", suffix=".json")[1])
+    argv = ["calibrate", "--out", str(target.resolve()), "--settings", _settings_name(settings)]
+    if inter_host_gbit is not None:
+        argv += ["--inter-host-gbit", f"{inter_host_gbit:g}"]
+    if name:
+        argv += ["--name", name]
+    try:
+        job = run_on_hosts(hosts, nproc, argv, inter_host_gbit=inter_host_gbit, echo_host0=False)
+        remove_log_dir(job)
+        return load(target)
+    finally:
+        if not out:
+            target.unlink(missing_ok=True)
+
+
+def _settings_name(settings: Settings) -> str:
+    return next(key for key, value in SETTINGS.items() if value == settings)
+
+
+def _command_text(hosts: int | None, nproc: int, inter_host_gbit: float | None, settings: Settings) -> str:
+    text = "gradsync calibrate"
+    if hosts and hosts > 1:
+        text += f" --hosts {hosts} --nproc {nproc}"
+        if inter_host_gbit is not None:
+            text += f" --inter-host-gbit {inter_host_gbit:g}"
+    if settings != FULL:
+        text += f" --settings {_settings_name(settings)}"
+    return text
+
+
+def _claim(path: str) -> None:
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"--out {path} is not writable: {exc.strerror or exc}") from None
+
+
+def describe(profile: Profile) -> str:
+    """The measured terms, one a line, in the units one reads them in."""
+    lines = [f"# profile {profile.name!r} (digest {profile.digest()}): {profile.description}"]
+    for label, link in (("intra", profile.intra), ("inter", profile.inter)):
+        if link is not None:
+            lines.append(f"{label:>8}: alpha {link.alpha_s * 1e6:8.1f} us   bandwidth "
+                         f"{link.bandwidth_bytes_per_s / 1e9:7.3f} GB/s{'  (cpu bound)' if link.cpu_bound else ''}")
+    lines.append(f"{'gamma':>8}: {profile.gamma_s_per_byte * 1e9:8.3f} ns/B ({1 / profile.gamma_s_per_byte / 1e9:.2f} GB/s)"
+                 f"   copy {profile.copy_s_per_byte * 1e9:.3f} ns/B ({1 / profile.copy_s_per_byte / 1e9:.2f} GB/s)")
+    lines.append(f"{'cores':>8}: {profile.cores_per_host} per host, {profile.ranks_per_host} ranks per host, "
+                 f"call overhead {profile.call_overhead_s * 1e6:.1f} us")
+    if profile.shm is not None:
+        crowded = profile.shm.oversubscribed_barrier_s
+        lines.append(f"{'shm':>8}: barrier {profile.shm.barrier_s * 1e6:.1f} us"
+                     + (f" ({crowded * 1e6:.1f} us when ranks outnumber cores)" if crowded is not None else "")
+                     + ", memory "
+                     f"{profile.shm.memory_bandwidth_bytes_per_s / 1e9:.2f} GB/s")
+    return "\n".join(lines)

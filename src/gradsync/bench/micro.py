@@ -1,0 +1,213 @@
+"""Micro-benchmarks the simulator's profile is calibrated from (``gradsync calibrate``).
+
+Every function here is collective over a :class:`~gradsync.collectives.communicator.Communicator`:
+every rank calls it with the same arguments (the ranks outside the pair or host measured
+only line up), and every rank makes the same calls (``comm.new_call``), so that the
+message tags of Gloo stay in step. Messages go through gradsync's own path
+(``CollectiveCall.isend``/``irecv``/``wait_on`` over the group's transport, the
+``TorchP2PTransport`` on Gloo), so the Python cost per message that the algorithms
+pay is part of what is measured.
+
+What each one measures (all times in seconds, the median of ``repeats`` batches: the
+statistic of the sweep the profile is validated against, so that both see the machine
+as it is, other processes included; the least batch would be the machine's own cost,
+but a profile of it then predicts a loaded machine's sweep systematically low):
+
+* :func:`ping_pong`: one-way time of an ``nbytes`` message between two ranks (half a
+  round trip; the reply's receive is posted before the ping is sent, as the
+  algorithms post receives first).
+* :func:`exchange`: both ranks send ``nbytes`` to each other at once (a ring step
+  at two ranks); the time of one exchange.
+* :func:`compute_per_byte`: ``acc += other`` (float32) and ``dst.copy_(src)`` piece by
+  piece over large buffers, one rank per core at once, per output byte.
+* :func:`memory_bandwidth`: ranks 0 and 1 copy a large buffer at once; bytes read
+  plus written by both over the slower rank's time.
+* :func:`shm_barrier`: one barrier of ranks 0 and 1 on their shared-memory segment, on
+  a core each, or both pinned to one core (ranks that outnumber the cores).
+* :func:`tiny_all_reduce`: one ``all_reduce`` of a single float32 (``verify=False``,
+  as the sweep calls it) over the whole group.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+
+from gradsync.collectives import ops
+from gradsync.collectives.communicator import Communicator
+from gradsync.collectives.shm_setup import ShmState, group_segment
+
+_FLOAT = 4
+
+
+def line_up(comm: Communicator) -> None:
+    """Every rank waits for every other (a one-float native all_reduce, as the sweep lines up)."""
+    ops.all_reduce(torch.zeros(1), comm, algorithm="native", verify=False)
+
+
+def _batches(repeats: int, once) -> float:
+    """The median of ``repeats`` values of ``once()`` (seconds, one value per batch)."""
+    return statistics.median(once() for _ in range(max(repeats, 1)))
+
+
+def _slowest(comm: Communicator, seconds: float) -> float:
+    return max(float(t) for t in ops.all_gather(torch.tensor([seconds], dtype=torch.float64), comm,
+                                                verify=False))
+
+
+def ping_pong(comm: Communicator, pair: tuple[int, int], nbytes: int, iterations: int, repeats: int) -> float:
+    """One-way seconds of an ``nbytes`` message from ``pair[0]`` to ``pair[1]`` and back (half a round
+    trip); every rank returns the value measured on ``pair[0]``."""
+    first, second = pair
+    tensor = torch.zeros(max(nbytes // _FLOAT, 1))
+    reply = torch.zeros_like(tensor)
+    results = []
+    for batch in range(repeats + 1):  # batch 0 warms the connection and buffers
+        call = comm.new_call("calibrate ping-pong", "p2p")
+        line_up(comm)
+        started = time.perf_counter()
+        if comm.rank == first:
+            for _ in range(iterations):
+                pending = call.irecv(reply, second, "pong")
+                call.send(tensor, second, "ping")
+                call.wait_on(pending, "pong")
+        elif comm.rank == second:
+            for _ in range(iterations):
+                call.recv(reply, first, "ping")
+                call.send(tensor, first, "pong")
+        if batch:
+            results.append((time.perf_counter() - started) / iterations / 2)
+    return _from(comm, first, statistics.median(results) if comm.rank == first else 0.0)
+
+
+def exchange(comm: Communicator, pair: tuple[int, int], nbytes: int, iterations: int, repeats: int) -> float:
+    """Seconds of one simultaneous exchange of ``nbytes`` each way between the ranks of ``pair``."""
+    tensor = torch.zeros(max(nbytes // _FLOAT, 1))
+    inbox = torch.zeros_like(tensor)
+    results = []
+    for batch in range(repeats + 1):
+        call = comm.new_call("calibrate exchange", "p2p")
+        line_up(comm)
+        started = time.perf_counter()
+        if comm.rank in pair:
+            peer = pair[1] if comm.rank == pair[0] else pair[0]
+            for _ in range(iterations):
+                call.send_recv(tensor, peer, inbox, peer, "exchange")
+        if batch:
+            results.append((time.perf_counter() - started) / iterations)
+    return _from(comm, pair[0], statistics.median(results) if comm.rank == pair[0] else 0.0)
+
+
+def _from(comm: Communicator, rank: int, value: float) -> float:
+    """``rank``'s ``value`` on every rank."""
+    return float(ops.all_gather(torch.tensor([value], dtype=torch.float64), comm, verify=False)[rank])
+
+
+def compute_per_byte(comm: Communicator, piece_bytes: int, total_bytes: int, repeats: int,
+                     workers: int = 2) -> tuple[float, float]:
+    """(add, copy) seconds per output byte of float32 ``acc += other`` and ``dst.copy_(src)`` in
+    pieces of ``piece_bytes`` over ``total_bytes`` buffers (the data comes from memory), on ranks
+    0 .. ``workers``-1 at once (one per core: the simulator's oversubscription adds the wait for a
+    core), the slower rank's median."""
+    numel = max(total_bytes // _FLOAT, 1)
+    piece = max(min(piece_bytes, total_bytes) // _FLOAT, 1)
+    busy = comm.rank < workers
+    acc, other = (torch.ones(numel), torch.ones(numel)) if busy else (None, None)
+    bounds = [(a, min(a + piece, numel)) for a in range(0, numel, piece)]
+
+    def timed(work) -> float:
+        line_up(comm)
+        started = time.perf_counter()
+        if busy:
+            for a, b in bounds:
+                work(a, b)
+        return _slowest(comm, time.perf_counter() - started)
+
+    def add(a, b):
+        acc[a:b].add_(other[a:b])
+
+    def copy(a, b):
+        acc[a:b].copy_(other[a:b])
+
+    timed(add), timed(copy)  # warm: first touch of the pages
+    add_s = _batches(repeats, lambda: timed(add))
+    copy_s = _batches(repeats, lambda: timed(copy))
+    return add_s / (numel * _FLOAT), copy_s / (numel * _FLOAT)
+
+
+def memory_bandwidth(comm: Communicator, nbytes: int, repeats: int, workers: int = 2) -> float:
+    """Bytes per second the host's memory moves when ranks 0 .. ``workers``-1 each copy ``nbytes`` at
+    once (2 bytes moved per byte copied: a read and a write)."""
+    numel = max(nbytes // _FLOAT, 1)
+    busy = comm.rank < workers
+    source, target = (torch.ones(numel), torch.zeros(numel)) if busy else (None, None)
+
+    def timed() -> float:
+        line_up(comm)
+        started = time.perf_counter()
+        if busy:
+            target.copy_(source)
+        return _slowest(comm, time.perf_counter() - started)
+
+    timed()
+    seconds = _batches(repeats, timed)
+    return min(workers, comm.world_size) * 2 * numel * _FLOAT / seconds
+
+
+def shm_barrier(comm: Communicator, barriers: int, repeats: int, one_core: bool = False) -> float | None:
+    """Seconds of one barrier of ranks 0 and 1 through their shared-memory segment (None: those two
+    ranks share no memory). ``one_core``: both ranks pinned to one core for the measurement (their
+    affinity is restored after), the barrier of ranks that outnumber the cores."""
+    results = []
+    for batch in range(repeats + 1):
+        call = comm.new_call("calibrate shm barrier", "shm")
+        line_up(comm)
+        if comm.rank >= 2:
+            continue
+        sub = call.sub([0, 1], "shm", options=[_STATE.setdefault(id(comm), ShmState())])
+        try:
+            segment = group_segment(sub)
+        except ValueError:
+            return None
+        cores = os.sched_getaffinity(0)
+        if one_core:
+            os.sched_setaffinity(0, {min(cores)})
+        try:
+            segment.barrier(sub.deadline)
+            started = time.perf_counter()
+            for _ in range(barriers):
+                segment.barrier(sub.deadline)
+            seconds = (time.perf_counter() - started) / barriers
+        finally:
+            if one_core:
+                os.sched_setaffinity(0, cores)
+        if batch:
+            results.append(seconds)
+    return statistics.median(results) if comm.rank == 0 and results else 0.0
+
+
+_STATE: dict[int, ShmState] = {}  # the calibration's own segment per communicator (closed by close_shm)
+
+
+def close_shm(comm: Communicator) -> None:
+    state = _STATE.pop(id(comm), None)
+    if state is not None:
+        state.close()
+
+
+def tiny_all_reduce(comm: Communicator, calls: int, repeats: int, algorithm: str = "ring") -> float:
+    """Seconds of one ``all_reduce`` of one float32 (``verify=False``), the slowest rank's median."""
+    tensor = torch.zeros(1)
+
+    def timed() -> float:
+        line_up(comm)
+        started = time.perf_counter()
+        for _ in range(calls):
+            ops.all_reduce(tensor, comm, algorithm=algorithm, verify=False)
+        return _slowest(comm, (time.perf_counter() - started) / calls)
+
+    timed()
+    return _batches(repeats, timed)

@@ -1,0 +1,203 @@
+"""``gradsync simulate --validate``: the simulator's prediction against a sweep measured in the same run.
+
+1. Calibrate (:mod:`gradsync.bench.calibrate`, ``QUICK`` settings): this machine
+   (2 processes over loopback) and, where test hosts can be made, 2 test hosts x 2
+   ranks with links shaped to ``--inter-host-gbit`` (1 Gbit/s).
+2. Measure the AllReduce sweep with the bench machinery (:func:`gradsync.bench.allreduce.sweep`:
+   interleaved repetitions, slowest rank, median; ``verify=False``): world sizes
+   2, 3, 4 on one host (``hierarchical`` then groups by real host: one node, shm
+   inside, as the simulation of one host does) and 2 x 2 test hosts (shm only on one
+   host; ``hierarchical`` = shm inside each host, halving_doubling across).
+3. Predict every row with the event simulation (:func:`gradsync.sim.engine.simulate_all_reduce`)
+   on the profile calibrated in step 1 and the row's topology, and print both with
+   the error (predicted - measured) / measured.
+
+Goal (issue 19): median |error| <= 10% over all rows, worst <= 25% over rows >= 64 KiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from dataclasses import asdict, dataclass
+
+from gradsync.bench.allreduce import parse_nbytes
+from gradsync.bench.calibrate import QUICK, calibrate, describe
+from gradsync.sim.profile import Profile
+
+ALGORITHMS = ("ring", "tree", "halving_doubling", "hierarchical", "shm")
+ONE_HOST_WORLD_SIZES = (2, 3, 4)
+HOSTS, RANKS_PER_HOST = 2, 2
+DEFAULT_SIZES = "4K,64K,1M,16M,64M"
+LARGE_BYTES = 64 * 2**10  # the goal's worst-case bound counts rows from here up
+MEDIAN_GOAL, WORST_GOAL = 0.10, 0.25
+
+
+@dataclass
+class ValidationRow:
+    """One measured sweep row and its prediction (times in microseconds)."""
+
+    algorithm: str
+    nbytes: int
+    world_size: int
+    hosts: int
+    predicted_us: float
+    measured_us: float
+
+    @property
+    def error(self) -> float:
+        """(predicted - measured) / measured."""
+        return relative_error(self.predicted_us, self.measured_us)
+
+    def as_dict(self) -> dict:
+        return dict(asdict(self), error=self.error)
+
+
+def relative_error(predicted: float, measured: float) -> float:
+    """(predicted - measured) / measured.
+
+    Raises:
+        ValueError: ``measured`` is not positive.
+
+    >>> relative_error(110.0, 100.0)
+    0.1
+    """
+    if not measured > 0:
+        raise ValueError(f"a measured time must be > 0, got {measured}")
+    return (predicted - measured) / measured
+
+
+@dataclass(frozen=True)
+class Summary:
+    rows: int
+    median_abs_error: float
+    large_rows: int
+    worst_abs_error_large: float | None  # over rows >= LARGE_BYTES (None: no such row)
+    worst_row: ValidationRow | None
+
+    @property
+    def meets_goal(self) -> bool:
+        return (self.median_abs_error <= MEDIAN_GOAL
+                and (self.worst_abs_error_large is None or self.worst_abs_error_large <= WORST_GOAL))
+
+
+def summarize(rows: list[ValidationRow]) -> Summary:
+    """The median |error| over all rows and the worst |error| over rows of at least ``LARGE_BYTES``.
+
+    Raises:
+        ValueError: no rows.
+    """
+    if not rows:
+        raise ValueError("no validation rows to summarize")
+    large = [row for row in rows if row.nbytes >= LARGE_BYTES]
+    worst = max(large, key=lambda row: abs(row.error)) if large else None
+    return Summary(len(rows), statistics.median(abs(row.error) for row in rows), len(large),
+                   abs(worst.error) if worst else None, worst)
+
+
+def format_rows(rows: list[ValidationRow]) -> str:
+    header = (f"{'hosts':>6} {'size [B]':>10} {'algorithm':>17} {'predicted [us]':>15} {'measured [us]':>14} "
+              f"{'error':>8}")
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        layout = f"{row.hosts}x{row.world_size // row.hosts}"
+        lines.append(f"{layout:>6} {row.nbytes:>10} {row.algorithm:>17} {row.predicted_us:>15.1f} "
+                     f"{row.measured_us:>14.1f} {100 * row.error:>+7.1f}%")
+    return "\n".join(lines)
+
+
+def format_summary(summary: Summary) -> str:
+    worst = summary.worst_row
+    where = (f" ({worst.hosts}x{worst.world_size // worst.hosts} {worst.algorithm} {worst.nbytes} B)"
+             if worst else "")
+    large = ("-" if summary.worst_abs_error_large is None else f"{100 * summary.worst_abs_error_large:.1f}%")
+    return (f"# median |error| {100 * summary.median_abs_error:.1f}% over {summary.rows} rows (goal <= "
+            f"{100 * MEDIAN_GOAL:.0f}%); worst |error| {large} over {summary.large_rows} rows >= "
+            f"{LARGE_BYTES // 1024} KiB{where} (goal <= {100 * WORST_GOAL:.0f}%): "
+            f"{'goal met' if summary.meets_goal else 'goal MISSED'}")
+
+
+def predict(rows: list[dict], profile: Profile) -> list[ValidationRow]:
+    """A :class:`ValidationRow` per bench row (``gradsync.bench.allreduce.Row`` dicts) of a simulated
+    algorithm, predicted on ``profile`` with the row's topology (hosts x ranks per host)."""
+    from gradsync.sim.cluster import Topology
+    from gradsync.sim.engine import SIMULATED, simulate_all_reduce
+
+    out = []
+    for row in rows:
+        if row["algorithm"] not in SIMULATED:
+            continue
+        hosts = row.get("hosts", 1)
+        topology = (Topology.uniform(hosts, row["world_size"] // hosts) if hosts > 1
+                    else Topology((row["world_size"],)))
+        result = simulate_all_reduce(row["algorithm"], row["nbytes"], profile, topology)
+        out.append(ValidationRow(row["algorithm"], row["nbytes"], row["world_size"], hosts,
+                                 result.time_s * 1e6, row["time_us"]))
+    return out
+
+
+def measure_one_host(world_size: int, sizes: list[int], repetitions: int) -> list[dict]:
+    """The bench sweep on ``world_size`` local processes (hierarchical by real host: one node)."""
+    from gradsync.bench.allreduce import run_worker
+    from gradsync.launch import launch_local
+
+    return launch_local(world_size, run_worker, sizes, list(ALGORITHMS), repetitions, None, None)[0]
+
+
+def measure_hosts(sizes: list[int], repetitions: int, inter_host_gbit: float) -> list[dict]:
+    """The bench sweep on 2 x 2 test hosts (``gradsync bench allreduce --hosts 2 --nproc 2``)."""
+    from gradsync.bench.across_hosts import run_bench_on_hosts
+    from gradsync.bench.allreduce import _worker_argv
+
+    names = [name for name in ALGORITHMS if name != "shm"] + ["native"]
+    argv = _worker_argv(",".join(map(str, sizes)), names, repetitions, None, inter_host_gbit)
+    return run_bench_on_hosts(HOSTS, RANKS_PER_HOST, argv, inter_host_gbit=inter_host_gbit, join_timeout_s=60.0,
+                              json_path=None)
+
+
+def load_text() -> str:
+    """This machine's load averages (1, 5, 15 min): other processes' share of the cores."""
+    return "load average " + " ".join(f"{value:.2f}" for value in os.getloadavg())
+
+
+def hosts_problem() -> str | None:
+    from gradsync.hosts.netns import unavailable_reason
+
+    return unavailable_reason()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Calibrate, measure, predict, print; write ``--json`` rows. Returns 0 (the goal is reported, not enforced)."""
+    sizes = [parse_nbytes(text) for text in getattr(args, "validate_sizes", DEFAULT_SIZES).split(",")]
+    repetitions = getattr(args, "repetitions", 5)
+    gbit = getattr(args, "inter_host_gbit", None) or 1.0
+    if repetitions < 1:
+        raise ValueError(f"--repetitions must be >= 1, got {repetitions}")
+    skip_hosts = getattr(args, "no_hosts", False)
+    problem = None if skip_hosts else hosts_problem()
+    print(f"# gradsync simulate --validate: calibrating (quick micro-benchmarks; {load_text()})", flush=True)
+    local = calibrate(hosts=None, nproc=2, inter_host_gbit=None, settings=QUICK, out=None)
+    print(describe(local), flush=True)
+    remote = None
+    if not skip_hosts and problem is None:
+        remote = calibrate(hosts=HOSTS, nproc=RANKS_PER_HOST, inter_host_gbit=gbit, settings=QUICK, out=None)
+        print(describe(remote), flush=True)
+    rows: list[ValidationRow] = []
+    for world_size in ONE_HOST_WORLD_SIZES:
+        print(f"# measuring 1 host x {world_size} ranks ({load_text()})", flush=True)
+        rows += predict(measure_one_host(world_size, sizes, repetitions), local)
+    if remote is not None:
+        print(f"# measuring {HOSTS} test hosts x {RANKS_PER_HOST} ranks, {gbit:g} Gbit/s ({load_text()})", flush=True)
+        rows += predict(measure_hosts(sizes, repetitions, gbit), remote)
+    elif not skip_hosts:
+        print(f"# no test hosts here ({problem}): only one-host rows", flush=True)
+    print(f"# done ({load_text()})")
+    print(format_rows(rows))
+    print(format_summary(summarize(rows)))
+    if getattr(args, "json", None):
+        with open(args.json, "w", encoding="utf-8") as file:
+            json.dump([row.as_dict() for row in rows], file, indent=2)
+            file.write("\n")
+    return 0
