@@ -21,7 +21,7 @@ from gradsync.sim.engine import SimResult, simulate_all_reduce
 from gradsync.sim.profiles import get_profile
 from gradsync.sim.topology import Topology
 
-_SHOWN_PER_STEP = 8
+_SHOWN_PER_STEP = 8  # transfers listed per step (the rest counted)
 _MAX_STEPS = 64
 
 
@@ -36,15 +36,24 @@ class Step:
 
 
 def steps_of(result: SimResult, call_overhead_s: float) -> list[Step]:
-    """Group the trace into steps and split the time from the first transfer to the end among them."""
-    sends = sorted((e for e in result.trace if e.kind == "send"), key=lambda e: (e.start_s, e.src))
-    adds = sorted((e for e in result.trace if e.kind != "send"), key=lambda e: e.start_s)
+    """Group the trace into steps (step k: every rank's k-th send) and split the time among them: a step
+    lasts from its first transfer's start to the next step's, the last one to the end; the time before
+    the first transfer is the call's."""
+    by_rank: dict[int, list[TraceEvent]] = {}
+    for event in sorted((e for e in result.trace if e.kind == "send"), key=lambda e: (e.start_s, e.src)):
+        by_rank.setdefault(event.src, []).append(event)
     steps: list[Step] = []
-    for event in sends:
-        if not steps or event.start_s > steps[-1].start_s + 1e-12:
-            steps.append(Step(event.start_s))
-        steps[-1].sends.append(event)
-    for event in adds:
+    for events in by_rank.values():
+        for index, event in enumerate(events):
+            while len(steps) <= index:
+                steps.append(Step(float("inf")))
+            steps[index].sends.append(event)
+            steps[index].start_s = min(steps[index].start_s, event.start_s)
+    for step in steps:
+        step.sends.sort(key=lambda e: e.src)
+    for index in range(1, len(steps)):  # a step starts no earlier than the one before it
+        steps[index].start_s = max(steps[index].start_s, steps[index - 1].start_s)
+    for event in (e for e in result.trace if e.kind != "send"):
         index = max((i for i, step in enumerate(steps) if step.start_s <= event.start_s + 1e-12), default=0)
         if steps:
             steps[index].adds.append(event)
@@ -57,7 +66,7 @@ def steps_of(result: SimResult, call_overhead_s: float) -> list[Step]:
         gamma = min(max((a.end_s - a.start_s for a in step.adds), default=0.0), span - alpha - beta)
         step.terms = {"alpha": alpha, "beta": beta, "gamma": gamma, "wait": span - alpha - beta - gamma}
     if steps:
-        steps[0].terms["call"] = call_overhead_s
+        steps[0].terms["call"] = steps[0].start_s
     return steps
 
 
