@@ -1,6 +1,6 @@
 """Command line: ``gradsync train``, ``gradsync bench ...`` (its subcommands in
 :mod:`gradsync.bench.command_line`), ``gradsync debug``, and the simulator's ``simulate`` / ``calibrate`` / ``explain`` (their options in
-:mod:`gradsync.sim.command_line`) (argparse only)."""
+:mod:`gradsync.sim.commands`) (argparse only)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from gradsync.bench.command_line import (_add_allreduce_bench_options, _add_comp
 from gradsync.bench import report as bench_report
 from gradsync.collectives.ops import ALGORITHMS
 from gradsync.compression import COMPRESSIONS
-from gradsync.sim.command_line import ENTRY_POINTS as SIM_COMMANDS
-from gradsync.sim.command_line import add_parsers as add_sim_parsers
+from gradsync.sim.commands import ENTRY_POINTS as SIM_COMMANDS
+from gradsync.sim.commands import add_parsers as add_sim_parsers
 from gradsync.errors import CollectiveMismatchError, CollectiveTimeoutError, GradsyncError
 from gradsync.train.config import LR_SCHEDULES, MODES, OPTIMIZERS, TrainConfig
 from gradsync.train.models import MODELS
