@@ -121,8 +121,6 @@ def measure_link(comm: Communicator, pair: tuple[int, int], settings: Settings, 
     if slope <= 0:  # a noisy machine: fall back to the largest size's mean rate
         slope = large[both] / both
     alpha = sorted(small.values())[len(small) // 2]
-    if cpu_bound:  # the CPU moves the bytes: the rate of each direction while both run (see Link)
-        slope = max(exchanged - alpha, exchanged / 2) / both
     raw = {"ping_pong_one_way_s": {str(n): s for n, s in {**small, **large}.items()},
            "exchange_s": {str(both): exchanged}}
     return Link(alpha_s=alpha, bandwidth_bytes_per_s=1.0 / slope, cpu_bound=cpu_bound), raw
@@ -177,9 +175,8 @@ def calibrate_comm(comm: Communicator, settings: Settings, *, name: str, layout:
     sources = (f"measured by `{command or 'gradsync calibrate'}` on {started} ({_host_text()}; load average "
                f"{load} when it started)",
                f"intra: alpha = median one-way time of ping-pongs of {list(settings.small_sizes)} B; "
-               f"bandwidth = {max(settings.large_sizes)} B over the time of an exchange of that size (both ranks "
-               f"sending at once; the one-way slope of ping-pongs of {list(settings.large_sizes)} B is "
-               f"recorded too) between ranks 0 and 1 (CollectiveCall over Gloo): {_raw_text(intra_raw)}",
+               f"bandwidth = 1/slope of the one-way time of ping-pongs of {list(settings.large_sizes)} B "
+               f"between ranks 0 and 1 (CollectiveCall over Gloo): {_raw_text(intra_raw)}",
                *([f"intra: divided by {shared:g}, the oversubscription of the pair measured (2 ranks on "
                   f"{cores} core): the simulator multiplies it back for ranks that share a core"]
                  if shared > 1 else []),

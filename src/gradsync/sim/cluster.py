@@ -11,8 +11,10 @@ their bytes over the bandwidth. Reductions and copies advance the running
 rank's clock (:meth:`VirtualCluster.compute`).
 
 Ports: each rank has an egress and an ingress port on the intra-host link
-(a ``cpu_bound`` link's bandwidth is the rate of an exchange, see
-:class:`~gradsync.sim.profile.Link`); each host
+(one port for both directions when the link is ``cpu_bound``: loopback TCP
+copies every byte on the sender's and the receiver's core, so a rank that
+sends and receives at once takes twice as long as one that only sends,
+as ``gradsync calibrate``'s exchange against its ping-pong shows); each host
 has ``nics_per_host`` NICs with an egress and an ingress port each (see
 :mod:`gradsync.sim.profile`).
 """
@@ -195,7 +197,9 @@ class VirtualCluster:
         a, b = self.ranks[src], self.ranks[dst]
         if a.host == b.host:
             link = self.profile.intra
-            ports = (("out", src), ("in", dst))
+            # a CPU-bound link (loopback TCP): the kernel copies a message on the sender's and the
+            # receiver's core, so a rank's sends and receives share one port (its core's time)
+            ports = (("cpu", src), ("cpu", dst)) if link.cpu_bound else (("out", src), ("in", dst))
         else:
             link, nics = self.profile.link(False), self.profile.nics_per_host
             ports = (("nic-out", a.host, a.local_rank % nics), ("nic-in", b.host, b.local_rank % nics))

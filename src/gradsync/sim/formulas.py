@@ -52,15 +52,18 @@ class Step:
 
 
 def _step(profile: Profile, topology: Topology, crosses_hosts: bool, sharing: float = 1.0,
-          oversub: float | None = None) -> Step:
+          oversub: float | None = None, duplex: bool = False) -> Step:
     """The costs of a step whose messages cross hosts or not, ``sharing`` ranks to a NIC
-    (``oversub``: the ranks-per-core slowdown, None: the topology's)."""
+    (``oversub``: the ranks-per-core slowdown, None: the topology's). ``duplex``: every rank sends
+    and receives at once (ring hops, halving/doubling exchanges); over a ``cpu_bound`` link both go
+    through the rank's one port, so its bytes take twice as long."""
     if oversub is None:
         oversub = max(profile.oversubscription(size) for size in topology.host_sizes)
     link = profile.link(not crosses_hosts)
     slow = oversub if link.cpu_bound else 1.0
-    return Step(link.alpha_s * slow, link.beta_s_per_byte * slow, profile.gamma_s_per_byte * oversub,
-                sharing if crosses_hosts else 1.0)
+    shared_port = 2.0 if duplex and link.cpu_bound and not crosses_hosts else 1.0
+    return Step(link.alpha_s * slow, link.beta_s_per_byte * slow * (1.0 if crosses_hosts else shared_port),
+                profile.gamma_s_per_byte * oversub, sharing if crosses_hosts else 1.0)
 
 
 def _nic_sharing(profile: Profile, topology: Topology, active_per_host: int) -> float:
@@ -98,9 +101,9 @@ def ring_s(profile: Profile, topology: Topology, n: int, segment_bytes: int = DE
     """Flat ring: every hop is as slow as its slowest edge (intra- or inter-host, whichever moves a
     chunk slower)."""
     p = topology.world_size
-    steps = [_step(profile, topology, topology.hosts > 1, sharing, oversub)]
+    steps = [_step(profile, topology, topology.hosts > 1, sharing, oversub, duplex=True)]
     if topology.hosts > 1 and max(topology.host_sizes) > 1:
-        steps.append(_step(profile, topology, False, 1.0, oversub))
+        steps.append(_step(profile, topology, False, 1.0, oversub, duplex=True))
     chunk = math.ceil(n / itemsize / p) * itemsize
     step = max(steps, key=lambda st: st.move_s(chunk))
     scatter, gather = ring_phases_s(p, n, step, segment_bytes, itemsize)
@@ -138,6 +141,8 @@ def tree_s(profile: Profile, topology: Topology, n: int, segment_bytes: int = DE
             nics = profile.nics_per_host
             mine, theirs = (hosts[child], local[child] % nics), (hosts[parent], local[parent] % nics)
             return step, ("nic-out",) + mine, ("nic-in",) + theirs, ("nic-out",) + theirs, ("nic-in",) + mine
+        if profile.intra.cpu_bound:  # one port per rank for both directions, as the event simulation
+            return step, ("cpu", child), ("cpu", parent), ("cpu", parent), ("cpu", child)
         return step, ("out", child), ("in", parent), ("out", parent), ("in", child)
 
     edges = [None] + [edge(child) for child in range(1, p)]
@@ -200,22 +205,22 @@ def halving_doubling_s(profile: Profile, topology: Topology, n: int, itemsize: i
     hosts, local = topology.host_of(), _local_ranks(topology)
     members = [2 * c + 1 if c < extra else c + extra for c in range(core)]
 
-    def step_for(pairs) -> Step:
+    def step_for(pairs, duplex: bool = True) -> Step:
         crossing: dict[tuple, int] = {}
         for a, b in pairs:
             if hosts[a] != hosts[b]:
                 key = (hosts[a], local[a] % profile.nics_per_host)
                 crossing[key] = crossing.get(key, 0) + 1
         if not crossing:
-            return _step(profile, topology, False, 1.0, oversub)
-        return _step(profile, topology, True, sharing or max(crossing.values()), oversub)
+            return _step(profile, topology, False, 1.0, oversub, duplex=duplex)
+        return _step(profile, topology, True, sharing or max(crossing.values()), oversub, duplex=duplex)
 
     def step_at(distance: int) -> Step:
         return step_for((members[c], members[c ^ distance]) for c in range(core))
 
     total = 0.0
     if extra:
-        fold = step_for([(2 * i, 2 * i + 1) for i in range(extra)])
+        fold = step_for([(2 * i, 2 * i + 1) for i in range(extra)], duplex=False)  # one way at a time
         total += 2 * fold.exchange_s(n) + n * fold.gamma
     levels = int(math.log2(core))
     if n <= HD_SHORT_BYTES or n // itemsize < core:
@@ -299,7 +304,7 @@ def hierarchical_s(profile: Profile, topology: Topology, n: int, segment_bytes: 
         spread = local * sum(profile.shm_barrier_s(largest) + shm_phase_s(profile, largest, s, 0, oversub)
                              for s in shm_slices(chunk, itemsize))
         return node + inter + spread
-    step = _step(profile, Topology((largest,)), False)
+    step = _step(profile, Topology((largest,)), False, duplex=True)
     scatter, gather = ring_phases_s(local, n, step, segment_bytes, itemsize)
     extras = 0.0
     if largest > local:

@@ -44,10 +44,9 @@ class Link:
     Args:
         alpha_s: seconds per message (latency, > 0).
         bandwidth_bytes_per_s: bytes per second per port and direction (> 0).
-        cpu_bound: the CPU moves the bytes (loopback TCP): slower when ranks outnumber cores;
-            ``bandwidth_bytes_per_s`` is then the rate of each direction while two ranks exchange
-            (``gradsync calibrate`` measures it so: ring hops and halving-doubling steps send and
-            receive at once, and a lone stream runs faster than half of an exchange).
+        cpu_bound: the CPU moves the bytes (loopback TCP): slower when ranks outnumber cores, and a
+            rank's sends and receives share one port (its core), ``bandwidth_bytes_per_s`` being
+            the one-way rate of a single stream.
     """
 
     alpha_s: float
