@@ -1,6 +1,6 @@
 """``gradsync simulate --validate``: the simulator's prediction against a sweep measured in the same run.
 
-1. Calibrate (:mod:`gradsync.bench.calibrate`, ``QUICK`` settings): this machine
+1. Calibrate (:mod:`gradsync.bench.calibrate`, ``FULL`` settings: bandwidth from 1-16 MiB, out of cache as the large rows): this machine
    (2 processes over loopback) and, where test hosts can be made, 2 test hosts x 2
    ranks with links shaped to ``--inter-host-gbit`` (1 Gbit/s).
 2. Measure the AllReduce sweep with the bench machinery (:func:`gradsync.bench.allreduce.sweep`:
@@ -24,7 +24,7 @@ import statistics
 from dataclasses import asdict, dataclass
 
 from gradsync.bench.allreduce import parse_nbytes
-from gradsync.bench.calibrate import QUICK, calibrate, describe
+from gradsync.bench.calibrate import FULL, calibrate, describe
 from gradsync.sim.profile import Profile
 
 ALGORITHMS = ("ring", "tree", "halving_doubling", "hierarchical", "shm")
@@ -178,11 +178,11 @@ def run(args: argparse.Namespace) -> int:
     skip_hosts = getattr(args, "no_hosts", False)
     problem = None if skip_hosts else hosts_problem()
     print(f"# gradsync simulate --validate: calibrating (quick micro-benchmarks; {load_text()})", flush=True)
-    local = calibrate(hosts=None, nproc=2, inter_host_gbit=None, settings=QUICK, out=None)
+    local = calibrate(hosts=None, nproc=2, inter_host_gbit=None, settings=FULL, out=None)
     print(describe(local), flush=True)
     remote = None
     if not skip_hosts and problem is None:
-        remote = calibrate(hosts=HOSTS, nproc=RANKS_PER_HOST, inter_host_gbit=gbit, settings=QUICK, out=None)
+        remote = calibrate(hosts=HOSTS, nproc=RANKS_PER_HOST, inter_host_gbit=gbit, settings=FULL, out=None)
         print(describe(remote), flush=True)
     rows: list[ValidationRow] = []
     for world_size in ONE_HOST_WORLD_SIZES:
