@@ -90,11 +90,14 @@ def render(algorithm: str, nproc: int, nbytes: int, profile_name: str, hosts: in
     Raises:
         ValueError: a bad algorithm, size, profile, or ranks that do not split over the hosts.
     """
-    if nproc < 1 or hosts < 1 or nproc % hosts:
+    if hosts < 1:
+        raise ValueError(f"--hosts must be >= 1, got {hosts}")
+    if nproc < 1 or nproc % hosts:
         raise ValueError(f"--nproc {nproc} must be >= 1 and a multiple of --hosts {hosts}")
+    if nbytes < 4 or nbytes % 4:
+        raise ValueError(f"--size {nbytes}: give a positive multiple of 4 bytes (float32 elements)")
     profile = get_profile(profile_name)
     topology = Topology.uniform(hosts, nproc // hosts)
-    nbytes -= nbytes % 4
     result = simulate_all_reduce(algorithm, nbytes, profile, topology, segment_bytes=segment_bytes, trace=True)
     numel = nbytes // 4
     segment_numel = max(1, (segment_bytes or DEFAULT_SEGMENT_BYTES) // 4)
@@ -112,6 +115,12 @@ def render(algorithm: str, nproc: int, nbytes: int, profile_name: str, hosts: in
     elif algorithm in ("shm", "hierarchical") and profile.shm is not None:
         lines.append("shared-memory steps are priced by a formula (copy in, barrier, each rank sums its chunk, "
                      "barrier, copy out), not by messages: see gradsync.sim.transport.VirtualSharedMemory")
+    slow = profile.oversubscription(nproc // hosts)
+    if slow > 1:
+        lines.append(f"{nproc // hosts} ranks share {profile.cores_per_host} cores per host: adds, copies and "
+                     f"{'the link' if profile.intra.cpu_bound else 'nothing on the link'} run {slow:g}x slower "
+                     f"(alpha below is the link's times {slow:g})")
+    lines.append("'waiting': time a step's ranks wait for transfers queued behind others on a port, or for peers")
     lines.append("")
     steps = steps_of(result, profile.call_overhead_s)
     for number, step in enumerate(steps[:_MAX_STEPS]):

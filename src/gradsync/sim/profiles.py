@@ -139,5 +139,7 @@ def get_profile(name: str) -> Profile:
     path = Path(name)
     if path.is_file():
         return load(path)
+    if path.is_dir():
+        raise ValueError(f"--profile {name}: a directory, not a profile file (`gradsync calibrate --out FILE`)")
     raise ValueError(f"unknown profile {name!r}: choose one of {', '.join(PROFILE_NAMES)} or give a profile "
                      f"file written by `gradsync calibrate`")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 
@@ -103,11 +104,23 @@ def parse_gpus(text: str, profile: Profile) -> list[int]:
     per_host = profile.ranks_per_host
     for count in counts:
         if count < 2 or (count > per_host and count % per_host):
-            raise ValueError(f"--gpus: {count} is not >= 2 and a multiple of {per_host} GPUs per host "
-                             f"(profile {profile.name})")
+            raise ValueError(f"--gpus: {count} is not >= 2 and, above one host, a multiple of {per_host} GPUs "
+                             f"per host (profile {profile.name}; up to {per_host} GPUs run on one host)")
     if not counts:
         raise ValueError("--gpus: no GPU count given")
     return counts
+
+
+def check_writable(path: str, option: str) -> None:
+    """Raise ValueError now, before a long sweep, unless ``path`` can be written."""
+    existed = os.path.exists(path)
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as error:
+        raise ValueError(f"{option} {path}: cannot write it: {error.strerror or error}") from None
+    if not existed:
+        os.remove(path)
 
 
 def parse_algorithms(text: str) -> list[str]:
@@ -233,6 +246,8 @@ def run(args: argparse.Namespace) -> int:
     budget = getattr(args, "event_budget_s", DEFAULT_EVENT_BUDGET_S)
     total = getattr(args, "event_total_s", DEFAULT_TOTAL_BUDGET_S)
     claim_json_path(args.json)
+    if args.plot:
+        check_writable(args.plot, "--plot")
     print(f"# profile {profile.name}: {profile.description}")
     print(f"# {profile.ranks_per_host} GPUs per host; event simulation up to {EVENT_MAX_RANKS['ring']} ranks "
           f"(ring) / 4096 (others), an estimated {budget:g} s per point and {total:g} s in all (cheapest "

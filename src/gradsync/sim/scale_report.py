@@ -90,13 +90,14 @@ def crossover_lines(rows, profile: Profile) -> list[str]:
         link = profile.intra if count <= profile.ranks_per_host or profile.inter is None else profile.inter
         lines.append(f"#   {count:>5} GPUs: latency term {2 * (count - 1) * link.alpha_s * 1e6:.0f} us, "
                      f"n* = {_size(ring_latency_crossover_bytes(profile, count))}")
-    for algorithm in ("hierarchical", "tree", "halving_doubling", "ring"):
+    present = {row.algorithm for row in rows}
+    for algorithm in (name for name in ("hierarchical", "tree", "halving_doubling", "ring") if name in present):
         wins = win_ranges(rows, algorithm)
         if not wins:
             lines.append(f"# {algorithm} is never the fastest")
             continue
-        parts = [f"{count} GPUs: {_size(sizes[0])}-{_size(sizes[-1])} ({len(sizes)} sizes)"
-                 for count, sizes in wins.items()]
+        parts = [f"{count} GPUs: " + (f"{_size(sizes[0])}-{_size(sizes[-1])} ({len(sizes)} sizes)" if len(sizes) > 1
+                                      else f"{_size(sizes[0])}") for count, sizes in wins.items()]
         lines.append(f"# {algorithm} is the fastest at " + "; ".join(parts))
     return lines
 
