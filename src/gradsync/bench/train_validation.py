@@ -30,7 +30,8 @@ from gradsync.bench.train import BENCH_MODELS, DDP_BUCKET_CAP_MB, MODEL_SEED, bu
 from gradsync.sim.compute import scaled
 from gradsync.sim.measure import measure_compute
 from gradsync.sim.profiles import get_profile
-from gradsync.sim.training import parse_list, predict_step, topology_for, write_rows
+from gradsync.bench.output import write_json
+from gradsync.sim.training import parse_list, predict_step, topology_for
 from gradsync.train.setup import threads_per_worker
 
 VALIDATED = ("ring", "tree", "halving_doubling", "shm")
@@ -129,5 +130,5 @@ def run(args: argparse.Namespace) -> int:
     print("\n# predicted (simulate train) against measured (bench train) step time, ms")
     print(format_comparison(rows))
     if args.json:
-        write_rows(args.json, rows)
+        write_json(args.json, rows)
     return 0

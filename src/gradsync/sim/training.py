@@ -20,9 +20,9 @@ into and out of the buckets), ``buckets``, ``method`` (event or formula),
 from __future__ import annotations
 
 import argparse
-import json
 import re
 
+from gradsync.bench.output import write_json
 from gradsync.sim.cluster import Topology
 from gradsync.sim.compute import (StepCompute, flops_compute, layer_compute, layered_params, memory_per_gpu_bytes,
                                   peak_flops)
@@ -179,12 +179,6 @@ def run(args: argparse.Namespace) -> int:
             rows.append({"tokens_per_gpu": tokens, **row})
     print(format_rows(rows))
     if args.json:
-        write_rows(args.json, rows)
+        write_json(args.json, rows)
     return 0
 
-
-def write_rows(path: str, rows: list[dict]) -> None:
-    """Write ``rows`` as a JSON list to ``path``."""
-    with open(path, "w", encoding="utf-8") as file:
-        json.dump(rows, file, indent=2)
-        file.write("\n")
