@@ -54,6 +54,7 @@ from pathlib import Path
 import torch
 
 from gradsync.bench import micro
+from gradsync.bench.output import claim_json_path
 from gradsync.collectives.communicator import Communicator
 from gradsync.sim.profile import Link, Profile, ShmModel, load, save
 
@@ -239,7 +240,7 @@ def calibrate(*, hosts: int | None, nproc: int, inter_host_gbit: float | None, s
     if under_torchrun():
         return _as_torchrun_worker(settings, out, name, inter_host_gbit)
     if out:
-        _claim(out)
+        claim_json_path(out, "--out")
     if hosts is not None and hosts > 1:
         return _on_hosts(hosts, nproc, inter_host_gbit, settings, out, name)
     from gradsync.launch import launch_local
@@ -321,15 +322,6 @@ def _command_text(hosts: int | None, nproc: int, inter_host_gbit: float | None, 
     if settings != FULL:
         text += f" --settings {_settings_name(settings)}"
     return text
-
-
-def _claim(path: str) -> None:
-    try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a", encoding="utf-8"):
-            pass
-    except OSError as exc:
-        raise ValueError(f"--out {path} is not writable: {exc.strerror or exc}") from None
 
 
 def describe(profile: Profile) -> str:

@@ -6,8 +6,9 @@ import json
 from pathlib import Path
 
 
-def claim_json_path(path: str | None) -> None:
-    """Create ``path`` (and its folders) now, so a bad path fails before the benchmark runs.
+def claim_json_path(path: str | None, option: str = "--json") -> None:
+    """Create ``path`` (and its folders) now, so a bad path fails before the benchmark runs; an
+    existing file is kept as it is until the run writes it (``option``: what the error names).
 
     Raises:
         ValueError: the file cannot be written.
@@ -16,9 +17,10 @@ def claim_json_path(path: str | None) -> None:
         return
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text("")
+        with open(path, "a", encoding="utf-8"):
+            pass
     except OSError as exc:
-        raise ValueError(f"--json {path} is not writable: {exc.strerror or exc}") from None
+        raise ValueError(f"{option} {path} is not writable: {exc.strerror or exc}") from None
 
 
 def write_json(path: str, rows: list[dict]) -> None:

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from importlib import resources
 from pathlib import Path
 
@@ -85,14 +87,10 @@ def h200_ib() -> Profile:
     NVLink usable bandwidth, latencies and NVLS as ``h100-ib`` (NCCL's
     tuning model, which has one set of constants for Hopper).
     """
-    nvlink = 18 * SM90_NVLINK_GBPS * GB
-    return Profile(
-        name="h200-ib", description=h200_ib.__doc__.strip().splitlines()[0],
-        intra=Link(alpha_s=NVLINK_RING_SIMPLE_S, bandwidth_bytes_per_s=nvlink),
-        inter=Link(alpha_s=NET_RING_SIMPLE_S, bandwidth_bytes_per_s=50 * GB),
+    h100 = h100_ib()  # the same node but for HBM3e 4.8 TB/s
+    return dataclasses.replace(
+        h100, name="h200-ib", description=h200_ib.__doc__.strip().splitlines()[0],
         gamma_s_per_byte=3 / 4.8e12, copy_s_per_byte=2 / 4.8e12,
-        ranks_per_host=8, nics_per_host=8, call_overhead_s=RING_SIMPLE_BASE_S,
-        in_switch_reduction_bytes_per_s=nvls_busbw_bytes_per_s(nvlink, 8, HOPPER_NVLS_EFFICIENCY),
         sources=("NVIDIA H200 Tensor Core GPU datasheet", "NVIDIA DGX H200 user guide", NCCL_SOURCE))
 
 
