@@ -94,6 +94,39 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT_S) -> Communica
             dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout))
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return _make_default(store, timeout)
+
+
+def init_from_store(store, rank: int, world_size: int, backend: str = "auto",
+                    timeout: float = DEFAULT_TIMEOUT_S) -> Communicator:
+    """Join a group whose members meet in ``store`` (a namespace of their own, e.g. a ``PrefixStore``).
+
+    What an elastic run (:mod:`gradsync.elastic`) calls once per membership: the members agreed on
+    ``rank`` and ``world_size`` elsewhere, and a fresh namespace per membership keeps one group's
+    addresses from being read by the next. Collective over the ``world_size`` members.
+
+    Raises:
+        RuntimeError: already initialized; ValueError: bad rank, world_size, backend or timeout.
+    """
+    if _Default.communicator is not None or dist.is_initialized():
+        raise RuntimeError("gradsync.init() was already called; call gradsync.shutdown() first")
+    if not 0 < timeout < math.inf:
+        raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} must be in [0, world_size={world_size})")
+    backend = _resolve_backend(backend)
+    startup_s = max(timeout, MIN_STARTUP_TIMEOUT_S)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=startup_s))
+    _Default.owns_process_group = True
+    if backend == "gloo":
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout))
+    return _make_default(_detector_store(dist.PrefixStore("gradsync/hang", store)) if world_size > 1 else None,
+                         timeout)
+
+
+def _make_default(store, timeout: float) -> Communicator:
+    """The default communicator over torch's default group; ``store`` feeds the hang detector (or None)."""
     transport = TorchP2PTransport(None)
     detector = HangDetector(store, transport.rank, transport.world_size) if store is not None else None
     communicator = Communicator(transport, timeout_s=timeout, hang_detector=detector)

@@ -189,5 +189,6 @@ def barrier(segment: ShmSegment, call: CollectiveCall, step: str) -> None:
                 peer, reason = timeout.peer, (f"{what}: rank {timeout.gave_up} gave up waiting for it at an "
                                               f"earlier step of this group's shared memory")
             raise call.failure(PeerFailure(peer, reason, False), step) from None
-        reason = "died (its process is gone)" if timeout.died else "timed out waiting for it"
+        reason = ("left the group (it closed the shared memory)" if timeout.left
+                  else "died (its process is gone)" if timeout.died else "timed out waiting for it")
         raise call.failure(PeerFailure(timeout.peer, reason, not timeout.died), step) from None

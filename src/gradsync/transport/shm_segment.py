@@ -52,6 +52,7 @@ _MAX_SLEEP_S = 1e-3
 _LIVENESS_EVERY_S = 0.05           # how often a waiting rank checks that the laggard's process lives
 _PID_WORD = 1                      # word 1 of each rank's counter line holds its process id
 _GAVE_UP_WORD = 3                  # word 3: whom this rank gave up on, 1 + 2 * peer + died (0: never)
+_LEFT_PID = -1                     # the pid word of a rank that closed the segment: it left the group
 
 
 def _map(name: str, size: int | None = None) -> mmap.mmap:
@@ -124,11 +125,12 @@ class ShmPeerTimeout(GradsyncError, TimeoutError):
     """A rank did not reach a barrier in time (``peer`` is its rank), its process died (``died``), or
     it gave up on an earlier barrier of this segment (``gave_up``: it raised a timeout there)."""
 
-    def __init__(self, peer: int, died: bool = False, gave_up: int | None = None):
-        super().__init__(f"peer rank {peer}" + (" died" if died else "")
+    def __init__(self, peer: int, died: bool = False, gave_up: int | None = None, left: bool = False):
+        super().__init__(f"peer rank {peer}" + (" left the group" if left else " died" if died else "")
                          + (f" (rank {gave_up} gave up on it)" if gave_up is not None else ""))
         self.peer = peer
-        self.died = died
+        self.died = died or left
+        self.left = left  # the peer closed its mapping (it shut down or left an elastic membership)
         self.gave_up = gave_up  # the rank that gave up on ``peer`` at an earlier barrier, or None
 
 
@@ -256,9 +258,9 @@ class ShmSegment:
             if now > next_liveness:  # a killed peer never arrives: say so now, not at the deadline
                 next_liveness = now + _LIVENESS_EVERY_S
                 pid = words[peer * stride + _PID_WORD]
-                if pid and not pid_alive(pid):
+                if pid == _LEFT_PID or (pid > 0 and not pid_alive(pid)):
                     self._give_up(peer, died=True)
-                    raise ShmPeerTimeout(peer, died=True)
+                    raise ShmPeerTimeout(peer, died=True, left=pid == _LEFT_PID)
                 self._check_nobody_gave_up()
             if checks <= _SPINS + _YIELDS:
                 os.sched_yield()
@@ -284,5 +286,7 @@ class ShmSegment:
         self._bytes = None
         self._views.clear()
         if self._words is not None:
+            # a peer still waiting in a barrier for this rank learns at once that it will not come
+            self._words[self.rank * self._stride + _PID_WORD] = _LEFT_PID
             self._words.release()
             self._words = None

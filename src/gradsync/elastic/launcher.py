@@ -1,0 +1,91 @@
+"""One launcher per worker slot: start the worker, report its death at once, start it again.
+
+That is all a launcher does (membership is the quorum's). A worker is forked
+from the job's forkserver (torch already imported there), so a replacement
+is training again within about a second instead of paying a fresh import.
+The launcher also carries out the quorum's evictions (``q/evict/<slot>/<inc>``:
+a hung worker cannot stop itself) by killing its own process, by PID.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+from multiprocessing.connection import wait
+from typing import Callable
+
+from gradsync.elastic.store import post
+
+EVICT_POLL_S = 0.05
+SUCCESS = 0
+
+
+class Launcher(threading.Thread):
+    """Runs ``target(slot, incarnation, *args)`` in a process, again after each death, up to ``max_relaunches``.
+
+    ``store_factory()`` makes this launcher's own store client. The launcher stops relaunching once
+    the run is over (``q/done`` / ``q/failed``), after a clean exit, or when :meth:`stop` is called.
+    """
+
+    def __init__(self, slot: int, target: Callable, args: tuple, store_factory: Callable, max_relaunches: int,
+                 first_incarnation: int = 0, log=None):
+        super().__init__(daemon=True, name=f"gradsync-launcher-{slot}")
+        self.slot, self.target, self.args = slot, target, args
+        self.store_factory, self.max_relaunches = store_factory, max_relaunches
+        self.incarnation = first_incarnation
+        self.log = log or (lambda record: None)
+        self.process: multiprocessing.Process | None = None
+        self.exitcodes: list[int] = []
+        self._halt = threading.Event()
+
+    @property
+    def pid(self) -> int | None:
+        process = self.process
+        return process.pid if process is not None and process.is_alive() else None
+
+    def run(self) -> None:
+        store = self.store_factory()
+        context = multiprocessing.get_context("forkserver")
+        relaunches = 0
+        while not self._halt.is_set():
+            self.process = context.Process(target=self.target, args=(self.slot, self.incarnation, *self.args),
+                                           name=f"gradsync-worker-{self.slot}.{self.incarnation}")
+            self.process.start()
+            self.log({"event": "launched", "slot": self.slot, "incarnation": self.incarnation,
+                      "pid": self.process.pid})
+            code = self._watch(store)
+            self.exitcodes.append(code)
+            if code == SUCCESS or self._halt.is_set():
+                return
+            post(store, "died", slot=self.slot, incarnation=self.incarnation, exitcode=code)
+            self.log({"event": "died", "slot": self.slot, "incarnation": self.incarnation, "exitcode": code})
+            if relaunches >= self.max_relaunches or store.check(["q/done"]) or store.check(["q/failed"]):
+                return
+            relaunches += 1
+            self.incarnation += 1
+
+    def _watch(self, store) -> int:
+        """Wait for the process to end (killing it if the quorum evicts it); returns its exit code."""
+        evict_key = f"q/evict/{self.slot}/{self.incarnation}"
+        process = self.process
+        while not wait([process.sentinel], timeout=EVICT_POLL_S):
+            if self._halt.is_set() or store.check([evict_key]):
+                _kill(process)
+        process.join()
+        return process.exitcode
+
+    def stop(self) -> None:
+        """Stop relaunching and kill the current process (by its PID)."""
+        self._halt.set()
+        if self.process is not None:
+            _kill(self.process)
+
+
+def _kill(process: multiprocessing.Process) -> None:
+    if process.pid is not None and process.is_alive():
+        try:
+            os.kill(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

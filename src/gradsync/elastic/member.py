@@ -1,0 +1,155 @@
+"""A worker's side of an elastic run: join, take part in one membership after another, leave.
+
+Around a training step (what ``gradsync train --elastic`` does)::
+
+    member = ElasticMember(store, slot, incarnation, timeout_s=30)
+    member.join(step=-1)
+    while True:
+        membership = member.enter()          # a fresh communicator among this membership's members
+        try:
+            state = sync_from_rank0(state)   # rank 0 is the member with the most committed steps
+            while not finished:
+                if member.change_requested():
+                    raise MembershipChanged(...)
+                train_one_step()             # collectives raise when a peer dies or hangs
+        except member.RECOVERABLE as exc:
+            member.leave(committed_steps, exc)   # then loop: the next membership
+
+A death anywhere shows at once: a Gloo peer's socket closes, a shared-memory
+peer's process is gone or has closed its mapping, a launcher reports its
+process's exit to the quorum. A rank that leaves a membership shuts its
+communicator down, which closes its sockets and mappings, so every peer still
+waiting on it fails at once too, instead of at its timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from gradsync import process_group
+from gradsync.elastic.store import get_json, post, wait_json, wait_key
+from gradsync.errors import GradsyncError
+
+# Errors after which a member leaves its membership and joins the next: a collective that failed
+# (a peer died, hung, or left), or torch.distributed's own error when a group could not form.
+RECOVERABLE = (GradsyncError, RuntimeError, TimeoutError, ConnectionError)
+POLL_S = 0.005
+
+
+class MembershipChanged(GradsyncError):
+    """The quorum closed this membership (a worker joins or left): stop at this step boundary."""
+
+
+class Evicted(GradsyncError):
+    """This worker is not in the run any more (the run ended or failed without it)."""
+
+
+@dataclass
+class Membership:
+    epoch: int
+    rank: int
+    world_size: int
+    members: list[dict]   # {"slot", "incarnation", "step", "host"} by rank; rank 0 is the source
+    reason: str
+    record: dict
+
+    def slot_of(self, rank: int) -> int:
+        return self.members[rank]["slot"]
+
+    def rank_of(self, slot: int) -> int | None:
+        return next((rank for rank, m in enumerate(self.members) if m["slot"] == slot), None)
+
+
+class ElasticMember:
+    """This worker's membership in an elastic run whose quorum service serves ``store``."""
+
+    def __init__(self, store, slot: int, incarnation: int, timeout_s: float, backend: str = "auto",
+                 wait_s: float = 600.0):
+        self.store, self.slot, self.incarnation = store, slot, incarnation
+        self.timeout_s, self.backend, self.wait_s = timeout_s, backend, wait_s
+        self.membership: Membership | None = None
+        self.next_epoch = 1
+
+    def join(self, step: int = -1) -> None:
+        """Ask to be admitted; ``step`` is what this worker could offer (-1: nothing, a fresh process)."""
+        current = self.store.get("q/epoch").decode() if self.store.check(["q/epoch"]) else "0"
+        self.next_epoch = int(current) + 1
+        post(self.store, "join", slot=self.slot, incarnation=self.incarnation, step=step, pid=os.getpid(),
+             host=socket.gethostname())
+
+    def enter(self) -> Membership:
+        """Wait for the next membership that includes this worker and form its communicator.
+
+        Raises:
+            Evicted: the run ended or failed, or this worker was evicted.
+            TimeoutError: no membership within ``wait_s``.
+        """
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            record = self._wait_epoch(self.next_epoch, deadline)
+            self.next_epoch = record["epoch"] + 1
+            keys = [(m["slot"], m["incarnation"]) for m in record["members"]]
+            if (self.slot, self.incarnation) in keys:
+                break
+        rank = keys.index((self.slot, self.incarnation))
+        self.membership = Membership(record["epoch"], rank, len(keys), record["members"], record["reason"], record)
+        group_store = dist.PrefixStore(f"pg/{record['epoch']}", self.store)
+        process_group.init_from_store(group_store, rank, len(keys), self.backend, self.timeout_s)
+        return self.membership
+
+    def _wait_epoch(self, epoch: int, deadline: float) -> dict:
+        key = f"q/members/{epoch}"
+        while not self.store.check([key]):
+            for outcome in ("done", "failed"):
+                if self.store.check([f"q/{outcome}"]):
+                    raise Evicted(f"slot {self.slot}: the run is {outcome} "
+                                  f"({get_json(self.store, f'q/{outcome}')})")
+            if self.store.check([f"q/evict/{self.slot}/{self.incarnation}"]):
+                raise Evicted(f"slot {self.slot} was evicted: {self.store.get(f'q/evict/{self.slot}/{self.incarnation}').decode()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"slot {self.slot}: no membership {epoch} within {self.wait_s:g} s")
+            wait_key(self.store, key, 0.2)
+        return wait_json(self.store, key, 1.0)
+
+    def change_requested(self) -> bool:
+        """Whether the quorum closed this membership (check at step boundaries: one store round trip)."""
+        return bool(self.store.check([f"q/next/{self.membership.epoch}"]))
+
+    def done(self) -> bool:
+        return bool(self.store.check(["q/done"]))
+
+    def leave(self, step: int, error: BaseException | None = None) -> None:
+        """Shut this membership's communicator down and tell the quorum (``step`` steps committed).
+
+        A :class:`~gradsync.CollectiveTimeoutError` names the peer that stopped answering: it is
+        reported as the suspect (a dead peer is reported by its launcher).
+        """
+        membership = self.membership
+        process_group.shutdown()
+        suspect = None
+        if error is not None and getattr(error, "timed_out", False) and getattr(error, "peer", None) is not None:
+            if 0 <= error.peer < membership.world_size:
+                suspect = membership.slot_of(error.peer)
+        reason = None if error is None else f"{type(error).__name__}: {error}"[:300]
+        post(self.store, "ready", slot=self.slot, incarnation=self.incarnation, epoch=membership.epoch, step=step,
+             suspect=suspect, reason=reason)
+        self.membership = None
+
+    def finish(self) -> None:
+        """Tell the quorum this member trained to the end (rank 0's ends the run)."""
+        post(self.store, "finished", slot=self.slot, incarnation=self.incarnation, epoch=self.membership.epoch)
+
+    def wait_end(self) -> bool:
+        """After :meth:`finish`: wait until the run is done (True) or this membership closes (False)."""
+        epoch = self.membership.epoch
+        while True:
+            if self.store.check(["q/done"]):
+                return True
+            if self.store.check([f"q/next/{epoch}"]):
+                return False
+            time.sleep(POLL_S)
