@@ -121,6 +121,17 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         "namespaces on this machine, root needed) with --nproc workers each: one torchrun per host")
     add("--inter-host-gbit", type=float, default=None, metavar="G", help="--hosts: shape each host's link to "
         "G Gbit/s (tc tbf; default unshaped)")
+    add("--elastic", action="store_true", help="keep training through failures: the survivors of a dead or "
+        "hung worker go on without a restart (at most one step redone), its replacement joins from a live peer, "
+        "and a checkpoint resumes at any world size")
+    add("--min-nproc", type=int, default=None, metavar="A", help="--elastic: fewest workers to train with "
+        "(default 1)")
+    add("--max-nproc", type=int, default=None, metavar="B", help="--elastic: most workers (default --nproc); "
+        "joiners beyond it wait")
+    add("--max-relaunches", type=int, default=d.max_relaunches, metavar="N", help="--elastic: times each "
+        "worker's launcher starts it again after it dies (default %(default)s)")
+    add("--join", default=None, metavar="RUN", help="--elastic: add one worker to the running elastic job "
+        "whose run folder is RUN")
     add("--join-timeout", type=float, default=d.join_timeout, metavar="S", help="--hosts: seconds the "
         "rendezvous waits for every host (default %(default)s)")
     add("--cut-link-at", default=None, metavar="HOST:STEP", help="--hosts fault injection: set HOST's link down "

@@ -68,6 +68,11 @@ class TrainConfig:
     join_timeout: float = 30.0      # --hosts: seconds torchrun's rendezvous waits for every host
     cut_link_at: str | None = None  # "HOST:STEP": the harness sets that host's link down at that step
     kill_host_at: str | None = None  # "HOST:STEP": the harness kills every process on that host at that step
+    elastic: bool = False           # survivors go on without a restart; replacements join from a live peer
+    min_nproc: int | None = None    # --elastic: fewest workers the run trains with (default 1)
+    max_nproc: int | None = None    # --elastic: most workers (default --nproc); joiners beyond it wait
+    max_relaunches: int = 100       # --elastic: times each worker slot's launcher starts its process again
+    join: str | None = None         # --elastic: run folder of a running elastic job to add one worker to
 
     def samples_per_step(self, world_size: int) -> int:
         """Samples in one optimizer step over all workers: ``global_batch_size``, else batch x accumulate x workers."""
@@ -199,6 +204,7 @@ def validate(config: TrainConfig) -> None:
     _validate_mode(config)
     _validate_trajectory(config)
     _validate_fault_tolerance(config)
+    _validate_elastic(config)
     if not _is_int(config.check_replicas_every) or config.check_replicas_every < 0:
         raise ValueError(f"--check-replicas-every must be an int >= 0 (optimizer steps), got "
                          f"{config.check_replicas_every}")
@@ -369,3 +375,31 @@ def _validate_global_batch(config: TrainConfig, world_size: int, num_train: int)
         raise ValueError(f"--global-batch-size {size} does not split evenly over world size {world_size} x "
                          f"--accumulate {config.accumulate} = {parts} micro-batches ({size / parts:.2f} samples "
                          f"each): choose a multiple of {parts}")
+
+
+def elastic_bounds(config: TrainConfig) -> tuple[int, int]:
+    """``(min_nproc, max_nproc)`` of an elastic run (defaults 1 and ``--nproc``)."""
+    low = 1 if config.min_nproc is None else config.min_nproc
+    high = config.nproc if config.max_nproc is None else config.max_nproc
+    return low, high
+
+
+def _validate_elastic(config: TrainConfig) -> None:
+    if not config.elastic:
+        for name in ("min_nproc", "max_nproc", "join"):
+            if getattr(config, name) is not None:
+                raise ValueError(f"--{name.replace('_', '-')} needs --elastic")
+        return
+    low, high = elastic_bounds(config)
+    for name, value in (("--min-nproc", low), ("--max-nproc", high), ("--max-relaunches", config.max_relaunches)):
+        if not _is_int(value) or value < (0 if name == "--max-relaunches" else 1):
+            raise ValueError(f"{name} must be an int >= {0 if name == '--max-relaunches' else 1}, got {value}")
+    if not low <= config.nproc <= high:
+        raise ValueError(f"--elastic needs --min-nproc {low} <= --nproc {config.nproc} <= --max-nproc {high}")
+    if config.max_restarts:
+        raise ValueError("--elastic replaces --max-restarts: survivors go on and each worker's launcher starts "
+                         "it again (--max-relaunches)")
+    if config.hosts is not None and config.mode != "sync":
+        raise ValueError("--elastic with --hosts runs --mode sync only")
+    if config.mode == "local-sgd":
+        raise ValueError("--elastic runs --mode sync or async (local-sgd is not elastic yet)")
