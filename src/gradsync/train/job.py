@@ -148,6 +148,15 @@ def _run_job(config: TrainConfig) -> dict | None:
     validate(config)
     check_environment()
     torchrun = under_torchrun()
+    if config.elastic and torchrun:
+        raise ValueError("--elastic starts its own launcher per worker (membership is gradsync's): run "
+                         "`gradsync train --elastic` directly, not under torchrun")
+    if config.join is not None:
+        from gradsync.train.elastic_job import join_run
+
+        outcome = join_run(config.join)
+        print(f"gradsync: the worker of slot {outcome['slot']} left the run (exit codes {outcome['exitcodes']})")
+        return None
     if torchrun and config.hosts is not None:
         raise ValueError("--hosts starts one torchrun per test host itself; under torchrun (RANK and "
                          "WORLD_SIZE are set) leave it out")
@@ -179,6 +188,10 @@ def _run_job(config: TrainConfig) -> dict | None:
             config.checkpoint_dir = str(check_checkpoint_dir(out_dir / "checkpoints"))
         if torchrun:
             return run_worker(config, str(data_path), str(out_dir))
+        if config.elastic:
+            from gradsync.train.elastic_job import run_elastic
+
+            return run_elastic(config, data_path, out_dir)
         try:
             results = launch_local(world_size, run_worker, config, str(data_path), str(out_dir),
                                    max_restarts=config.max_restarts)

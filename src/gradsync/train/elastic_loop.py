@@ -1,0 +1,359 @@
+"""``gradsync train --elastic`` (sync mode): one worker's loop through memberships that change under it.
+
+Each membership (:class:`~gradsync.elastic.member.Membership`) starts with a
+state hand-over from its rank 0, the member with the most committed steps:
+model, optimizer, schedule and progress (data position, the epoch's loss,
+the finished epochs' records) are broadcast, and every member builds its
+replica from them, so a survivor, a replacement and a member that missed a
+step all continue from the same bits. What is per rank by nature stays
+its own: a replacement's RNG stream is seeded from (seed, slot,
+incarnation) and its error-feedback residuals start at zero; a survivor
+keeps both (its residuals as they were before the interrupted step).
+
+Data: every step takes a fixed global batch (``--global-batch-size``, or
+``--batch-size`` x ``--accumulate`` x ``--nproc``) of the epoch's
+permutation (:mod:`~gradsync.train.global_batch`), cut over the current
+members with ``torch.tensor_split`` (uneven shares when it does not divide).
+Each rank's loss is its samples' *sum* scaled by ``world_size / B``, so
+DataParallel's average over ranks is the mean over the global batch's
+samples, weighted by samples, not by rank. A step interrupted by a failure
+is redone by the next membership on the same global batch; a step that some
+member committed before the failure is not (the hand-over brings the others
+forward). Each member appends the sample ids of every step it contributed
+to and that was committed to ``elastic/samples-<slot>.<incarnation>.jsonl``
+in the run folder, so that samples lost or used twice can be counted.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from contextlib import nullcontext
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import gradsync
+from gradsync.compression import make as make_compressor
+from gradsync.elastic.member import RECOVERABLE, ElasticMember, Evicted, MembershipChanged
+from gradsync.fault import checkpoint
+from gradsync.fault.events import EventLog
+from gradsync.fault.injection import FaultPlan
+from gradsync.train.elastic_faults import ElasticFault
+from gradsync.train.config import TrainConfig
+from gradsync.train.data import load
+from gradsync.train.global_batch import global_batches, split_contiguous
+from gradsync.train.metrics import METRICS_FILE, MODEL_FILE, MetricsLog
+from gradsync.train.models import build_model
+from gradsync.train.setup import make_optimizer, make_scheduler, seed_everything, set_threads
+
+SAMPLES_FOLDER = "elastic"
+
+
+def elastic_global_batch(config: TrainConfig) -> int:
+    """Samples per optimizer step of an elastic run, whatever its world size."""
+    return config.global_batch_size or config.batch_size * config.accumulate * config.nproc
+
+
+def new_progress() -> dict:
+    return {"step": 0, "epoch": 0, "steps_in_epoch": 0, "loss_sum": 0.0, "epoch_records": [],
+            "started": time.time(), "train_s": 0.0}
+
+
+class ElasticTrainer:
+    """One worker of an elastic sync run; :meth:`run` returns the summary on the member that writes it."""
+
+    def __init__(self, member: ElasticMember, config: TrainConfig, data_path: Path, out_dir: Path):
+        self.member, self.config, self.out_dir = member, config, Path(out_dir)
+        set_threads(config.nproc, deterministic=config.deterministic)
+        seed_everything(config.seed * 1_000_003 + member.slot * 1009 + member.incarnation)  # own stream
+        self.data = load(data_path)
+        self.global_batch = elastic_global_batch(config)
+        self.steps_per_epoch = len(self.data.y_train) // self.global_batch
+        self.total_steps = self.steps_per_epoch * config.epochs
+        self.progress = new_progress()
+        self.model = self.module = self.optimizer = self.scheduler = None
+        self.compression_state = None   # this rank's residuals as of its last committed step
+        self.pending = None             # (step, ids) of the step in flight on this rank
+        self.events = EventLog(self.out_dir)
+        self.faults = FaultPlan(member.slot, config.fault_rank_step("fail_at"), config.fault_rank_step("hang_at"),
+                                self.events)
+        self.fault_in = ElasticFault.from_environment(member.slot, self.events, lambda: self.progress["step"] + 1)
+        self.samples_path = self.out_dir / SAMPLES_FOLDER / f"samples-{member.slot}.{member.incarnation}.jsonl"
+        self.samples_path.parent.mkdir(exist_ok=True)
+        self._permutation = (None, None)
+        self.log = None
+
+    # -- memberships -----------------------------------------------------------------------------
+
+    def run(self) -> dict | None:
+        self.member.join(step=-1)
+        while True:
+            try:
+                membership = self.member.enter()
+            except Evicted:
+                return None
+            try:
+                self._adopt(membership)
+                self._train()
+                summary = self._finish()
+                if self.member.wait_end():
+                    gradsync.shutdown()
+                    return summary
+                raise MembershipChanged("the membership closed before the run ended")
+            except RECOVERABLE as exc:
+                self._leave(exc)
+
+    def _leave(self, exc: BaseException) -> None:
+        self.events.write({"event": "left", "slot": self.member.slot, "incarnation": self.member.incarnation,
+                           "epoch": self.member.membership.epoch, "step": self.progress["step"],
+                           "error": f"{type(exc).__name__}: {exc}"[:300]})
+        if self.log is not None:
+            self.log.close()
+            self.log = None
+        self.member.leave(self.progress["step"], exc)
+
+    def _adopt(self, membership) -> None:
+        """Take rank 0's state (collective) and build this membership's replica from it."""
+        started = time.perf_counter()
+        fault = self.fault_in.broadcast_hook(membership)
+        state = broadcast_state(self._snapshot() if membership.rank == 0 else None, before_payload=fault)
+        self._count_committed_pending(state["progress"]["step"])
+        self.progress = state["progress"]
+        self._build(state)
+        self.log = MetricsLog(self.out_dir / METRICS_FILE) if membership.rank == 0 else None
+        if membership.rank == 0:
+            self.events.write({"event": "resumed_training", "epoch": membership.epoch,
+                               "world_size": membership.world_size, "step": self.progress["step"],
+                               "reason": membership.reason, "handover_s": time.perf_counter() - started,
+                               "members": [m["slot"] for m in membership.members]})
+
+    def _snapshot(self) -> dict:
+        if self.model is None:  # the first membership: everyone builds the same seeded model
+            torch.manual_seed(self.config.seed)
+            module = build_model(self.config.model)
+            optimizer = make_optimizer(module.parameters(), self.config)
+            scheduler = make_scheduler(optimizer, self.config, self.total_steps)
+            return {"model": module.state_dict(), "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(), "progress": self.progress}
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "progress": self.progress}
+
+    def _build(self, state: dict) -> None:
+        config = self.config
+        module = build_model(config.model)
+        module.load_state_dict(state["model"])
+        if config.deterministic:
+            model = gradsync.DeterministicDataParallel(module, config.micro_shards, algorithm=config.algorithm,
+                                                       seed=config.seed)
+        else:
+            compressor = make_compressor(config.compression, config.topk_ratio, config.powersgd_rank,
+                                         config.compression_warmup_steps)
+            if compressor is not None and self.compression_state is not None:
+                compressor.load_state_dict(self.compression_state)  # a survivor's own residuals
+            model = gradsync.DataParallel(module, bucket_cap_mb=config.bucket_cap_mb, algorithm=config.algorithm,
+                                          compression=compressor)
+        optimizer = make_optimizer(module.parameters(), config)
+        scheduler = make_scheduler(optimizer, config, self.total_steps)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        self.model, self.module, self.optimizer, self.scheduler = model, module, optimizer, scheduler
+        self.fault_in.arm_allreduce(module)
+
+    def _count_committed_pending(self, source_step: int) -> None:
+        """The step in flight here was committed by rank 0 before the failure: its samples were used."""
+        if self.pending is not None and self.pending[0] == source_step - 1:
+            self._record_samples(*self.pending)
+        self.pending = None
+
+    # -- training --------------------------------------------------------------------------------
+
+    def _train(self) -> None:
+        progress = self.progress
+        while progress["epoch"] < self.config.epochs:
+            if self.member.change_requested():
+                raise MembershipChanged("the quorum closed this membership")
+            if progress["steps_in_epoch"] < self.steps_per_epoch:
+                self._step()
+            else:
+                self._end_epoch()
+
+    def _global_batch(self) -> torch.Tensor:
+        epoch, index = self.progress["epoch"], self.progress["steps_in_epoch"]
+        if self._permutation[0] != epoch:
+            self._permutation = (epoch, list(global_batches(len(self.data.y_train), self.global_batch,
+                                                            self.config.seed, epoch)))
+        return self._permutation[1][index]
+
+    def _step(self) -> None:
+        self.faults.before_step(self.progress["step"] + 1)
+        started = time.perf_counter()
+        batch = self._global_batch()
+        if self.config.deterministic:
+            shards = split_contiguous(batch, self.config.micro_shards)
+            mine = [shards[index] for index in self.model.local_shards()]
+            ids = torch.cat(mine) if mine else batch[:0]
+            self.pending = (self.progress["step"], ids.tolist())
+            loss = self._deterministic_backward(mine)
+        else:
+            rank, world_size = gradsync.rank(), gradsync.world_size()
+            share = split_contiguous(batch, world_size)[rank]
+            self.pending = (self.progress["step"], share.tolist())
+            loss = self._backward(share, world_size)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        self._commit(loss, lr, time.perf_counter() - started)
+
+    def _backward(self, share: torch.Tensor, world_size: int) -> float:
+        """Backward over this rank's share (``accumulate`` micro-batches); returns the global batch's mean loss."""
+        micro_batches = split_contiguous(share, self.config.accumulate)
+        scale = world_size / self.global_batch  # DataParallel divides by world_size: weighted by samples
+        loss_sum = torch.zeros(1, dtype=torch.float64)
+        for index, indices in enumerate(micro_batches):
+            last = index == len(micro_batches) - 1
+            x, y = self.data.x_train[indices], self.data.y_train[indices]
+            with nullcontext() if last else self.model.no_sync():
+                loss = F.cross_entropy(self.model(x), y, reduction="sum")
+                (loss * scale).backward()
+            loss_sum += loss.detach().double()
+        gradsync.all_reduce(loss_sum, op="sum")
+        return float(loss_sum[0]) / self.global_batch
+
+    def _deterministic_backward(self, shards: list[torch.Tensor]) -> float:
+        for index, indices in zip(self.model.local_shards(), shards):
+            x, y = self.data.x_train[indices], self.data.y_train[indices]
+            with self.model.micro_shard(index, self.progress["step"]) as shard:
+                shard.backward(F.cross_entropy(self.model(x), y, reduction="sum"))
+        return self.model.synchronize(divisor=self.global_batch)
+
+    def _commit(self, loss: float, lr: float, seconds: float) -> None:
+        progress = self.progress
+        step, ids = self.pending
+        self.pending = None
+        progress["step"] += 1
+        progress["steps_in_epoch"] += 1
+        progress["loss_sum"] += loss
+        progress["train_s"] += seconds
+        self._record_samples(step, ids)
+        compression = getattr(self.model, "compression", None)
+        if compression is not None:
+            self.compression_state = _clone(compression.state_dict())
+        if self.log is not None:
+            self.log.write({"kind": "step", "epoch": progress["epoch"], "step": progress["step"], "loss": loss,
+                            "lr": lr, "world_size": gradsync.world_size(), "step_s": seconds,
+                            "time": time.time()})
+
+    def _record_samples(self, step: int, ids: list[int]) -> None:
+        epoch = step // self.steps_per_epoch
+        with open(self.samples_path, "a", encoding="utf-8") as file:
+            file.write(json.dumps({"epoch": epoch, "step": step, "ids": ids}) + "\n")
+
+    def _end_epoch(self) -> None:
+        progress = self.progress
+        test_loss, test_accuracy = self._evaluate()
+        record = {"kind": "epoch", "epoch": progress["epoch"],
+                  "train_loss": progress["loss_sum"] / max(progress["steps_in_epoch"], 1),
+                  "test_loss": test_loss, "test_accuracy": test_accuracy,
+                  "elapsed_s": time.time() - progress["started"], "world_size": gradsync.world_size()}
+        progress["epoch_records"].append(record)
+        if self.log is not None:
+            self.log.write(record)
+        progress["epoch"] += 1
+        progress["steps_in_epoch"] = 0
+        progress["loss_sum"] = 0.0
+
+    @torch.no_grad()
+    def _evaluate(self) -> tuple[float, float]:
+        """Each rank scores its piece of the test split (micro-shard pieces with ``--deterministic``)."""
+        self.module.eval()
+        pieces, mine = gradsync.world_size(), [gradsync.rank()]
+        if self.config.deterministic:
+            pieces, mine = self.config.micro_shards, list(self.model.local_shards())
+        table = torch.zeros(pieces, 3, dtype=torch.float64)
+        for index, shard in enumerate(torch.tensor_split(torch.arange(len(self.data.y_test)), pieces)):
+            if index in mine:
+                logits = self.module(self.data.x_test[shard])
+                y = self.data.y_test[shard]
+                table[index] = torch.tensor([F.cross_entropy(logits, y, reduction="sum").item(),
+                                             (logits.argmax(1) == y).sum().item(), len(y)], dtype=torch.float64)
+        gradsync.all_reduce(table, op="sum")  # one rank's value and zeros per entry: exact in any order
+        self.module.train()
+        loss_sum, correct, count = table.sum(0).tolist()
+        return loss_sum / count, correct / count
+
+    # -- the end ---------------------------------------------------------------------------------
+
+    def _finish(self) -> dict | None:
+        """Rank 0 writes the model and the summary, then tells the quorum; others just report."""
+        replicas_equal = _replicas_equal(self.module)
+        if gradsync.rank() != 0:
+            return None
+        checkpoint.write_atomic(self.out_dir / MODEL_FILE, checkpoint.serialize(self.module.state_dict()))
+        summary = self._summary(replicas_equal)
+        self.member.finish()
+        return summary
+
+    def _summary(self, replicas_equal: bool) -> dict:
+        progress = self.progress
+        last = progress["epoch_records"][-1] if progress["epoch_records"] else {}
+        wall_s = time.time() - progress["started"]
+        samples = progress["step"] * self.global_batch
+        return {"final_test_accuracy": last.get("test_accuracy"), "final_test_loss": last.get("test_loss"),
+                "final_train_loss": last.get("train_loss"),
+                "best_test_accuracy": max((r["test_accuracy"] for r in progress["epoch_records"]), default=None),
+                "mode": "sync", "elastic": True, "world_size": gradsync.world_size(),
+                "num_workers": gradsync.world_size(), "steps": progress["step"], "samples": samples,
+                "global_batch_size": self.global_batch, "wall_s": wall_s,
+                "samples_per_s": samples / progress["train_s"] if progress["train_s"] else None,
+                "memberships": self.member.membership.epoch, "replicas_equal": replicas_equal,
+                "algorithm": self.config.algorithm, "compression": self.config.compression,
+                "algorithms": [{"bucket_nbytes": int(n), "algorithm": name} for n, name in
+                               getattr(self.model, "bucket_algorithms", lambda: [])()],
+                "config": asdict(self.config)}
+
+
+def broadcast_state(state: dict | None, before_payload=None) -> dict:
+    """Rank 0's ``state`` on every rank (collective; ``torch.save`` bytes: tensors, numbers, lists, dicts).
+
+    ``before_payload``: called between the length and the payload (fault injection).
+    """
+    if state is not None:
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        length = torch.tensor([payload.numel()], dtype=torch.int64)
+    else:
+        payload, length = None, torch.zeros(1, dtype=torch.int64)
+    gradsync.broadcast(length, src=0)
+    if before_payload is not None:
+        before_payload()
+    if payload is None:
+        payload = torch.empty(int(length[0]), dtype=torch.uint8)
+    gradsync.broadcast(payload, src=0)
+    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
+
+
+def _replicas_equal(module: torch.nn.Module) -> bool:
+    """Whether every member holds the same parameter bits (collective: rank 0's bytes against each rank's)."""
+    flat = torch.cat([p.detach().reshape(-1).view(torch.uint8) if p.dtype != torch.bool else p.reshape(-1)
+                      for p in module.state_dict().values()]).clone()
+    reference = flat.clone()
+    gradsync.broadcast(reference, src=0)
+    unequal = torch.tensor([int(not torch.equal(flat, reference))], dtype=torch.int64)
+    gradsync.all_reduce(unequal, op="sum")
+    return int(unequal[0]) == 0
+
+
+def _clone(state):
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if isinstance(state, dict):
+        return {key: _clone(value) for key, value in state.items()}
+    if isinstance(state, list):
+        return [_clone(value) for value in state]
+    return state
