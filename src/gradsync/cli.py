@@ -130,6 +130,9 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         "joiners beyond it wait")
     add("--max-relaunches", type=int, default=d.max_relaunches, metavar="N", help="--elastic: times each "
         "worker's launcher starts it again after it dies (default %(default)s)")
+    add("--elastic-fault", default=None, metavar="SLOT:WHERE:STEP", help="--elastic fault injection: worker "
+        "SLOT dies at optimizer step STEP inside a bucket's AllReduce (WHERE=allreduce) or, as rank 0, inside "
+        "the state hand-over to a joiner (WHERE=broadcast); once per run")
     add("--join", default=None, metavar="RUN", help="--elastic: add one worker to the running elastic job "
         "whose run folder is RUN")
     add("--join-timeout", type=float, default=d.join_timeout, metavar="S", help="--hosts: seconds the "

@@ -164,7 +164,8 @@ class Quorum:
                     why = (f"evicted: suspected of hanging by slot {change.suspects[member.slot]}"
                            if member.slot in change.suspects else f"evicted: no answer within {self.timeout_s:g} s")
                     self._evict(member, why)
-            return
+            if any(m.slot not in change.ready and m.slot not in change.gone for m in self.members):
+                return
         if len(change.ready) + len(self.joiners) < self.min_nproc:
             if now - change.started > self.timeout_s + self.rejoin_s:
                 self._end("failed", {"reason": f"{len(change.ready)} workers left, fewer than --min-nproc "

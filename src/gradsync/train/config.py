@@ -73,6 +73,7 @@ class TrainConfig:
     max_nproc: int | None = None    # --elastic: most workers (default --nproc); joiners beyond it wait
     max_relaunches: int = 100       # --elastic: times each worker slot's launcher starts its process again
     join: str | None = None         # --elastic: run folder of a running elastic job to add one worker to
+    elastic_fault: str | None = None  # --elastic: "SLOT:WHERE:STEP" fault injection (gradsync.train.elastic_faults)
 
     def samples_per_step(self, world_size: int) -> int:
         """Samples in one optimizer step over all workers: ``global_batch_size``, else batch x accumulate x workers."""
@@ -386,10 +387,14 @@ def elastic_bounds(config: TrainConfig) -> tuple[int, int]:
 
 def _validate_elastic(config: TrainConfig) -> None:
     if not config.elastic:
-        for name in ("min_nproc", "max_nproc", "join"):
+        for name in ("min_nproc", "max_nproc", "join", "elastic_fault"):
             if getattr(config, name) is not None:
                 raise ValueError(f"--{name.replace('_', '-')} needs --elastic")
         return
+    if config.elastic_fault is not None:
+        from gradsync.train.elastic_faults import parse
+
+        parse(config.elastic_fault)
     low, high = elastic_bounds(config)
     for name, value in (("--min-nproc", low), ("--max-nproc", high), ("--max-relaunches", config.max_relaunches)):
         if not _is_int(value) or value < (0 if name == "--max-relaunches" else 1):

@@ -1,4 +1,4 @@
-"""Faults at the worst moments of an elastic run, for tests: ``GRADSYNC_ELASTIC_FAULT=SLOT:WHERE:STEP``.
+"""Faults at the worst moments of an elastic run, for tests: ``--elastic-fault SLOT:WHERE:STEP``.
 
 ``WHERE`` is ``allreduce`` (slot SLOT dies inside the backward of optimizer
 step STEP, once the first buckets' AllReduces are in flight: its peers are
@@ -17,8 +17,21 @@ import os
 from gradsync.fault.events import EventLog, read_events
 from gradsync.fault.injection import INJECTED_EXIT_CODE
 
-ENV = "GRADSYNC_ELASTIC_FAULT"
 WHERE = ("allreduce", "broadcast")
+
+
+def parse(text: str) -> tuple[int, str, int]:
+    """``(slot, where, step)`` of ``--elastic-fault``.
+
+    Raises:
+        ValueError: malformed (the message names the option).
+    """
+    parts = text.split(":")
+    if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in WHERE or not parts[2].isdigit() \
+            or int(parts[2]) < 1:
+        raise ValueError(f"--elastic-fault {text!r} must be SLOT:WHERE:STEP (STEP >= 1) with WHERE one of "
+                         f"{', '.join(WHERE)}")
+    return int(parts[0]), parts[1], int(parts[2])
 
 
 class ElasticFault:
@@ -28,18 +41,15 @@ class ElasticFault:
         self.slot, self.where, self.step, self.events, self.next_step = slot, where, step, events, next_step
 
     @classmethod
-    def from_environment(cls, slot: int, events: EventLog, next_step) -> "ElasticFault":
-        """Raises ValueError naming the variable when it is malformed."""
-        text = os.environ.get(ENV, "")
+    def from_config(cls, text: str | None, slot: int, events: EventLog, next_step) -> "ElasticFault":
+        """The fault ``--elastic-fault`` (``text``) plans for ``slot``, unless it already fired in this run."""
         if not text:
             return cls(slot, None, None, events, next_step)
-        parts = text.split(":")
-        if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in WHERE or not parts[2].isdigit():
-            raise ValueError(f"{ENV}={text!r} must be SLOT:WHERE:STEP with WHERE one of {', '.join(WHERE)}")
+        target, where, step = parse(text)
         fired = any(e.get("event") == "fault" and e.get("slot") == slot for e in read_events(events.path.parent))
-        if int(parts[0]) != slot or fired:
+        if target != slot or fired:
             return cls(slot, None, None, events, next_step)
-        return cls(slot, parts[1], int(parts[2]), events, next_step)
+        return cls(slot, where, step, events, next_step)
 
     def _fire(self) -> None:
         self.events.write({"event": "fault", "fault": f"kill in {self.where}", "slot": self.slot,

@@ -45,12 +45,12 @@ from gradsync.fault.injection import FaultPlan
 from gradsync.train.elastic_faults import ElasticFault
 from gradsync.train.config import TrainConfig
 from gradsync.train.data import load
+from gradsync.train.elastic_samples import SAMPLES_FOLDER
 from gradsync.train.global_batch import global_batches, split_contiguous
 from gradsync.train.metrics import METRICS_FILE, MODEL_FILE, MetricsLog
 from gradsync.train.models import build_model
 from gradsync.train.setup import make_optimizer, make_scheduler, seed_everything, set_threads
 
-SAMPLES_FOLDER = "elastic"
 
 
 def elastic_global_batch(config: TrainConfig) -> int:
@@ -81,7 +81,8 @@ class ElasticTrainer:
         self.events = EventLog(self.out_dir)
         self.faults = FaultPlan(member.slot, config.fault_rank_step("fail_at"), config.fault_rank_step("hang_at"),
                                 self.events)
-        self.fault_in = ElasticFault.from_environment(member.slot, self.events, lambda: self.progress["step"] + 1)
+        self.fault_in = ElasticFault.from_config(config.elastic_fault, member.slot, self.events,
+                                                 lambda: self.progress["step"] + 1)
         self.samples_path = self.out_dir / SAMPLES_FOLDER / f"samples-{member.slot}.{member.incarnation}.jsonl"
         self.samples_path.parent.mkdir(exist_ok=True)
         self._permutation = (None, None)

@@ -1,0 +1,54 @@
+"""Count the samples an elastic run used, per sample id: none lost, none used twice within an epoch.
+
+Each member appends ``{"epoch", "step", "ids"}`` to its own
+``elastic/samples-<slot>.<incarnation>.jsonl`` for every committed step it
+contributed to (:mod:`~gradsync.train.elastic_loop`). The expected samples
+of a step are its global batch of the epoch's permutation
+(:func:`~gradsync.train.global_batch.global_batches`), whatever the world
+size was.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+from gradsync.train.global_batch import global_batches
+
+SAMPLES_FOLDER = "elastic"
+
+
+def read_used(out_dir: str | Path) -> tuple[Counter, set[int]]:
+    """``(Counter of (epoch, sample id) over every member's records, committed step numbers)``."""
+    used, steps = Counter(), set()
+    for path in sorted((Path(out_dir) / SAMPLES_FOLDER).glob("samples-*.jsonl")):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                used.update((record["epoch"], sample) for sample in record["ids"])
+                steps.add(record["step"])
+    return used, steps
+
+
+def count_samples(out_dir: str | Path, num_train: int, global_batch_size: int, seed: int,
+                  steps_done: int | None = None) -> dict:
+    """``{"samples_used", "samples_lost", "samples_duplicated", "steps"}`` of the run in ``out_dir``.
+
+    ``samples_lost``: ids of the global batch of a step the run committed (steps ``0 .. steps_done-1``;
+    default: the steps some member recorded) that no member recorded;
+    ``samples_duplicated``: extra uses of an id within one epoch.
+    """
+    used, steps = read_used(out_dir)
+    if steps_done is not None:
+        steps = set(range(steps_done))
+    steps_per_epoch = num_train // global_batch_size
+    expected = Counter()
+    for epoch in sorted({step // steps_per_epoch for step in steps}):
+        for index, batch in enumerate(global_batches(num_train, global_batch_size, seed, epoch)):
+            if epoch * steps_per_epoch + index in steps:
+                expected.update((epoch, int(sample)) for sample in batch)
+    lost = sum((expected - used).values())
+    duplicated = sum(count - 1 for count in used.values() if count > 1)
+    return {"samples_used": sum(used.values()), "samples_lost": lost, "samples_duplicated": duplicated,
+            "steps": len(steps)}
