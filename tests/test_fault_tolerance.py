@@ -285,17 +285,21 @@ def test_checkpoint_size_does_not_grow_with_the_step(baseline):
 
 
 @pytest.mark.timeout(60)
-def test_checkpoint_of_another_world_size_is_refused_before_any_worker(baseline, env, tmp_path, capsys, monkeypatch):
-    """Checkpoints written by 2 workers, resumed with --nproc 3: one line naming both sizes, exit 2, nothing trained."""
+def test_checkpoint_of_another_world_size_and_lr_is_refused_naming_the_lr_only(baseline, env, tmp_path, capsys,
+                                                                               monkeypatch):
+    """Checkpoints written by 2 workers, resumed with --nproc 3 and another --lr: one line naming the lr (another
+    world size alone resumes, see test_resume_world_size), exit 2, nothing trained."""
     checkpoints = tmp_path / "checkpoints"
     shutil.copytree(baseline.out / "checkpoints", checkpoints)
     before = {p.relative_to(checkpoints): p.read_bytes() for p in checkpoints.rglob("*") if p.is_file()}
     monkeypatch.setenv("GRADSYNC_DATA_DIR", env["GRADSYNC_DATA_DIR"])
     out = tmp_path / "run"
     result = _main(["train", *_train_args(3, "--checkpoint-every", str(CHECKPOINT_EVERY), "--checkpoint-dir",
-                                          str(checkpoints), "--max-restarts", "1"), "--out", str(out)], capsys)
+                                          str(checkpoints), "--max-restarts", "1", "--lr", "0.02"), "--out", str(out)],
+                   capsys)
     assert result.returncode == 2, result.stderr
-    _assert_one_line_error(result, "written by 2 workers", "this job has 3", "--nproc 2")
+    _assert_one_line_error(result, "belongs to another job", "--lr 0.01 there, 0.02 here")
+    assert "workers" not in result.stderr
     assert not out.exists(), "nothing may be trained or written"
     after = {p.relative_to(checkpoints): p.read_bytes() for p in checkpoints.rglob("*") if p.is_file()}
     assert after == before, "the checkpoints must be left as they were"
