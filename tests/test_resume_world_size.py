@@ -101,7 +101,7 @@ def test_shrinking_from_3_to_2_workers_loses_and_repeats_no_sample(data_path, tm
     assert (event["world_size_from"], event["world_size_to"], event["sample"]) == (3, 2, 192)
     line = event["line"]
     assert line.startswith("written by 3 workers, now 2: data position kept (sample 192 of 800 in epoch 1")
-    assert "global batch now 32 samples, was 48" in line and "those of rank 2 are dropped" in line
+    assert "global batch now 32 samples, was 48" in line and "that of rank 2 is dropped" in line
     assert "mean of the 3 old ranks'" in line
 
 
@@ -120,3 +120,22 @@ def test_deterministic_run_resumed_at_another_world_size_is_bitwise_the_uninterr
     (event,) = announced
     assert "written by 4 workers, now 2: data position kept (sample 480 of 800 in epoch 0" in event["line"]
     assert "the trajectory is unchanged" in event["line"]
+
+
+@pytest.mark.timeout(120)
+def test_local_sgd_grown_from_2_to_3_workers_continues_the_epoch(data_path, tmp_path):
+    """Local SGD (H = 3), written by 2 workers at step 10 (sample 320), resumed by 3: 480 samples left make
+    10 steps of 48; no sample twice; the third rank starts from the replicas' mean and all end equal."""
+    options = {"epochs": 1, "batch_size": 16, "mode": "local-sgd", "sync_every": 3, "checkpoint_every": 5}
+    whole, resumed, announced = _stop_and_resume(options, 2, 3, 10, data_path, tmp_path)
+    assert whole[0]["step"] == 25 and resumed[0]["step"] == 20
+    used = _samples_by_epoch(whole, range(1, 11))[0] + _samples_by_epoch(resumed, range(11, 21))[0]
+    permutation = torch.randperm(NUM_TRAIN, generator=torch.Generator().manual_seed(0)).tolist()
+    assert sorted(used) == sorted(permutation)  # all 800, each once
+    for rank in (1, 2):  # the epoch's end averages the replicas
+        for name, tensor in resumed[0]["params"].items():
+            assert torch.equal(resumed[rank]["params"][name], tensor), (rank, name)
+    line = announced[0]["line"]
+    assert "global batch now 48 samples, was 32" in line and "rank 2 starts a fresh one from (seed, rank)" in line
+    assert "local-SGD replicas averaged over the 2 old ones; optimizer states: ranks 0-1 keep theirs, rank 2 gets" \
+        in line

@@ -160,8 +160,8 @@ def reshard_rank_states(states: list[dict], new_world_size: int, seed: int, dete
     return new
 
 
-def _ranks(first: int, last: int) -> str:
-    return f"rank {first}" if first == last else f"ranks {first}-{last}"
+def _ranks(first: int, last: int, singular: str, plural: str) -> str:
+    return f"rank {first} {singular}" if first == last else f"ranks {first}-{last} {plural}"
 
 
 def world_change(old_world_size: int, new_world_size: int, config, samples_in_epoch: int, epoch: int,
@@ -181,13 +181,14 @@ def world_change(old_world_size: int, new_world_size: int, config, samples_in_ep
     else:
         parts.append(f"global batch now {config.samples_per_step(new)} samples, was {config.samples_per_step(old)} "
                      f"(--batch-size x --accumulate x workers: the trajectory changes)")
-    kept = f"{_ranks(0, min(old, new) - 1)} keep theirs"
-    other = (f"those of {_ranks(new, old - 1)} are dropped" if new < old
-             else f"{_ranks(old, new - 1)} start fresh ones from (seed, rank)")
+    kept = _ranks(0, min(old, new) - 1, "keeps its own", "keep theirs")
+    dropped = f"that of rank {new} is" if new == old - 1 else f"those of ranks {new}-{old - 1} are"
+    other = (f"{dropped} dropped" if new < old
+             else _ranks(old, new - 1, "starts a fresh one", "start fresh ones") + " from (seed, rank)")
     parts.append(f"per-rank RNG streams: {kept}, {other}")
     if config.mode == "local-sgd":
         parts.append(f"local-SGD replicas averaged over the {old} old ones; optimizer states: {kept}"
-                     + (f", {_ranks(old, new - 1)} the old ranks' mean" if new > old else ""))
+                     + (", " + _ranks(old, new - 1, "gets", "get") + " the old ranks' mean" if new > old else ""))
     if config.compression in ("onebit", "topk", "powersgd"):
         residuals = f"compressor residuals: every rank gets the mean of the {old} old ranks' (pending error kept"
         residuals += {"onebit": ", the server residuals folded into them)",
