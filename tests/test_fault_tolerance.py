@@ -305,6 +305,22 @@ def test_checkpoint_of_another_world_size_and_lr_is_refused_naming_the_lr_only(b
     assert after == before, "the checkpoints must be left as they were"
 
 
+@pytest.mark.timeout(JOB_TIMEOUT_S)
+def test_checkpoint_of_2_workers_resumes_with_3_and_says_so_first(baseline, env, tmp_path):
+    """Step 40 of 2 workers (sample 960 of epoch 1) resumed with --nproc 3: the first line names the change,
+    and the 640 samples left make 6 steps of 96; every step is logged once."""
+    checkpoints = tmp_path / "checkpoints"
+    shutil.copytree(baseline.out / "checkpoints", checkpoints)
+    shutil.rmtree(checkpoints / "step-000000050")
+    job = _Job(tmp_path, _train_args(3, *CHECKPOINTS, "--checkpoint-dir", str(checkpoints)), env)
+    first = job.succeeded().stderr.splitlines()[0]
+    assert first.startswith(f"gradsync: attempt 1: resuming from {checkpoints / 'step-000000040'} (step 40 of 46) "
+                            "written by 2 workers, now 3: data position kept (sample 960 of 1600 in epoch 1, "
+                            "6 steps left in it); global batch now 96 samples, was 64"), first
+    steps, epochs = _records(job.out)
+    assert [r["step"] for r in steps] == list(range(1, 47)) and [r["epoch"] for r in epochs] == [0, 1]
+
+
 # ---------------------------------------------------------------- a killed worker
 
 

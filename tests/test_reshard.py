@@ -154,7 +154,8 @@ def _rank_state(rank: int, local_sgd: bool = False) -> dict:
            "compression": {"steps": {"w": 4}, "residual": {"w": torch.full((2,), float(rank))}}}
     if local_sgd:
         own.update(model={"w": torch.full((2,), float(rank)), "count": torch.tensor(rank)}, local_steps=2,
-                   optimizer={"state": {0: {"step": torch.tensor(4.0), "momentum_buffer": torch.full((2,), 2.0 * rank)}},
+                   optimizer={"state": {0: {"step": torch.tensor(4.0),
+                                            "momentum_buffer": torch.full((2,), 2.0 * rank)}},
                               "param_groups": [{"lr": 0.1, "params": [0]}]})
     return own
 

@@ -93,8 +93,10 @@ class Trainer:
         if self.resumed_from is None or self.resumed_from.world_size == self.world_size:
             return None
         resume.stretch_schedule(self.scheduler, self.total_steps())
-        return world_change(self.resumed_from.world_size, self.world_size, self.config, self.state.samples_in_epoch,
-                            self.state.epoch, self.num_train, self.epoch_steps() - self.state.steps_in_epoch)
+        state = self.state
+        left = 0 if state.epoch >= self.config.epochs else self.epoch_steps() - state.steps_in_epoch
+        return world_change(self.resumed_from.world_size, self.world_size, self.config, state.samples_in_epoch,
+                            state.epoch, self.num_train, left)
 
     def epoch_steps(self) -> int:
         """Optimizer steps of the epoch in progress: ``steps_per_epoch``, unless it continues at another

@@ -15,9 +15,11 @@ rest of the permutation, ``permutation[start:]``, is dealt out the same way
 but not padded (no sample twice), and the epoch's last partial global batch
 is dropped, as every epoch drops it.
 
->>> perm = torch.arange(10)
->>> [[b.tolist() for b in step] for step in rank_steps(perm, EpochOrder(4), 2, 1, 1, 1)]
-[[[5, 7]], [[9, 11]]]
+>>> perm = torch.arange(10)  # 3 ranks from sample 0: padded to 12 (0..9, 0, 1); rank 0 takes [0, 3, 6, 9]
+>>> [[batch.tolist() for batch in step] for step in rank_steps(perm, EpochOrder(), 3, 0, 2, 1)]
+[[[0, 3]], [[6, 9]]]
+>>> [[batch.tolist() for batch in step] for step in rank_steps(perm, EpochOrder(4), 2, 1, 2, 1)]  # 4..9 by 2
+[[[5, 7]]]
 """
 
 from __future__ import annotations

@@ -145,7 +145,8 @@ def reshard_rank_states(states: list[dict], new_world_size: int, seed: int, dete
     compression = reshard_compressor([s["compression"] for s in states]) if "compression" in states[0] else None
     local_sgd = "model" in states[0]
     if local_sgd:
-        model, optimizer = mean_model([s["model"] for s in states]), mean_optimizer_state([s["optimizer"] for s in states])
+        model = mean_model([s["model"] for s in states])
+        optimizer = mean_optimizer_state([s["optimizer"] for s in states])
     new = []
     for rank in range(new_world_size):
         kept = states[rank] if rank < len(states) else None
@@ -191,8 +192,9 @@ def world_change(old_world_size: int, new_world_size: int, config, samples_in_ep
                      + (", " + _ranks(old, new - 1, "gets", "get") + " the old ranks' mean" if new > old else ""))
     if config.compression in ("onebit", "topk", "powersgd"):
         residuals = f"compressor residuals: every rank gets the mean of the {old} old ranks' (pending error kept"
-        residuals += {"onebit": ", the server residuals folded into them)",
-                      "powersgd": "; PowerSGD's Q warm start kept, the same on every rank)"}.get(config.compression, ")")
+        endings = {"onebit": ", the server residuals folded into them)",
+                   "powersgd": "; PowerSGD's Q warm start kept, the same on every rank)"}
+        residuals += endings.get(config.compression, ")")
         parts.append(residuals)
     return {"world_size_from": old, "world_size_to": new, "sample": samples_in_epoch,
             "line": f"written by {old} workers, now {new}: " + "; ".join(parts)}
