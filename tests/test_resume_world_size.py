@@ -39,9 +39,9 @@ def _rank_train(options: dict, data_path: str, out_dir: str) -> dict:
         return train_step(micro_batches)
 
     trainer._step = recording_step
-    trainer.run()
+    summary = trainer.run()
     return {"params": {name: tensor.clone() for name, tensor in trainer.model.module.state_dict().items()},
-            "steps": steps, "step": trainer.state.step,
+            "steps": steps, "step": trainer.state.step, "samples": summary["samples"] if summary else None,
             "resumed_from": trainer.resumed_from.step if trainer.resumed_from else None}
 
 
@@ -97,6 +97,7 @@ def test_shrinking_from_3_to_2_workers_loses_and_repeats_no_sample(data_path, tm
         assert sorted(ids) == sorted(permutation[:len(ids)]), f"epoch {epoch}: not a prefix of the permutation"
         assert NUM_TRAIN - len(ids) < 48, (epoch, len(ids))
     assert len(used[1]) == 4 * 48 + 19 * 32
+    assert resumed[0]["samples"] == 16 * 48 + len(used[1])  # the summary counts each step's own global batch
     (event,) = announced
     assert (event["world_size_from"], event["world_size_to"], event["sample"]) == (3, 2, 192)
     line = event["line"]

@@ -172,6 +172,7 @@ class Trainer:
             self.state.add_step_loss(self._step(micro_batches))
             self.state.steps_in_epoch += 1
             self.state.samples_in_epoch += self.samples_per_step
+            self.state.samples += self.samples_per_step
             bar.update(1)
             if self._checkpoint_due():
                 self._save_checkpoint()
@@ -351,7 +352,7 @@ class Trainer:
         mean = per_rank.mean(0).tolist()
         totals = RunTotals(
             world_size=self.world_size, num_workers=self.world_size, steps=state.step,
-            samples=state.step * self.config.samples_per_step(self.world_size), wall_s=wall_s,
+            samples=state.samples, wall_s=wall_s,
             train_wall_s=wall_s - state.eval_s, compute_s=mean[0], communication_s=mean[1],
             exposed_communication_s=mean[4],
             # inside the steps only: the start-up broadcast and evaluation sums are not per-step traffic

@@ -91,7 +91,7 @@ def shared_state(state: TrainState, replica: Replica, config: TrainConfig, metri
     """Rank 0's part of a checkpoint taken after ``state.step`` optimizer steps, ``elapsed_s`` wall seconds in.
 
     ``metrics``: :meth:`MetricsLog.position` (a few bytes whatever the run's length)."""
-    shared = {"format": STATE_FORMAT, "config": config_fields(config), "step": state.step,
+    shared = {"format": STATE_FORMAT, "config": config_fields(config), "step": state.step, "samples": state.samples,
               "epoch": state.epoch, "steps_in_epoch": state.steps_in_epoch,
               "samples_in_epoch": state.samples_in_epoch, "order_start": state.order_start,
               "scheduler": replica.scheduler.state_dict(), "staleness": list(state.staleness.histogram),
@@ -127,7 +127,7 @@ def state_from(shared: dict, own: dict, bytes_counted: tuple[int, int] = (0, 0))
     epoch_loss = own["epoch_loss"]
     staleness = StalenessStats()
     staleness.histogram = [int(n) for n in shared["staleness"]]
-    return TrainState(step=int(shared["step"]), epoch=int(shared["epoch"]),
+    return TrainState(step=int(shared["step"]), samples=int(shared.get("samples", 0)), epoch=int(shared["epoch"]),
                       steps_in_epoch=int(shared["steps_in_epoch"]),
                       samples_in_epoch=int(shared.get("samples_in_epoch", 0)),
                       order_start=int(shared.get("order_start", 0)), epoch_loss_sum=float(epoch_loss[0]),
@@ -188,6 +188,8 @@ def load_latest(root, config: TrainConfig, replica: Replica, metrics_file=None) 
     stats = replica.model.comm.stats
     state = state_from(shared, own, (stats.bytes_sent, stats.bytes_received))
     state.samples_in_epoch, state.order_start = data_position(shared, config, found.world_size, world_size)
+    if "samples" not in shared:  # written before the run's samples were counted: one global batch per step
+        state.samples = state.step * config.samples_per_step(found.world_size)
     set_rng_state(own["rng"])
     return state, _metrics_text(shared, metrics_file) if metrics_file is not None else None, found
 

@@ -36,6 +36,7 @@ class TrainState:
     """
 
     step: int = 0                   # optimizer steps done in the whole run
+    samples: int = 0                # samples those steps took, all ranks (the global batch may change on resume)
     epoch: int = 0
     steps_in_epoch: int = 0
     samples_in_epoch: int = 0
