@@ -11,13 +11,13 @@ from gradsync.parallel import bucketing, debug_checks, debug_findings, exact_sum
 from gradsync.sim import engine as sim_engine
 from gradsync.sim import topology as sim_topology
 from gradsync.sim import virtual as sim_virtual
-from gradsync.train import global_batch
+from gradsync.train import global_batch, position
 from gradsync.transport import locality, sub, thread
 
 
 @pytest.mark.parametrize("module", [gradsync, auto, bench_allreduce, chunking, communicator, bucketing, debug_checks,
                                     debug_findings, exact_sum, global_batch, local_sgd, micro_shards, staleness,
-                                    locality, sub, thread, sim_engine, sim_topology, sim_virtual],
+                                    position, locality, sub, thread, sim_engine, sim_topology, sim_virtual],
                          ids=lambda m: m.__name__)
 def test_doctests_pass(module):
     """Every >>> example in the module gives the output it shows."""

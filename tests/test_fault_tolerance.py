@@ -285,20 +285,40 @@ def test_checkpoint_size_does_not_grow_with_the_step(baseline):
 
 
 @pytest.mark.timeout(60)
-def test_checkpoint_of_another_world_size_is_refused_before_any_worker(baseline, env, tmp_path, capsys, monkeypatch):
-    """Checkpoints written by 2 workers, resumed with --nproc 3: one line naming both sizes, exit 2, nothing trained."""
+def test_checkpoint_of_another_world_size_and_lr_is_refused_naming_the_lr_only(baseline, env, tmp_path, capsys,
+                                                                               monkeypatch):
+    """Checkpoints written by 2 workers, resumed with --nproc 3 and another --lr: one line naming the lr (another
+    world size alone resumes, see test_resume_world_size), exit 2, nothing trained."""
     checkpoints = tmp_path / "checkpoints"
     shutil.copytree(baseline.out / "checkpoints", checkpoints)
     before = {p.relative_to(checkpoints): p.read_bytes() for p in checkpoints.rglob("*") if p.is_file()}
     monkeypatch.setenv("GRADSYNC_DATA_DIR", env["GRADSYNC_DATA_DIR"])
     out = tmp_path / "run"
     result = _main(["train", *_train_args(3, "--checkpoint-every", str(CHECKPOINT_EVERY), "--checkpoint-dir",
-                                          str(checkpoints), "--max-restarts", "1"), "--out", str(out)], capsys)
+                                          str(checkpoints), "--max-restarts", "1", "--lr", "0.02"), "--out", str(out)],
+                   capsys)
     assert result.returncode == 2, result.stderr
-    _assert_one_line_error(result, "written by 2 workers", "this job has 3", "--nproc 2")
+    _assert_one_line_error(result, "belongs to another job", "--lr 0.01 there, 0.02 here")
+    assert "workers" not in result.stderr
     assert not out.exists(), "nothing may be trained or written"
     after = {p.relative_to(checkpoints): p.read_bytes() for p in checkpoints.rglob("*") if p.is_file()}
     assert after == before, "the checkpoints must be left as they were"
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S)
+def test_checkpoint_of_2_workers_resumes_with_3_and_says_so_first(baseline, env, tmp_path):
+    """Step 40 of 2 workers (sample 960 of epoch 1) resumed with --nproc 3: the first line names the change,
+    and the 640 samples left make 6 steps of 96; every step is logged once."""
+    checkpoints = tmp_path / "checkpoints"
+    shutil.copytree(baseline.out / "checkpoints", checkpoints)
+    shutil.rmtree(checkpoints / "step-000000050")
+    job = _Job(tmp_path, _train_args(3, *CHECKPOINTS, "--checkpoint-dir", str(checkpoints)), env)
+    first = job.succeeded().stderr.splitlines()[0]
+    assert first.startswith(f"gradsync: attempt 1: resuming from {checkpoints / 'step-000000040'} (step 40 of 46) "
+                            "written by 2 workers, now 3: data position kept (sample 960 of 1600 in epoch 1, "
+                            "6 steps left in it); global batch now 96 samples, was 64"), first
+    steps, epochs = _records(job.out)
+    assert [r["step"] for r in steps] == list(range(1, 47)) and [r["epoch"] for r in epochs] == [0, 1]
 
 
 # ---------------------------------------------------------------- a killed worker

@@ -122,7 +122,7 @@ def check_checkpoint_dir(folder: str | Path) -> Path:
 
 
 def check_resumable(config: TrainConfig, world_size: int) -> None:
-    """Refuse, before any worker starts, a checkpoint folder holding another job's or another world size's."""
+    """Refuse, before any worker starts, a checkpoint folder holding another job's (another world size is fine)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", checkpoint.CheckpointWarning)  # rank 0 reports them when it resumes
         found = checkpoint.latest(config.checkpoint_dir)

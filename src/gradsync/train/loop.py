@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import BatchSampler, DistributedSampler
 from tqdm import tqdm
 
 import gradsync
@@ -38,9 +37,11 @@ from gradsync.parallel.timeline import Timeline, trace_events, write_trace
 from gradsync.train import resume
 from gradsync.train.config import TrainConfig, validate_against_data
 from gradsync.train.data import load
-from gradsync.train.global_batch import global_batches, split_contiguous, worker_micro_batches
+from gradsync.train.global_batch import epoch_permutation, global_batches, split_contiguous, worker_micro_batches
 from gradsync.train.meter import StepMeter
 from gradsync.train.metrics import METRICS_FILE, MODEL_FILE, MetricsLog
+from gradsync.train.position import EpochOrder, order_steps, rank_steps, steps_taken
+from gradsync.train.reshard import world_change
 from gradsync.train.setup import (build_replica, make_optimizer, make_scheduler, seed_everything, set_threads,
                                   straggle, straggler_factor)
 from gradsync.train.summary import RunTotals, build_summary
@@ -65,14 +66,13 @@ class Trainer:
         self.model.timeline = self.timeline
         self.meter = StepMeter(self.model, self.timeline, comm_outside=self.local_sgd)
         self.optimizer = make_optimizer(self.model.parameters(), config)
-        self.sampler = self.batches = None
-        if config.global_batch_size is None:
-            self.sampler = DistributedSampler(self.data.train_dataset(), num_replicas=self.world_size,
-                                              rank=self.rank, shuffle=True, seed=config.seed)
-            self.batches = BatchSampler(self.sampler, config.batch_size, drop_last=True)
-            self.steps_per_epoch = len(self.batches) // config.accumulate
+        self.num_train = len(self.data.y_train)
+        self.samples_per_step = config.samples_per_step(self.world_size)
+        if config.global_batch_size is None:  # DistributedSampler's order (position.py), batches dropped at the end
+            self.steps_per_epoch = order_steps(self.num_train, EpochOrder(), self.world_size, config.batch_size,
+                                               config.accumulate)
         else:
-            self.steps_per_epoch = len(self.data.y_train) // config.global_batch_size
+            self.steps_per_epoch = self.num_train // config.global_batch_size
         self.scheduler = make_scheduler(self.optimizer, config, self.steps_per_epoch * config.epochs)
         self.replica = resume.Replica(self.model, self.optimizer, self.scheduler, self.local_sgd)
         self.events = EventLog(self.out_dir)
@@ -82,9 +82,39 @@ class Trainer:
         self.checkpoint_root = Path(config.checkpoint_dir) if config.checkpointing() else None
         self.state, metrics_text, self.resumed_from = resume.load_latest(
             self.checkpoint_root, config, self.replica, self.out_dir / METRICS_FILE if self.is_main else None)
+        self.world_change = self._resharded()
         self.started = time.perf_counter()
         # a resumed log holds the checkpoint's records only: no step twice
         self.log = MetricsLog(self.out_dir / METRICS_FILE, resumed_text=metrics_text) if self.is_main else None
+
+    def _resharded(self) -> dict | None:
+        """After a resume at another world size: the cosine schedule ends at the new last step; returns
+        :func:`~gradsync.train.reshard.world_change` (None when the world size is the checkpoint's)."""
+        if self.resumed_from is None or self.resumed_from.world_size == self.world_size:
+            return None
+        resume.stretch_schedule(self.scheduler, self.total_steps())
+        state = self.state
+        left = 0 if state.epoch >= self.config.epochs else self.epoch_steps() - state.steps_in_epoch
+        return world_change(self.resumed_from.world_size, self.world_size, self.config, state.samples_in_epoch,
+                            state.epoch, self.num_train, left)
+
+    def epoch_steps(self) -> int:
+        """Optimizer steps of the epoch in progress: ``steps_per_epoch``, unless it continues at another
+        world size (the steps done before, and the rest of the samples at this one)."""
+        if self.config.global_batch_size is not None or self.state.order_start == 0:
+            return self.steps_per_epoch
+        order = EpochOrder(self.state.order_start)
+        before = self.state.steps_in_epoch - steps_taken(self.state.samples_in_epoch, order, self.samples_per_step)
+        return before + order_steps(self.num_train, order, self.world_size, self.config.batch_size,
+                                    self.config.accumulate)
+
+    def total_steps(self) -> int:
+        """Optimizer steps of the whole run (more or fewer than planned after a resume at another world size)."""
+        state = self.state
+        if state.epoch >= self.config.epochs:
+            return state.step
+        return (state.step - state.steps_in_epoch + self.epoch_steps()
+                + (self.config.epochs - state.epoch - 1) * self.steps_per_epoch)
 
     def elapsed_s(self) -> float:
         """Wall seconds of training so far, attempts before a resume included (their lost work not)."""
@@ -92,11 +122,12 @@ class Trainer:
 
     def run(self) -> dict | None:
         """Train for ``config.epochs`` epochs; rank 0 returns the summary, others None."""
-        total = self.steps_per_epoch * self.config.epochs
+        total = self.total_steps()
         bar = tqdm(total=total, initial=self.state.step, desc="train", unit="step",
                    disable=not (self.is_main and self.config.progress), dynamic_ncols=True)
         if self.is_main:
-            resume.announce(self.state, total, self.resumed_from and self.resumed_from.folder, self.events)
+            resume.announce(self.state, total, self.resumed_from and self.resumed_from.folder, self.events,
+                            self.world_change)
         while self.state.epoch < self.config.epochs:
             self._train_epoch(bar)
             self._end_epoch(bar)
@@ -123,24 +154,25 @@ class Trainer:
                 else:
                     yield worker_micro_batches(batch, self.world_size, self.rank, self.config.accumulate)
             return
-        group = []
-        for indices in self.batches:
-            group.append(indices)
-            if len(group) == self.config.accumulate:
-                yield group
-                group = []
+        permutation = epoch_permutation(self.num_train, self.config.seed, self.state.epoch)
+        yield from rank_steps(permutation, EpochOrder(self.state.order_start), self.world_size, self.rank,
+                              self.config.batch_size, self.config.accumulate)
 
     def _train_epoch(self, bar) -> None:
-        """Run the epoch's optimizer steps after the ``state.steps_in_epoch`` done before a resume."""
-        if self.sampler is not None:
-            self.sampler.set_epoch(self.state.epoch)
+        """Run the epoch's optimizer steps after those done before a resume (``state``'s data position)."""
         self.model.train()
-        done_before = self.state.steps_in_epoch
+        if self.config.global_batch_size is not None:
+            done_before = self.state.steps_in_epoch
+        else:
+            done_before = steps_taken(self.state.samples_in_epoch, EpochOrder(self.state.order_start),
+                                      self.samples_per_step)
         for number, micro_batches in enumerate(self._micro_batch_groups(), start=1):
             if number <= done_before:
                 continue
             self.state.add_step_loss(self._step(micro_batches))
-            self.state.steps_in_epoch = number
+            self.state.steps_in_epoch += 1
+            self.state.samples_in_epoch += self.samples_per_step
+            self.state.samples += self.samples_per_step
             bar.update(1)
             if self._checkpoint_due():
                 self._save_checkpoint()
@@ -246,7 +278,7 @@ class Trainer:
     # -- checkpoints -----------------------------------------------------------------------------
 
     def _checkpoint_due(self) -> bool:
-        last = self.state.epoch == self.config.epochs - 1 and self.state.steps_in_epoch == self.steps_per_epoch
+        last = self.state.epoch == self.config.epochs - 1 and self.state.steps_in_epoch == self.epoch_steps()
         # the last step's checkpoint is written after the last evaluation
         return (self.checkpoint_root is not None and self.state.step % self.config.checkpoint_every == 0
                 and not last)
@@ -320,7 +352,7 @@ class Trainer:
         mean = per_rank.mean(0).tolist()
         totals = RunTotals(
             world_size=self.world_size, num_workers=self.world_size, steps=state.step,
-            samples=state.step * self.config.samples_per_step(self.world_size), wall_s=wall_s,
+            samples=state.samples, wall_s=wall_s,
             train_wall_s=wall_s - state.eval_s, compute_s=mean[0], communication_s=mean[1],
             exposed_communication_s=mean[4],
             # inside the steps only: the start-up broadcast and evaluation sums are not per-step traffic

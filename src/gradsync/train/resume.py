@@ -10,6 +10,11 @@ states (torch, numpy, python), compressor state (error feedback), this
 rank's time and byte counters, and in local-SGD mode its own model and
 optimizer (replicas differ between averages).
 
+A checkpoint resumes at any world size: the same one continues bitwise as
+if nothing happened; another one continues from the same sample of the
+epoch, with the per-rank state re-sharded (:mod:`~gradsync.train.reshard`),
+and the first line of the resumed run says so.
+
 Everything is tensors, numbers, strings, lists and dicts, so files load
 with ``torch.load(weights_only=True)``.
 """
@@ -17,11 +22,9 @@ with ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import os
-import random
 import warnings
 from dataclasses import asdict, dataclass
 
-import numpy as np
 import torch
 
 import gradsync
@@ -31,6 +34,9 @@ from gradsync.parallel.staleness import StalenessStats
 from gradsync.train.config import TrainConfig
 from gradsync.train.meter import StepTimes
 from gradsync.train.metrics import resumed_text
+from gradsync.train.position import EpochOrder, reorder
+from gradsync.train.reshard import reshard_rank_states
+from gradsync.train.rng import rng_state, set_rng_state
 from gradsync.train.state import TrainState
 
 # Options that define the training trajectory: a checkpoint only resumes a job that agrees on all of them.
@@ -51,7 +57,12 @@ def config_fields(config: TrainConfig) -> dict:
 
 def check_compatible(saved: dict, config: TrainConfig, world_size: int, saved_world_size: int,
                      folder) -> None:
-    """Raise ValueError naming every option that differs from the checkpoint's job, or a changed world size."""
+    """Raise ValueError naming every option that differs from the checkpoint's job.
+
+    Another world size is no difference: the run continues from the same
+    sample with its per-rank state re-sharded (``world_size`` and
+    ``saved_world_size`` are kept in the signature for callers).
+    """
     defaults = config_fields(TrainConfig())
     saved = {**{name: defaults[name] for name in _LATER_FIELDS}, **saved}
     differences = [f"--{name.replace('_', '-')} {saved.get(name)!r} there, {value!r} here"
@@ -59,31 +70,6 @@ def check_compatible(saved: dict, config: TrainConfig, world_size: int, saved_wo
     if differences:
         raise ValueError(f"checkpoint {folder} belongs to another job: " + "; ".join(differences)
                          + ". Use the same options, or another --checkpoint-dir")
-    if saved_world_size != world_size:
-        raise ValueError(f"checkpoint {folder} was written by {saved_world_size} workers; this job has "
-                         f"{world_size}. gradsync resumes only at the same world size (the global batch, "
-                         f"the data shards and the per-rank compressor state depend on it): resume with "
-                         f"--nproc {saved_world_size}, or start afresh with another --checkpoint-dir")
-
-
-def rng_state() -> dict:
-    """torch, numpy and python RNG states as tensors and numbers."""
-    kind, keys, position, has_gauss, cached_gauss = np.random.get_state()
-    version, python_state, gauss_next = random.getstate()
-    return {"torch": torch.get_rng_state(),
-            "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(position),
-                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gauss)},
-            "python": {"version": version, "state": torch.tensor(python_state, dtype=torch.int64),
-                       "gauss_next": gauss_next}}
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
-                         n["cached_gaussian"]))
-    p = state["python"]
-    random.setstate((p["version"], tuple(p["state"].tolist()), p["gauss_next"]))
 
 
 @dataclass
@@ -105,8 +91,9 @@ def shared_state(state: TrainState, replica: Replica, config: TrainConfig, metri
     """Rank 0's part of a checkpoint taken after ``state.step`` optimizer steps, ``elapsed_s`` wall seconds in.
 
     ``metrics``: :meth:`MetricsLog.position` (a few bytes whatever the run's length)."""
-    shared = {"format": STATE_FORMAT, "config": config_fields(config), "step": state.step,
+    shared = {"format": STATE_FORMAT, "config": config_fields(config), "step": state.step, "samples": state.samples,
               "epoch": state.epoch, "steps_in_epoch": state.steps_in_epoch,
+              "samples_in_epoch": state.samples_in_epoch, "order_start": state.order_start,
               "scheduler": replica.scheduler.state_dict(), "staleness": list(state.staleness.histogram),
               "metrics": metrics, "epoch_records": list(state.epoch_records), "elapsed_s": elapsed_s,
               "eval_s": state.eval_s}
@@ -140,8 +127,10 @@ def state_from(shared: dict, own: dict, bytes_counted: tuple[int, int] = (0, 0))
     epoch_loss = own["epoch_loss"]
     staleness = StalenessStats()
     staleness.histogram = [int(n) for n in shared["staleness"]]
-    return TrainState(step=int(shared["step"]), epoch=int(shared["epoch"]),
-                      steps_in_epoch=int(shared["steps_in_epoch"]), epoch_loss_sum=float(epoch_loss[0]),
+    return TrainState(step=int(shared["step"]), samples=int(shared.get("samples", 0)), epoch=int(shared["epoch"]),
+                      steps_in_epoch=int(shared["steps_in_epoch"]),
+                      samples_in_epoch=int(shared.get("samples_in_epoch", 0)),
+                      order_start=int(shared.get("order_start", 0)), epoch_loss_sum=float(epoch_loss[0]),
                       epoch_loss_steps=int(epoch_loss[1]),
                       times=StepTimes(**{name: float(value) for name, value in own["times"].items()}),
                       staleness=staleness, step_bytes_sent=int(own["step_bytes_sent"]),
@@ -194,12 +183,46 @@ def load_latest(root, config: TrainConfig, replica: Replica, metrics_file=None) 
     found = found or checkpoint.verify(checkpoint.step_dir(root, int(chosen)))
     shared = found.load_shared()
     check_compatible(shared["config"], config, world_size, found.world_size, found.folder)
-    own = found.load_rank(rank)
+    own = rank_state_at(found, rank, world_size, config)
     restore_replica(replica, shared, own)
     stats = replica.model.comm.stats
     state = state_from(shared, own, (stats.bytes_sent, stats.bytes_received))
+    state.samples_in_epoch, state.order_start = data_position(shared, config, found.world_size, world_size)
+    if "samples" not in shared:  # written before the run's samples were counted: one global batch per step
+        state.samples = state.step * config.samples_per_step(found.world_size)
     set_rng_state(own["rng"])
     return state, _metrics_text(shared, metrics_file) if metrics_file is not None else None, found
+
+
+def rank_state_at(found: checkpoint.Checkpoint, rank: int, world_size: int, config: TrainConfig) -> dict:
+    """New rank ``rank``'s state: its own file at the checkpoint's world size, else every old rank's
+    re-sharded (:func:`~gradsync.train.reshard.reshard_rank_states`)."""
+    if found.world_size == world_size:
+        return found.load_rank(rank)
+    states = [found.load_rank(old) for old in range(found.world_size)]
+    return reshard_rank_states(states, world_size, config.seed, config.deterministic)[rank]
+
+
+def data_position(shared: dict, config: TrainConfig, saved_world_size: int, world_size: int) -> tuple[int, int]:
+    """``(samples_in_epoch, order_start)`` to continue from at ``world_size`` (see :mod:`~gradsync.train.position`).
+
+    A checkpoint from before the sample position was saved has done ``steps_in_epoch`` steps of
+    its world size's global batch. Another world size starts a new order at the sample position.
+    """
+    steps = int(shared["steps_in_epoch"])
+    samples = int(shared.get("samples_in_epoch", steps * config.samples_per_step(saved_world_size)))
+    start = int(shared.get("order_start", 0))
+    return samples, reorder(EpochOrder(start), samples, saved_world_size, world_size).start
+
+
+def stretch_schedule(scheduler, total_steps: int) -> None:
+    """A cosine schedule restored at another world size ends at the run's new ``total_steps`` instead.
+
+    Its recursive form continues from the current lr, so the lr does not jump at the resume and
+    reaches 0 at the new end; a constant schedule is left alone.
+    """
+    if hasattr(scheduler, "T_max"):
+        scheduler.T_max = max(int(total_steps), 1)
 
 
 def _metrics_text(shared: dict, metrics_file) -> str:
@@ -234,16 +257,18 @@ def say(line: str) -> None:
     os.write(2, f"gradsync: {line}\n".encode())
 
 
-def announce(state: TrainState, total_steps: int, folder, events) -> None:
+def announce(state: TrainState, total_steps: int, folder, events, change: dict | None = None) -> None:
     """Rank 0 says where this attempt starts (stderr and ``events``); silent on a fresh first attempt.
 
-    ``folder``: the checkpoint resumed from, or None.
+    ``folder``: the checkpoint resumed from, or None. ``change``: :func:`~gradsync.train.reshard.world_change`
+    when it was written at another world size (its ``line`` ends the announcement).
     """
     if folder is not None:
-        say(f"attempt {attempt() + 1}: resuming from {folder} (step {state.step} of {total_steps})")
+        line = f"attempt {attempt() + 1}: resuming from {folder} (step {state.step} of {total_steps})"
+        say(line + (f" {change['line']}" if change else ""))
     elif attempt() > 0:
         say(f"attempt {attempt() + 1}: no checkpoint yet; starting again from step 0 of {total_steps}")
     else:
         return
     events.write({"event": "resumed", "from_step": state.step, "attempt": attempt(),
-                  "checkpoint": str(folder) if folder is not None else None})
+                  "checkpoint": str(folder) if folder is not None else None, **(change or {})})

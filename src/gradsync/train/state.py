@@ -25,15 +25,22 @@ def _histogram_equal(a: StalenessStats, b: StalenessStats) -> bool:
 class TrainState:
     """Progress, counters and records of one worker's run (times in seconds, bytes in bytes).
 
-    Data position: ``epoch`` is the epoch in progress and ``steps_in_epoch``
-    the optimizer steps done in it; ``epoch_loss_sum`` / ``epoch_loss_steps``
-    are this rank's running loss over those steps (all-reduced at the
-    epoch's end).
+    Data position: ``epoch`` is the epoch in progress, ``steps_in_epoch``
+    the optimizer steps done in it and ``samples_in_epoch`` the samples all
+    ranks consumed in them (an offset into the epoch's permutation, the same
+    at every world size); ``order_start`` is the sample the epoch's order at
+    this world size starts from (0, or where a resume at another world size
+    continued, :mod:`~gradsync.train.position`). ``epoch_loss_sum`` /
+    ``epoch_loss_steps`` are this rank's running loss over those steps
+    (all-reduced at the epoch's end).
     """
 
     step: int = 0                   # optimizer steps done in the whole run
+    samples: int = 0                # samples those steps took, all ranks (the global batch may change on resume)
     epoch: int = 0
     steps_in_epoch: int = 0
+    samples_in_epoch: int = 0
+    order_start: int = 0
     epoch_loss_sum: float = 0.0
     epoch_loss_steps: int = 0
     times: StepTimes = field(default_factory=StepTimes)
@@ -59,7 +66,7 @@ class TrainState:
 
     def next_epoch(self) -> None:
         self.epoch += 1
-        self.steps_in_epoch = 0
+        self.steps_in_epoch = self.samples_in_epoch = self.order_start = 0
         self.epoch_loss_sum, self.epoch_loss_steps = 0.0, 0
 
     def __eq__(self, other) -> bool:
