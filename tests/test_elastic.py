@@ -253,3 +253,29 @@ def test_a_death_inside_a_bucket_allreduce_then_a_joiner_grows_the_world_to_max_
 ])
 def test_bad_elastic_options_are_one_line_errors(args, message, capsys):
     _assert_one_line_error(_main(["train", *args], capsys), message)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_a_whole_job_failure_resumes_from_the_checkpoint_at_another_world_size(tmp_path, reference):
+    from gradsync.train.elastic_job import ElasticJob
+
+    ref_run, ref_summary = reference
+    checkpoints = tmp_path / "checkpoints"
+    first = _config(tmp_path, "first", 3, epochs=2, checkpoint_dir=str(checkpoints), checkpoint_every=10)
+    Path(first.out).mkdir()
+    job = ElasticJob(first, data.prepare(None, NUM_SAMPLES), Path(first.out))
+    try:
+        deadline = time.monotonic() + 60
+        while not list((checkpoints / "elastic").glob("step-*.pt")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        job.close()  # every worker and the quorum service killed: the whole job is gone
+    saved = sorted((checkpoints / "elastic").glob("step-*.pt"))
+    assert saved, "no checkpoint was written"
+    second = _config(tmp_path, "second", 2, epochs=2, checkpoint_dir=str(checkpoints), checkpoint_every=10)
+    summary = run_job(second)
+    resumed = [e for e in read_events(Path(second.out)) if e["event"] == "resumed"]
+    assert len(resumed) == 1 and "written by 3 workers, now 2" in resumed[0]["line"]  # what it printed first
+    assert summary["steps"] == ref_summary["steps"]
+    assert _bitwise_equal(_model(Path(second.out)), _model(ref_run))

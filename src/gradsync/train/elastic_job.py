@@ -125,6 +125,10 @@ def make_launcher(slot: int, config: TrainConfig, data_path: Path, out_dir: Path
 
 def run_elastic(config: TrainConfig, data_path: Path, out_dir: Path) -> dict:
     """The whole elastic job on this machine; returns the summary (written by the last rank 0)."""
+    if config.checkpoint_dir:
+        from gradsync.train.elastic_checkpoint import check_resumable
+
+        check_resumable(config)
     job = ElasticJob(config, data_path, out_dir)
     try:
         return job.wait()

@@ -45,7 +45,9 @@ from gradsync.fault.injection import FaultPlan
 from gradsync.train.elastic_faults import ElasticFault
 from gradsync.train.config import TrainConfig
 from gradsync.train.data import load
+from gradsync.train import elastic_checkpoint
 from gradsync.train.elastic_samples import SAMPLES_FOLDER
+from gradsync.train.resume import say
 from gradsync.train.global_batch import global_batches, split_contiguous
 from gradsync.train.metrics import METRICS_FILE, MODEL_FILE, MetricsLog
 from gradsync.train.models import build_model
@@ -87,11 +89,17 @@ class ElasticTrainer:
         self.samples_path.parent.mkdir(exist_ok=True)
         self._permutation = (None, None)
         self.log = None
+        self.resume_from = elastic_checkpoint.latest(config)  # (path, state) offered when this worker joins
+        if self.resume_from is not None:  # the global batch the run was configured with, whatever --nproc
+            self.global_batch = int(self.resume_from[1]["global_batch"])
+            self.steps_per_epoch = len(self.data.y_train) // self.global_batch
+            self.total_steps = self.steps_per_epoch * config.epochs
 
     # -- memberships -----------------------------------------------------------------------------
 
     def run(self) -> dict | None:
-        self.member.join(step=-1)
+        offered = self.resume_from[1]["progress"]["step"] if self.resume_from is not None else -1
+        self.member.join(step=offered)
         while True:
             try:
                 membership = self.member.enter()
@@ -133,6 +141,18 @@ class ElasticTrainer:
                                "members": [m["slot"] for m in membership.members]})
 
     def _snapshot(self) -> dict:
+        if self.model is None and self.resume_from is not None:  # a whole-job failure: the newest checkpoint
+            path, state = self.resume_from
+            line = (f"elastic run resuming from step {state['progress']['step']} of {path}, written by "
+                    f"{state['world_size']} workers, now {gradsync.world_size()}: the same global batch of "
+                    f"{self.global_batch} samples and data position (epoch {state['progress']['epoch']}, step "
+                    f"{state['progress']['steps_in_epoch']} of it); per-rank RNG streams and error-feedback "
+                    f"residuals start fresh")
+            say(line)
+            self.events.write({"event": "resumed", "from_step": state["progress"]["step"], "checkpoint": str(path),
+                               "world_size_from": state["world_size"], "world_size_to": gradsync.world_size(),
+                               "line": line})
+            return {name: state[name] for name in ("model", "optimizer", "scheduler", "progress")}
         if self.model is None:  # the first membership: everyone builds the same seeded model
             torch.manual_seed(self.config.seed)
             module = build_model(self.config.model)
@@ -244,6 +264,9 @@ class ElasticTrainer:
         compression = getattr(self.model, "compression", None)
         if compression is not None:
             self.compression_state = _clone(compression.state_dict())
+        if self.log is not None and self.config.checkpoint_dir and progress["step"] % self.config.checkpoint_every == 0:
+            state = {**self._snapshot(), "global_batch": self.global_batch}
+            elastic_checkpoint.save(self.config, state, gradsync.world_size())
         if self.log is not None:
             self.log.write({"kind": "step", "epoch": progress["epoch"], "step": progress["step"], "loss": loss,
                             "lr": lr, "world_size": gradsync.world_size(), "step_s": seconds,

@@ -1,0 +1,72 @@
+"""Checkpoints of an elastic run: rank 0's replicated state, resumable at any world size.
+
+An elastic run's state does not depend on its world size: the model,
+optimizer and schedule are the same on every member, and the data position
+is a step of the epoch's global batches. Rank 0 writes it every
+``--checkpoint-every`` steps to ``<checkpoint dir>/elastic/step-<N>.pt``
+(atomically, the newest ``--keep-checkpoints`` kept). When the whole job
+fails, a new ``gradsync train --elastic`` with the same options and any
+``--nproc`` offers the newest one when its workers join: the quorum makes the
+worker holding it rank 0 of the first membership, and every member takes it
+from there. What is per rank (RNG streams, error-feedback residuals) starts
+fresh, since no rank's own is in it.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import torch
+
+from gradsync.fault.checkpoint import write_atomic
+from gradsync.train import resume
+from gradsync.train.config import TrainConfig
+
+FOLDER = "elastic"
+
+
+def folder(config: TrainConfig) -> Path | None:
+    return Path(config.checkpoint_dir) / FOLDER if config.checkpoint_dir else None
+
+
+def save(config: TrainConfig, state: dict, world_size: int) -> Path:
+    """Write ``state`` (model, optimizer, scheduler, progress) after ``state["progress"]["step"]`` steps."""
+    root = folder(config)
+    root.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    torch.save({**state, "config": resume.config_fields(config), "world_size": world_size}, buffer)
+    path = root / f"step-{state['progress']['step']:08d}.pt"
+    write_atomic(path, buffer.getvalue())
+    for old in sorted(root.glob("step-*.pt"))[:-max(config.keep_checkpoints, 1)]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def latest(config: TrainConfig) -> tuple[Path, dict] | None:
+    """The newest readable checkpoint and its state, or None (an unreadable one is skipped)."""
+    root = folder(config)
+    if root is None or not root.is_dir():
+        return None
+    for path in sorted(root.glob("step-*.pt"), reverse=True):
+        try:
+            return path, torch.load(path, weights_only=True)
+        except Exception:  # noqa: BLE001 - a torn or corrupt file: try the one before
+            continue
+    return None
+
+
+def check_resumable(config: TrainConfig) -> None:
+    """Refuse, before any worker starts, a checkpoint of another job (another model, lr, seed ...).
+
+    Raises:
+        ValueError: naming every option that differs.
+    """
+    found = latest(config)
+    if found is not None:
+        path, state = found
+        saved = dict(state["config"])
+        here = resume.config_fields(config)
+        for name in ("batch_size", "accumulate"):  # the global batch is the checkpoint's, whatever --nproc
+            saved[name] = here[name]
+        resume.check_compatible(saved, config, 0, state["world_size"], path)
