@@ -279,3 +279,22 @@ def test_a_whole_job_failure_resumes_from_the_checkpoint_at_another_world_size(t
     assert len(resumed) == 1 and "written by 3 workers, now 2" in resumed[0]["line"]  # what it printed first
     assert summary["steps"] == ref_summary["steps"]
     assert _bitwise_equal(_model(Path(second.out)), _model(ref_run))
+
+
+def test_samples_of_a_member_killed_after_its_step_count_when_a_peer_committed_it(tmp_path):
+    """Counting: ids computed in membership m count iff some member committed that step in m."""
+    folder = tmp_path / "elastic"
+    folder.mkdir()
+    batches = [batch.tolist() for batch in __import__("gradsync.train.global_batch", fromlist=["x"])
+               .global_batches(8, 4, 0, 0)]
+    lines = {"samples-0.0.jsonl": [{"m": 1, "step": 0, "epoch": 0, "ids": batches[0][:2]}, {"m": 1, "commit": 0},
+                                   {"m": 1, "step": 1, "epoch": 0, "ids": batches[1][:2]},  # aborted: redone in m 2
+                                   {"m": 2, "step": 1, "epoch": 0, "ids": batches[1]}, {"m": 2, "commit": 1}],
+             "samples-1.0.jsonl": [{"m": 1, "step": 0, "epoch": 0, "ids": batches[0][2:]}]}  # killed before its commit
+    for name, records in lines.items():
+        (folder / name).write_text("".join(json.dumps(r) + "\n" for r in records) + '{"m": 1, "st')  # torn last line
+    counts = count_samples(tmp_path, 8, 4, 0, steps_done=2)
+    assert counts == {"samples_used": 8, "samples_lost": 0, "samples_duplicated": 0, "steps": 2}
+    (folder / "samples-1.0.jsonl").write_text(json.dumps({"m": 1, "step": 0, "epoch": 0, "ids": batches[0][:1]}))
+    counts = count_samples(tmp_path, 8, 4, 0, steps_done=2)
+    assert (counts["samples_lost"], counts["samples_duplicated"]) == (2, 1)

@@ -56,6 +56,15 @@ def _add_faults_bench_options(parser: argparse.ArgumentParser) -> None:
     add("--num-samples", type=int, default=None, help="MNIST-1D samples (default: the main job's)")
     add("--out", default=None, help="folder for the run folders (default: a new temporary folder)")
     add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
+    add("--elastic", action="store_true", help="gradsync train --elastic instead of restarts: a kill and a hang "
+        "(shrink, then grow back), a chaos run killing a random worker every --kill-every s, and torchft's "
+        "fault-tolerant DDP on the same chaos schedule")
+    add("--chaos-s", type=float, default=150.0, help="--elastic: length of the chaos run, seconds "
+        "(default %(default)s)")
+    add("--kill-every", type=float, default=15.0, help="--elastic: seconds between kills in the chaos run "
+        "(default %(default)s)")
+    add("--seed", type=int, default=0, help="--elastic: seed of the chaos schedule (default %(default)s)")
+    add("--no-torchft", dest="torchft", action="store_false", help="--elastic: skip torchft's row")
 
 
 def _add_modes_bench_options(parser: argparse.ArgumentParser) -> None:
@@ -198,6 +207,16 @@ def bench_modes(args: argparse.Namespace) -> int:
 def bench_faults(args: argparse.Namespace) -> int:
     from gradsync.bench.faults import run_bench
 
+    if args.elastic:
+        from gradsync.bench.faults_elastic import run_bench as run_elastic_bench
+
+        run_elastic_bench(nproc=args.nproc, epochs=args.epochs, timeout=args.timeout, fault_rank=args.fault_rank,
+                          fault_step=args.fault_step, num_samples=args.num_samples, chaos_s=args.chaos_s,
+                          kill_every_s=args.kill_every, seed=args.seed, torchft=args.torchft, out=args.out,
+                          json_path=args.json)
+        return 0
+    if args.chaos_s != 150.0 or args.kill_every != 15.0 or not args.torchft:
+        raise ValueError("--chaos-s, --kill-every and --no-torchft need --elastic")
     run_bench(nproc=args.nproc, epochs=args.epochs, checkpoint_every=args.checkpoint_every, timeout=args.timeout,
               fault_rank=args.fault_rank, fault_step=args.fault_step, num_samples=args.num_samples, out=args.out,
               json_path=args.json)

@@ -19,9 +19,9 @@ DataParallel's average over ranks is the mean over the global batch's
 samples, weighted by samples, not by rank. A step interrupted by a failure
 is redone by the next membership on the same global batch; a step that some
 member committed before the failure is not (the hand-over brings the others
-forward). Each member appends the sample ids of every step it contributed
-to and that was committed to ``elastic/samples-<slot>.<incarnation>.jsonl``
-in the run folder, so that samples lost or used twice can be counted.
+forward). Each member appends to ``elastic/samples-<slot>.<incarnation>.jsonl``
+the sample ids of each step it computes, and each step it commits, so that
+samples lost or used twice can be counted (:mod:`~gradsync.train.elastic_samples`).
 """
 
 from __future__ import annotations
@@ -79,7 +79,6 @@ class ElasticTrainer:
         self.progress = new_progress()
         self.model = self.module = self.optimizer = self.scheduler = None
         self.compression_state = None   # this rank's residuals as of its last committed step
-        self.pending = None             # (step, ids) of the step in flight on this rank
         self.events = EventLog(self.out_dir)
         self.faults = FaultPlan(member.slot, config.fault_rank_step("fail_at"), config.fault_rank_step("hang_at"),
                                 self.events)
@@ -130,15 +129,16 @@ class ElasticTrainer:
         started = time.perf_counter()
         fault = self.fault_in.broadcast_hook(membership)
         state = broadcast_state(self._snapshot() if membership.rank == 0 else None, before_payload=fault)
-        self._count_committed_pending(state["progress"]["step"])
         self.progress = state["progress"]
         self._build(state)
+        replicas_equal = _replicas_equal(self.module)  # checked after every recovery (collective)
         self.log = MetricsLog(self.out_dir / METRICS_FILE) if membership.rank == 0 else None
         if membership.rank == 0:
             self.events.write({"event": "resumed_training", "epoch": membership.epoch,
                                "world_size": membership.world_size, "step": self.progress["step"],
                                "reason": membership.reason, "handover_s": time.perf_counter() - started,
-                               "members": [m["slot"] for m in membership.members]})
+                               "members": [m["slot"] for m in membership.members],
+                               "joined": membership.record.get("joined", []), "replicas_equal": replicas_equal})
 
     def _snapshot(self) -> dict:
         if self.model is None and self.resume_from is not None:  # a whole-job failure: the newest checkpoint
@@ -184,12 +184,6 @@ class ElasticTrainer:
         self.model, self.module, self.optimizer, self.scheduler = model, module, optimizer, scheduler
         self.fault_in.arm_allreduce(module)
 
-    def _count_committed_pending(self, source_step: int) -> None:
-        """The step in flight here was committed by rank 0 before the failure: its samples were used."""
-        if self.pending is not None and self.pending[0] == source_step - 1:
-            self._record_samples(*self.pending)
-        self.pending = None
-
     # -- training --------------------------------------------------------------------------------
 
     def _train(self) -> None:
@@ -217,12 +211,14 @@ class ElasticTrainer:
             shards = split_contiguous(batch, self.config.micro_shards)
             mine = [shards[index] for index in self.model.local_shards()]
             ids = torch.cat(mine) if mine else batch[:0]
-            self.pending = (self.progress["step"], ids.tolist())
+            self._record({"m": self.member.membership.epoch, "step": self.progress["step"],
+                          "epoch": self.progress["epoch"], "ids": ids.tolist()})
             loss = self._deterministic_backward(mine)
         else:
             rank, world_size = gradsync.rank(), gradsync.world_size()
             share = split_contiguous(batch, world_size)[rank]
-            self.pending = (self.progress["step"], share.tolist())
+            self._record({"m": self.member.membership.epoch, "step": self.progress["step"],
+                          "epoch": self.progress["epoch"], "ids": share.tolist()})
             loss = self._backward(share, world_size)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -254,13 +250,11 @@ class ElasticTrainer:
 
     def _commit(self, loss: float, lr: float, seconds: float) -> None:
         progress = self.progress
-        step, ids = self.pending
-        self.pending = None
+        self._record({"m": self.member.membership.epoch, "commit": progress["step"]})
         progress["step"] += 1
         progress["steps_in_epoch"] += 1
         progress["loss_sum"] += loss
         progress["train_s"] += seconds
-        self._record_samples(step, ids)
         compression = getattr(self.model, "compression", None)
         if compression is not None:
             self.compression_state = _clone(compression.state_dict())
@@ -272,10 +266,12 @@ class ElasticTrainer:
                             "lr": lr, "world_size": gradsync.world_size(), "step_s": seconds,
                             "time": time.time()})
 
-    def _record_samples(self, step: int, ids: list[int]) -> None:
-        epoch = step // self.steps_per_epoch
+    def _record(self, record: dict) -> None:
+        """Append to this member's samples file: the ids it computes a step on (before the step's
+        collectives), then the step's commit (after): a member killed in between still counts, as long as
+        some member committed that step in that membership (its gradient was in every member's sum)."""
         with open(self.samples_path, "a", encoding="utf-8") as file:
-            file.write(json.dumps({"epoch": epoch, "step": step, "ids": ids}) + "\n")
+            file.write(json.dumps(record) + "\n")
 
     def _end_epoch(self) -> None:
         progress = self.progress

@@ -1,8 +1,9 @@
 """Count the samples an elastic run used, per sample id: none lost, none used twice within an epoch.
 
-Each member appends ``{"epoch", "step", "ids"}`` to its own
-``elastic/samples-<slot>.<incarnation>.jsonl`` for every committed step it
-contributed to (:mod:`~gradsync.train.elastic_loop`). The expected samples
+Each member appends to its own ``elastic/samples-<slot>.<incarnation>.jsonl``
+``{"m", "step", "epoch", "ids"}`` before it computes a step in membership
+``m`` and ``{"m", "commit"}`` once it committed it
+(:mod:`~gradsync.train.elastic_loop`). The expected samples
 of a step are its global batch of the epoch's permutation
 (:func:`~gradsync.train.global_batch.global_batches`), whatever the world
 size was.
@@ -20,15 +21,28 @@ SAMPLES_FOLDER = "elastic"
 
 
 def read_used(out_dir: str | Path) -> tuple[Counter, set[int]]:
-    """``(Counter of (epoch, sample id) over every member's records, committed step numbers)``."""
-    used, steps = Counter(), set()
+    """``(Counter of (epoch, sample id) used by committed steps, committed step numbers)``.
+
+    A member's record of the ids it computed step ``s`` on in membership ``m`` counts when some member
+    committed ``s`` in ``m``: then every member's gradient was in the sum (an AllReduce cannot finish
+    without each member's part), the dead one's included. A torn last line (a kill mid-write) is skipped.
+    """
+    computed, commits = [], set()
     for path in sorted((Path(out_dir) / SAMPLES_FOLDER).glob("samples-*.jsonl")):
         for line in path.read_text().splitlines():
-            if line.strip():
+            try:
                 record = json.loads(line)
-                used.update((record["epoch"], sample) for sample in record["ids"])
-                steps.add(record["step"])
-    return used, steps
+            except ValueError:
+                continue
+            if "commit" in record:
+                commits.add((record["m"], record["commit"]))
+            else:
+                computed.append(record)
+    used = Counter()
+    for record in computed:
+        if (record["m"], record["step"]) in commits:
+            used.update((record["epoch"], sample) for sample in record["ids"])
+    return used, {step for _, step in commits}
 
 
 def count_samples(out_dir: str | Path, num_train: int, global_batch_size: int, seed: int,
