@@ -298,3 +298,28 @@ def test_samples_of_a_member_killed_after_its_step_count_when_a_peer_committed_i
     (folder / "samples-1.0.jsonl").write_text(json.dumps({"m": 1, "step": 0, "epoch": 0, "ids": batches[0][:1]}))
     counts = count_samples(tmp_path, 8, 4, 0, steps_done=2)
     assert (counts["samples_lost"], counts["samples_duplicated"]) == (2, 1)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(__import__("gradsync.hosts.netns", fromlist=["x"]).unavailable_reason() is not None,
+                    reason="test hosts need root and network namespaces")
+def test_a_lost_host_is_evicted_at_once_and_its_return_grows_the_world_back(tmp_path, reference):
+    """2 test hosts x 2 ranks; host 1 is killed whole (both ranks and their launcher) at step 5.
+    --min-nproc 4 makes the quorum wait for the host's return, so the grow is certain to happen."""
+    ref_run, ref_summary = reference
+    config = _config(tmp_path, "run", 2, hosts=2, epochs=2, kill_host_at="1:5", min_nproc=4)
+    summary = run_job(config)
+    run = Path(config.out)
+    events = read_events(run)
+    evicted = [e for e in events if e["event"] == "evict"]
+    assert sorted(e["slot"] for e in evicted) == [2, 3]  # host 1's slots
+    assert max(e["time"] for e in evicted) - min(e["time"] for e in evicted) <= 2.0 + 1.0  # heartbeat, not timeout
+    memberships = _memberships(run)
+    assert [len(m["members"]) for m in memberships] == [4, 4]
+    assert {m["incarnation"] for m in memberships[-1]["members"] if m["slot"] in (2, 3)} == {1}
+    assert len({m["host"] for m in memberships[-1]["members"]}) == 2
+    assert summary["steps"] == ref_summary["steps"]
+    assert _bitwise_equal(_model(run), _model(ref_run))
+    counts = _samples(run, summary)
+    assert (counts["samples_lost"], counts["samples_duplicated"]) == (0, 0)

@@ -30,11 +30,11 @@ class Launcher(threading.Thread):
     """
 
     def __init__(self, slot: int, target: Callable, args: tuple, store_factory: Callable, max_relaunches: int,
-                 first_incarnation: int = 0, log=None):
+                 log=None):
         super().__init__(daemon=True, name=f"gradsync-launcher-{slot}")
         self.slot, self.target, self.args = slot, target, args
         self.store_factory, self.max_relaunches = store_factory, max_relaunches
-        self.incarnation = first_incarnation
+        self.incarnation = -1  # taken from the store's count at each launch
         self.log = log or (lambda record: None)
         self.process: multiprocessing.Process | None = None
         self.exitcodes: list[int] = []
@@ -50,6 +50,8 @@ class Launcher(threading.Thread):
         context = multiprocessing.get_context("forkserver")
         relaunches = 0
         while not self._halt.is_set():
+            # the run's count for this slot, so that a host's new launcher never reuses an incarnation
+            self.incarnation = int(store.add(f"q/incarnation/{self.slot}", 1)) - 1
             self.process = context.Process(target=self.target, args=(self.slot, self.incarnation, *self.args),
                                            name=f"gradsync-worker-{self.slot}.{self.incarnation}")
             self.process.start()
@@ -64,7 +66,6 @@ class Launcher(threading.Thread):
             if relaunches >= self.max_relaunches or store.check(["q/done"]) or store.check(["q/failed"]):
                 return
             relaunches += 1
-            self.incarnation += 1
 
     def _watch(self, store) -> int:
         """Wait for the process to end (killing it if the quorum evicts it); returns its exit code."""

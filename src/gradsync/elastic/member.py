@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 
@@ -76,7 +77,13 @@ class ElasticMember:
         self.next_epoch = 1
 
     def join(self, step: int = -1) -> None:
-        """Ask to be admitted; ``step`` is what this worker could offer (-1: nothing, a fresh process)."""
+        """Ask to be admitted; ``step`` is what this worker could offer (-1: nothing, a fresh process).
+
+        Also starts this process's heartbeat (a counter in the store, every :data:`HEARTBEAT_S`), which
+        the quorum reads while it closes a membership: a member whose process is gone and whose launcher
+        is gone with it (a lost host) stops beating and is evicted without waiting for its timeout.
+        """
+        start_heartbeat(self.store, self.slot, self.incarnation)
         current = self.store.get("q/epoch").decode() if self.store.check(["q/epoch"]) else "0"
         self.next_epoch = int(current) + 1
         post(self.store, "join", slot=self.slot, incarnation=self.incarnation, step=step, pid=os.getpid(),
@@ -124,20 +131,25 @@ class ElasticMember:
         return bool(self.store.check(["q/done"]))
 
     def leave(self, step: int, error: BaseException | None = None) -> None:
-        """Shut this membership's communicator down and tell the quorum (``step`` steps committed).
+        """Tell the quorum this member left (``step`` steps committed), then shut its communicator down.
 
-        A :class:`~gradsync.CollectiveTimeoutError` names the peer that stopped answering: it is
-        reported as the suspect (a dead peer is reported by its launcher).
+        A :class:`~gradsync.CollectiveTimeoutError` names the peer: one that timed out is reported as
+        the ``suspect`` (hung), one whose connection closed as ``closed`` (gone: a member that leaves
+        reports first and closes after, so a closed connection of a member that did not report means
+        its process is dead, e.g. its whole host was lost and no launcher is left to say so).
         """
         membership = self.membership
-        process_group.shutdown()
-        suspect = None
-        if error is not None and getattr(error, "timed_out", False) and getattr(error, "peer", None) is not None:
-            if 0 <= error.peer < membership.world_size:
-                suspect = membership.slot_of(error.peer)
+        suspect = closed = None
+        peer = getattr(error, "peer", None)
+        if error is not None and peer is not None and 0 <= peer < membership.world_size:
+            if getattr(error, "timed_out", False):
+                suspect = membership.slot_of(peer)
+            else:
+                closed = membership.slot_of(peer)
         reason = None if error is None else f"{type(error).__name__}: {error}"[:300]
         post(self.store, "ready", slot=self.slot, incarnation=self.incarnation, epoch=membership.epoch, step=step,
-             suspect=suspect, reason=reason)
+             suspect=suspect, closed=closed, reason=reason)
+        process_group.shutdown()
         self.membership = None
 
     def finish(self) -> None:
@@ -153,3 +165,32 @@ class ElasticMember:
             if self.store.check([f"q/next/{epoch}"]):
                 return False
             time.sleep(POLL_S)
+
+
+HEARTBEAT_S = 0.25
+
+
+def heartbeat_key(slot: int, incarnation: int) -> str:
+    return f"hb/{slot}/{incarnation}"
+
+
+def start_heartbeat(store, slot: int, incarnation: int) -> threading.Thread:
+    """A daemon thread bumping ``hb/<slot>/<incarnation>`` every :data:`HEARTBEAT_S` on a store connection
+    of its own (a beat never waits behind the trainer's store calls)."""
+    try:
+        own = store.clone()
+    except (AttributeError, RuntimeError, NotImplementedError):
+        own = store
+
+    def beat() -> None:
+        key = heartbeat_key(slot, incarnation)
+        while True:
+            try:
+                own.add(key, 1)
+            except Exception:  # noqa: BLE001 - the store is gone: the run is over
+                return
+            time.sleep(HEARTBEAT_S)
+
+    thread = threading.Thread(target=beat, daemon=True, name="gradsync-heartbeat")
+    thread.start()
+    return thread

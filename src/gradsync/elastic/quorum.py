@@ -12,9 +12,12 @@ some ranks only, brings the others forward rather than the reverse).
 Events (``gradsync.elastic.store.post``):
 ``join`` (slot, incarnation, step): a worker waits to be admitted;
 ``died`` (slot, incarnation, exitcode): its launcher saw the process end;
-``ready`` (slot, incarnation, epoch, step, suspect): a member left epoch
-``epoch`` (a collective failed, or it saw the change asked for) with
-``step`` steps committed, and suspects slot ``suspect`` of hanging;
+``ready`` (slot, incarnation, epoch, step, suspect, closed): a member left
+epoch ``epoch`` (a collective failed, or it saw the change asked for) with
+``step`` steps committed, suspects slot ``suspect`` of hanging, or saw slot
+``closed``'s connection close (a member reports before it closes, so one
+that closed without reporting is dead: a lost host has no launcher left to
+say so);
 ``finished`` (slot, incarnation, epoch): it trained to the end (rank 0's, sent
 once the run folder is written, ends the run; the others wait for ``q/done``
 or ``q/next/<e>``, so that a failure in the last collectives is recovered too).
@@ -33,6 +36,9 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+
+HEARTBEAT_STALE_S = 2.0   # a member of a closing membership whose heartbeat has not moved this long is gone
+HEARTBEAT_READ_S = 0.1    # how often the quorum reads a pending member's heartbeat
 
 
 @dataclass
@@ -84,6 +90,7 @@ class Quorum:
         self.finished: set[int] = set()
         self.started = clock()
         self.outcome: str | None = None  # "done" / "failed: ..." once the run is over
+        self.beats: dict[tuple[int, int], tuple[int, float, float]] = {}  # member -> (count, moved at, read at)
 
     # -- events --------------------------------------------------------------------------------
 
@@ -129,6 +136,11 @@ class Quorum:
         suspect = event.get("suspect")
         if suspect is not None and suspect != member.slot:
             self.change.suspects.setdefault(suspect, member.slot)
+        closed = event.get("closed")
+        if closed is not None and closed not in self.change.ready and closed != member.slot:
+            gone = next((m for m in self.members if m.slot == closed), None)
+            if gone is not None and closed not in self.change.gone:
+                self._evict(gone, f"its connection closed before it reported (seen by slot {member.slot})")
 
     def _on_finished(self, event: dict) -> None:
         if self._member(event["slot"], event["incarnation"]) is None or event["epoch"] != self.epoch:
@@ -156,6 +168,10 @@ class Quorum:
         if change is None:
             return
         pending = [m for m in self.members if m.slot not in change.ready and m.slot not in change.gone]
+        for member in pending:
+            if self._heartbeat_stopped(member, now):
+                self._evict(member, f"evicted: its heartbeat stopped for {HEARTBEAT_STALE_S:g} s")
+        pending = [m for m in pending if m.slot not in change.gone]
         if pending:
             innocent = [m for m in pending if m.slot not in change.suspects]
             late = now - change.started > self.timeout_s
@@ -173,6 +189,20 @@ class Quorum:
                                                f"{self.rejoin_s:g} s"})
             return
         self._publish(change.reason, sorted(change.gone.items()))
+
+    def _heartbeat_stopped(self, member: Member, now: float) -> bool:
+        """Whether ``member``'s heartbeat counter has not moved for :data:`HEARTBEAT_STALE_S` (read at most
+        every :data:`HEARTBEAT_READ_S`; a member that never beat is judged from the change's start)."""
+        seen = self.beats.get(member.key)
+        if seen is not None and now - seen[2] < HEARTBEAT_READ_S:
+            return now - seen[1] > HEARTBEAT_STALE_S
+        count = int(self.store.add(f"hb/{member.slot}/{member.incarnation}", 0))
+        if seen is None or count != seen[0]:
+            seen = (count, now if seen is not None or count else self.change.started, now)
+        else:
+            seen = (count, seen[1], now)
+        self.beats[member.key] = seen
+        return now - seen[1] > HEARTBEAT_STALE_S
 
     def _begin_change(self, reason: str) -> None:
         self.change = Change(reason, self.clock())

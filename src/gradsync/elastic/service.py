@@ -21,7 +21,7 @@ from gradsync.elastic.store import EventReader, serve
 from gradsync.fault.events import EventLog
 
 POLL_S = 0.005        # the longest the quorum waits for an event before it looks at the clock
-LINGER_S = 5.0        # the store stays up this long after the run ends, so every worker reads the outcome
+LINGER_S = 2.0        # the store stays up this long after the run ends, so every worker reads the outcome
 
 
 @dataclass
@@ -37,14 +37,23 @@ class ServiceSettings:
 
 
 def run_service(settings: ServiceSettings, out_dir: str | None, ready_pipe) -> None:
-    """The service's main loop (the process's target): serve the store, read events, decide."""
+    """The service process's target: serve the store, read events, decide; the port goes to ``ready_pipe``."""
     from gradsync.launch import die_with_launcher
 
     die_with_launcher()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the job stops the service itself
+
+    def report(port: int) -> None:
+        ready_pipe.send(port)
+        ready_pipe.close()
+
+    serve_quorum(settings, out_dir, report)
+
+
+def serve_quorum(settings: ServiceSettings, out_dir: str | None, report) -> None:
+    """Serve the store, call ``report(port)``, then read events and decide until the run is over."""
     server = serve(settings.host, settings.port)
-    ready_pipe.send(server.port)
-    ready_pipe.close()
+    report(server.port)
     events = EventLog(out_dir) if out_dir else None
     quorum = Quorum(server, settings.nproc, settings.min_nproc, settings.max_nproc, settings.timeout_s,
                     settings.startup_s, settings.rejoin_s, log=events.write if events else None)
@@ -86,3 +95,17 @@ class QuorumService:
         if self.process.is_alive():
             os.kill(self.process.pid, signal.SIGKILL)
         self.process.join(10)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m gradsync.elastic.service HOST PORT NPROC MIN MAX TIMEOUT OUT``: the service in this
+    process (on the emulated hosts, started in the switch namespace); prints ``ready PORT`` once it listens."""
+    import sys
+
+    host, port, nproc, low, high, timeout_s, out_dir = (argv or sys.argv[1:])[:7]
+    settings = ServiceSettings(int(nproc), int(low), int(high), float(timeout_s), host=host, port=int(port))
+    serve_quorum(settings, out_dir, lambda bound: print(f"ready {bound}", flush=True))
+
+
+if __name__ == "__main__":
+    main()

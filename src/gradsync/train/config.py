@@ -379,10 +379,15 @@ def _validate_global_batch(config: TrainConfig, world_size: int, num_train: int)
 
 
 def elastic_bounds(config: TrainConfig) -> tuple[int, int]:
-    """``(min_nproc, max_nproc)`` of an elastic run (defaults 1 and ``--nproc``)."""
+    """``(min_nproc, max_nproc)`` of an elastic run: workers in all (defaults 1 and the workers it starts)."""
     low = 1 if config.min_nproc is None else config.min_nproc
-    high = config.nproc if config.max_nproc is None else config.max_nproc
+    high = elastic_workers(config) if config.max_nproc is None else config.max_nproc
     return low, high
+
+
+def elastic_workers(config: TrainConfig) -> int:
+    """Workers an elastic run starts with: ``--nproc``, per host with ``--hosts``."""
+    return config.nproc * (config.hosts or 1)
 
 
 def _validate_elastic(config: TrainConfig) -> None:
@@ -399,8 +404,9 @@ def _validate_elastic(config: TrainConfig) -> None:
     for name, value in (("--min-nproc", low), ("--max-nproc", high), ("--max-relaunches", config.max_relaunches)):
         if not _is_int(value) or value < (0 if name == "--max-relaunches" else 1):
             raise ValueError(f"{name} must be an int >= {0 if name == '--max-relaunches' else 1}, got {value}")
-    if not low <= config.nproc <= high:
-        raise ValueError(f"--elastic needs --min-nproc {low} <= --nproc {config.nproc} <= --max-nproc {high}")
+    if not low <= elastic_workers(config) <= high:
+        what = f"--nproc {config.nproc}" + (f" x --hosts {config.hosts}" if config.hosts else "")
+        raise ValueError(f"--elastic needs --min-nproc {low} <= {what} <= --max-nproc {high}")
     if config.max_restarts:
         raise ValueError("--elastic replaces --max-restarts: survivors go on and each worker's launcher starts "
                          "it again (--max-relaunches)")

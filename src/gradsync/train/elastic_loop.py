@@ -43,7 +43,7 @@ from gradsync.fault import checkpoint
 from gradsync.fault.events import EventLog
 from gradsync.fault.injection import FaultPlan
 from gradsync.train.elastic_faults import ElasticFault
-from gradsync.train.config import TrainConfig
+from gradsync.train.config import TrainConfig, elastic_workers
 from gradsync.train.data import load
 from gradsync.train import elastic_checkpoint
 from gradsync.train.elastic_samples import SAMPLES_FOLDER
@@ -57,7 +57,7 @@ from gradsync.train.setup import make_optimizer, make_scheduler, seed_everything
 
 def elastic_global_batch(config: TrainConfig) -> int:
     """Samples per optimizer step of an elastic run, whatever its world size."""
-    return config.global_batch_size or config.batch_size * config.accumulate * config.nproc
+    return config.global_batch_size or config.batch_size * config.accumulate * elastic_workers(config)
 
 
 def new_progress() -> dict:

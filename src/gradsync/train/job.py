@@ -215,6 +215,10 @@ def _run_on_hosts(config: TrainConfig) -> dict:
     out_dir = (Path(config.out) if config.out else default_out_dir()).resolve()
     if (out_dir / METRICS_FILE).exists():
         raise ValueError(f"--out {out_dir} already holds a run ({METRICS_FILE}); choose another folder")
+    if config.elastic:
+        from gradsync.train.elastic_hosts_job import run_elastic_on_hosts
+
+        return run_elastic_on_hosts(config, out_dir)
     data.prepare(config.data_dir, config.num_samples)  # once here, not on every host at the same time
     return run_on_test_hosts(config, out_dir)  # HostsFailedError names the host and its error
 
