@@ -323,3 +323,16 @@ def test_a_lost_host_is_evicted_at_once_and_its_return_grows_the_world_back(tmp_
     assert _bitwise_equal(_model(run), _model(ref_run))
     counts = _samples(run, summary)
     assert (counts["samples_lost"], counts["samples_duplicated"]) == (0, 0)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(60)
+def test_the_library_runs_any_step_function_elastically(tmp_path):
+    from _elastic_worker import run
+    from gradsync.elastic.run import launch_elastic
+
+    out = tmp_path / "result.json"
+    codes = launch_elastic(3, run, 60, 1, 20, str(out), timeout_s=20.0, deadline_s=50, preload=("_elastic_worker",))
+    assert codes[1] == [17, 0] and codes[0] == [0] and codes[2] == [0]  # slot 1 died once, came back
+    result = json.loads(out.read_text())
+    assert result["steps"] == 60 and result["world_size"] == 3 and result["memberships"] >= 3
