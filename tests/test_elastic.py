@@ -114,6 +114,14 @@ def test_quorum_holds_joiners_beyond_max_nproc_and_ends_when_rank0_finishes():
     assert quorum.outcome == "done" and store.check(["q/done"])
 
 
+def test_a_fatal_error_ends_the_run_with_its_reason():
+    store, quorum, _ = _quorum()
+    _start(quorum)
+    quorum.handle({"kind": "fatal", "slot": 1, "incarnation": 0, "error": "CollectiveMismatchError: shapes differ"})
+    assert quorum.outcome == "failed"
+    assert json.loads(store.get("q/failed"))["reason"] == "slot 1: CollectiveMismatchError: shapes differ"
+
+
 def test_event_queue_reads_every_event_once_in_order():
     store = dist.HashStore()
     for number in range(5):

@@ -42,6 +42,18 @@ RECOVERABLE = (GradsyncError, RuntimeError, TimeoutError, ConnectionError)
 POLL_S = 0.005
 
 
+# The errors a failure of a peer causes; others (a mismatch, a divergence, a bug) are bounded: the same step
+# failing with one of them FATAL_AFTER times in a row ends the run (:meth:`ElasticMember.fail`).
+FATAL_AFTER = 3
+
+
+def transient(error: BaseException) -> bool:
+    from gradsync.errors import CollectiveTimeoutError, GroupClosedError
+
+    return isinstance(error, (CollectiveTimeoutError, MembershipChanged, GroupClosedError, TimeoutError,
+                              ConnectionError))
+
+
 class MembershipChanged(GradsyncError):
     """The quorum closed this membership (a worker joins or left): stop at this step boundary."""
 
@@ -151,6 +163,12 @@ class ElasticMember:
              suspect=suspect, closed=closed, reason=reason)
         process_group.shutdown()
         self.membership = None
+
+    def fail(self, error: BaseException) -> None:
+        """End the run: an error that recovery cannot cure (the same step failed :data:`FATAL_AFTER` times,
+        or an error no peer caused). Every launcher stops; ``gradsync train`` reports ``error``."""
+        post(self.store, "fatal", slot=self.slot, incarnation=self.incarnation,
+             error=f"{type(error).__name__}: {error}"[:1000])
 
     def finish(self) -> None:
         """Tell the quorum this member trained to the end (rank 0's ends the run)."""

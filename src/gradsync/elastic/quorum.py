@@ -18,6 +18,7 @@ epoch ``epoch`` (a collective failed, or it saw the change asked for) with
 ``closed``'s connection close (a member reports before it closes, so one
 that closed without reporting is dead: a lost host has no launcher left to
 say so);
+``fatal`` (slot, error): an error recovery cannot cure, which ends the run;
 ``finished`` (slot, incarnation, epoch): it trained to the end (rank 0's, sent
 once the run folder is written, ends the run; the others wait for ``q/done``
 or ``q/next/<e>``, so that a failure in the last collectives is recovered too).
@@ -104,6 +105,8 @@ class Quorum:
             self._on_ready(event)
         elif kind == "finished":
             self._on_finished(event)
+        elif kind == "fatal" and self.outcome is None:
+            self._end("failed", {"reason": f"slot {event['slot']}: {event['error']}"})
 
     def _member(self, slot: int, incarnation: int) -> Member | None:
         return next((m for m in self.members if m.key == (slot, incarnation)), None)

@@ -38,7 +38,8 @@ import torch.nn.functional as F
 
 import gradsync
 from gradsync.compression import make as make_compressor
-from gradsync.elastic.member import RECOVERABLE, ElasticMember, Evicted, MembershipChanged
+from gradsync.elastic.member import (FATAL_AFTER, RECOVERABLE, ElasticMember, Evicted, MembershipChanged,
+                                     transient)
 from gradsync.fault import checkpoint
 from gradsync.fault.events import EventLog
 from gradsync.fault.injection import FaultPlan
@@ -88,6 +89,7 @@ class ElasticTrainer:
         self.samples_path.parent.mkdir(exist_ok=True)
         self._permutation = (None, None)
         self.log = None
+        self.futile = (-1, 0)  # (step, times in a row it failed with an error no peer caused)
         self.resume_from = elastic_checkpoint.latest(config)  # (path, state) offered when this worker joins
         if self.resume_from is not None:  # the global batch the run was configured with, whatever --nproc
             self.global_batch = int(self.resume_from[1]["global_batch"])
@@ -114,8 +116,17 @@ class ElasticTrainer:
                 raise MembershipChanged("the membership closed before the run ended")
             except RECOVERABLE as exc:
                 self._leave(exc)
+            except BaseException as exc:  # not caused by a peer: recovery would only repeat it
+                self.member.fail(exc)
+                raise
 
     def _leave(self, exc: BaseException) -> None:
+        if not transient(exc):  # a mismatch, a divergence ...: bounded, not retried forever
+            step = self.progress["step"]
+            self.futile = (step, self.futile[1] + 1 if self.futile[0] == step else 1)
+            if self.futile[1] >= FATAL_AFTER:
+                self.member.fail(exc)
+                raise exc
         self.events.write({"event": "left", "slot": self.member.slot, "incarnation": self.member.incarnation,
                            "epoch": self.member.membership.epoch, "step": self.progress["step"],
                            "error": f"{type(exc).__name__}: {exc}"[:300]})
