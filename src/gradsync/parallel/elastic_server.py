@@ -1,0 +1,394 @@
+"""The parameter server of an elastic asynchronous run: its state outlives memberships and restarts.
+
+:class:`ElasticParameterServer` keeps the parameters, the optimizer and
+scheduler, the step and sequence ledger (:class:`~gradsync.parallel.ps_ledger.Ledger`)
+and the staleness record across memberships: :meth:`ElasticParameterServer.serve`
+runs one membership over its communicator and returns when the run is over,
+or raises :class:`~gradsync.parallel.ps_protocol.MembershipChange` when the
+membership must re-form (a worker died, joins, or the quorum asked); the
+caller then serves the next membership with the same object. Workers are
+named by *slot* (stable across relaunches), never by rank.
+
+Protocol (workers: :class:`~gradsync.parallel.elastic_async_worker.ElasticAsyncWorker`):
+
+* a membership starts with a *barrier*: every worker first replays the
+  pushes it keeps (``REPLAY``) and then asks for parameters (``PULL``); the
+  server hands out no step before every worker asked, then hands out again
+  every step that was assigned and not replayed (its worker died);
+* a push carries ``(slot, seq)``; the server applies it unless ``seq`` is at
+  or below the slot's highest applied number (a replay of an applied push:
+  dropped, counted in ``ledger.duplicates``);
+* every ``checkpoint_every`` applied updates, at the start of each
+  membership (once its replays are applied) and before the final stops, the
+  whole state is written atomically (:mod:`gradsync.fault.checkpoint`); each
+  reply tells the worker the highest ``seq`` of its slot that the newest
+  checkpoint holds ("durable"), and a worker keeps every push above it, so a
+  server restarted from that checkpoint gets back, by replay, everything it
+  had applied after it;
+* to leave a membership the server answers each live worker's next request
+  with ``CHANGE`` (a push is applied first), so no push is left half-sent.
+
+The server receives each worker's requests on a thread of its own (Gloo
+cannot wait for "any worker or the quorum"), so it notices a closed
+connection or the quorum's change within ``POLL_S``.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable
+
+import torch
+from torch import nn
+
+from gradsync.errors import PeerFailure
+from gradsync.fault import checkpoint as ckpt
+from gradsync.parallel.parameter_server import _check_optimizer, optimizer_step
+from gradsync.parallel.ps_ledger import Ledger
+from gradsync.parallel.ps_protocol import (CHANGE, PARAMS, PULL, PUSH, REJECT, REPLAY, STOP, TAG_GRADIENT,
+                                           TAG_PARAMETERS, TAG_REPLY, TAG_REQUEST, MembershipChange, SharedModel,
+                                           check_transport, new_header, peer_error)
+from gradsync.parallel.staleness import StalenessGate, StalenessStats
+
+POLL_S = 0.01                 # how often the server looks at the quorum while no request arrives
+RECEIVE_S = 7 * 24 * 3600.0   # a receiver thread's wait; worker timeouts are the server's own clock
+CHECKPOINT_KIND = "gradsync.parameter_server"
+_ONE_RANK = SimpleNamespace(rank=0, world_size=1)  # checkpoint.save's group: the server writes alone
+
+
+class ElasticParameterServer:
+    """Parameters, optimizer and bookkeeping of an elastic async run, served one membership at a time.
+
+    Args:
+        module, optimizer, total_steps, max_staleness, staleness_aware_lr, scheduler: as
+            :class:`~gradsync.parallel.parameter_server.ParameterServer`.
+        checkpoint_dir: where checkpoints go (``step-<version>`` folders).
+        checkpoint_every: applied updates between checkpoints (>= 1).
+        keep: complete checkpoints kept (>= 1).
+        timeout: seconds a worker may take between a reply and its next request.
+
+    Attributes:
+        version, staleness, losses: as ParameterServer. ``applied_per_slot``:
+        ``{slot: updates applied}``. ``ledger``: steps and sequence numbers.
+        ``durable_seq``: ``{slot: seq}`` the newest checkpoint holds.
+        ``user_state``: a dict the caller fills (epoch records ...), checkpointed too.
+        ``restored_from``: the checkpoint loaded by :meth:`restore` (None: a fresh start).
+    """
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, total_steps: int,
+                 checkpoint_dir: str | Path, checkpoint_every: int, keep: int = 2, max_staleness: int | None = None,
+                 staleness_aware_lr: bool = False, scheduler=None, timeout: float = 30.0):
+        for name, value in (("checkpoint_every", checkpoint_every), ("keep", keep)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not 0 < float(timeout) < math.inf:
+            raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout}")
+        self.module, self.shared = module, SharedModel(module)
+        self.params, self.flat = self.shared.params, self.shared.flat
+        _check_optimizer(optimizer, self.params)
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.total_steps, self.ledger = total_steps, Ledger(total_steps)
+        self.gate, self.staleness_aware_lr = StalenessGate(max_staleness), staleness_aware_lr
+        self.checkpoint_dir, self.checkpoint_every, self.keep = Path(checkpoint_dir), checkpoint_every, keep
+        self.timeout_s = float(timeout)
+        self.version, self.staleness, self.losses = 0, StalenessStats(), []
+        self.applied_per_slot: dict[int, int] = {}
+        self.durable_seq: dict[int, int] = {}
+        self.checkpointed_version: int | None = None
+        self.user_state: dict = {}
+        self.restored_from: Path | None = None
+        self.last_lr = math.nan
+        self.memberships = 0
+        self.bytes_sent = self.bytes_received = 0
+
+    # -- state ------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Everything a restarted server needs (tensors, numbers, lists, dicts: ``weights_only`` loads it)."""
+        return {"kind": CHECKPOINT_KIND, "version": self.version, "model": self.module.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+                "ledger": self.ledger.state_dict(), "staleness_histogram": list(self.staleness.histogram),
+                "applied_per_slot": dict(self.applied_per_slot),
+                "losses": torch.tensor(self.losses, dtype=torch.float64), "user_state": self.user_state}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output (the module's tensors are copied in place: views stay views).
+
+        Raises:
+            ValueError: not a parameter server's checkpoint, or one of another run length.
+        """
+        if state.get("kind") != CHECKPOINT_KIND:
+            raise ValueError(f"not a parameter-server checkpoint (kind {state.get('kind')!r})")
+        self.ledger.load_state_dict(state["ledger"])
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.version = int(state["version"])
+        self.staleness = StalenessStats()
+        self.staleness.histogram = [int(n) for n in state["staleness_histogram"]]
+        self.applied_per_slot = {int(k): int(v) for k, v in state["applied_per_slot"].items()}
+        self.losses = [float(v) for v in state["losses"].tolist()]
+        self.user_state = dict(state["user_state"])
+        self.durable_seq = dict(self.ledger.applied_seq)
+        self.checkpointed_version = self.version
+
+    def checkpoint(self) -> Path:
+        """Write the state now (atomically; the manifest last); later replies report it durable."""
+        folder = ckpt.save(self.checkpoint_dir, self.version, self.state_dict(), {}, _ONE_RANK, keep=self.keep)
+        self.durable_seq = dict(self.ledger.applied_seq)
+        self.checkpointed_version = self.version
+        return folder
+
+    def restore(self) -> bool:
+        """Load the newest complete checkpoint in ``checkpoint_dir``, if there is one; returns whether."""
+        found = ckpt.latest(self.checkpoint_dir)
+        if found is None:
+            return False
+        self.load_state_dict(found.load_shared())
+        self.restored_from = found.folder
+        return True
+
+    # -- applying ---------------------------------------------------------------------------------
+
+    def apply(self, slot: int, header: torch.Tensor, push: torch.Tensor,
+              on_update: Callable | None = None) -> bool:
+        """Apply one push (``header`` = ``[PUSH or REPLAY, version_read, step, seq]``) unless it is a
+        duplicate; returns whether it was applied. Checkpoints every ``checkpoint_every`` updates."""
+        version_read, step, seq = int(header[1]), int(header[2]), int(header[3])
+        if not self.ledger.accept(slot, seq) or not self.ledger.pending(step):
+            return False
+        self.ledger.complete(step, slot, seq)
+        staleness = max(0, self.version - version_read)  # a replay may come from a newer, lost version
+        start, end = self.shared.params_numel, self.shared.params_numel + self.shared.buffers_numel
+        self.flat[start:end].copy_(push[start:end])
+        grads, offset = [], 0
+        for param in self.params:
+            grads.append(push[offset:offset + param.numel()].view_as(param))
+            offset += param.numel()
+        scale = 1.0 / staleness if self.staleness_aware_lr and staleness > 1 else 1.0
+        self.last_lr = optimizer_step(self.optimizer, self.scheduler, self.params, grads, scale)
+        self.staleness.record(staleness)
+        self.applied_per_slot[slot] = self.applied_per_slot.get(slot, 0) + 1
+        loss = float(push[-1])
+        self.losses.append(loss)
+        self.version += 1
+        if on_update is not None:
+            on_update(slot, self.version, loss, staleness)
+        if self.version % self.checkpoint_every == 0:
+            self.checkpoint()
+        return True
+
+    @property
+    def finished(self) -> bool:
+        return self.version >= self.total_steps
+
+    def serve(self, comm, slots: list[int], should_close: Callable[[], bool] = lambda: False,
+              on_update: Callable | None = None) -> None:
+        """Serve one membership: ``comm`` is its group, ``slots[rank]`` each rank's slot (the server's too).
+
+        Returns when every update is applied and every worker of the membership was told to stop.
+
+        Raises:
+            MembershipChange: ``should_close()`` became true or a worker's connection closed; every
+                live worker was told ``CHANGE`` first.
+            CollectiveTimeoutError: a worker sent nothing within ``timeout`` (``peer`` names its rank;
+                timed_out is true); the other workers were told ``CHANGE`` first.
+            ValueError: a worker's model differs (it was sent ``REJECT``), or it broke the protocol.
+        """
+        check_transport(comm)
+        self.memberships += 1
+        session = _Session(self, comm, slots, should_close, on_update)
+        try:
+            session.run()
+        finally:
+            session.end()
+            self.bytes_sent += comm.transport.stats.bytes_sent
+            self.bytes_received += comm.transport.stats.bytes_received
+
+
+class _Receiver(threading.Thread):
+    """Receives one worker's requests (header, then a push's payload) and queues them for the server."""
+
+    def __init__(self, transport, rank: int, push_numel: int, dtype: torch.dtype, inbox: queue.Queue):
+        super().__init__(daemon=True, name=f"gradsync-ps-receiver-{rank}")
+        self.transport, self.rank, self.inbox = transport, rank, inbox
+        self.payload = torch.empty(push_numel, dtype=dtype)
+        self._go, self._more = threading.Semaphore(0), True
+
+    def run(self) -> None:
+        while self._more:
+            header = new_header()
+            try:
+                self.transport.irecv_tagged(header, self.rank, TAG_REQUEST).wait(RECEIVE_S)
+                if header[0] in (PUSH, REPLAY):
+                    self.transport.irecv_tagged(self.payload, self.rank, TAG_GRADIENT).wait(RECEIVE_S)
+            except PeerFailure as failure:
+                self.inbox.put((self.rank, None, failure))
+                return
+            self.inbox.put((self.rank, header, self.payload))
+            self._go.acquire()
+
+    def proceed(self, more: bool = True) -> None:
+        """The queued message was handled: receive the next one (or stop)."""
+        self._more = more
+        self._go.release()
+
+
+class _Session:
+    """One membership of the server: its ranks, receivers, barrier and the way out."""
+
+    def __init__(self, server: ElasticParameterServer, comm, slots: list[int], should_close, on_update):
+        self.server, self.comm, self.slots = server, comm, list(slots)
+        self.should_close, self.on_update = should_close, on_update
+        self.rank = comm.rank
+        self.workers = [r for r in range(comm.world_size) if r != self.rank]
+        self.inbox: queue.Queue = queue.Queue()
+        dtype = server.flat.dtype
+        self.receivers = {r: _Receiver(comm.transport, r, server.shared.push_numel, dtype, self.inbox)
+                          for r in self.workers}
+        self.live = set(self.workers)
+        self.pulled: set[int] = set()       # ranks that asked for parameters (the barrier)
+        self.barrier_done = False
+        self.waiting: deque[int] = deque()  # ranks whose request awaits its reply
+        self.answered: set[int] = set()     # ranks told STOP or CHANGE: nothing more from them here
+        self.replied_at = {r: time.monotonic() for r in self.workers}
+        self.closing: str | None = None
+        self.error: Exception | None = None
+        server.gate.in_flight.clear()       # the previous membership's in-flight steps are requeued
+        self._reply_header = new_header()
+
+    def run(self) -> None:
+        for receiver in self.receivers.values():
+            receiver.start()
+        polled = 0.0
+        while True:
+            try:
+                self._handle(*self.inbox.get(timeout=POLL_S))
+            except queue.Empty:
+                pass
+            now = time.monotonic()
+            if self.closing is None and now - polled >= POLL_S:
+                polled = now
+                if self.should_close():
+                    self.closing = "the quorum closed this membership"
+            self._check_silent(now)
+            self._answer_waiting()
+            if self.live <= self.answered:
+                if self.closing is not None:
+                    if self.error is not None:
+                        raise self.error
+                    raise MembershipChange(f"parameter server leaves the membership: {self.closing}")
+                if self.server.finished:
+                    return
+                # no worker left in this membership: wait for the quorum to bring one
+
+    def _handle(self, rank: int, header: torch.Tensor | None, payload) -> None:
+        receiver = self.receivers[rank]
+        if header is None:  # its connection closed: it died or left
+            self._lose(rank, f"slot {self.slots[rank]}'s connection closed ({payload.reason})")
+            return
+        kind, slot = int(header[0]), self.slots[rank]
+        if kind == PULL:
+            self._admit(rank, header[1:].tolist())
+            self.pulled.add(rank)
+            self.waiting.append(rank)
+        elif kind == REPLAY:
+            self.server.apply(slot, header, payload, self.on_update)
+            receiver.proceed()
+        elif kind == PUSH:
+            if self.server.gate.in_flight.pop(slot, None) is None:
+                raise ValueError(f"parameter server: slot {slot} pushed a gradient it was not asked for")
+            self.server.apply(slot, header, payload, self.on_update)
+            self.waiting.append(rank)
+        else:
+            raise ValueError(f"parameter server: slot {slot} sent unknown request {header.tolist()}")
+
+    def _admit(self, rank: int, signature: list[int]) -> None:
+        try:
+            self.server.shared.check_peer([signature[2], signature[0], signature[1]], rank)
+        except ValueError:
+            self._send_header(rank, REJECT, 0)
+            raise
+
+    def _lose(self, rank: int, why: str) -> None:
+        """``rank`` is gone: its assigned step goes back at the next barrier; close this membership."""
+        self.live.discard(rank)
+        self.server.gate.in_flight.pop(self.slots[rank], None)
+        self.closing = self.closing or why
+
+    def _check_silent(self, now: float) -> None:
+        for rank in list(self.live - self.answered - set(self.waiting)):
+            if now - self.replied_at[rank] > self.server.timeout_s:
+                failure = PeerFailure(rank, "sent no request in time: it died, hangs or is slower than the "
+                                            "timeout", True)
+                self.error = self.error or peer_error(failure, "serve", self.rank, self.comm.world_size,
+                                                      self.server.timeout_s)
+                self._lose(rank, f"slot {self.slots[rank]} is silent")
+
+    def _answer_waiting(self) -> None:
+        """Reply to waiting workers, oldest first, as far as the barrier and the staleness gate allow."""
+        server = self.server
+        if not self.barrier_done:
+            if self.closing is None and not self.live <= self.pulled:
+                return
+            self.barrier_done = True
+            server.ledger.requeue_assigned()  # every survivor has replayed: what is left lost its worker
+            if self.closing is None and server.checkpointed_version != server.version:
+                server.checkpoint()           # the departed workers' applied pushes are durable now
+        while self.waiting:
+            rank = self.waiting.popleft()
+            if rank not in self.live:
+                continue
+            if self.closing is not None:
+                self._final(rank, CHANGE)
+            elif server.finished:
+                if server.checkpointed_version != server.version:
+                    server.checkpoint()
+                self._final(rank, STOP)
+            else:
+                step = server.ledger.take(self.slots[rank]) if server.gate.may_start(server.version) else None
+                if step is None:  # the gate holds it back, or every step left is being computed
+                    self.waiting.appendleft(rank)
+                    return
+                server.gate.start(self.slots[rank], server.version)
+                if self._reply(rank, PARAMS, step):
+                    self.receivers[rank].proceed()
+
+    def _final(self, rank: int, kind: int) -> None:
+        self._reply(rank, kind, 0)
+        self.answered.add(rank)
+        self.receivers[rank].proceed(more=False)
+
+    def _reply(self, rank: int, kind: int, step: int) -> bool:
+        """Send ``kind`` (with the parameters unless CHANGE); False (and the rank is lost) if it failed."""
+        durable = self.server.durable_seq.get(self.slots[rank], 0)
+        try:
+            self._send_header(rank, kind, step, durable, with_parameters=kind != CHANGE)
+        except PeerFailure as failure:
+            self._lose(rank, f"slot {self.slots[rank]}: reply failed ({failure.reason})")
+            return False
+        self.replied_at[rank] = time.monotonic()
+        return True
+
+    def _send_header(self, rank: int, kind: int, step: int, durable: int = 0, with_parameters: bool = False):
+        header = self._reply_header
+        header[0], header[1], header[2], header[3] = kind, self.server.version, step, durable
+        transport = self.comm.transport
+        handles = [transport.isend_tagged(header, rank, TAG_REPLY)]
+        if with_parameters:
+            handles.append(transport.isend_tagged(self.server.flat, rank, TAG_PARAMETERS))
+        for handle in handles:  # the worker is waiting for it: this is quick, or it failed
+            handle.wait(self.server.timeout_s)
+
+    def end(self) -> None:
+        """Let every receiver end (one blocked in a receive ends when its connection closes)."""
+        for receiver in self.receivers.values():
+            receiver.proceed(more=False)
