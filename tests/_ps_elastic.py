@@ -32,6 +32,8 @@ from gradsync.train.elastic_async import serve_elastic, work_elastic
 from _ps_helpers import Vector, one_hot
 
 MEMBER_TIMEOUT_S = 5.0
+HOLD_S = 3.0  # below MEMBER_TIMEOUT_S: the server must not take a held worker for a hung one
+REPLACED_KEY = "test/replaced"
 
 
 @dataclass
@@ -43,6 +45,8 @@ class Plan:
     compute_s: float = 0.002        # each worker's "compute" per step
     server_dies_at: int | None = None    # version after which the first server kills itself
     worker_dies: tuple[int, int] | None = None  # (slot, its n-th step) at which that worker kills itself
+    hold_after: int = 5             # with worker_dies: the other workers, from their n-th step on, wait
+                                    # (up to HOLD_S) for the replacement's first step or a membership change
     max_staleness: int | None = None
 
 
@@ -94,6 +98,8 @@ def _work(member: ElasticMember, model, plan: Plan, slot: int, incarnation: int)
         steps.append(step)
         if incarnation == 0 and plan.worker_dies == (slot, len(steps)):
             _suicide()
+        if plan.worker_dies is not None:
+            _hold_for_replacement(member, plan, slot, incarnation, len(steps))
         time.sleep(plan.compute_s)
         model.weight.grad = one_hot(plan.total_steps, step)
         return float(step)
@@ -102,6 +108,16 @@ def _work(member: ElasticMember, model, plan: Plan, slot: int, incarnation: int)
     _report(plan, slot, incarnation, {"pid": os.getpid(), "params": model.weight.detach().clone(),
                                       "steps": steps, "pushes": worker.pushes, "replayed": worker.replayed,
                                       "kept": len(worker.kept), "version": worker.version})
+
+
+def _hold_for_replacement(member: ElasticMember, plan: Plan, slot: int, incarnation: int, count: int) -> None:
+    """So that the run cannot end before the replacement pushes, however slowly it starts."""
+    if incarnation > 0:
+        member.store.set(REPLACED_KEY, str(slot))
+    elif slot != plan.worker_dies[0] and count >= plan.hold_after:
+        deadline = time.monotonic() + HOLD_S
+        while not (member.store.check([REPLACED_KEY]) or member.change_requested()) and time.monotonic() < deadline:
+            time.sleep(0.005)
 
 
 def run(plan: Plan, deadline_s: float = 40.0) -> dict:
