@@ -5,7 +5,8 @@ Slot ``nproc`` is the server, slots ``0 .. nproc-1`` the workers (as in
 one-hot ``e_k`` and the server steps plain SGD with lr 1 on a zero vector,
 so the final parameters are exactly -1 everywhere iff every step was applied
 exactly once. A slot may kill itself with SIGKILL (by its own PID) at a
-chosen point of its first incarnation; its launcher starts it again.
+chosen point of its first incarnation, or stop (SIGSTOP: a hang, which the
+timeouts find and the quorum evicts); its launcher starts it again.
 Every process reports to ``<folder>/<slot>-<incarnation>.pt``.
 
 Functions run in the launched processes must be top-level (picklable).
@@ -32,7 +33,7 @@ from gradsync.train.elastic_async import serve_elastic, work_elastic
 from _ps_helpers import Vector, one_hot
 
 MEMBER_TIMEOUT_S = 5.0
-HOLD_S = 3.0  # below MEMBER_TIMEOUT_S: the server must not take a held worker for a hung one
+HOLD_S = 3.0  # below the timeout: the server must not take a held worker for a hung one
 REPLACED_KEY = "test/replaced"
 
 
@@ -48,10 +49,12 @@ class Plan:
     hold_after: int = 5             # with worker_dies: the other workers, from their n-th step on, wait
                                     # (up to HOLD_S) for the replacement's first step or a membership change
     max_staleness: int | None = None
+    hang: bool = False              # the dying slot stops (SIGSTOP) instead: a hang, found by timeouts
+    timeout_s: float = 5.0          # members' and the quorum's timeout
 
 
-def _suicide() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
+def _suicide(hang: bool = False) -> None:
+    os.kill(os.getpid(), signal.SIGSTOP if hang else signal.SIGKILL)
 
 
 def _report(plan: Plan, slot: int, incarnation: int, record: dict) -> None:
@@ -61,7 +64,7 @@ def _report(plan: Plan, slot: int, incarnation: int, record: dict) -> None:
 def slot_main(slot: int, incarnation: int, host: str, port: int, plan: Plan) -> None:
     """A launched process: the server (slot ``plan.nproc``) or a worker."""
     torch.set_num_threads(1)
-    member = ElasticMember(connect(host, port), slot, incarnation, timeout_s=MEMBER_TIMEOUT_S, wait_s=30.0)
+    member = ElasticMember(connect(host, port), slot, incarnation, timeout_s=plan.timeout_s, wait_s=30.0)
     model = Vector(plan.total_steps)
     if slot == plan.nproc:
         _serve(member, model, plan, incarnation)
@@ -72,7 +75,7 @@ def slot_main(slot: int, incarnation: int, host: str, port: int, plan: Plan) -> 
 def _serve(member: ElasticMember, model, plan: Plan, incarnation: int) -> None:
     server = ElasticParameterServer(model, torch.optim.SGD(model.parameters(), lr=1.0), plan.total_steps,
                                     Path(plan.folder) / "checkpoints", plan.checkpoint_every, keep=2,
-                                    max_staleness=plan.max_staleness, timeout=MEMBER_TIMEOUT_S)
+                                    max_staleness=plan.max_staleness, timeout=plan.timeout_s)
     restored = server.restore()
     restored_version = server.version
     applied = []
@@ -80,7 +83,7 @@ def _serve(member: ElasticMember, model, plan: Plan, incarnation: int) -> None:
     def on_update(slot, version, loss, staleness):
         applied.append((slot, int(loss)))
         if incarnation == 0 and version == plan.server_dies_at:
-            _suicide()
+            _suicide(plan.hang)
 
     serve_elastic(member, server, on_update)
     _report(plan, plan.nproc, incarnation, {
@@ -91,13 +94,13 @@ def _serve(member: ElasticMember, model, plan: Plan, incarnation: int) -> None:
 
 
 def _work(member: ElasticMember, model, plan: Plan, slot: int, incarnation: int) -> None:
-    worker = ElasticAsyncWorker(model, incarnation, timeout=MEMBER_TIMEOUT_S)
+    worker = ElasticAsyncWorker(model, incarnation, timeout=plan.timeout_s)
     steps = []
 
     def compute(step: int) -> float:
         steps.append(step)
         if incarnation == 0 and plan.worker_dies == (slot, len(steps)):
-            _suicide()
+            _suicide(plan.hang)
         if plan.worker_dies is not None:
             _hold_for_replacement(member, plan, slot, incarnation, len(steps))
         time.sleep(plan.compute_s)
@@ -122,7 +125,7 @@ def _hold_for_replacement(member: ElasticMember, plan: Plan, slot: int, incarnat
 
 def run(plan: Plan, deadline_s: float = 40.0) -> dict:
     """Run the plan; returns :func:`run_slots`'s dict plus ``"reports"``: ``{(slot, incarnation): record}``."""
-    out = run_slots(plan.nproc, slot_main, (plan,), plan.folder, deadline_s)
+    out = run_slots(plan.nproc, slot_main, (plan,), plan.folder, deadline_s, plan.timeout_s)
     out["reports"] = {}
     for path in Path(plan.folder).glob("*-*.pt"):
         slot, incarnation = (int(part) for part in path.stem.split("-"))
@@ -152,12 +155,13 @@ def train_slot_main(slot: int, incarnation: int, host: str, port: int, config, d
         torch.save({"summary": summary, "pid": os.getpid()}, Path(out_dir) / "summary.pt")
 
 
-def run_slots(nproc: int, target, args: tuple, folder: str, deadline_s: float = 40.0) -> dict:
+def run_slots(nproc: int, target, args: tuple, folder: str, deadline_s: float = 40.0,
+              timeout_s: float = MEMBER_TIMEOUT_S) -> dict:
     """Quorum service plus one launcher per slot running ``target(slot, incarnation, host, port, *args)``;
     returns ``{"exitcodes": {slot: [...]}, "pids": {slot: [...]}}``. Ends every process it started by PID."""
     start_forkserver(target)
     slots = nproc + 1
-    service = QuorumService(ServiceSettings(nproc=slots, min_nproc=1, max_nproc=slots, timeout_s=MEMBER_TIMEOUT_S,
+    service = QuorumService(ServiceSettings(nproc=slots, min_nproc=1, max_nproc=slots, timeout_s=timeout_s,
                                             startup_s=30.0, rejoin_s=30.0), out_dir=folder)
     pids: dict[int, list[int]] = {slot: [] for slot in range(slots)}
     launchers = [Launcher(slot, target, ("127.0.0.1", service.port, *args),

@@ -197,6 +197,21 @@ def test_killed_worker_is_replaced_while_the_server_keeps_serving(tmp_path):
     assert sorted(step for _, step in server["applied"]) == list(range(total))
 
 
+@pytest.mark.timeout(60)
+def test_hung_server_is_evicted_and_restarts_from_its_checkpoint(tmp_path):
+    """A server that stops answering (SIGSTOP) is named by the workers' timeouts, evicted (its launcher
+    kills it) and relaunched from its checkpoint: still every update exactly once."""
+    total, every, hangs_at = 30, 4, 10
+    out = run(Plan(nproc=2, total_steps=total, checkpoint_every=every, folder=str(tmp_path), server_dies_at=hangs_at,
+                   hang=True, timeout_s=1.5))
+    assert out["exitcodes"] == {0: [0], 1: [0], 2: [-9, 0]}  # SIGKILLed by its launcher on eviction
+    server = out["reports"][(2, 1)]
+    assert server["restored"] and server["restored_version"] == 8
+    _assert_every_update_once(out["reports"], (2, 1), total)
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [(e["slot"], e["why"].split(":")[0]) for e in events if e["event"] == "evict"] == [(2, "evicted")]
+
+
 # --------------------------------------------------------------------------------------------------
 # gradsync train --mode async --elastic (run_elastic_async)
 # --------------------------------------------------------------------------------------------------
