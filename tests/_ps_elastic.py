@@ -80,7 +80,11 @@ def _serve(member: ElasticMember, model, plan: Plan, incarnation: int) -> None:
     restored_version = server.version
     applied = []
 
+    clock = []  # perf_counter of the first and the latest update
+
     def on_update(slot, version, loss, staleness):
+        now = time.perf_counter()
+        clock[:] = [clock[0] if clock else now, now]
         applied.append((slot, int(loss)))
         if incarnation == 0 and version == plan.server_dies_at:
             _suicide(plan.hang)
@@ -90,7 +94,8 @@ def _serve(member: ElasticMember, model, plan: Plan, incarnation: int) -> None:
         "pid": os.getpid(), "params": model.weight.detach().clone(), "version": server.version,
         "applied": applied, "applied_per_slot": dict(server.applied_per_slot), "restored": restored,
         "restored_version": restored_version, "duplicates": server.ledger.duplicates,
-        "memberships": server.memberships, "durable_seq": dict(server.durable_seq)})
+        "memberships": server.memberships, "durable_seq": dict(server.durable_seq),
+        "updates_s": clock[-1] - clock[0] if clock else 0.0})
 
 
 def _work(member: ElasticMember, model, plan: Plan, slot: int, incarnation: int) -> None:
