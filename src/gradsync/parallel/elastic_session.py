@@ -99,7 +99,8 @@ class Session:
                 polled = now
                 if self.should_close():
                     self.closing = "the quorum closed this membership"
-            self._check_silent(now)
+            if self.inbox.empty():  # a worker whose request waits in the queue is not silent
+                self._check_silent(now)
             self._answer_waiting()
             if self.live <= self.answered:
                 if self.closing is not None:
@@ -138,7 +139,10 @@ class Session:
         try:
             self.server.shared.check_peer([signature[2], signature[0], signature[1]], rank)
         except ValueError:
-            self._send_header(rank, REJECT, 0)
+            try:
+                self._send_header(rank, REJECT, 0)
+            except PeerFailure:
+                pass  # it is gone anyway; the ValueError says why it was refused
             raise
 
     def _lose(self, rank: int, why: str) -> None:
