@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ from _ps_helpers import Vector, one_hot
 from gradsync.parallel.elastic_server import ElasticParameterServer
 from gradsync.parallel.ps_ledger import Ledger, incarnation_seq
 from gradsync.parallel.ps_protocol import PUSH, REPLAY
-from gradsync.train import data
+from gradsync.train import data, elastic_async
 from gradsync.train.config import TrainConfig, validate
 
 
@@ -138,6 +139,29 @@ def test_no_checkpoint_means_a_fresh_start_and_bad_arguments_are_named(tmp_path)
         _server(tmp_path, timeout=math.inf)
     with pytest.raises(ValueError, match="not a parameter-server checkpoint"):
         server.load_state_dict({"kind": "something else"})
+
+
+def test_a_checkpoint_of_another_job_is_refused_before_and_at_restore(tmp_path):
+    """check_resumable names the option that differs; the server's own restore refuses it too, before
+    loading anything; --nproc may differ (step k is the same batch whoever computes it)."""
+    config = TrainConfig(mode="async", elastic=True, nproc=2, lr=0.05, checkpoint_dir=str(tmp_path / "ckpt"))
+    elastic_async.check_resumable(config, tmp_path)  # no checkpoint yet: nothing to refuse
+    server = _server(tmp_path)
+    server.user_state = {"job": elastic_async._job_fields(config)}
+    server.checkpoint()
+    elastic_async.check_resumable(replace(config, nproc=5), tmp_path)
+    other = replace(config, lr=0.1, max_staleness=2)
+    with pytest.raises(ValueError, match=r"belongs to another job: --lr 0.05 there, 0.1 here; --max-staleness None"):
+        elastic_async.check_resumable(other, tmp_path)
+    fresh = _server(tmp_path)
+    with pytest.raises(ValueError, match="--lr 0.05 there"):
+        fresh.restore(check=lambda saved, folder: elastic_async.check_compatible(other, saved, folder))
+    assert fresh.version == 0 and fresh.restored_from is None
+    server.user_state = {}
+    server.apply(0, _header(PUSH, 0, server.ledger.take(0), 1), _push(8, 0))
+    server.checkpoint()
+    with pytest.raises(ValueError, match="does not say which job wrote it"):
+        elastic_async.check_resumable(config, tmp_path)
 
 
 def test_elastic_async_accepts_checkpoint_options_plain_async_does_not(tmp_path):

@@ -137,12 +137,19 @@ class ElasticParameterServer:
         self.checkpointed_version = self.version
         return folder
 
-    def restore(self) -> bool:
-        """Load the newest complete checkpoint in ``checkpoint_dir``, if there is one; returns whether."""
+    def restore(self, check: Callable[[dict, Path], None] | None = None) -> bool:
+        """Load the newest complete checkpoint in ``checkpoint_dir``, if there is one; returns whether.
+
+        ``check(user_state, folder)``, if given, sees the checkpoint's ``user_state`` first (and raises
+        to refuse it, e.g. a checkpoint of another job).
+        """
         found = ckpt.latest(self.checkpoint_dir)
         if found is None:
             return False
-        self.load_state_dict(found.load_shared())
+        state = found.load_shared()
+        if check is not None:
+            check(dict(state.get("user_state", {})), found.folder)
+        self.load_state_dict(state)
         self.restored_from = found.folder
         return True
 

@@ -30,10 +30,12 @@ import torch.nn.functional as F
 
 from gradsync import process_group
 from gradsync.elastic.member import RECOVERABLE, ElasticMember
+from gradsync.fault import checkpoint as ckpt
 from gradsync.parallel.elastic_async_worker import ElasticAsyncWorker
 from gradsync.parallel.elastic_server import ElasticParameterServer
 from gradsync.parallel.ps_protocol import MembershipChange
 from gradsync.process_group import MIN_STARTUP_TIMEOUT_S
+from gradsync.train import resume
 from gradsync.train.async_loop import batches_per_epoch, evaluate, step_indices
 from gradsync.train.config import TrainConfig, validate_against_data
 from gradsync.train.data import load
@@ -138,6 +140,38 @@ def checkpoint_folder(config: TrainConfig, out_dir: Path) -> Path:
     return Path(config.checkpoint_dir) if config.checkpoint_dir else Path(out_dir) / "checkpoints"
 
 
+def _job_fields(config: TrainConfig) -> dict:
+    """What a server's checkpoint must share with the job resuming it (``--nproc`` may differ: step ``k``
+    is the same batch whoever computes it)."""
+    return {**resume.config_fields(config), "max_staleness": config.max_staleness,
+            "staleness_lr": config.staleness_lr}
+
+
+def check_compatible(config: TrainConfig, saved: dict, folder: Path) -> None:
+    """Refuse a server checkpoint of another job (another model, lr, seed, staleness bound ...).
+
+    Raises:
+        ValueError: naming every option that differs.
+    """
+    fields = saved.get("job")
+    if fields is None:
+        raise ValueError(f"checkpoint {folder} does not say which job wrote it: use another --checkpoint-dir")
+    here = _job_fields(config)
+    differences = [f"--{name.replace('_', '-')} {fields.get(name)!r} there, {value!r} here"
+                   for name, value in here.items() if fields.get(name) != value]
+    if differences:
+        raise ValueError(f"checkpoint {folder} belongs to another job: " + "; ".join(differences)
+                         + ". Use the same options, or another --checkpoint-dir")
+
+
+def check_resumable(config: TrainConfig, out_dir: Path) -> None:
+    """Before any process starts: refuse a newest server checkpoint in the checkpoint folder that another
+    job wrote (what the elastic job calls for ``--mode async``, instead of the sync checks)."""
+    found = ckpt.latest(checkpoint_folder(config, out_dir))
+    if found is not None:
+        check_compatible(config, dict(found.load_shared().get("user_state", {})), found.folder)
+
+
 class _ServerRole:
     """The server slot: the elastic parameter server, evaluation, metrics and the summary."""
 
@@ -151,8 +185,8 @@ class _ServerRole:
             keep=config.keep_checkpoints, max_staleness=config.max_staleness,
             staleness_aware_lr=config.staleness_lr, scheduler=make_scheduler(optimizer, config, total_steps),
             timeout=config.timeout)
-        self.server.user_state = {"epochs": [], "eval_s": 0.0}
-        restored = self.server.restore()
+        self.server.user_state = {"epochs": [], "eval_s": 0.0, "job": _job_fields(config)}
+        restored = self.server.restore(check=lambda saved, folder: check_compatible(config, saved, folder))
         self.log = MetricsLog(out_dir / METRICS_FILE)
         if restored:
             self.log.write({"kind": "restart", "version": self.server.version,
