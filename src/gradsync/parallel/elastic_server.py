@@ -13,8 +13,11 @@ Protocol (workers: :class:`~gradsync.parallel.elastic_async_worker.ElasticAsyncW
 
 * a membership starts with a *barrier*: every worker first replays the
   pushes it keeps (``REPLAY``) and then asks for parameters (``PULL``); the
-  server hands out no step before every worker asked, then hands out again
-  every step that was assigned and not replayed (its worker died);
+  server hands out no step before every worker asked, then applies the
+  replays by the version they were computed on (the order they were first
+  applied in, exactly so under ``max_staleness=0``: a restart leaves the
+  trajectory unchanged), then hands out again every step that was assigned
+  and not replayed (its worker died);
 * a push carries ``(slot, seq)``; the server applies it unless ``seq`` is at
   or below the slot's highest applied number (a replay of an applied push:
   dropped, counted in ``ledger.duplicates``);

@@ -76,6 +76,7 @@ class Session:
                           for r in self.workers}
         self.live = set(self.workers)
         self.pulled: set[int] = set()       # ranks that asked for parameters (the barrier)
+        self.replays: list[tuple] = []      # (version_read, slot, seq, header, payload) until the barrier
         self.barrier_done = False
         self.waiting: deque[int] = deque()  # ranks whose request awaits its reply
         self.answered: set[int] = set()     # ranks told STOP or CHANGE: nothing more from them here
@@ -124,8 +125,8 @@ class Session:
             self._admit(rank, header[1:].tolist())
             self.pulled.add(rank)
             self.waiting.append(rank)
-        elif kind == REPLAY:
-            self.server.apply(slot, header, payload, self.on_update)
+        elif kind == REPLAY:  # applied at the barrier, all workers' replays in their original order
+            self.replays.append((int(header[1]), slot, int(header[3]), header, payload.clone()))
             receiver.proceed()
         elif kind == PUSH:
             if self.server.gate.in_flight.pop(slot, None) is None:
@@ -167,6 +168,7 @@ class Session:
             if self.closing is None and not self.live <= self.pulled:
                 return
             self.barrier_done = True
+            self._apply_replays()
             server.ledger.requeue_assigned()  # every survivor has replayed: what is left lost its worker
             if self.closing is None and server.checkpointed_version != server.version:
                 server.checkpoint()           # the departed workers' applied pushes are durable now
@@ -188,6 +190,14 @@ class Session:
                 server.gate.start(self.slots[rank], server.version)
                 if self._reply(rank, PARAMS, step):
                     self.receivers[rank].proceed()
+
+    def _apply_replays(self) -> None:
+        """Apply the replayed pushes by the version they were computed on (then slot, seq): under
+        ``max_staleness=0`` exactly the order the lost server had applied them in, so a restart does not
+        change the trajectory at all; duplicates are dropped."""
+        for _, slot, _, header, payload in sorted(self.replays, key=lambda r: r[:3]):
+            self.server.apply(slot, header, payload, self.on_update)
+        self.replays.clear()
 
     def _final(self, rank: int, kind: int) -> None:
         self._reply(rank, kind, 0)
