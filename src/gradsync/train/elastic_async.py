@@ -10,7 +10,9 @@ asking for parameters. When the server dies its launcher starts it again:
 it loads its newest checkpoint and the workers replay every push that
 checkpoint does not hold; the server drops those it applied already, by
 ``(slot, seq)`` (protocol: :mod:`gradsync.parallel.elastic_server`). So
-every step's gradient is applied exactly once.
+every step's gradient is applied exactly once; replays are applied in the
+order they were computed, so under ``--max-staleness 0`` a server restart
+leaves the run bitwise unchanged.
 
 Data as in :mod:`gradsync.train.async_loop`: step ``k`` is a fixed batch,
 whoever computes it, so a replayed push is that step's gradient.
