@@ -48,6 +48,24 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, params: list[torch.nn.Par
                          f"parameters: build it on module.parameters()")
 
 
+def optimizer_step(optimizer, scheduler, params: list, grad_views: list[torch.Tensor], scale: float) -> float:
+    """One optimizer step with ``grad_views`` as the gradients and the lr times ``scale`` for this step
+    only; then the scheduler's step. Returns the lr applied (of the first group)."""
+    groups = optimizer.param_groups
+    scheduled = [group["lr"] for group in groups]
+    for group in groups:
+        group["lr"] = group["lr"] * scale
+    applied = groups[0]["lr"]
+    for param, grad in zip(params, grad_views):  # zero_grad(set_to_none) may have dropped them
+        param.grad = grad
+    optimizer.step()
+    for group, lr in zip(groups, scheduled):
+        group["lr"] = lr
+    if scheduler is not None:
+        scheduler.step()
+    return applied
+
+
 class ParameterServer:
     """Holds the trainable parameters and the optimizer; applies each worker's gradient on arrival.
 
@@ -242,18 +260,7 @@ class ParameterServer:
 
     def _step(self, staleness: int) -> None:
         scale = 1.0 / staleness if self.staleness_aware_lr and staleness > 1 else 1.0
-        groups = self.optimizer.param_groups
-        scheduled = [group["lr"] for group in groups]
-        for group in groups:
-            group["lr"] = group["lr"] * scale
-        self.last_lr = groups[0]["lr"]
-        for param, grad in zip(self.params, self.grad_views):  # zero_grad(set_to_none) may have dropped them
-            param.grad = grad
-        self.optimizer.step()
-        for group, lr in zip(groups, scheduled):
-            group["lr"] = lr
-        if self.scheduler is not None:
-            self.scheduler.step()
+        self.last_lr = optimizer_step(self.optimizer, self.scheduler, self.params, self.grad_views, scale)
 
     def _answer_waiting(self) -> None:
         """Give parameters (or stop) to waiting workers, oldest first, as far as the gate allows."""

@@ -16,6 +16,14 @@ Server -> worker header: ``[kind, version, step, 0]``; kind is ``PARAMS``
 (parameters follow; compute the gradient of ``step``), ``STOP`` (no more
 work; the final parameters follow, sent once every gradient is applied) or
 ``REJECT`` (the worker's model differs; nothing follows).
+
+The elastic server (:mod:`~gradsync.parallel.elastic_server`) adds a
+sequence number in field 3 of a push (``[PUSH, version_read, step, seq]``),
+``REPLAY`` (the same layout: a push the worker sent to an earlier membership
+and keeps until it is durable; no reply), ``CHANGE`` (server -> worker: the
+membership changes, leave it; nothing follows) and, in field 3 of ``PARAMS``
+and ``STOP``, the highest sequence number of the worker's slot that the
+server's newest checkpoint holds.
 """
 
 from __future__ import annotations
@@ -26,13 +34,18 @@ import torch
 from torch import nn
 
 from gradsync.collectives.dtypes import OTHER_DTYPE_CODE, dtype_code, dtype_name
-from gradsync.errors import CollectiveMismatchError, CollectiveTimeoutError
+from gradsync.errors import CollectiveMismatchError, CollectiveTimeoutError, GradsyncError
 from gradsync.transport.base import PeerFailure
 
 HEADER_NUMEL = 4
-PULL, PUSH = 1, 2
-PARAMS, STOP, REJECT = 1, 2, 3
+PULL, PUSH, REPLAY = 1, 2, 3
+PARAMS, STOP, REJECT, CHANGE = 1, 2, 3, 4
 TAG_REQUEST, TAG_GRADIENT, TAG_REPLY, TAG_PARAMETERS = 101, 102, 103, 104
+
+
+class MembershipChange(GradsyncError):
+    """An elastic parameter server and its workers leave this membership (a worker died or joins, the
+    server left): both sides go on in the next one, nothing lost."""
 
 
 def new_header() -> torch.Tensor:

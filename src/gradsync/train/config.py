@@ -137,8 +137,9 @@ class TrainConfig:
         return rank, step
 
     def checkpointing(self) -> bool:
-        """Whether this job writes checkpoints (it does when it may restart)."""
-        return self.checkpoint_dir is not None or self.max_restarts > 0
+        """Whether this job writes checkpoints (it does when it may restart; an elastic async run's
+        server always does: it restarts from its newest checkpoint)."""
+        return self.checkpoint_dir is not None or self.max_restarts > 0 or (self.elastic and self.mode == "async")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -235,12 +236,13 @@ def _validate_fault_tolerance(config: TrainConfig) -> None:
             if value != default:
                 raise ValueError(f"{flag} needs --checkpoint-dir or --max-restarts")
     if config.mode == "async":
-        for flag, used in [("--checkpoint-dir", config.checkpoint_dir is not None),
+        for flag, used in [("--checkpoint-dir", config.checkpoint_dir is not None and not config.elastic),
                            ("--max-restarts", config.max_restarts > 0), ("--fail-at", config.fail_at is not None),
                            ("--hang-at", config.hang_at is not None)]:
             if used:
-                raise ValueError(f"{flag} applies to --mode sync and local-sgd: the parameter server "
-                                 "does not checkpoint (a restart would lose its updates)")
+                raise ValueError(f"{flag} applies to --mode sync and local-sgd (and --checkpoint-dir to "
+                                 "--mode async --elastic): a parameter server without --elastic does not "
+                                 "checkpoint (a restart would lose its updates)")
     config.fault_rank_step("fail_at")
     config.fault_rank_step("hang_at")
 
