@@ -14,7 +14,7 @@ import torch
 
 import gradsync
 from gradsync.elastic.member import RECOVERABLE, ElasticMember, Evicted, MembershipChanged
-from gradsync.elastic.store import connect
+from gradsync.elastic.run_store import connect
 
 
 def run(slot, incarnation, host, port, steps, die_slot, die_step, out):

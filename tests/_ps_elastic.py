@@ -25,7 +25,7 @@ import torch
 from gradsync.elastic.launcher import Launcher
 from gradsync.elastic.member import ElasticMember
 from gradsync.elastic.service import QuorumService, ServiceSettings
-from gradsync.elastic.store import connect
+from gradsync.elastic.run_store import connect
 from gradsync.launch import start_forkserver
 from gradsync.parallel.elastic_async_worker import ElasticAsyncWorker
 from gradsync.parallel.elastic_server import ElasticParameterServer

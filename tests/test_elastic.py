@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.elastic.quorum import Quorum
-from gradsync.elastic.store import EventReader, post
+from gradsync.elastic.run_store import EventReader, post
 from gradsync.fault.events import read_events
 from gradsync.train import data
 from gradsync.train.config import TrainConfig

@@ -16,7 +16,7 @@ import threading
 from multiprocessing.connection import wait
 from typing import Callable
 
-from gradsync.elastic.store import post
+from gradsync.elastic.run_store import post
 
 EVICT_POLL_S = 0.05
 SUCCESS = 0

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from gradsync import process_group
-from gradsync.elastic.store import get_json, post, wait_json, wait_key
+from gradsync.elastic.run_store import get_json, post, wait_json, wait_key
 from gradsync.errors import GradsyncError
 
 # Errors after which a member leaves its membership and joins the next: a collective that failed

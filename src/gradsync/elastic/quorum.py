@@ -9,7 +9,7 @@ data position every other member takes (so a member that committed a step
 its peers did not commit, when a failure cut the step's AllReduce short on
 some ranks only, brings the others forward rather than the reverse).
 
-Events (``gradsync.elastic.store.post``):
+Events (``gradsync.elastic.run_store.post``):
 ``join`` (slot, incarnation, step): a worker waits to be admitted;
 ``died`` (slot, incarnation, exitcode): its launcher saw the process end;
 ``ready`` (slot, incarnation, epoch, step, suspect, closed): a member left

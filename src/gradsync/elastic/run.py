@@ -19,7 +19,7 @@ from typing import Callable
 
 from gradsync.elastic.launcher import Launcher
 from gradsync.elastic.service import QuorumService, ServiceSettings
-from gradsync.elastic.store import connect
+from gradsync.elastic.run_store import connect
 from gradsync.errors import GradsyncError
 
 POLL_S = 0.05

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gradsync.elastic.quorum import Quorum
-from gradsync.elastic.store import EventReader, serve
+from gradsync.elastic.run_store import EventReader, serve
 from gradsync.fault.events import EventLog
 
 POLL_S = 0.005        # the longest the quorum waits for an event before it looks at the clock

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from gradsync.elastic.store import connect
+from gradsync.elastic.run_store import connect
 from gradsync.fault.events import EventLog
 from gradsync.launch import die_with_launcher, start_forkserver
 from gradsync.train.config import TrainConfig

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from gradsync.elastic.launcher import Launcher
 from gradsync.elastic.service import QuorumService, ServiceSettings
-from gradsync.elastic.store import connect, get_json
+from gradsync.elastic.run_store import connect, get_json
 from gradsync.errors import GradsyncError
 from gradsync.fault.events import EventLog
 from gradsync.launch import start_forkserver
@@ -125,7 +125,11 @@ def make_launcher(slot: int, config: TrainConfig, data_path: Path, out_dir: Path
 
 def run_elastic(config: TrainConfig, data_path: Path, out_dir: Path) -> dict:
     """The whole elastic job on this machine; returns the summary (written by the last rank 0)."""
-    if config.checkpoint_dir:
+    if config.mode == "async":
+        from gradsync.train.elastic_async import check_resumable as check_async_resumable
+
+        check_async_resumable(config, out_dir)
+    elif config.checkpoint_dir:
         from gradsync.train.elastic_checkpoint import check_resumable
 
         check_resumable(config)

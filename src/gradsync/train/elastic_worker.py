@@ -15,7 +15,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from gradsync.elastic.member import ElasticMember
-from gradsync.elastic.store import connect
+from gradsync.elastic.run_store import connect
 from gradsync.launch import die_with_launcher
 from gradsync.train.config import TrainConfig
 from gradsync.train.metrics import METRICS_FILE, SUMMARY_FILE, private_files, read_metrics, write_summary
