@@ -216,7 +216,10 @@ def test_a_hung_worker_is_evicted_within_the_timeout_and_replaced(tmp_path):
     assert evicted["time"] - fault["time"] <= timeout_s + 2.0
     back = [e for e in events if e["event"] == "resumed_training" and e["time"] > evicted["time"]]
     assert back and back[0]["time"] - evicted["time"] < 1.0  # training again within a second
-    assert summary["steps"] == NUM_TRAIN // GLOBAL_BATCH and summary["world_size"] == 2
+    assert back[0]["members"] == [0]  # the survivor alone: it did not wait for the replacement
+    relaunched = [e for e in events if e["event"] == "launched" and e["slot"] == 1]
+    assert [e["incarnation"] for e in relaunched] == [0, 1]  # its launcher killed it and started it again
+    assert summary["steps"] == NUM_TRAIN // GLOBAL_BATCH
     counts = _samples(run, summary)
     assert (counts["samples_lost"], counts["samples_duplicated"]) == (0, 0)
 
