@@ -26,7 +26,6 @@ samples lost or used twice can be counted (:mod:`~gradsync.train.elastic_samples
 
 from __future__ import annotations
 
-import io
 import json
 import time
 from contextlib import nullcontext
@@ -48,6 +47,7 @@ from gradsync.train.config import TrainConfig, elastic_workers
 from gradsync.train.data import load
 from gradsync.train import elastic_checkpoint
 from gradsync.train.elastic_samples import SAMPLES_FOLDER
+from gradsync.train.elastic_state import broadcast_state, check_replicas_equal, clone
 from gradsync.train.resume import say
 from gradsync.train.global_batch import global_batches, split_contiguous
 from gradsync.train.metrics import METRICS_FILE, MODEL_FILE, MetricsLog
@@ -142,14 +142,14 @@ class ElasticTrainer:
         state = broadcast_state(self._snapshot() if membership.rank == 0 else None, before_payload=fault)
         self.progress = state["progress"]
         self._build(state)
-        replicas_equal = _replicas_equal(self.module)  # checked after every recovery (collective)
+        equal = check_replicas_equal(self.module)  # checked after every recovery (collective)
         self.log = MetricsLog(self.out_dir / METRICS_FILE) if membership.rank == 0 else None
         if membership.rank == 0:
             self.events.write({"event": "resumed_training", "epoch": membership.epoch,
                                "world_size": membership.world_size, "step": self.progress["step"],
                                "reason": membership.reason, "handover_s": time.perf_counter() - started,
                                "members": [m["slot"] for m in membership.members],
-                               "joined": membership.record.get("joined", []), "replicas_equal": replicas_equal})
+                               "joined": membership.record.get("joined", []), "replicas_equal": equal})
 
     def _snapshot(self) -> dict:
         if self.model is None and self.resume_from is not None:  # a whole-job failure: the newest checkpoint
@@ -268,7 +268,7 @@ class ElasticTrainer:
         progress["train_s"] += seconds
         compression = getattr(self.model, "compression", None)
         if compression is not None:
-            self.compression_state = _clone(compression.state_dict())
+            self.compression_state = clone(compression.state_dict())
         if self.log is not None and self.config.checkpoint_dir and progress["step"] % self.config.checkpoint_every == 0:
             state = {**self._snapshot(), "global_batch": self.global_batch}
             elastic_checkpoint.save(self.config, state, gradsync.world_size())
@@ -321,11 +321,11 @@ class ElasticTrainer:
 
     def _finish(self) -> dict | None:
         """Rank 0 writes the model and the summary, then tells the quorum; others just report."""
-        replicas_equal = _replicas_equal(self.module)
+        equal = check_replicas_equal(self.module)
         if gradsync.rank() != 0:
             return None
         checkpoint.write_atomic(self.out_dir / MODEL_FILE, checkpoint.serialize(self.module.state_dict()))
-        summary = self._summary(replicas_equal)
+        summary = self._summary(equal)
         self.member.finish()
         return summary
 
@@ -346,45 +346,3 @@ class ElasticTrainer:
                 "algorithms": [{"bucket_nbytes": int(n), "algorithm": name} for n, name in
                                getattr(self.model, "bucket_algorithms", lambda: [])()],
                 "config": asdict(self.config)}
-
-
-def broadcast_state(state: dict | None, before_payload=None) -> dict:
-    """Rank 0's ``state`` on every rank (collective; ``torch.save`` bytes: tensors, numbers, lists, dicts).
-
-    ``before_payload``: called between the length and the payload (fault injection).
-    """
-    if state is not None:
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-        length = torch.tensor([payload.numel()], dtype=torch.int64)
-    else:
-        payload, length = None, torch.zeros(1, dtype=torch.int64)
-    gradsync.broadcast(length, src=0)
-    if before_payload is not None:
-        before_payload()
-    if payload is None:
-        payload = torch.empty(int(length[0]), dtype=torch.uint8)
-    gradsync.broadcast(payload, src=0)
-    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
-
-
-def _replicas_equal(module: torch.nn.Module) -> bool:
-    """Whether every member holds the same parameter bits (collective: rank 0's bytes against each rank's)."""
-    flat = torch.cat([p.detach().reshape(-1).view(torch.uint8) if p.dtype != torch.bool else p.reshape(-1)
-                      for p in module.state_dict().values()]).clone()
-    reference = flat.clone()
-    gradsync.broadcast(reference, src=0)
-    unequal = torch.tensor([int(not torch.equal(flat, reference))], dtype=torch.int64)
-    gradsync.all_reduce(unequal, op="sum")
-    return int(unequal[0]) == 0
-
-
-def _clone(state):
-    if isinstance(state, torch.Tensor):
-        return state.clone()
-    if isinstance(state, dict):
-        return {key: _clone(value) for key, value in state.items()}
-    if isinstance(state, list):
-        return [_clone(value) for value in state]
-    return state
