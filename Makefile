@@ -32,7 +32,7 @@ test: $(STAMP)
 # says so and shows each command.
 # One bench: `make bench BENCHES=faults`; other options: `make bench BENCH_modes="--epochs 15"`.
 BENCH_DIR := docs/bench
-BENCHES ?= allreduce allreduce_hosts_1g allreduce_hosts_10g train compression modes faults deterministic replicas
+BENCHES ?= allreduce allreduce_hosts_1g allreduce_hosts_10g train compression modes faults faults_elastic deterministic replicas
 BENCH_allreduce ?= --nproc 4 --sizes 4K,64K,1M,16M,64M
 # across 2 test hosts (network namespaces: needs root, as `make test` does for its host tests)
 BENCH_HOSTS := --hosts 2 --nproc 2 --sizes 64K,256K,512K,1M,4M,16M,64M --repetitions 9
@@ -43,6 +43,7 @@ BENCH_compression ?= --compressions none,fp16,onebit,topk,powersgd --epochs 5 --
 	--throughput-steps 2 --rounds 2
 BENCH_modes ?= --epochs 5 --staleness-bounds none+lr --sync-every 16
 BENCH_faults ?= --epochs 3
+BENCH_faults_elastic ?= --elastic --epochs 3 --chaos-s 150 --kill-every 15
 BENCH_deterministic ?= --nproc 2,4 --model cnn,mlp --micro-shards 4,12 --steps 20 --rounds 3
 BENCH_replicas ?= --nproc 2,4 --model cnn,mlp
 RECORD := $(PY) -m gradsync bench record --bench-dir $(BENCH_DIR)

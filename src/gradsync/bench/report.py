@@ -28,7 +28,7 @@ from gradsync.bench.report_texts import TITLES as _TITLES
 
 # Record names: a bench, or "<bench>_<label>" for a second setting of one (the test-host sweeps).
 BENCHES = ("allreduce", "allreduce_hosts_1g", "allreduce_hosts_10g", "train", "compression", "modes", "faults",
-           "deterministic", "replicas")
+           "faults_elastic", "deterministic", "replicas")
 DEFAULT_BENCH_DIR = "docs/bench"
 DEFAULT_OUT = "docs/benchmarks.md"
 FORMAT_VERSION = 1
@@ -100,6 +100,9 @@ def load(bench_dir: str | Path = DEFAULT_BENCH_DIR) -> dict[str, dict]:
 
 def tables(name: str, rows: list[dict]) -> list[str]:
     """The text tables ``gradsync bench NAME`` prints for ``rows``, made by the bench's own formatters."""
+    if name == "faults_elastic":
+        from gradsync.bench.faults_elastic import format_table
+        return [format_table(rows)]
     name = bench_of(name)
     if name == "allreduce":
         from gradsync.bench.allreduce import format_table

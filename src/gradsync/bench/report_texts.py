@@ -120,6 +120,18 @@ raised for it, `recover s` fault → the restarted workers have loaded the
 checkpoint and start the next step; `recomputed` is the steps lost with the
 failed attempt; `params equal` compares the final parameters with the run
 without a fault, bit for bit.""",
+    "faults_elastic": """\
+`gradsync train --elastic` with `--deterministic` on 4 workers: without a fault,
+a worker killed and one hung mid-run (the survivors shrink, the replacement
+grows the world back), then a chaos run killing a random worker every ~15 s
+against a fault-free run of the same length, and torchft's fault-tolerant DDP
+(its Lighthouse and Manager) on the same model, data and schedule. Per
+failure, from the run folder's events (wall clock): `detect s` fault → the
+first survivor or launcher that saw it, `recover s` fault → the survivors
+train again in a new membership, `after det` the longest recover − detect,
+`joiner s` fault → the replacement trains; `lost`/`dup` count samples per id;
+`kept` is samples/s against the fault-free run; `bitwise=` compares the final
+model with the fault-free run's.""",
     "faults_after": """\
 How to read it. A killed worker is noticed at once (its peers' sockets
 close); a hang costs the timeout plus the 1.5 s in which the live ranks
@@ -173,5 +185,6 @@ TITLES = {"allreduce": "AllReduce sweep", "allreduce_hosts_1g": "AllReduce acros
            "allreduce_hosts_10g": "AllReduce across 2 test hosts, 10 Gbit/s links", "train": "Training: gradsync DataParallel against torch DDP",
            "compression": "Gradient compression", "modes": "Sync, async and local SGD",
            "faults": "Faults: a killed and a hung worker",
+           "faults_elastic": "Elastic: survivors go on, replacements join, a chaos run, torchft beside it",
            "deterministic": "Deterministic mode: the cost of the same bits at any world size",
            "replicas": "Replica checks: the cost of one check against one training step"}
