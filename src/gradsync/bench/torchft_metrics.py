@@ -1,0 +1,158 @@
+"""From the torchft replicas' step logs to the chaos row: detect, recover, steps and samples lost, throughput.
+
+Inputs are the records :mod:`gradsync.bench.torchft_worker` appends (one per
+attempted step, wall-clock ``time.time()`` seconds) and the driver's kills
+``[{"victim": replica, "pid": int, "time": s}]``. Per failure (kill at ``t``):
+
+- ``detect_s``: ``t`` -> the first survivor attempt that shows the loss: its
+  AllReduce failed (``errored``, not committed) or its quorum had fewer
+  participants than its last one before ``t``; timed at its ``t_backward``
+  (the AllReduce returned, which for a quorum change is after the quorum);
+- ``recover_s``: ``t`` -> the first step a survivor commits after that;
+- ``steps_lost``: attempts a survivor did not commit in ``[t, recover]`` (the
+  most over survivors; torchft retries the same step, so no step index is
+  skipped); ``steps_lost_at_rejoin``: the same from recovery to the next kill
+  (a joiner's quorum change can fail a step too);
+- ``joiner_startup_s``: ``t`` -> the relaunched victim's first committed step
+  it took part in; ``rejoin_stall_s``: the survivors' longest step in the
+  joiner's first second in the quorum (reconfigure + checkpoint send).
+
+Samples are counted per sample id: step ``s`` of the run has global batch
+``batches(s)``; each replica that took part in the commit of ``s`` trained its
+piece. ``samples_lost``: ids of a committed global batch nobody trained (a
+missing or healing replica's piece under the ``fixed`` split);
+``samples_duplicated``: ids trained twice in one committed step. Retried
+(uncommitted) steps are neither: their batch is trained again at the same step.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from gradsync.train.global_batch import split_contiguous
+
+
+def read_log(path: Path) -> list[dict]:
+    """A replica's records (a line cut by SIGKILL at the end is skipped)."""
+    records = []
+    if not Path(path).exists():
+        return records
+    for line in Path(path).read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def steps_of(records: list[dict]) -> list[dict]:
+    return sorted((r for r in records if "step" in r), key=lambda r: r["t_end"])
+
+
+def window_start(steps: list[dict], nproc: int) -> float | None:
+    """The first commit with every replica in the quorum: where the measured window starts."""
+    times = [r["t_end"] for r in steps if r["committed"] and r["participants"] == nproc]
+    return min(times) if times else None
+
+
+def commits(steps: list[dict]) -> dict[int, list[dict]]:
+    """Committed step -> the records of the replicas that took part in it."""
+    table = defaultdict(dict)
+    for record in steps:
+        if record["committed"] and record["participating"]:
+            table[record["step"]][record["replica"]] = record
+    return {step: list(by_replica.values()) for step, by_replica in table.items()}
+
+
+def sample_counts(step: int, records: list[dict], batches: Callable[[int], torch.Tensor]) -> tuple[int, int, int]:
+    """(samples trained, lost, duplicated) of committed ``step`` by sample id."""
+    batch = batches(step)
+    trained = [split_contiguous(batch, r["pieces"])[r["piece"]] for r in records]
+    ids = torch.cat(trained) if trained else torch.empty(0, dtype=torch.int64)
+    unique = torch.unique(ids).numel()
+    return ids.numel(), batch.numel() - unique, ids.numel() - unique
+
+
+def count_samples(table: dict[int, list[dict]], batches) -> dict[int, tuple[float, int, int, int]]:
+    """Committed step -> (commit time, samples trained, lost, duplicated), in step order (one epoch at a time)."""
+    return {step: (min(r["t_end"] for r in table[step]), *sample_counts(step, table[step], batches))
+            for step in sorted(table)}
+
+
+def totals(counts: dict, start: float, end: float) -> tuple[int, int, int, int]:
+    """(committed steps, samples trained, lost, duplicated) of the steps committed in ``[start, end)``."""
+    rows = [c for c in counts.values() if start <= c[0] < end]
+    return len(rows), sum(c[1] for c in rows), sum(c[2] for c in rows), sum(c[3] for c in rows)
+
+
+def failure(kill: dict, next_time: float, by_replica: dict[int, list[dict]], counts: dict) -> dict:
+    """One kill's figures (None where the logs never show the event)."""
+    t, victim = kill["time"], kill["victim"]
+    survivors = {rep: recs for rep, recs in by_replica.items() if rep != victim}
+    detect = None
+    for recs in survivors.values():
+        before = [r for r in recs if r["t_end"] <= t]
+        last = before[-1]["participants"] if before else None
+        for r in recs:
+            if r["t_end"] > t and (not r["committed"] or (last is not None and r["participants"] < last)):
+                detect = r["t_backward"] if detect is None else min(detect, r["t_backward"])
+                break
+    recover = None
+    if detect is not None:
+        ends = [r["t_end"] for recs in survivors.values() for r in recs if r["committed"] and r["t_end"] >= detect]
+        recover = min(ends) if ends else None
+    lost = lost_rejoin = 0
+    stop = recover if recover is not None else next_time
+    for recs in survivors.values():
+        lost = max(lost, sum(1 for r in recs if t <= r["t_end"] <= stop and not r["committed"]))
+        lost_rejoin = max(lost_rejoin, sum(1 for r in recs if stop < r["t_end"] < next_time and not r["committed"]))
+    joined = [r["t_end"] for r in by_replica.get(victim, [])
+              if r["t_end"] > t and r["committed"] and r["participating"]]
+    joined_at = min(joined) if joined else None
+    stall = None
+    if joined_at is not None:
+        spans = [r["t_end"] - r["t_start"] for recs in survivors.values() for r in recs
+                 if joined_at - 1.0 <= r["t_end"] <= joined_at + 1.0]
+        stall = max(spans) if spans else None
+    _, _, samples_lost, samples_dup = totals(counts, t, next_time)
+    return {"victim": victim, "kill_time": t,
+            "detect_s": None if detect is None else detect - t,
+            "recover_s": None if recover is None else recover - t,
+            "steps_lost": lost, "steps_lost_at_rejoin": lost_rejoin,
+            "joiner_startup_s": None if joined_at is None else joined_at - t,
+            "rejoin_stall_s": stall, "samples_lost": samples_lost, "samples_duplicated": samples_dup}
+
+
+def median(values: list) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def summarize(kills: list[dict], steps: list[dict], batches, start: float, end: float) -> dict:
+    """The row's measured keys from the kills and every replica's step records in ``[start, end]``."""
+    by_replica = defaultdict(list)
+    for record in steps:
+        by_replica[record["replica"]].append(record)
+    counts = count_samples(commits(steps), batches)
+    committed, samples, lost, dup = totals(counts, start, end)
+    times = [k["time"] for k in kills] + [end]
+    failures = [failure(kill, times[i + 1], by_replica, counts) for i, kill in enumerate(kills)]
+    return {"failures": len(kills), "per_failure": failures,
+            "detect_s": median([f["detect_s"] for f in failures]),
+            "detect_s_list": [f["detect_s"] for f in failures],
+            "recover_s": median([f["recover_s"] for f in failures]),
+            "recover_s_list": [f["recover_s"] for f in failures],
+            "steps_lost_per_fault": median([f["steps_lost"] for f in failures]),
+            "steps_lost_list": [f["steps_lost"] for f in failures],
+            "steps_lost_at_rejoin_list": [f["steps_lost_at_rejoin"] for f in failures],
+            "joiner_startup_s": median([f["joiner_startup_s"] for f in failures]),
+            "joiner_startup_s_list": [f["joiner_startup_s"] for f in failures],
+            "rejoin_stall_s_list": [f["rejoin_stall_s"] for f in failures],
+            "samples_lost": lost, "samples_duplicated": dup, "samples_per_s": samples / max(end - start, 1e-9), "committed_steps": committed,
+            "attempts_uncommitted": sum(1 for r in steps if start <= r["t_end"] <= end and not r["committed"])}

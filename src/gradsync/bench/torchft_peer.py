@@ -1,0 +1,332 @@
+"""The torchft peer row of ``gradsync bench faults --elastic``: torchft's own fault-tolerant DDP under chaos.
+
+:func:`run_torchft_chaos` starts a torchft Lighthouse (in this process, on
+loopback; no replica's death takes it down) and ``nproc`` replica groups of one
+process each (:mod:`gradsync.bench.torchft_worker`: gradsync's MNIST-1D model,
+data and optimizer under torchft's Manager, ProcessGroupGloo, DDP wrapper,
+OptimizerWrapper and PGTransport). With ``chaos`` it SIGKILLs a random live
+replica (seeded) every ``kill_every_s`` seconds of the measured window; this
+process is also every replica's relauncher: a replica that exits is started
+again at once, and joins by healing from a live peer. The window starts at the
+first step committed by all ``nproc`` replicas and lasts ``duration_s``; then
+every replica is let back in, a common stop step is written and each replica
+saves its parameters, which are compared. Figures: :mod:`torchft_metrics`.
+
+    python -m gradsync.bench.torchft_peer --duration 60            # chaos and fault-free, 4 replicas
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import gradsync
+from gradsync.bench.torchft_metrics import read_log, steps_of, summarize, window_start
+from gradsync.bench.torchft_worker import Batches
+from gradsync.train import data as data_module
+from gradsync.train.models import build_model
+
+# Lighthouse: heartbeat_timeout_ms is how long a killed replica still counts as healthy, and a quorum
+# without it waits for min(heartbeat timeout, join_timeout) (lighthouse.rs quorum_compute); a join
+# needs neither (the "fast quorum": every previous member is back). Lower values raced with the
+# replicas' 100 ms heartbeats on the loaded 2-core machine in trials.
+LIGHTHOUSE = {"min_replicas": 1, "join_timeout_ms": 1000, "quorum_tick_ms": 20, "heartbeat_timeout_ms": 1000}
+MANAGER = {"heartbeat_ms": 100, "timeout": 10.0, "quorum_timeout": 30.0}
+START_TIMEOUT_S = 120.0  # every replica in the first quorum (4 torch imports on 2 busy cores)
+STOP_TIMEOUT_S = 60.0
+
+
+class Replicas:
+    """The replica processes, each relaunched when it exits; every one ended by PID in :meth:`close`."""
+
+    def __init__(self, nproc: int, out_dir: Path, worker_args: list[str]):
+        self.nproc, self.out_dir, self.worker_args = nproc, out_dir, worker_args
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.launches: list[dict] = []
+        self.stopping = False
+        src = str(Path(gradsync.__file__).resolve().parents[1])
+        self.env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
+                    "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
+
+    def log_path(self, replica: int) -> Path:
+        return self.out_dir / f"replica{replica}.jsonl"
+
+    def launch(self, replica: int) -> None:
+        args = [sys.executable, "-m", "gradsync.bench.torchft_worker", "--replica", str(replica),
+                "--log", str(self.log_path(replica)), "--final", str(self.out_dir / f"final{replica}.pt"),
+                *self.worker_args]
+        with open(self.out_dir / f"replica{replica}.out", "a") as output:
+            self.procs[replica] = subprocess.Popen(args, env=self.env, stdout=output, stderr=subprocess.STDOUT,
+                                                   stdin=subprocess.DEVNULL)
+        self.launches.append({"replica": replica, "pid": self.procs[replica].pid, "time": time.time()})
+
+    def relaunch_exited(self) -> None:
+        """The relauncher: start again every replica whose process ended (not once stopping)."""
+        for replica, proc in list(self.procs.items()):
+            if proc.poll() is not None and not self.stopping:
+                self.launch(replica)
+
+    def kill(self, replica: int) -> dict:
+        proc = self.procs[replica]
+        try:
+            os.kill(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # it had just ended by itself: the relauncher starts it again
+            pass
+        return {"victim": replica, "pid": proc.pid, "time": time.time()}
+
+    def all_exited(self) -> bool:
+        return all(proc.poll() is not None for proc in self.procs.values())
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+class Progress:
+    """Tails the replicas' logs: each replica's last committed step and whether it committed since launch."""
+
+    def __init__(self, replicas: Replicas):
+        self.replicas = replicas
+        self.offsets = {}
+        self.last = {}  # replica -> last record
+
+    def poll(self) -> None:
+        for replica in range(self.replicas.nproc):
+            path = self.replicas.log_path(replica)
+            if not path.exists():
+                continue
+            with open(path) as file:
+                file.seek(self.offsets.get(replica, 0))
+                text = file.read()
+            cut = text.rfind("\n") + 1
+            self.offsets[replica] = self.offsets.get(replica, 0) + cut
+            for line in text[:cut].splitlines():
+                record = json.loads(line)
+                if record.get("committed") and record.get("participating") or record.get("event") == "started":
+                    self.last[replica] = record
+
+    def healthy(self, replica: int) -> bool:
+        """In the quorum since its latest launch (its last record is a committed step, not 'started')."""
+        return "step" in self.last.get(replica, {})
+
+    def max_step(self) -> int:
+        return max((r["step"] for r in self.last.values() if "step" in r), default=0)
+
+    def all_in(self) -> bool:
+        return all(self.healthy(replica) for replica in range(self.replicas.nproc))
+
+
+def wait_for(condition, timeout_s: float, what: str, tick=None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"torchft peer: {what} not within {timeout_s:g} s")
+        if tick:
+            tick()
+        time.sleep(0.05)
+
+
+def run_phase(replicas: Replicas, progress: Progress, *, duration_s: float, kill_every_s: float, chaos: bool,
+              rng: random.Random) -> tuple[float, list[dict]]:
+    """Start every replica, wait for the first full quorum, then run the window; returns (start, kills)."""
+    for replica in range(replicas.nproc):
+        replicas.launch(replica)
+
+    def tick():
+        replicas.relaunch_exited()
+        progress.poll()
+
+    wait_for(lambda: progress.all_in(), START_TIMEOUT_S, "every replica in the first quorum", tick)
+    start, kills = time.time(), []
+    next_kill = start + kill_every_s
+    while time.time() < start + duration_s:
+        tick()
+        if chaos and time.time() >= next_kill and time.time() < start + duration_s - kill_every_s / 2:
+            candidates = [r for r in range(replicas.nproc) if progress.healthy(r)]
+            if len(candidates) > 1:
+                victim = rng.choice(candidates)
+                kills.append(replicas.kill(victim))
+                progress.last.pop(victim, None)
+            next_kill += kill_every_s
+        time.sleep(0.02)
+    return start, kills
+
+
+def stop_all(replicas: Replicas, progress: Progress, stop_file: Path, margin_steps: int = 50) -> None:
+    """Let every replica back into the quorum, then stop them all at one step; bounded waits."""
+    def tick():
+        replicas.relaunch_exited()
+        progress.poll()
+
+    wait_for(progress.all_in, STOP_TIMEOUT_S, "every replica back in the quorum", tick)
+    stop_file.write_text(str(progress.max_step() + margin_steps))
+    replicas.stopping = True
+    wait_for(replicas.all_exited, STOP_TIMEOUT_S, "every replica stopped at the stop step", progress.poll)
+
+
+def final_checks(out_dir: Path, nproc: int, model_name: str, splits) -> dict:
+    """replicas_equal (bitwise, same step), final test accuracy of replica 0, and the final step."""
+    finals = [torch.load(out_dir / f"final{r}.pt", weights_only=True) for r in range(nproc)]
+    first = finals[0]
+    equal = all(f["step"] == first["step"] and f["model"].keys() == first["model"].keys()
+                and all(torch.equal(f["model"][k], first["model"][k]) for k in first["model"]) for f in finals)
+    model = build_model(model_name)
+    model.load_state_dict(first["model"])
+    with torch.no_grad():
+        accuracy = (model(splits.x_test).argmax(1) == splits.y_test).float().mean().item()
+        loss = F.cross_entropy(model(splits.x_test), splits.y_test).item()
+    return {"replicas_equal": equal, "final_step": first["step"], "final_test_accuracy": accuracy,
+            "final_test_loss": loss}
+
+
+def run_once(*, nproc: int, model: str, duration_s: float, kill_every_s: float, seed: int, global_batch_size: int,
+             split: str, chaos: bool, data_path: Path, out_dir: Path) -> dict:
+    """One run (chaos or fault-free) in ``out_dir``: its measured keys (see torchft_metrics.summarize)."""
+    from torchft._torchft import LighthouseServer
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stop_file = out_dir / "stop_step"
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", **LIGHTHOUSE)
+    port = lighthouse.address().rsplit(":", 1)[1]  # its address names the host name; connect on loopback
+    worker_args = ["--nproc", str(nproc), "--lighthouse", f"http://127.0.0.1:{port}", "--data", str(data_path),
+                   "--model", model, "--global-batch-size", str(global_batch_size), "--seed", str(seed),
+                   "--split", split, "--stop-file", str(stop_file), "--timeout", str(MANAGER["timeout"]),
+                   "--quorum-timeout", str(MANAGER["quorum_timeout"]), "--heartbeat-ms", str(MANAGER["heartbeat_ms"])]
+    replicas = Replicas(nproc, out_dir, worker_args)
+    progress = Progress(replicas)
+    try:
+        start, kills = run_phase(replicas, progress, duration_s=duration_s, kill_every_s=kill_every_s, chaos=chaos,
+                                 rng=random.Random(seed))
+        stop_all(replicas, progress, stop_file)
+    finally:
+        replicas.close()
+        lighthouse.shutdown()
+    (out_dir / "driver.json").write_text(json.dumps({"kills": kills, "launches": replicas.launches}))
+    splits = data_module.load(data_path)
+    steps = steps_of([r for rep in range(nproc) for r in read_log(replicas.log_path(rep))])
+    batches = Batches(len(splits.y_train), global_batch_size, seed)
+    measured = summarize(kills, steps, batches, start, start + duration_s)
+    measured["window_start_check"] = window_start(steps, nproc)
+    return {**measured, **final_checks(out_dir, nproc, model, splits), "relaunches": len(replicas.launches) - nproc}
+
+
+def run_torchft_chaos(nproc: int = 4, model: str = "cnn", duration_s: float = 150.0, kill_every_s: float = 15.0,
+                      seed: int = 0, global_batch_size: int = 128, split: str = "fixed",
+                      out_dir: str | Path | None = None, chaos: bool = True, fault_free: bool = True,
+                      num_samples: int = data_module.DEFAULT_NUM_SAMPLES, data_dir: str | None = None) -> dict:
+    """The torchft row: a chaos run and (``fault_free``) a fault-free run of the same length; returns the row.
+
+    Args: ``nproc`` replica groups of one process; ``duration_s`` the measured window (s), a kill every
+    ``kill_every_s`` s of it (none in its last ``kill_every_s / 2`` s); ``split`` "fixed" (torchft's
+    DistributedSampler rule) or "quorum" (see torchft_worker). Raises ValueError on bad options,
+    ImportError without torchft, TimeoutError when replicas do not start or stop in time.
+    """
+    if nproc < 2:
+        raise ValueError(f"nproc must be >= 2 (a kill needs a survivor), got {nproc}")
+    if duration_s <= 0 or kill_every_s <= 0:
+        raise ValueError(f"duration_s and kill_every_s must be > 0, got {duration_s} and {kill_every_s}")
+    if split not in ("fixed", "quorum"):
+        raise ValueError(f"split must be 'fixed' or 'quorum', got {split!r}")
+    if global_batch_size < nproc:
+        raise ValueError(f"global_batch_size {global_batch_size} is smaller than nproc {nproc}")
+    import torchft  # noqa: F401 - ImportError here, before any process starts
+
+    out = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="gradsync-torchft-"))
+    data_path = data_module.prepare(data_dir, num_samples=num_samples)
+    common = dict(nproc=nproc, model=model, duration_s=duration_s, kill_every_s=kill_every_s, seed=seed,
+                  global_batch_size=global_batch_size, split=split, data_path=data_path)
+    load_before = os.getloadavg()
+    run = run_once(**common, chaos=chaos, out_dir=out / ("chaos" if chaos else "none"))
+    baseline = run_once(**common, chaos=False, out_dir=out / "fault-free") if fault_free and chaos else None
+    return build_row(run, baseline, nproc=nproc, duration_s=duration_s, kill_every_s=kill_every_s, split=split,
+                     chaos=chaos, load=(load_before, os.getloadavg()), out=out)
+
+
+def build_row(run: dict, baseline: dict | None, *, nproc, duration_s, kill_every_s, split, chaos, load, out) -> dict:
+    kept = run["samples_per_s"] / baseline["samples_per_s"] if baseline else None
+    samples_reason = ("counted per sample id: ids of a committed global batch that no replica in the commit "
+                      "trained (lost) or that two trained (duplicated)")
+    return {"system": "torchft", "elastic": True, "fault": "chaos" if chaos else "none", "nproc": nproc,
+            **{k: v for k, v in run.items() if k != "per_failure"},
+            "samples_reason": samples_reason, "throughput_kept": kept,
+            "fault_free_samples_per_s": baseline["samples_per_s"] if baseline else None,
+            "fault_free_replicas_equal": baseline["replicas_equal"] if baseline else None,
+            "fault_free_final_test_accuracy": baseline["final_test_accuracy"] if baseline else None,
+            "per_failure": run["per_failure"], "duration_s": duration_s, "kill_every_s": kill_every_s,
+            "load_average": {"before": list(load[0]), "after": list(load[1])}, "run_folder": str(out),
+            "settings": {"lighthouse": LIGHTHOUSE, "manager": {**MANAGER, "min_replica_size": 1,
+                         "use_async_quorum": split == "fixed", "world_size_mode": "DYNAMIC",
+                         "checkpoint_transport": "PGTransport"}, "split": split,
+                         "torchft": _version("torchft"), "torch": torch.__version__}}
+
+
+def _version(name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def format_table(row: dict) -> str:
+    def fmt(value, spec=".2f"):
+        return "-" if value is None else format(value, spec)
+
+    lines = [f"# torchft peer: {row['nproc']} replicas, {row['duration_s']:g} s, kill every "
+             f"{row['kill_every_s']:g} s, split {row['settings']['split']}",
+             f"{'#':>2} {'victim':>6} {'detect s':>8} {'recover s':>9} {'lost steps':>10} {'rejoin lost':>11} "
+             f"{'joiner s':>8} {'stall s':>7} {'samples lost':>12}"]
+    for i, f in enumerate(row["per_failure"], 1):
+        lines.append(f"{i:>2} {f['victim']:>6} {fmt(f['detect_s']):>8} {fmt(f['recover_s']):>9} "
+                     f"{f['steps_lost']:>10} {f['steps_lost_at_rejoin']:>11} {fmt(f['joiner_startup_s']):>8} "
+                     f"{fmt(f['rejoin_stall_s']):>7} {f['samples_lost']:>12}")
+    lines.append(f"failures {row['failures']}, detect median {fmt(row['detect_s'])} s, recover median "
+                 f"{fmt(row['recover_s'])} s, joiner median {fmt(row['joiner_startup_s'])} s, samples lost "
+                 f"{row['samples_lost']}, duplicated {row['samples_duplicated']}, throughput kept "
+                 f"{fmt(row['throughput_kept'], '.3f')} ({fmt(row['samples_per_s'], '.0f')} vs "
+                 f"{fmt(row['fault_free_samples_per_s'], '.0f')} samples/s), replicas equal {row['replicas_equal']}, "
+                 f"test accuracy {fmt(row['final_test_accuracy'], '.4f')}, load {row['load_average']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="torchft's fault-tolerant DDP under gradsync's chaos schedule")
+    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--model", default="cnn")
+    parser.add_argument("--duration", type=float, default=150.0)
+    parser.add_argument("--kill-every", type=float, default=15.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--global-batch-size", type=int, default=128)
+    parser.add_argument("--split", choices=("fixed", "quorum"), default="fixed")
+    parser.add_argument("--no-chaos", action="store_true")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    row = run_torchft_chaos(nproc=args.nproc, model=args.model, duration_s=args.duration,
+                            kill_every_s=args.kill_every, seed=args.seed, global_batch_size=args.global_batch_size,
+                            split=args.split, out_dir=args.out, chaos=not args.no_chaos)
+    print(format_table(row))
+    if args.json:
+        Path(args.json).write_text(json.dumps(row, indent=1))
+
+
+if __name__ == "__main__":
+    main()
