@@ -35,7 +35,22 @@ from typing import Callable
 
 import torch
 
-from gradsync.train.global_batch import split_contiguous
+from gradsync.train.global_batch import global_batches, split_contiguous
+
+
+class Batches:
+    """Global batch ``step`` of the run (epochs follow each other), ``(global_batch_size,)`` int64."""
+
+    def __init__(self, num_train: int, global_batch_size: int, seed: int):
+        self.num_train, self.size, self.seed = num_train, global_batch_size, seed
+        self.per_epoch = num_train // global_batch_size
+        self._epoch, self._batches = None, None
+
+    def __call__(self, step: int) -> torch.Tensor:
+        epoch = step // self.per_epoch
+        if epoch != self._epoch:
+            self._epoch, self._batches = epoch, list(global_batches(self.num_train, self.size, self.seed, epoch))
+        return self._batches[step % self.per_epoch]
 
 
 def read_log(path: Path) -> list[dict]:

@@ -18,7 +18,9 @@ saves its parameters, which are compared. Figures: :mod:`torchft_metrics`.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import multiprocessing
 import os
 import random
 import signal
@@ -32,8 +34,7 @@ import torch
 import torch.nn.functional as F
 
 import gradsync
-from gradsync.bench.torchft_metrics import read_log, steps_of, summarize, window_start
-from gradsync.bench.torchft_worker import Batches
+from gradsync.bench.torchft_metrics import Batches, read_log, steps_of, summarize, window_start
 from gradsync.train import data as data_module
 from gradsync.train.models import build_model
 
@@ -48,11 +49,15 @@ STOP_TIMEOUT_S = 60.0
 
 
 class Replicas:
-    """The replica processes, each relaunched when it exits; every one ended by PID in :meth:`close`."""
+    """The replica processes, each relaunched when it exits; every one ended by PID in :meth:`close`.
 
-    def __init__(self, nproc: int, out_dir: Path, worker_args: list[str]):
-        self.nproc, self.out_dir, self.worker_args = nproc, out_dir, worker_args
-        self.procs: dict[int, subprocess.Popen] = {}
+    ``launcher`` "forkserver": forked from gradsync's forkserver with torch and torchft imported (as
+    ``gradsync train`` starts its workers); "exec": a fresh ``python -m`` that imports them itself.
+    """
+
+    def __init__(self, nproc: int, out_dir: Path, worker_args: list[str], launcher: str = "forkserver"):
+        self.nproc, self.out_dir, self.worker_args, self.launcher = nproc, out_dir, worker_args, launcher
+        self.procs: dict[int, object] = {}  # replica -> subprocess.Popen or multiprocessing.Process
         self.launches: list[dict] = []
         self.stopping = False
         src = str(Path(gradsync.__file__).resolve().parents[1])
@@ -63,18 +68,30 @@ class Replicas:
         return self.out_dir / f"replica{replica}.jsonl"
 
     def launch(self, replica: int) -> None:
-        args = [sys.executable, "-m", "gradsync.bench.torchft_worker", "--replica", str(replica),
-                "--log", str(self.log_path(replica)), "--final", str(self.out_dir / f"final{replica}.pt"),
-                *self.worker_args]
-        with open(self.out_dir / f"replica{replica}.out", "a") as output:
-            self.procs[replica] = subprocess.Popen(args, env=self.env, stdout=output, stderr=subprocess.STDOUT,
-                                                   stdin=subprocess.DEVNULL)
-        self.launches.append({"replica": replica, "pid": self.procs[replica].pid, "time": time.time()})
+        argv = ["--replica", str(replica), "--log", str(self.log_path(replica)),
+                "--final", str(self.out_dir / f"final{replica}.pt"), *self.worker_args]
+        output = self.out_dir / f"replica{replica}.out"
+        if self.launcher == "forkserver":
+            from gradsync.bench import torchft_worker
+
+            proc = multiprocessing.get_context("forkserver").Process(target=torchft_worker.serve,
+                                                                     args=(argv, str(output)), daemon=True)
+            proc.start()
+        else:
+            with open(output, "a") as file:
+                proc = subprocess.Popen([sys.executable, "-m", "gradsync.bench.torchft_worker", *argv], env=self.env,
+                                        stdout=file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.procs[replica] = proc
+        self.launches.append({"replica": replica, "pid": proc.pid, "time": time.time()})
+
+    @staticmethod
+    def exited(proc) -> bool:
+        return (proc.poll() if isinstance(proc, subprocess.Popen) else proc.exitcode) is not None
 
     def relaunch_exited(self) -> None:
         """The relauncher: start again every replica whose process ended (not once stopping)."""
         for replica, proc in list(self.procs.items()):
-            if proc.poll() is not None and not self.stopping:
+            if self.exited(proc) and not self.stopping:
                 self.launch(replica)
 
     def kill(self, replica: int) -> dict:
@@ -86,17 +103,29 @@ class Replicas:
         return {"victim": replica, "pid": proc.pid, "time": time.time()}
 
     def all_exited(self) -> bool:
-        return all(proc.poll() is not None for proc in self.procs.values())
+        return all(self.exited(proc) for proc in self.procs.values())
 
     def close(self) -> None:
         for proc in self.procs.values():
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGKILL)
+            if not self.exited(proc):
+                try:
+                    os.kill(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         for proc in self.procs.values():
             try:
-                proc.wait(timeout=10)
+                proc.wait(timeout=10) if isinstance(proc, subprocess.Popen) else proc.join(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
+
+
+def start_forkserver() -> None:
+    """gradsync's forkserver, with the torchft worker (torch, torchft) imported once (RUST_LOG=warn in it)."""
+    from gradsync.bench import torchft_worker
+    from gradsync.launch import start_forkserver as start
+
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side reads it once, at import
+    start(torchft_worker.serve)
 
 
 class Progress:
@@ -197,7 +226,7 @@ def final_checks(out_dir: Path, nproc: int, model_name: str, splits) -> dict:
 
 
 def run_once(*, nproc: int, model: str, duration_s: float, kill_every_s: float, seed: int, global_batch_size: int,
-             split: str, chaos: bool, data_path: Path, out_dir: Path) -> dict:
+             split: str, chaos: bool, data_path: Path, out_dir: Path, launcher: str) -> dict:
     """One run (chaos or fault-free) in ``out_dir``: its measured keys (see torchft_metrics.summarize)."""
     from torchft._torchft import LighthouseServer
 
@@ -209,7 +238,7 @@ def run_once(*, nproc: int, model: str, duration_s: float, kill_every_s: float, 
                    "--model", model, "--global-batch-size", str(global_batch_size), "--seed", str(seed),
                    "--split", split, "--stop-file", str(stop_file), "--timeout", str(MANAGER["timeout"]),
                    "--quorum-timeout", str(MANAGER["quorum_timeout"]), "--heartbeat-ms", str(MANAGER["heartbeat_ms"])]
-    replicas = Replicas(nproc, out_dir, worker_args)
+    replicas = Replicas(nproc, out_dir, worker_args, launcher)
     progress = Progress(replicas)
     try:
         start, kills = run_phase(replicas, progress, duration_s=duration_s, kill_every_s=kill_every_s, chaos=chaos,
@@ -224,18 +253,21 @@ def run_once(*, nproc: int, model: str, duration_s: float, kill_every_s: float, 
     batches = Batches(len(splits.y_train), global_batch_size, seed)
     measured = summarize(kills, steps, batches, start, start + duration_s)
     measured["window_start_check"] = window_start(steps, nproc)
+    measured["kills"] = kills
     return {**measured, **final_checks(out_dir, nproc, model, splits), "relaunches": len(replicas.launches) - nproc}
 
 
 def run_torchft_chaos(nproc: int = 4, model: str = "cnn", duration_s: float = 150.0, kill_every_s: float = 15.0,
                       seed: int = 0, global_batch_size: int = 128, split: str = "fixed",
                       out_dir: str | Path | None = None, chaos: bool = True, fault_free: bool = True,
-                      num_samples: int = data_module.DEFAULT_NUM_SAMPLES, data_dir: str | None = None) -> dict:
+                      num_samples: int = data_module.DEFAULT_NUM_SAMPLES, data_dir: str | None = None,
+                      launcher: str = "forkserver") -> dict:
     """The torchft row: a chaos run and (``fault_free``) a fault-free run of the same length; returns the row.
 
     Args: ``nproc`` replica groups of one process; ``duration_s`` the measured window (s), a kill every
     ``kill_every_s`` s of it (none in its last ``kill_every_s / 2`` s); ``split`` "fixed" (torchft's
-    DistributedSampler rule) or "quorum" (see torchft_worker). Raises ValueError on bad options,
+    DistributedSampler rule) or "quorum" (see torchft_worker); ``launcher`` "forkserver" or "exec"
+    (see :class:`Replicas`). Raises ValueError on bad options,
     ImportError without torchft, TimeoutError when replicas do not start or stop in time.
     """
     if nproc < 2:
@@ -244,22 +276,27 @@ def run_torchft_chaos(nproc: int = 4, model: str = "cnn", duration_s: float = 15
         raise ValueError(f"duration_s and kill_every_s must be > 0, got {duration_s} and {kill_every_s}")
     if split not in ("fixed", "quorum"):
         raise ValueError(f"split must be 'fixed' or 'quorum', got {split!r}")
+    if launcher not in ("forkserver", "exec"):
+        raise ValueError(f"launcher must be 'forkserver' or 'exec', got {launcher!r}")
     if global_batch_size < nproc:
         raise ValueError(f"global_batch_size {global_batch_size} is smaller than nproc {nproc}")
-    import torchft  # noqa: F401 - ImportError here, before any process starts
+    importlib.import_module("torchft")  # ImportError here, before any process starts
 
     out = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="gradsync-torchft-"))
     data_path = data_module.prepare(data_dir, num_samples=num_samples)
     common = dict(nproc=nproc, model=model, duration_s=duration_s, kill_every_s=kill_every_s, seed=seed,
-                  global_batch_size=global_batch_size, split=split, data_path=data_path)
+                  global_batch_size=global_batch_size, split=split, data_path=data_path, launcher=launcher)
+    if launcher == "forkserver":
+        start_forkserver()
     load_before = os.getloadavg()
     run = run_once(**common, chaos=chaos, out_dir=out / ("chaos" if chaos else "none"))
     baseline = run_once(**common, chaos=False, out_dir=out / "fault-free") if fault_free and chaos else None
     return build_row(run, baseline, nproc=nproc, duration_s=duration_s, kill_every_s=kill_every_s, split=split,
-                     chaos=chaos, load=(load_before, os.getloadavg()), out=out)
+                     chaos=chaos, load=(load_before, os.getloadavg()), out=out, launcher=launcher)
 
 
-def build_row(run: dict, baseline: dict | None, *, nproc, duration_s, kill_every_s, split, chaos, load, out) -> dict:
+def build_row(run: dict, baseline: dict | None, *, nproc, duration_s, kill_every_s, split, chaos, load, out,
+              launcher) -> dict:
     kept = run["samples_per_s"] / baseline["samples_per_s"] if baseline else None
     samples_reason = ("counted per sample id: ids of a committed global batch that no replica in the commit "
                       "trained (lost) or that two trained (duplicated)")
@@ -273,7 +310,7 @@ def build_row(run: dict, baseline: dict | None, *, nproc, duration_s, kill_every
             "load_average": {"before": list(load[0]), "after": list(load[1])}, "run_folder": str(out),
             "settings": {"lighthouse": LIGHTHOUSE, "manager": {**MANAGER, "min_replica_size": 1,
                          "use_async_quorum": split == "fixed", "world_size_mode": "DYNAMIC",
-                         "checkpoint_transport": "PGTransport"}, "split": split,
+                         "checkpoint_transport": "PGTransport"}, "split": split, "launcher": launcher,
                          "torchft": _version("torchft"), "torch": torch.__version__}}
 
 
@@ -291,7 +328,7 @@ def format_table(row: dict) -> str:
         return "-" if value is None else format(value, spec)
 
     lines = [f"# torchft peer: {row['nproc']} replicas, {row['duration_s']:g} s, kill every "
-             f"{row['kill_every_s']:g} s, split {row['settings']['split']}",
+             f"{row['kill_every_s']:g} s, split {row['settings']['split']}, launcher {row['settings']['launcher']}",
              f"{'#':>2} {'victim':>6} {'detect s':>8} {'recover s':>9} {'lost steps':>10} {'rejoin lost':>11} "
              f"{'joiner s':>8} {'stall s':>7} {'samples lost':>12}"]
     for i, f in enumerate(row["per_failure"], 1):
@@ -316,13 +353,14 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--global-batch-size", type=int, default=128)
     parser.add_argument("--split", choices=("fixed", "quorum"), default="fixed")
+    parser.add_argument("--launcher", choices=("forkserver", "exec"), default="forkserver")
     parser.add_argument("--no-chaos", action="store_true")
     parser.add_argument("--out", default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     row = run_torchft_chaos(nproc=args.nproc, model=args.model, duration_s=args.duration,
                             kill_every_s=args.kill_every, seed=args.seed, global_batch_size=args.global_batch_size,
-                            split=args.split, out_dir=args.out, chaos=not args.no_chaos)
+                            split=args.split, out_dir=args.out, chaos=not args.no_chaos, launcher=args.launcher)
     print(format_table(row))
     if args.json:
         Path(args.json).write_text(json.dumps(row, indent=1))

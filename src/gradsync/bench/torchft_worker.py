@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -38,10 +37,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import torchft.manager as ft_manager
+from torchft import _torchft
+from torchft.checkpointing.pg_transport import PGTransport
+from torchft.ddp import DistributedDataParallel
+from torchft.optim import OptimizerWrapper
+from torchft.process_group import ProcessGroupGloo
+
+from gradsync.bench.torchft_metrics import Batches
+from gradsync.launch import die_with_launcher
 from gradsync.rendezvous import gloo_on_loopback, loopback_store_server
 from gradsync.train.config import TrainConfig
 from gradsync.train.data import load
-from gradsync.train.global_batch import global_batches, split_contiguous
+from gradsync.train.global_batch import split_contiguous
 from gradsync.train.models import build_model
 from gradsync.train.setup import make_optimizer, seed_everything
 
@@ -69,8 +77,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def loopback_manager_server():
     """torchft 0.2.0's Manager binds its ManagerServer to ``[::]:port``; this factory binds loopback instead."""
-    from torchft import _torchft
-
     def factory(**kwargs):
         port = kwargs["bind"].rsplit(":", 1)[1]
         return _torchft.ManagerServer(**{**kwargs, "bind": f"127.0.0.1:{port}"})
@@ -87,8 +93,6 @@ def ft_ddp_class():
     kills the survivor too. Here the bucket is returned unreduced instead: the
     Manager has the error, so ``should_commit`` is False and the step is retried.
     """
-    from torchft.ddp import DistributedDataParallel
-
     class SurvivingDDP(DistributedDataParallel):
         @staticmethod
         def _comm_hook(state, bucket):
@@ -106,11 +110,6 @@ def ft_ddp_class():
 
 def build(args: argparse.Namespace):
     """The replica: (manager, ddp model, wrapped optimizer, plain model, store) (torchft objects)."""
-    import torchft.manager as ft_manager
-    from torchft.checkpointing.pg_transport import PGTransport
-    from torchft.optim import OptimizerWrapper
-    from torchft.process_group import ProcessGroupGloo
-
     torch.set_num_threads(1)
     seed_everything(args.seed)  # the same initial parameters in every replica (init_sync also heals step 0)
     model = build_model(args.model)
@@ -140,21 +139,6 @@ def build(args: argparse.Namespace):
     return manager, ddp, OptimizerWrapper(manager, optimizer), model, store
 
 
-class Batches:
-    """Global batch ``step`` of the run (epochs follow each other), ``(global_batch_size,)`` int64."""
-
-    def __init__(self, num_train: int, global_batch_size: int, seed: int):
-        self.num_train, self.size, self.seed = num_train, global_batch_size, seed
-        self.per_epoch = num_train // global_batch_size
-        self._epoch, self._batches = None, None
-
-    def __call__(self, step: int) -> torch.Tensor:
-        epoch = step // self.per_epoch
-        if epoch != self._epoch:
-            self._epoch, self._batches = epoch, list(global_batches(self.num_train, self.size, self.seed, epoch))
-        return self._batches[step % self.per_epoch]
-
-
 def read_stop(path: str) -> int | None:
     try:
         return int(Path(path).read_text())
@@ -175,7 +159,7 @@ def train(args: argparse.Namespace) -> None:
             if stop is not None and manager.current_step() >= stop:
                 break
             log.write(json.dumps(attempt_step(args, manager, ddp, optimizer, data, batches)) + "\n")
-    torch.save({"step": manager.current_step(), "model": model.state_dict()}, args.final)
+    torch.save({"step": manager.current_step(), "pid": os.getpid(), "model": model.state_dict()}, args.final)
     manager.shutdown(wait=False)
     del store
 
@@ -206,8 +190,16 @@ def attempt_step(args, manager, ddp, optimizer, data, batches) -> dict:
 
 
 def main(argv=None) -> None:
-    socket.setdefaulttimeout(None)
     train(parse_args(argv))
+
+
+def serve(argv: list[str], output: str) -> None:
+    """Entry of a replica forked from the launcher's forkserver: output to ``output``, dies with the launcher."""
+    die_with_launcher()
+    with open(output, "a") as file:
+        os.dup2(file.fileno(), 1)
+        os.dup2(file.fileno(), 2)
+    main(argv)
 
 
 if __name__ == "__main__":
