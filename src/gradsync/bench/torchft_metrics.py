@@ -13,6 +13,9 @@ attempted step, wall-clock ``time.time()`` seconds) and the driver's kills
   most over survivors; torchft retries the same step, so no step index is
   skipped); ``steps_lost_at_rejoin``: the same from recovery to the next kill
   (a joiner's quorum change can fail a step too);
+- ``steps_replicas_unequal``: committed steps after which the replicas'
+  parameter digests differ (every replica that committed the step, a healed
+  joiner included), i.e. the replicas are checked after every recovery;
 - ``joiner_startup_s``: ``t`` -> the relaunched victim's first committed step
   it took part in; ``rejoin_stall_s``: the survivors' longest step in the
   joiner's first second in the quorum (reconfigure + checkpoint send).
@@ -144,6 +147,15 @@ def failure(kill: dict, next_time: float, by_replica: dict[int, list[dict]], cou
             "rejoin_stall_s": stall, "samples_lost": samples_lost, "samples_duplicated": samples_dup}
 
 
+def unequal_steps(steps: list[dict]) -> tuple[int, int]:
+    """(committed steps whose replicas' parameter digests after the step differ, steps compared)."""
+    hashes = defaultdict(set)
+    for record in steps:
+        if record["committed"] and "params_hash" in record:
+            hashes[record["step"]].add(record["params_hash"])
+    return sum(1 for digests in hashes.values() if len(digests) > 1), len(hashes)
+
+
 def median(values: list) -> float | None:
     present = [v for v in values if v is not None]
     return statistics.median(present) if present else None
@@ -158,7 +170,9 @@ def summarize(kills: list[dict], steps: list[dict], batches, start: float, end: 
     committed, samples, lost, dup = totals(counts, start, end)
     times = [k["time"] for k in kills] + [end]
     failures = [failure(kill, times[i + 1], by_replica, counts) for i, kill in enumerate(kills)]
+    unequal, compared = unequal_steps(steps)
     return {"failures": len(kills), "per_failure": failures,
+            "steps_replicas_unequal": unequal, "steps_replicas_compared": compared,
             "detect_s": median([f["detect_s"] for f in failures]),
             "detect_s_list": [f["detect_s"] for f in failures],
             "recover_s": median([f["recover_s"] for f in failures]),

@@ -120,11 +120,10 @@ class Replicas:
 
 
 def start_forkserver() -> None:
-    """gradsync's forkserver, with the torchft worker (torch, torchft) imported once (RUST_LOG=warn in it)."""
+    """gradsync's forkserver, with the torchft worker (torch, torchft) imported once."""
     from gradsync.bench import torchft_worker
     from gradsync.launch import start_forkserver as start
 
-    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side reads it once, at import
     start(torchft_worker.serve)
 
 
@@ -226,14 +225,14 @@ def final_checks(out_dir: Path, nproc: int, model_name: str, splits) -> dict:
 
 
 def run_once(*, nproc: int, model: str, duration_s: float, kill_every_s: float, seed: int, global_batch_size: int,
-             split: str, chaos: bool, data_path: Path, out_dir: Path, launcher: str) -> dict:
+             split: str, chaos: bool, data_path: Path, out_dir: Path, launcher: str, lighthouse: dict) -> dict:
     """One run (chaos or fault-free) in ``out_dir``: its measured keys (see torchft_metrics.summarize)."""
     from torchft._torchft import LighthouseServer
 
     out_dir.mkdir(parents=True, exist_ok=True)
     stop_file = out_dir / "stop_step"
-    lighthouse = LighthouseServer(bind="127.0.0.1:0", **LIGHTHOUSE)
-    port = lighthouse.address().rsplit(":", 1)[1]  # its address names the host name; connect on loopback
+    server = LighthouseServer(bind="127.0.0.1:0", **lighthouse)
+    port = server.address().rsplit(":", 1)[1]  # its address names the host name; connect on loopback
     worker_args = ["--nproc", str(nproc), "--lighthouse", f"http://127.0.0.1:{port}", "--data", str(data_path),
                    "--model", model, "--global-batch-size", str(global_batch_size), "--seed", str(seed),
                    "--split", split, "--stop-file", str(stop_file), "--timeout", str(MANAGER["timeout"]),
@@ -246,7 +245,7 @@ def run_once(*, nproc: int, model: str, duration_s: float, kill_every_s: float, 
         stop_all(replicas, progress, stop_file)
     finally:
         replicas.close()
-        lighthouse.shutdown()
+        server.shutdown()
     (out_dir / "driver.json").write_text(json.dumps({"kills": kills, "launches": replicas.launches}))
     splits = data_module.load(data_path)
     steps = steps_of([r for rep in range(nproc) for r in read_log(replicas.log_path(rep))])
@@ -261,13 +260,13 @@ def run_torchft_chaos(nproc: int = 4, model: str = "cnn", duration_s: float = 15
                       seed: int = 0, global_batch_size: int = 128, split: str = "fixed",
                       out_dir: str | Path | None = None, chaos: bool = True, fault_free: bool = True,
                       num_samples: int = data_module.DEFAULT_NUM_SAMPLES, data_dir: str | None = None,
-                      launcher: str = "forkserver") -> dict:
+                      launcher: str = "forkserver", lighthouse: dict | None = None) -> dict:
     """The torchft row: a chaos run and (``fault_free``) a fault-free run of the same length; returns the row.
 
     Args: ``nproc`` replica groups of one process; ``duration_s`` the measured window (s), a kill every
     ``kill_every_s`` s of it (none in its last ``kill_every_s / 2`` s); ``split`` "fixed" (torchft's
     DistributedSampler rule) or "quorum" (see torchft_worker); ``launcher`` "forkserver" or "exec"
-    (see :class:`Replicas`). Raises ValueError on bad options,
+    (see :class:`Replicas`); ``lighthouse`` overrides :data:`LIGHTHOUSE`'s settings. Raises ValueError on bad options,
     ImportError without torchft, TimeoutError when replicas do not start or stop in time.
     """
     if nproc < 2:
@@ -276,27 +275,33 @@ def run_torchft_chaos(nproc: int = 4, model: str = "cnn", duration_s: float = 15
         raise ValueError(f"duration_s and kill_every_s must be > 0, got {duration_s} and {kill_every_s}")
     if split not in ("fixed", "quorum"):
         raise ValueError(f"split must be 'fixed' or 'quorum', got {split!r}")
+    lighthouse = {**LIGHTHOUSE, **(lighthouse or {})}
+    if set(lighthouse) != set(LIGHTHOUSE) or not all(isinstance(v, int) and v > 0 for v in lighthouse.values()):
+        raise ValueError(f"lighthouse settings must be positive integers for {', '.join(LIGHTHOUSE)}, got {lighthouse}")
     if launcher not in ("forkserver", "exec"):
         raise ValueError(f"launcher must be 'forkserver' or 'exec', got {launcher!r}")
     if global_batch_size < nproc:
         raise ValueError(f"global_batch_size {global_batch_size} is smaller than nproc {nproc}")
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust log level, read once when torchft is imported
     importlib.import_module("torchft")  # ImportError here, before any process starts
 
     out = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="gradsync-torchft-"))
     data_path = data_module.prepare(data_dir, num_samples=num_samples)
     common = dict(nproc=nproc, model=model, duration_s=duration_s, kill_every_s=kill_every_s, seed=seed,
-                  global_batch_size=global_batch_size, split=split, data_path=data_path, launcher=launcher)
+                  global_batch_size=global_batch_size, split=split, data_path=data_path, launcher=launcher,
+                  lighthouse=lighthouse)
     if launcher == "forkserver":
         start_forkserver()
     load_before = os.getloadavg()
     run = run_once(**common, chaos=chaos, out_dir=out / ("chaos" if chaos else "none"))
     baseline = run_once(**common, chaos=False, out_dir=out / "fault-free") if fault_free and chaos else None
     return build_row(run, baseline, nproc=nproc, duration_s=duration_s, kill_every_s=kill_every_s, split=split,
-                     chaos=chaos, load=(load_before, os.getloadavg()), out=out, launcher=launcher)
+                     chaos=chaos, load=(load_before, os.getloadavg()), out=out, launcher=launcher,
+                     lighthouse=lighthouse)
 
 
 def build_row(run: dict, baseline: dict | None, *, nproc, duration_s, kill_every_s, split, chaos, load, out,
-              launcher) -> dict:
+              launcher, lighthouse) -> dict:
     kept = run["samples_per_s"] / baseline["samples_per_s"] if baseline else None
     samples_reason = ("counted per sample id: ids of a committed global batch that no replica in the commit "
                       "trained (lost) or that two trained (duplicated)")
@@ -308,7 +313,7 @@ def build_row(run: dict, baseline: dict | None, *, nproc, duration_s, kill_every
             "fault_free_final_test_accuracy": baseline["final_test_accuracy"] if baseline else None,
             "per_failure": run["per_failure"], "duration_s": duration_s, "kill_every_s": kill_every_s,
             "load_average": {"before": list(load[0]), "after": list(load[1])}, "run_folder": str(out),
-            "settings": {"lighthouse": LIGHTHOUSE, "manager": {**MANAGER, "min_replica_size": 1,
+            "settings": {"lighthouse": lighthouse, "manager": {**MANAGER, "min_replica_size": 1,
                          "use_async_quorum": split == "fixed", "world_size_mode": "DYNAMIC",
                          "checkpoint_transport": "PGTransport"}, "split": split, "launcher": launcher,
                          "torchft": _version("torchft"), "torch": torch.__version__}}
@@ -355,12 +360,18 @@ def main(argv=None) -> None:
     parser.add_argument("--split", choices=("fixed", "quorum"), default="fixed")
     parser.add_argument("--launcher", choices=("forkserver", "exec"), default="forkserver")
     parser.add_argument("--no-chaos", action="store_true")
+    parser.add_argument("--no-fault-free", action="store_true", help="the chaos run only (no throughput_kept)")
+    parser.add_argument("--heartbeat-timeout-ms", type=int, default=LIGHTHOUSE["heartbeat_timeout_ms"])
+    parser.add_argument("--join-timeout-ms", type=int, default=LIGHTHOUSE["join_timeout_ms"])
     parser.add_argument("--out", default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     row = run_torchft_chaos(nproc=args.nproc, model=args.model, duration_s=args.duration,
                             kill_every_s=args.kill_every, seed=args.seed, global_batch_size=args.global_batch_size,
-                            split=args.split, out_dir=args.out, chaos=not args.no_chaos, launcher=args.launcher)
+                            split=args.split, out_dir=args.out, chaos=not args.no_chaos, launcher=args.launcher,
+                            fault_free=not args.no_fault_free,
+                            lighthouse={"heartbeat_timeout_ms": args.heartbeat_timeout_ms,
+                                        "join_timeout_ms": args.join_timeout_ms})
     print(format_table(row))
     if args.json:
         Path(args.json).write_text(json.dumps(row, indent=1))

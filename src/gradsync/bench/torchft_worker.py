@@ -21,13 +21,14 @@ Every attempted step appends one JSON line to ``--log`` (wall-clock
 ``time.time()`` seconds): ``step`` (before the attempt), ``committed``,
 ``participants``, ``participating``, ``errored``, ``quorum_id``, ``piece``,
 ``pieces``, ``t_start``, ``t_backward`` (the AllReduce returned or failed),
-``t_end``. At ``--stop-file``'s step the replica writes ``--final`` (its
+``t_end``, and after a commit ``params_hash`` (of the parameters' bytes). At ``--stop-file``'s step the replica writes ``--final`` (its
 parameters) and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import time
@@ -185,8 +186,16 @@ def attempt_step(args, manager, ddp, optimizer, data, batches) -> dict:
               "t_start": t_start, "t_backward": t_backward}
     optimizer.step()  # should_commit, then Adam's step if every participant committed
     record["committed"] = manager.current_step() == step + 1
+    if record["committed"]:
+        record["params_hash"] = params_hash(ddp.module)
     record["t_end"] = time.time()
     return record
+
+
+def params_hash(model: torch.nn.Module) -> str:
+    """A digest of the parameters' bytes (equal digests: bitwise-equal replicas, but for a 2**-64 chance)."""
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return hashlib.blake2b(flat.numpy().tobytes(), digest_size=8).hexdigest()
 
 
 def main(argv=None) -> None:
