@@ -21,18 +21,19 @@ def test_summarize_measures_a_kill_by_hand():
     steps += [_record(0, 3, 10.06, committed=False, errored=True),  # its AllReduce failed: detected at 10.05
               _record(0, 3, 11.2, participants=1),  # the quorum without replica 1: training again at 11.2
               _record(0, 4, 16.0), _record(1, 4, 16.0, participating=False),  # replica 1 heals: its piece lost
-              _record(0, 5, 16.5), _record(1, 5, 16.5)]  # replica 1 trains again 6.5 s after the kill
+              _record(0, 5, 16.5), _record(1, 5, 16.5)]  # replica 1 trains again
+    steps += [_record(0, 6, 17.0, participants=2)]  # replica 1 died after the AllReduce, before its log line
     row = summarize([{"victim": 1, "pid": 7, "time": 10.0}], sorted(steps, key=lambda r: r["t_end"]),
                     lambda step: torch.arange(4 * step, 4 * step + 4), start=9.0, end=20.0)
     failure = row["per_failure"][0]
     assert failure["detect_s"] == pytest.approx(0.05)
     assert failure["recover_s"] == pytest.approx(1.2)
     assert failure["steps_lost"] == 1 and failure["steps_lost_at_rejoin"] == 0
-    assert failure["joiner_startup_s"] == pytest.approx(6.5)
+    assert failure["joiner_startup_s"] == pytest.approx(6.0)  # its healing commit: in step with replica 0
     assert failure["samples_lost"] == 2 + 2  # step 3 and step 4 lost replica 1's piece of 2 ids
     assert row["samples_lost"] == 4 and row["samples_duplicated"] == 0
-    assert row["committed_steps"] == 6
-    assert row["samples_per_s"] == pytest.approx((6 * 4 - 4) / 11.0)
+    assert row["committed_steps"] == 7  # step 6's 2 participants trained both pieces, one logged
+    assert row["samples_per_s"] == pytest.approx((7 * 4 - 4) / 11.0)
 
 
 @pytest.mark.dist
@@ -57,3 +58,14 @@ def test_killed_replica_rejoins_from_its_peer_with_equal_parameters(tmp_path):
     torch.manual_seed(3)  # the replicas' initial parameters (seed 3)
     fresh = build_model("cnn").state_dict()
     assert any(not torch.equal(fresh[name], finals[0]["model"][name]) for name in fresh)  # it trained
+
+
+def test_summarize_detects_a_kill_between_steps_by_the_quorum_change():
+    # replica 1 dies between steps; replica 0's next quorum (id 2) holds its healed replacement: no error, no shrink
+    steps = [_record(r, 0, 9.0) for r in (0, 1)]
+    steps += [dict(_record(0, 1, 11.1), quorum_id=2), dict(_record(1, 1, 11.1, participating=False), quorum_id=2)]
+    row = summarize([{"victim": 1, "pid": 7, "time": 10.0}], steps, lambda step: torch.arange(4 * step, 4 * step + 4),
+                    start=9.0, end=12.0)
+    failure = row["per_failure"][0]
+    assert failure["detect_s"] == pytest.approx(1.09) and failure["recover_s"] == pytest.approx(1.1)
+    assert failure["steps_lost"] == 0 and failure["samples_lost"] == 2  # the healing replica's piece of step 1

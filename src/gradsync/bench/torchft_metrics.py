@@ -5,9 +5,10 @@ attempted step, wall-clock ``time.time()`` seconds) and the driver's kills
 ``[{"victim": replica, "pid": int, "time": s}]``. Per failure (kill at ``t``):
 
 - ``detect_s``: ``t`` -> the first survivor attempt that shows the loss: its
-  AllReduce failed (``errored``, not committed) or its quorum had fewer
-  participants than its last one before ``t``; timed at its ``t_backward``
-  (the AllReduce returned, which for a quorum change is after the quorum);
+  AllReduce failed (not committed), or its quorum changed (another quorum id,
+  or fewer participants, than its last step before ``t``: the Lighthouse
+  dropped the dead replica); timed at its ``t_backward`` (the AllReduce
+  returned, which for a quorum change is after the quorum);
 - ``recover_s``: ``t`` -> the first step a survivor commits after that;
 - ``steps_lost``: attempts a survivor did not commit in ``[t, recover]`` (the
   most over survivors; torchft retries the same step, so no step index is
@@ -17,12 +18,12 @@ attempted step, wall-clock ``time.time()`` seconds) and the driver's kills
   parameter digests differ (every replica that committed the step, a healed
   joiner included), i.e. the replicas are checked after every recovery;
 - ``joiner_startup_s``: ``t`` -> the relaunched victim's first committed step
-  it took part in; ``rejoin_stall_s``: the survivors' longest step in the
+  (healing from a peer, or taking part); ``rejoin_stall_s``: the survivors' longest step in the
   joiner's first second in the quorum (reconfigure + checkpoint send).
 
 Samples are counted per sample id: step ``s`` of the run has global batch
 ``batches(s)``; each replica that took part in the commit of ``s`` trained its
-piece. ``samples_lost``: ids of a committed global batch nobody trained (a
+piece (:func:`trained_pieces`). ``samples_lost``: ids of a committed global batch nobody trained (a
 missing or healing replica's piece under the ``fixed`` split);
 ``samples_duplicated``: ids trained twice in one committed step. Retried
 (uncommitted) steps are neither: their batch is trained again at the same step.
@@ -80,18 +81,37 @@ def window_start(steps: list[dict], nproc: int) -> float | None:
 
 
 def commits(steps: list[dict]) -> dict[int, list[dict]]:
-    """Committed step -> the records of the replicas that took part in it."""
+    """Committed step -> the committed records of that step, one per replica (healing ones included)."""
     table = defaultdict(dict)
     for record in steps:
-        if record["committed"] and record["participating"]:
+        if record["committed"]:
             table[record["step"]][record["replica"]] = record
     return {step: list(by_replica.values()) for step, by_replica in table.items()}
+
+
+def trained_pieces(records: list[dict]) -> tuple[list[tuple[int, int]], int]:
+    """((pieces, piece) trained in one committed step, pieces inferred).
+
+    A replica killed after its AllReduce succeeded contributed to the commit
+    but never logged it: the commit's ``participants`` says how many did, and
+    the pieces nobody logged (a healing replica logs its own) are theirs when
+    their number is exactly the shortfall (else they count as lost).
+    """
+    part = [r for r in records if r["participating"]]
+    trained = [(r["pieces"], r["piece"]) for r in part]
+    missing = max(r["participants"] for r in records) - len(part)
+    if missing > 0 and part:
+        pieces = part[0]["pieces"]
+        unlogged = sorted(set(range(pieces)) - {r["piece"] for r in records})
+        if len(unlogged) == missing:
+            return trained + [(pieces, piece) for piece in unlogged], missing
+    return trained, 0
 
 
 def sample_counts(step: int, records: list[dict], batches: Callable[[int], torch.Tensor]) -> tuple[int, int, int]:
     """(samples trained, lost, duplicated) of committed ``step`` by sample id."""
     batch = batches(step)
-    trained = [split_contiguous(batch, r["pieces"])[r["piece"]] for r in records]
+    trained = [split_contiguous(batch, pieces)[piece] for pieces, piece in trained_pieces(records)[0]]
     ids = torch.cat(trained) if trained else torch.empty(0, dtype=torch.int64)
     unique = torch.unique(ids).numel()
     return ids.numel(), batch.numel() - unique, ids.numel() - unique
@@ -116,9 +136,12 @@ def failure(kill: dict, next_time: float, by_replica: dict[int, list[dict]], cou
     detect = None
     for recs in survivors.values():
         before = [r for r in recs if r["t_end"] <= t]
-        last = before[-1]["participants"] if before else None
+        if not before:
+            continue
+        last = before[-1]
         for r in recs:
-            if r["t_end"] > t and (not r["committed"] or (last is not None and r["participants"] < last)):
+            if t < r["t_end"] < next_time and (not r["committed"] or r["participants"] < last["participants"]
+                                               or r["quorum_id"] != last["quorum_id"]):
                 detect = r["t_backward"] if detect is None else min(detect, r["t_backward"])
                 break
     recover = None
@@ -130,8 +153,7 @@ def failure(kill: dict, next_time: float, by_replica: dict[int, list[dict]], cou
     for recs in survivors.values():
         lost = max(lost, sum(1 for r in recs if t <= r["t_end"] <= stop and not r["committed"]))
         lost_rejoin = max(lost_rejoin, sum(1 for r in recs if stop < r["t_end"] < next_time and not r["committed"]))
-    joined = [r["t_end"] for r in by_replica.get(victim, [])
-              if r["t_end"] > t and r["committed"] and r["participating"]]
+    joined = [r["t_end"] for r in by_replica.get(victim, []) if r["t_end"] > t and r["committed"]]
     joined_at = min(joined) if joined else None
     stall = None
     if joined_at is not None:
@@ -183,5 +205,6 @@ def summarize(kills: list[dict], steps: list[dict], batches, start: float, end: 
             "joiner_startup_s": median([f["joiner_startup_s"] for f in failures]),
             "joiner_startup_s_list": [f["joiner_startup_s"] for f in failures],
             "rejoin_stall_s_list": [f["rejoin_stall_s"] for f in failures],
-            "samples_lost": lost, "samples_duplicated": dup, "samples_per_s": samples / max(end - start, 1e-9), "committed_steps": committed,
+            "samples_lost": lost, "samples_duplicated": dup, "samples_per_s": samples / max(end - start, 1e-9),
+            "committed_steps": committed,
             "attempts_uncommitted": sum(1 for r in steps if start <= r["t_end"] <= end and not r["committed"])}

@@ -246,14 +246,22 @@ def run_once(*, nproc: int, model: str, duration_s: float, kill_every_s: float, 
     finally:
         replicas.close()
         server.shutdown()
-    (out_dir / "driver.json").write_text(json.dumps({"kills": kills, "launches": replicas.launches}))
+    (out_dir / "driver.json").write_text(json.dumps({"start": start, "duration_s": duration_s, "kills": kills,
+                                                     "launches": replicas.launches}))
+    return analyze(out_dir, nproc=nproc, model=model, global_batch_size=global_batch_size, seed=seed,
+                   data_path=data_path)
+
+
+def analyze(out_dir: Path, *, nproc: int, model: str, global_batch_size: int, seed: int, data_path: Path) -> dict:
+    """A finished run's figures from its folder (``driver.json``, the replicas' logs and final parameters)."""
+    driver = json.loads((Path(out_dir) / "driver.json").read_text())
     splits = data_module.load(data_path)
-    steps = steps_of([r for rep in range(nproc) for r in read_log(replicas.log_path(rep))])
+    steps = steps_of([r for rep in range(nproc) for r in read_log(Path(out_dir) / f"replica{rep}.jsonl")])
     batches = Batches(len(splits.y_train), global_batch_size, seed)
-    measured = summarize(kills, steps, batches, start, start + duration_s)
-    measured["window_start_check"] = window_start(steps, nproc)
-    measured["kills"] = kills
-    return {**measured, **final_checks(out_dir, nproc, model, splits), "relaunches": len(replicas.launches) - nproc}
+    start = driver.get("start") or window_start(steps, nproc)
+    measured = summarize(driver["kills"], steps, batches, start, start + driver["duration_s"])
+    return {**measured, **final_checks(Path(out_dir), nproc, model, splits), "kills": driver["kills"],
+            "relaunches": len(driver["launches"]) - nproc}
 
 
 def run_torchft_chaos(nproc: int = 4, model: str = "cnn", duration_s: float = 150.0, kill_every_s: float = 15.0,

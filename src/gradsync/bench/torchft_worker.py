@@ -21,8 +21,9 @@ Every attempted step appends one JSON line to ``--log`` (wall-clock
 ``time.time()`` seconds): ``step`` (before the attempt), ``committed``,
 ``participants``, ``participating``, ``errored``, ``quorum_id``, ``piece``,
 ``pieces``, ``t_start``, ``t_backward`` (the AllReduce returned or failed),
-``t_end``, and after a commit ``params_hash`` (of the parameters' bytes). At ``--stop-file``'s step the replica writes ``--final`` (its
-parameters) and exits 0.
+``t_end``, and after a commit ``params_hash`` (of the parameters' bytes). At
+``--stop-file``'s step the replica writes ``--final`` (its parameters) and
+exits 0.
 """
 
 from __future__ import annotations
