@@ -38,12 +38,15 @@ from gradsync.bench.torchft_metrics import Batches, read_log, steps_of, summariz
 from gradsync.train import data as data_module
 from gradsync.train.models import build_model
 
-# Lighthouse: heartbeat_timeout_ms is how long a killed replica still counts as healthy, and a quorum
-# without it waits for min(heartbeat timeout, join_timeout) (lighthouse.rs quorum_compute); a join
-# needs neither (the "fast quorum": every previous member is back). Lower values raced with the
-# replicas' 100 ms heartbeats on the loaded 2-core machine in trials.
-LIGHTHOUSE = {"min_replicas": 1, "join_timeout_ms": 1000, "quorum_tick_ms": 20, "heartbeat_timeout_ms": 1000}
-MANAGER = {"heartbeat_ms": 100, "timeout": 10.0, "quorum_timeout": 30.0}
+# Lighthouse (lighthouse.rs quorum_compute): a killed replica counts as healthy until its heartbeats
+# are heartbeat_timeout_ms old, and a quorum without a healthy replica waits join_timeout_ms from the
+# first request; so the survivors' next quorum waits for the shorter of the two. A relaunched replica
+# heartbeats before it asks to join, which can hold a quorum up to join_timeout_ms too; its join is
+# then the "fast quorum" (every previous member present). quorum_tick_ms: how often a waiting quorum
+# is checked. Defaults: 60000 / 5000 / 100 ms; 1000 / 1000 ms recovered in ~1.1 s per kill, and these in
+# ~0.5 s, with no spurious quorum change at load average ~8 on 2 cores (see the report in the log).
+LIGHTHOUSE = {"min_replicas": 1, "join_timeout_ms": 300, "quorum_tick_ms": 20, "heartbeat_timeout_ms": 300}
+MANAGER = {"heartbeat_ms": 100, "timeout": 10.0, "quorum_timeout": 30.0}  # heartbeat_ms: Manager -> Lighthouse
 START_TIMEOUT_S = 120.0  # every replica in the first quorum (4 torch imports on 2 busy cores)
 STOP_TIMEOUT_S = 60.0
 
@@ -225,7 +228,8 @@ def final_checks(out_dir: Path, nproc: int, model_name: str, splits) -> dict:
 
 
 def run_once(*, nproc: int, model: str, duration_s: float, kill_every_s: float, seed: int, global_batch_size: int,
-             split: str, chaos: bool, data_path: Path, out_dir: Path, launcher: str, lighthouse: dict) -> dict:
+             split: str, chaos: bool, data_path: Path, out_dir: Path, launcher: str, lighthouse: dict,
+             heartbeat_ms: int) -> dict:
     """One run (chaos or fault-free) in ``out_dir``: its measured keys (see torchft_metrics.summarize)."""
     from torchft._torchft import LighthouseServer
 
@@ -236,7 +240,7 @@ def run_once(*, nproc: int, model: str, duration_s: float, kill_every_s: float, 
     worker_args = ["--nproc", str(nproc), "--lighthouse", f"http://127.0.0.1:{port}", "--data", str(data_path),
                    "--model", model, "--global-batch-size", str(global_batch_size), "--seed", str(seed),
                    "--split", split, "--stop-file", str(stop_file), "--timeout", str(MANAGER["timeout"]),
-                   "--quorum-timeout", str(MANAGER["quorum_timeout"]), "--heartbeat-ms", str(MANAGER["heartbeat_ms"])]
+                   "--quorum-timeout", str(MANAGER["quorum_timeout"]), "--heartbeat-ms", str(heartbeat_ms)]
     replicas = Replicas(nproc, out_dir, worker_args, launcher)
     progress = Progress(replicas)
     try:
@@ -268,13 +272,15 @@ def run_torchft_chaos(nproc: int = 4, model: str = "cnn", duration_s: float = 15
                       seed: int = 0, global_batch_size: int = 128, split: str = "fixed",
                       out_dir: str | Path | None = None, chaos: bool = True, fault_free: bool = True,
                       num_samples: int = data_module.DEFAULT_NUM_SAMPLES, data_dir: str | None = None,
-                      launcher: str = "forkserver", lighthouse: dict | None = None) -> dict:
+                      launcher: str = "forkserver", lighthouse: dict | None = None,
+                      heartbeat_ms: int = MANAGER["heartbeat_ms"]) -> dict:
     """The torchft row: a chaos run and (``fault_free``) a fault-free run of the same length; returns the row.
 
     Args: ``nproc`` replica groups of one process; ``duration_s`` the measured window (s), a kill every
     ``kill_every_s`` s of it (none in its last ``kill_every_s / 2`` s); ``split`` "fixed" (torchft's
     DistributedSampler rule) or "quorum" (see torchft_worker); ``launcher`` "forkserver" or "exec"
-    (see :class:`Replicas`); ``lighthouse`` overrides :data:`LIGHTHOUSE`'s settings. Raises ValueError on bad options,
+    (see :class:`Replicas`); ``lighthouse`` overrides :data:`LIGHTHOUSE`'s settings; ``heartbeat_ms`` the
+    Managers' heartbeat interval. Raises ValueError on bad options,
     ImportError without torchft, TimeoutError when replicas do not start or stop in time.
     """
     if nproc < 2:
@@ -286,6 +292,8 @@ def run_torchft_chaos(nproc: int = 4, model: str = "cnn", duration_s: float = 15
     lighthouse = {**LIGHTHOUSE, **(lighthouse or {})}
     if set(lighthouse) != set(LIGHTHOUSE) or not all(isinstance(v, int) and v > 0 for v in lighthouse.values()):
         raise ValueError(f"lighthouse settings must be positive integers for {', '.join(LIGHTHOUSE)}, got {lighthouse}")
+    if not isinstance(heartbeat_ms, int) or heartbeat_ms <= 0:
+        raise ValueError(f"heartbeat_ms must be a positive integer, got {heartbeat_ms!r}")
     if launcher not in ("forkserver", "exec"):
         raise ValueError(f"launcher must be 'forkserver' or 'exec', got {launcher!r}")
     if global_batch_size < nproc:
@@ -297,7 +305,7 @@ def run_torchft_chaos(nproc: int = 4, model: str = "cnn", duration_s: float = 15
     data_path = data_module.prepare(data_dir, num_samples=num_samples)
     common = dict(nproc=nproc, model=model, duration_s=duration_s, kill_every_s=kill_every_s, seed=seed,
                   global_batch_size=global_batch_size, split=split, data_path=data_path, launcher=launcher,
-                  lighthouse=lighthouse)
+                  lighthouse=lighthouse, heartbeat_ms=heartbeat_ms)
     if launcher == "forkserver":
         start_forkserver()
     load_before = os.getloadavg()
@@ -305,11 +313,11 @@ def run_torchft_chaos(nproc: int = 4, model: str = "cnn", duration_s: float = 15
     baseline = run_once(**common, chaos=False, out_dir=out / "fault-free") if fault_free and chaos else None
     return build_row(run, baseline, nproc=nproc, duration_s=duration_s, kill_every_s=kill_every_s, split=split,
                      chaos=chaos, load=(load_before, os.getloadavg()), out=out, launcher=launcher,
-                     lighthouse=lighthouse)
+                     lighthouse=lighthouse, heartbeat_ms=heartbeat_ms)
 
 
 def build_row(run: dict, baseline: dict | None, *, nproc, duration_s, kill_every_s, split, chaos, load, out,
-              launcher, lighthouse) -> dict:
+              launcher, lighthouse, heartbeat_ms=MANAGER["heartbeat_ms"]) -> dict:
     kept = run["samples_per_s"] / baseline["samples_per_s"] if baseline else None
     samples_reason = ("counted per sample id: ids of a committed global batch that no replica in the commit "
                       "trained (lost) or that two trained (duplicated)")
@@ -321,7 +329,8 @@ def build_row(run: dict, baseline: dict | None, *, nproc, duration_s, kill_every
             "fault_free_final_test_accuracy": baseline["final_test_accuracy"] if baseline else None,
             "per_failure": run["per_failure"], "duration_s": duration_s, "kill_every_s": kill_every_s,
             "load_average": {"before": list(load[0]), "after": list(load[1])}, "run_folder": str(out),
-            "settings": {"lighthouse": lighthouse, "manager": {**MANAGER, "min_replica_size": 1,
+            "settings": {"lighthouse": lighthouse, "manager": {**MANAGER, "heartbeat_ms": heartbeat_ms,
+                                                                    "min_replica_size": 1,
                          "use_async_quorum": split == "fixed", "world_size_mode": "DYNAMIC",
                          "checkpoint_transport": "PGTransport"}, "split": split, "launcher": launcher,
                          "torchft": _version("torchft"), "torch": torch.__version__}}
@@ -371,6 +380,8 @@ def main(argv=None) -> None:
     parser.add_argument("--no-fault-free", action="store_true", help="the chaos run only (no throughput_kept)")
     parser.add_argument("--heartbeat-timeout-ms", type=int, default=LIGHTHOUSE["heartbeat_timeout_ms"])
     parser.add_argument("--join-timeout-ms", type=int, default=LIGHTHOUSE["join_timeout_ms"])
+    parser.add_argument("--quorum-tick-ms", type=int, default=LIGHTHOUSE["quorum_tick_ms"])
+    parser.add_argument("--heartbeat-ms", type=int, default=MANAGER["heartbeat_ms"], help="Managers' heartbeats")
     parser.add_argument("--out", default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -379,7 +390,9 @@ def main(argv=None) -> None:
                             split=args.split, out_dir=args.out, chaos=not args.no_chaos, launcher=args.launcher,
                             fault_free=not args.no_fault_free,
                             lighthouse={"heartbeat_timeout_ms": args.heartbeat_timeout_ms,
-                                        "join_timeout_ms": args.join_timeout_ms})
+                                        "join_timeout_ms": args.join_timeout_ms,
+                                        "quorum_tick_ms": args.quorum_tick_ms},
+                            heartbeat_ms=args.heartbeat_ms)
     print(format_table(row))
     if args.json:
         Path(args.json).write_text(json.dumps(row, indent=1))
