@@ -20,12 +20,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import multiprocessing
 import os
 import random
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,8 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import gradsync
 from gradsync.bench.torchft_metrics import Batches, read_log, steps_of, summarize, window_start
+from gradsync.bench.torchft_replicas import Progress, Replicas, start_forkserver
 from gradsync.train import data as data_module
 from gradsync.train.models import build_model
 
@@ -49,119 +45,6 @@ LIGHTHOUSE = {"min_replicas": 1, "join_timeout_ms": 300, "quorum_tick_ms": 20, "
 MANAGER = {"heartbeat_ms": 100, "timeout": 10.0, "quorum_timeout": 30.0}  # heartbeat_ms: Manager -> Lighthouse
 START_TIMEOUT_S = 120.0  # every replica in the first quorum (4 torch imports on 2 busy cores)
 STOP_TIMEOUT_S = 60.0
-
-
-class Replicas:
-    """The replica processes, each relaunched when it exits; every one ended by PID in :meth:`close`.
-
-    ``launcher`` "forkserver": forked from gradsync's forkserver with torch and torchft imported (as
-    ``gradsync train`` starts its workers); "exec": a fresh ``python -m`` that imports them itself.
-    """
-
-    def __init__(self, nproc: int, out_dir: Path, worker_args: list[str], launcher: str = "forkserver"):
-        self.nproc, self.out_dir, self.worker_args, self.launcher = nproc, out_dir, worker_args, launcher
-        self.procs: dict[int, object] = {}  # replica -> subprocess.Popen or multiprocessing.Process
-        self.launches: list[dict] = []
-        self.stopping = False
-        src = str(Path(gradsync.__file__).resolve().parents[1])
-        self.env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
-                    "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
-
-    def log_path(self, replica: int) -> Path:
-        return self.out_dir / f"replica{replica}.jsonl"
-
-    def launch(self, replica: int) -> None:
-        argv = ["--replica", str(replica), "--log", str(self.log_path(replica)),
-                "--final", str(self.out_dir / f"final{replica}.pt"), *self.worker_args]
-        output = self.out_dir / f"replica{replica}.out"
-        if self.launcher == "forkserver":
-            from gradsync.bench import torchft_worker
-
-            proc = multiprocessing.get_context("forkserver").Process(target=torchft_worker.serve,
-                                                                     args=(argv, str(output)), daemon=True)
-            proc.start()
-        else:
-            with open(output, "a") as file:
-                proc = subprocess.Popen([sys.executable, "-m", "gradsync.bench.torchft_worker", *argv], env=self.env,
-                                        stdout=file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        self.procs[replica] = proc
-        self.launches.append({"replica": replica, "pid": proc.pid, "time": time.time()})
-
-    @staticmethod
-    def exited(proc) -> bool:
-        return (proc.poll() if isinstance(proc, subprocess.Popen) else proc.exitcode) is not None
-
-    def relaunch_exited(self) -> None:
-        """The relauncher: start again every replica whose process ended (not once stopping)."""
-        for replica, proc in list(self.procs.items()):
-            if self.exited(proc) and not self.stopping:
-                self.launch(replica)
-
-    def kill(self, replica: int) -> dict:
-        proc = self.procs[replica]
-        try:
-            os.kill(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:  # it had just ended by itself: the relauncher starts it again
-            pass
-        return {"victim": replica, "pid": proc.pid, "time": time.time()}
-
-    def all_exited(self) -> bool:
-        return all(self.exited(proc) for proc in self.procs.values())
-
-    def close(self) -> None:
-        for proc in self.procs.values():
-            if not self.exited(proc):
-                try:
-                    os.kill(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=10) if isinstance(proc, subprocess.Popen) else proc.join(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-
-
-def start_forkserver() -> None:
-    """gradsync's forkserver, with the torchft worker (torch, torchft) imported once."""
-    from gradsync.bench import torchft_worker
-    from gradsync.launch import start_forkserver as start
-
-    start(torchft_worker.serve)
-
-
-class Progress:
-    """Tails the replicas' logs: each replica's last committed step and whether it committed since launch."""
-
-    def __init__(self, replicas: Replicas):
-        self.replicas = replicas
-        self.offsets = {}
-        self.last = {}  # replica -> last record
-
-    def poll(self) -> None:
-        for replica in range(self.replicas.nproc):
-            path = self.replicas.log_path(replica)
-            if not path.exists():
-                continue
-            with open(path) as file:
-                file.seek(self.offsets.get(replica, 0))
-                text = file.read()
-            cut = text.rfind("\n") + 1
-            self.offsets[replica] = self.offsets.get(replica, 0) + cut
-            for line in text[:cut].splitlines():
-                record = json.loads(line)
-                if record.get("committed") and record.get("participating") or record.get("event") == "started":
-                    self.last[replica] = record
-
-    def healthy(self, replica: int) -> bool:
-        """In the quorum since its latest launch (its last record is a committed step, not 'started')."""
-        return "step" in self.last.get(replica, {})
-
-    def max_step(self) -> int:
-        return max((r["step"] for r in self.last.values() if "step" in r), default=0)
-
-    def all_in(self) -> bool:
-        return all(self.healthy(replica) for replica in range(self.replicas.nproc))
 
 
 def wait_for(condition, timeout_s: float, what: str, tick=None) -> None:
