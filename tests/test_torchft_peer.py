@@ -42,8 +42,8 @@ def test_killed_replica_rejoins_from_its_peer_with_equal_parameters(tmp_path):
     pytest.importorskip("torchft")
     from gradsync.bench.torchft_peer import run_torchft_chaos
 
-    row = run_torchft_chaos(nproc=2, duration_s=2.0, kill_every_s=1.0, seed=3, global_batch_size=32,
-                            out_dir=tmp_path, fault_free=False, num_samples=1000, data_dir=str(tmp_path / "data"))
+    row = run_torchft_chaos(nproc=2, duration_s=1.0, kill_every_s=0.5, seed=3, global_batch_size=32,
+                            out_dir=tmp_path, fault_free=False, num_samples=400, data_dir=str(tmp_path / "data"))
     assert row["failures"] == 1 and row["relaunches"] == 1
     failure = row["per_failure"][0]
     assert failure["recover_s"] is not None and failure["recover_s"] < 10  # the survivor trained on alone
@@ -69,3 +69,27 @@ def test_summarize_detects_a_kill_between_steps_by_the_quorum_change():
     failure = row["per_failure"][0]
     assert failure["detect_s"] == pytest.approx(1.09) and failure["recover_s"] == pytest.approx(1.1)
     assert failure["steps_lost"] == 0 and failure["samples_lost"] == 2  # the healing replica's piece of step 1
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(60)
+def test_a_replica_that_cannot_start_is_named_not_relaunched_forever(tmp_path):
+    pytest.importorskip("torchft")
+    import time
+
+    from gradsync.bench.torchft_replicas import CRASH_LOOP, ReplicaCrashLoop, Replicas, start_forkserver
+
+    start_forkserver()
+    replicas = Replicas(1, tmp_path, ["--nproc", "1", "--lighthouse", "http://127.0.0.1:1", "--data",
+                                      str(tmp_path / "missing.npz"), "--stop-file", str(tmp_path / "stop")])
+    try:
+        replicas.launch(0)
+        deadline = time.monotonic() + 30
+        with pytest.raises(ReplicaCrashLoop, match="(?s)replica 0 ended 3 times.*FileNotFoundError.*missing.npz"):
+            while time.monotonic() < deadline:
+                replicas.relaunch_exited()
+                time.sleep(0.05)
+        assert len(replicas.launches) == CRASH_LOOP == 3
+    finally:
+        replicas.close()
+    assert replicas.all_exited()

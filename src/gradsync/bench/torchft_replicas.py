@@ -15,6 +15,13 @@ import time
 from pathlib import Path
 
 import gradsync
+from gradsync.errors import GradsyncError
+
+CRASH_LOOP = 3
+
+
+class ReplicaCrashLoop(GradsyncError):
+    """A replica process keeps ending before it starts training (bad environment, import error)."""
 
 
 class Replicas:
@@ -28,6 +35,8 @@ class Replicas:
         self.nproc, self.out_dir, self.worker_args, self.launcher = nproc, out_dir, worker_args, launcher
         self.procs: dict[int, object] = {}  # replica -> subprocess.Popen or multiprocessing.Process
         self.launches: list[dict] = []
+        self.log_sizes: dict[int, int] = {}  # replica -> its log's size at its latest launch
+        self.early_exits: dict[int, int] = {}  # replica -> exits in a row before it wrote to its log
         self.stopping = False
         src = str(Path(gradsync.__file__).resolve().parents[1])
         self.env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
@@ -51,6 +60,8 @@ class Replicas:
                 proc = subprocess.Popen([sys.executable, "-m", "gradsync.bench.torchft_worker", *argv], env=self.env,
                                         stdout=file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.procs[replica] = proc
+        path = self.log_path(replica)
+        self.log_sizes[replica] = path.stat().st_size if path.exists() else 0
         self.launches.append({"replica": replica, "pid": proc.pid, "time": time.time()})
 
     @staticmethod
@@ -58,9 +69,22 @@ class Replicas:
         return (proc.poll() if isinstance(proc, subprocess.Popen) else proc.exitcode) is not None
 
     def relaunch_exited(self) -> None:
-        """The relauncher: start again every replica whose process ended (not once stopping)."""
+        """The relauncher: start again every replica whose process ended (not once stopping).
+
+        Raises:
+            ReplicaCrashLoop: a replica ended :data:`CRASH_LOOP` times in a row before writing its log
+            (it cannot start: the message quotes its output).
+        """
         for replica, proc in list(self.procs.items()):
             if self.exited(proc) and not self.stopping:
+                path = self.log_path(replica)
+                started = path.exists() and path.stat().st_size > self.log_sizes.get(replica, 0)
+                self.early_exits[replica] = 0 if started else self.early_exits.get(replica, 0) + 1
+                if self.early_exits[replica] >= CRASH_LOOP:
+                    out = self.out_dir / f"replica{replica}.out"
+                    output = out.read_text(errors="replace")[-2000:] if out.exists() else "(nothing: it never ran)"
+                    raise ReplicaCrashLoop(f"torchft replica {replica} ended {CRASH_LOOP} times before it started; "
+                                           f"its output ends:\n{output}")
                 self.launch(replica)
 
     def kill(self, replica: int) -> dict:
