@@ -207,16 +207,23 @@ def build_row(run: dict, baseline: dict | None, *, nproc, duration_s, kill_every
     return {"system": "torchft", "elastic": True, "fault": "chaos" if chaos else "none", "nproc": nproc,
             **{k: v for k, v in run.items() if k != "per_failure"},
             "samples_reason": samples_reason, "throughput_kept": kept,
+            "replicas_equal_every_step": (run["steps_replicas_unequal"] == 0 if run["steps_replicas_compared"]
+                                          else None),
+            "bitwise_equal_to_fault_free": None,  # torchft has no deterministic mode: nothing to compare
             "fault_free_samples_per_s": baseline["samples_per_s"] if baseline else None,
             "fault_free_replicas_equal": baseline["replicas_equal"] if baseline else None,
             "fault_free_final_test_accuracy": baseline["final_test_accuracy"] if baseline else None,
             "per_failure": run["per_failure"], "duration_s": duration_s, "kill_every_s": kill_every_s,
             "load_average": {"before": list(load[0]), "after": list(load[1])}, "run_folder": str(out),
-            "settings": {"lighthouse": lighthouse, "manager": {**MANAGER, "heartbeat_ms": heartbeat_ms,
-                                                                    "min_replica_size": 1,
-                         "use_async_quorum": split == "fixed", "world_size_mode": "DYNAMIC",
-                         "checkpoint_transport": "PGTransport"}, "split": split, "launcher": launcher,
-                         "torchft": _version("torchft"), "torch": torch.__version__}}
+            "settings": settings(lighthouse, heartbeat_ms, split, launcher)}
+
+
+def settings(lighthouse: dict, heartbeat_ms: int, split: str, launcher: str) -> dict:
+    """The row's ``settings``: the Lighthouse's and the Managers' options, the split, launcher and versions."""
+    manager = {**MANAGER, "heartbeat_ms": heartbeat_ms, "min_replica_size": 1, "use_async_quorum": split == "fixed",
+               "world_size_mode": "DYNAMIC", "checkpoint_transport": "PGTransport", "init_sync": True}
+    return {"lighthouse": lighthouse, "manager": manager, "split": split, "launcher": launcher,
+            "torchft": _version("torchft"), "torch": torch.__version__}
 
 
 def _version(name: str) -> str | None:
