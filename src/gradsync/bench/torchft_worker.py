@@ -185,7 +185,7 @@ def attempt_step(args, manager, ddp, optimizer, data, batches) -> dict:
               "participating": manager.is_participating(), "errored": manager.errored() is not None,
               "quorum_id": manager._quorum_id, "piece": piece, "pieces": pieces, "loss": loss.item(),
               "t_start": t_start, "t_backward": t_backward}
-    optimizer.step()  # should_commit, then Adam's step if every participant committed
+    optimizer.step()  # should_commit (this replica group alone: no error, enough participants), then Adam
     record["committed"] = manager.current_step() == step + 1
     if record["committed"]:
         record["params_hash"] = params_hash(ddp.module)
