@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradsync.bench.torchft_metrics import summarize
+from gradsync.bench.torchft_metrics import kept_within_run, summarize
 from gradsync.train.models import build_model
 
 
@@ -93,3 +93,10 @@ def test_a_replica_that_cannot_start_is_named_not_relaunched_forever(tmp_path):
     finally:
         replicas.close()
     assert replicas.all_exited()
+
+
+def test_kept_within_run_compares_with_the_runs_own_steady_rate():
+    # 100 samples committed in each of 10 s, but none in the second after the kill at t=4.2
+    counts = {i: (0.5 + i, 100, 0, 0) for i in range(10) if i != 5}
+    kept = kept_within_run(counts, [{"time": 4.2}], start=0.0, end=10.0)
+    assert kept == pytest.approx(900 / (100 * 10))  # seconds 4..7 are not steady; the median of the rest is 100

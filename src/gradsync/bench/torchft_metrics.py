@@ -178,6 +178,28 @@ def unequal_steps(steps: list[dict]) -> tuple[int, int]:
     return sum(1 for digests in hashes.values() if len(digests) > 1), len(hashes)
 
 
+def kept_within_run(counts: dict, kills: list[dict], start: float, end: float, settle_s: float = 3.0) -> float | None:
+    """Committed samples of ``[start, end)`` / what the run's own steady rate would have committed.
+
+    The steady rate is the median of the samples committed per whole second
+    over the seconds that hold no kill and start ``settle_s`` or more after
+    one. Unlike ``throughput_kept`` (against another run) it does not move
+    with the load of the shared machine between the two runs.
+    """
+    seconds = int(end - start)
+    if seconds < 1:
+        return None
+    per_second = [0] * seconds
+    for time, trained, _, _ in counts.values():
+        if start <= time < start + seconds:
+            per_second[int(time - start)] += trained
+    kill_times = [k["time"] - start for k in kills]
+    steady = [n for i, n in enumerate(per_second)
+              if not any(t - 1 < i < t + settle_s for t in kill_times)]
+    rate = statistics.median(steady) if steady else 0
+    return sum(per_second) / (rate * seconds) if rate else None
+
+
 def median(values: list) -> float | None:
     present = [v for v in values if v is not None]
     return statistics.median(present) if present else None
@@ -205,6 +227,8 @@ def summarize(kills: list[dict], steps: list[dict], batches, start: float, end: 
             "joiner_startup_s": median([f["joiner_startup_s"] for f in failures]),
             "joiner_startup_s_list": [f["joiner_startup_s"] for f in failures],
             "rejoin_stall_s_list": [f["rejoin_stall_s"] for f in failures],
-            "samples_lost": lost, "samples_duplicated": dup, "samples_per_s": samples / max(end - start, 1e-9),
+            "samples_lost": lost, "samples_duplicated": dup,
+            "throughput_kept_within_run": kept_within_run(counts, kills, start, end),
+            "samples_per_s": samples / max(end - start, 1e-9),
             "committed_steps": committed,
             "attempts_uncommitted": sum(1 for r in steps if start <= r["t_end"] <= end and not r["committed"])}

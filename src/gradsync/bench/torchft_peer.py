@@ -251,7 +251,8 @@ def format_table(row: dict) -> str:
                  f"{fmt(row['recover_s'])} s, joiner median {fmt(row['joiner_startup_s'])} s, samples lost "
                  f"{row['samples_lost']}, duplicated {row['samples_duplicated']}, throughput kept "
                  f"{fmt(row['throughput_kept'], '.3f')} ({fmt(row['samples_per_s'], '.0f')} vs "
-                 f"{fmt(row['fault_free_samples_per_s'], '.0f')} samples/s), replicas equal {row['replicas_equal']}, "
+                 f"{fmt(row['fault_free_samples_per_s'], '.0f')} samples/s; within the run "
+                 f"{fmt(row['throughput_kept_within_run'], '.3f')}), replicas equal {row['replicas_equal']}, "
                  f"test accuracy {fmt(row['final_test_accuracy'], '.4f')}, load {row['load_average']}")
     return "\n".join(lines)
 
