@@ -69,15 +69,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_forkserver(entry: Callable) -> None:
+def start_forkserver(entry: Callable, *also: str) -> None:
     """Start (once per process) the forkserver the workers fork from, with torch and ``entry``'s module imported.
 
     A spawned worker, and each restarted one, would import torch again and pay
     ~1.5 s for ``torch._dynamo`` alone (the first optimizer imports it); forked
     from this server they start at once. Benchmarks call it before timing
-    anything so that every run they compare starts the same way.
+    anything so that every run they compare starts the same way; ``also``: more modules to import
+    there (a benchmark's other workers). Only the first call of a process starts the server.
     """
-    multiprocessing.set_forkserver_preload(_WORKER_PRELOAD + [entry.__module__])
+    multiprocessing.set_forkserver_preload(_WORKER_PRELOAD + [entry.__module__, *also])
     forkserver.ensure_running()
     ready = multiprocessing.get_context("forkserver").Process(target=_ready, daemon=True)
     ready.start()  # served only once the server has imported what it preloads

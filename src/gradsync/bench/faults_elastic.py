@@ -157,6 +157,7 @@ def run_bench(*, nproc: int = 4, epochs: int = 3, timeout: float = 5.0, fault_ra
     out_dir = Path(out) if out else Path(tempfile.mkdtemp(prefix="gradsync-bench-elastic-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     fields = base.to_dict()
+    _start_forkserver(torchft)  # before anything forks: the same start-up for every run it compares
     print(f"# gradsync bench faults --elastic: MNIST-1D CNN, {nproc} workers, global batch "
           f"{base.global_batch_size}, --deterministic, --timeout {timeout:g} s; runs in {out_dir}", flush=True)
     rows = []
@@ -195,6 +196,16 @@ def _chaos_rows(fields: dict, out_dir: Path, none_summary: dict, epochs: int, ch
     return rows
 
 
+def _start_forkserver(torchft: bool) -> None:
+    from gradsync.launch import start_forkserver
+    from gradsync.train.elastic_worker import run_elastic_worker
+
+    import importlib.util
+
+    found = torchft and importlib.util.find_spec("torchft") is not None
+    start_forkserver(run_elastic_worker, *(("gradsync.bench.torchft_worker",) if found else ()))
+
+
 def _torchft_rows(nproc: int, duration_s: float, kill_every_s: float, seed: int, out_dir: Path,
                   fields: dict) -> list[dict]:
     try:
@@ -203,8 +214,10 @@ def _torchft_rows(nproc: int, duration_s: float, kill_every_s: float, seed: int,
         print(f"# torchft row skipped: {exc}", flush=True)
         return []
     try:
+        # "quorum": the global batch re-split over the replicas of each step's quorum, as gradsync does
         return [run_torchft_chaos(nproc=nproc, duration_s=duration_s, kill_every_s=kill_every_s, seed=seed,
-                                  global_batch_size=fields["global_batch_size"], out_dir=out_dir / "torchft")]
+                                  global_batch_size=fields["global_batch_size"], split="quorum",
+                                  out_dir=out_dir / "torchft", num_samples=fields["num_samples"])]
     except Exception as exc:  # noqa: BLE001 - the peer row must not cost the gradsync rows
         print(f"# torchft row failed: {type(exc).__name__}: {exc}", flush=True)
         return []
