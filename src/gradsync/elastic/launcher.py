@@ -63,7 +63,11 @@ class Launcher(threading.Thread):
                 return
             post(store, "died", slot=self.slot, incarnation=self.incarnation, exitcode=code)
             self.log({"event": "died", "slot": self.slot, "incarnation": self.incarnation, "exitcode": code})
-            if relaunches >= self.max_relaunches or store.check(["q/done"]) or store.check(["q/failed"]):
+            if store.check(["q/done"]) or store.check(["q/failed"]):
+                return
+            if relaunches >= self.max_relaunches:
+                os.write(2, f"gradsync: slot {self.slot} died (exit code {code}) and is not started again "
+                            f"(--max-relaunches {self.max_relaunches})\n".encode())
                 return
             relaunches += 1
 

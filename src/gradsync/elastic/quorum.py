@@ -80,7 +80,7 @@ class Quorum:
     """
 
     def __init__(self, store, nproc: int, min_nproc: int, max_nproc: int, timeout_s: float,
-                 startup_s: float = 120.0, rejoin_s: float = 120.0, clock=time.monotonic, log=None):
+                 startup_s: float = 120.0, rejoin_s: float = 60.0, clock=time.monotonic, log=None):
         self.store, self.clock, self.log = store, clock, log or (lambda record: None)
         self.nproc, self.min_nproc, self.max_nproc = nproc, min_nproc, max_nproc
         self.timeout_s, self.startup_s, self.rejoin_s = timeout_s, startup_s, rejoin_s
@@ -186,7 +186,10 @@ class Quorum:
             if any(m.slot not in change.ready and m.slot not in change.gone for m in self.members):
                 return
         if len(change.ready) + len(self.joiners) < self.min_nproc:
-            if now - change.started > self.timeout_s + self.rejoin_s:
+            if not self.store.check(["q/waiting"]):
+                self.store.set("q/waiting", json.dumps({"epoch": self.epoch, "workers": len(change.ready),
+                                                        "joiners": len(self.joiners), "rejoin_s": self.rejoin_s}))
+            if now - change.started > self.rejoin_s:
                 self._end("failed", {"reason": f"{len(change.ready)} workers left, fewer than --min-nproc "
                                                f"{self.min_nproc}, and no replacement joined within "
                                                f"{self.rejoin_s:g} s"})
@@ -229,6 +232,7 @@ class Quorum:
         ordered = [source] + sorted((m for m in everyone if m is not source), key=lambda m: m.slot)
         self.epoch += 1
         self.members, self.change, self.finished = ordered, None, set()
+        self.store.delete_key("q/waiting")
         record = {"epoch": self.epoch, "members": [m.as_dict() for m in ordered], "source": source.slot,
                   "step": source.step, "reason": reason, "left": [{"slot": s, "why": w} for s, w in left],
                   "joined": [m.slot for m in joiners], "time": time.time()}

@@ -31,7 +31,7 @@ class ServiceSettings:
     max_nproc: int
     timeout_s: float
     startup_s: float = 120.0
-    rejoin_s: float = 120.0
+    rejoin_s: float = 60.0
     host: str = "127.0.0.1"
     port: int = 0
 

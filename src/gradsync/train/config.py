@@ -367,6 +367,11 @@ def _validate_global_batch(config: TrainConfig, world_size: int, num_train: int)
     size = config.global_batch_size
     if num_train < size:
         raise ValueError(f"the {num_train} training samples are fewer than one --global-batch-size {size}")
+    if config.elastic and config.mode == "sync":  # any membership: uneven shares, weighted by samples
+        world_size = elastic_bounds(config)[1]
+        if not config.deterministic and size < world_size * config.accumulate:
+            raise ValueError(f"--global-batch-size {size} is smaller than --max-nproc {world_size} x --accumulate "
+                             f"{config.accumulate}: some worker would get no sample")
     if config.deterministic:
         if world_size > config.micro_shards:
             raise ValueError(f"--deterministic with --micro-shards {config.micro_shards} runs at most "
@@ -374,7 +379,7 @@ def _validate_global_batch(config: TrainConfig, world_size: int, num_train: int)
                              f"{world_size}")
         return
     parts = world_size * config.accumulate
-    if size % parts:
+    if size % parts and not (config.elastic and config.mode == "sync"):
         raise ValueError(f"--global-batch-size {size} does not split evenly over world size {world_size} x "
                          f"--accumulate {config.accumulate} = {parts} micro-batches ({size / parts:.2f} samples "
                          f"each): choose a multiple of {parts}")

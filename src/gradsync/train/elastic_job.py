@@ -29,6 +29,7 @@ from gradsync.train import data
 from gradsync.train.config import TrainConfig, elastic_bounds
 from gradsync.train.elastic_worker import run_elastic_worker
 from gradsync.train.metrics import SUMMARY_FILE
+from gradsync.train.resume import say
 
 RUN_FILE = "elastic.json"
 SLOTS_KEY = "q/slots"
@@ -86,7 +87,14 @@ class ElasticJob:
             TimeoutError: ``timeout_s`` passed.
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        told = False
         while True:
+            if not told and self.store.check(["q/waiting"]):
+                told = True
+                waiting = get_json(self.store, "q/waiting")
+                say(f"{waiting['workers']} workers left, fewer than --min-nproc {elastic_bounds(self.config)[0]}: "
+                    f"waiting up to {waiting['rejoin_s']:g} s for a replacement or a joiner (gradsync train "
+                    f"--elastic --join {self.out_dir})")
             if not self.service.alive():
                 raise ElasticRunFailed("the elastic quorum service died")
             if self.store.check(["q/failed"]):
