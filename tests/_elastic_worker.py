@@ -51,3 +51,7 @@ def run(slot, incarnation, host, port, steps, die_slot, die_step, out):
             raise MembershipChanged("closed before the end")
         except RECOVERABLE as exc:
             member.leave(step, exc)
+
+
+def fail_at_start(slot, incarnation, host, port):
+    raise RuntimeError(f"slot {slot} cannot start")

@@ -347,3 +347,17 @@ def test_the_library_runs_any_step_function_elastically(tmp_path):
     assert codes[1] == [17, 0] and codes[0] == [0] and codes[2] == [0]  # slot 1 died once, came back
     result = json.loads(out.read_text())
     assert result["steps"] == 60 and result["world_size"] == 3 and result["memberships"] >= 3
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(60)
+def test_a_worker_that_fails_at_start_is_not_relaunched_forever():
+    from _elastic_worker import fail_at_start
+    from gradsync.elastic.run import ElasticRunError, launch_elastic
+
+    started = time.monotonic()
+    with pytest.raises(ElasticRunError, match="fails at start"):
+        launch_elastic(2, fail_at_start, deadline_s=50, preload=("_elastic_worker",))
+    assert time.monotonic() - started < 30
+    with pytest.raises(TypeError, match="nproc must be an int"):
+        launch_elastic("2", fail_at_start)

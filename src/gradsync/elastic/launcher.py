@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 from multiprocessing.connection import wait
 from typing import Callable
 
@@ -20,6 +21,8 @@ from gradsync.elastic.run_store import post
 
 EVICT_POLL_S = 0.05
 SUCCESS = 0
+CRASH_LOOP_S = 2.0      # a process that dies this soon after its start ...
+CRASH_LOOP_TIMES = 3    # ... this many times in a row is not started again (and the run fails)
 
 
 class Launcher(threading.Thread):
@@ -48,7 +51,7 @@ class Launcher(threading.Thread):
     def run(self) -> None:
         store = self.store_factory()
         context = multiprocessing.get_context("forkserver")
-        relaunches = 0
+        relaunches = quick = 0
         while not self._halt.is_set():
             # the run's count for this slot, so that a host's new launcher never reuses an incarnation
             self.incarnation = int(store.add(f"q/incarnation/{self.slot}", 1)) - 1
@@ -57,13 +60,21 @@ class Launcher(threading.Thread):
             self.process.start()
             self.log({"event": "launched", "slot": self.slot, "incarnation": self.incarnation,
                       "pid": self.process.pid})
+            started = time.monotonic()
             code = self._watch(store)
             self.exitcodes.append(code)
+            quick = quick + 1 if code != SUCCESS and time.monotonic() - started < CRASH_LOOP_S else 0
             if code == SUCCESS or self._halt.is_set():
                 return
             post(store, "died", slot=self.slot, incarnation=self.incarnation, exitcode=code)
             self.log({"event": "died", "slot": self.slot, "incarnation": self.incarnation, "exitcode": code})
             if store.check(["q/done"]) or store.check(["q/failed"]):
+                return
+            if quick >= CRASH_LOOP_TIMES:  # it fails at start: starting it again would only repeat that
+                os.write(2, f"gradsync: slot {self.slot} died {quick} times within {CRASH_LOOP_S:g} s of its start "
+                            f"(exit code {code}); not starting it again\n".encode())
+                post(store, "fatal", slot=self.slot, incarnation=self.incarnation,
+                     error=f"the worker of slot {self.slot} fails at start (exit code {code}, {quick} times)")
                 return
             if relaunches >= self.max_relaunches:
                 os.write(2, f"gradsync: slot {self.slot} died (exit code {code}) and is not started again "

@@ -8,7 +8,9 @@
 
 The target is forked from a forkserver (``preload``: modules it imports
 once, e.g. your training module), started again when it dies (up to
-``max_relaunches``), and must exit 0 when the run is over.
+``max_relaunches``; not after it died three times within 2 s of its start),
+and must exit 0 when the run is over. As with any multiprocessing start
+method but fork, the calling script needs ``if __name__ == "__main__":``.
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ def launch_elastic(nproc: int, target: Callable, *args, min_nproc: int = 1, max_
     Raises:
         ValueError: bad counts. ElasticRunError: the quorum gave up, or ``deadline_s`` passed.
     """
+    if not callable(target):
+        raise TypeError(f"target must be a top-level function, got {type(target).__name__}")
+    for name, value in (("nproc", nproc), ("min_nproc", min_nproc), ("max_nproc", max_nproc)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise TypeError(f"{name} must be an int, got {value!r}")
     max_nproc = nproc if max_nproc is None else max_nproc
     if not 1 <= min_nproc <= nproc <= max_nproc:
         raise ValueError(f"need 1 <= min_nproc ({min_nproc}) <= nproc ({nproc}) <= max_nproc ({max_nproc})")
@@ -59,6 +66,11 @@ def launch_elastic(nproc: int, target: Callable, *args, min_nproc: int = 1, max_
             if deadline_s is not None and time.monotonic() - started > deadline_s:
                 raise ElasticRunError(f"the elastic run did not end within {deadline_s:g} s")
             time.sleep(POLL_S)
+        if store.check(["q/failed"]):
+            raise ElasticRunError(f"the elastic run failed: {store.get('q/failed').decode()}")
+        if not store.check(["q/done"]):
+            raise ElasticRunError(f"every worker ended before the run was done (rank 0 never called finish()): "
+                                  f"exit codes by slot { {l.slot: l.exitcodes for l in launchers} }")
     finally:
         for launcher in launchers:
             launcher.stop()

@@ -239,6 +239,9 @@ def _validate_fault_tolerance(config: TrainConfig) -> None:
         for flag, used in [("--checkpoint-dir", config.checkpoint_dir is not None and not config.elastic),
                            ("--max-restarts", config.max_restarts > 0), ("--fail-at", config.fail_at is not None),
                            ("--hang-at", config.hang_at is not None)]:
+            if used and config.elastic:
+                raise ValueError(f"{flag} is not implemented for --mode async --elastic: kill a worker or the "
+                                 f"server by its PID (events.jsonl lists them) to try a failure")
             if used:
                 raise ValueError(f"{flag} applies to --mode sync and local-sgd (and --checkpoint-dir to "
                                  "--mode async --elastic): a parameter server without --elastic does not "

@@ -148,7 +148,13 @@ def run_elastic(config: TrainConfig, data_path: Path, out_dir: Path) -> dict:
         job.close()
 
 
-def join_run(run: str, timeout_s: float = 30.0) -> dict:
+def _alive(pid: int) -> bool:
+    from gradsync.transport.shm_segment import pid_alive
+
+    return pid > 0 and pid_alive(pid)
+
+
+def join_run(run: str, timeout_s: float = 10.0) -> dict:
     """``gradsync train --join RUN``: add one worker to the running elastic job whose folder is ``run``.
 
     Returns:
@@ -165,11 +171,14 @@ def join_run(run: str, timeout_s: float = 30.0) -> dict:
     except (OSError, ValueError):
         raise ValueError(f"--join {run}: no running elastic job there ({RUN_FILE} is missing or unreadable)") \
             from None
+    if not _alive(int(address.get("pid", 0))):
+        raise ValueError(f"--join {run}: the elastic job that wrote {RUN_FILE} (pid {address.get('pid')}) is not "
+                         f"running any more")
     try:
         store = connect(address["host"], int(address["port"]), timeout_s)
-    except (TimeoutError, RuntimeError) as exc:
+    except (TimeoutError, RuntimeError):
         raise ValueError(f"--join {run}: the job's quorum service at {address['host']}:{address['port']} does "
-                         f"not answer ({exc})") from None
+                         f"not answer") from None
     if store.check(["q/done"]) or store.check(["q/failed"]):
         raise ValueError(f"--join {run}: that elastic job has already ended")
     config = TrainConfig(**json.loads(store.get("run/config")))
