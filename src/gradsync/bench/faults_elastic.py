@@ -105,6 +105,15 @@ def measure_failures(folder: Path, faults: list[dict]) -> list[dict]:
     return rows
 
 
+def seconds_lost(folder: Path) -> float:
+    """Wall seconds between the first and last step beyond the run's own steady pace (median step gap)."""
+    times = [r["time"] for r in read_metrics(folder / METRICS_FILE) if r.get("kind") == "step"]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    if not gaps:
+        return 0.0
+    return (times[-1] - times[0]) - statistics.median(gaps) * len(gaps)
+
+
 def _median(values) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
@@ -126,9 +135,13 @@ def _row(name: str, config: TrainConfig, summary: dict, folder: Path, failures: 
                                                                    for f in failures),
            "final_test_accuracy": summary.get("final_test_accuracy"), "samples_per_s": summary.get("samples_per_s"),
            "wall_s": summary.get("wall_s"), "failures_detail": failures, "run_folder": str(folder)}
+    row["seconds_lost"] = seconds_lost(folder)
     if reference is not None:
         ref_folder, ref_summary = reference
         row["throughput_kept"] = (summary["samples"] / summary["wall_s"]) / (ref_summary["samples"] / ref_summary["wall_s"])
+        # robust to the load moving between the two runs: each run against its own steady pace
+        extra_s = row["seconds_lost"] - seconds_lost(ref_folder)
+        row["throughput_kept_within_run"] = 1.0 - max(extra_s, 0.0) / summary["wall_s"]
         row["bitwise_equal_to_fault_free"] = params_equal(folder, ref_folder) if config.deterministic else None
     return row
 
@@ -226,7 +239,7 @@ def _torchft_rows(nproc: int, duration_s: float, kill_every_s: float, seed: int,
 def format_table(rows: list[dict]) -> str:
     header = (f"{'system':>8} {'fault':>10} {'n':>2} {'failures':>8} {'detect s':>8} {'recover s':>9} "
               f"{'after det':>9} {'steps lost':>10} {'joiner s':>8} {'lost':>5} {'dup':>4} {'kept':>6} {'replicas=':>9} "
-              f"{'bitwise=':>8} {'test acc':>8}")
+              f"{'bitwise=':>8} {'kept*':>6} {'test acc':>8}")
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(f"{r.get('system', 'gradsync'):>8} {r['fault']:>10} {r.get('nproc', 0):>2} {r['failures']:>8} "
@@ -236,8 +249,10 @@ def format_table(rows: list[dict]) -> str:
                      f"{fmt_optional(r.get('samples_lost'), 'd'):>5} {fmt_optional(r.get('samples_duplicated'), 'd'):>4} "
                      f"{fmt_optional(r.get('throughput_kept'), '.3f'):>6} {str(r.get('replicas_equal')):>9} "
                      f"{str(r.get('bitwise_equal_to_fault_free')):>8} "
+                     f"{fmt_optional(r.get('throughput_kept_within_run'), '.3f'):>6} "
                      f"{fmt_optional(r.get('final_test_accuracy'), '.4f'):>8}")
     lines.append("# detect/recover/joiner: medians over the run's failures, seconds from the fault; after det: the "
                  "longest recover - detect of any failure; steps lost: the "
-                 "most committed steps any failure cost; kept: samples/s against the fault-free run of the same length")
+                 "most committed steps any failure cost; kept: samples/s against the fault-free run of the same length; "
+                 "kept*: the same within the run (time beyond its own steady step pace, less the fault-free run's)")
     return "\n".join(lines)

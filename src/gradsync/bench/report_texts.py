@@ -132,6 +132,18 @@ train again in a new membership, `after det` the longest recover − detect,
 `joiner s` fault → the replacement trains; `lost`/`dup` count samples per id;
 `kept` is samples/s against the fault-free run; `bitwise=` compares the final
 model with the fault-free run's.""",
+    "faults_elastic_after": """\
+How to read it. A kill is seen within milliseconds (the launcher reaps its
+worker, the peers' sockets close) and the survivors train again about a
+tenth of a second later: the new membership is a fresh Gloo group plus one
+broadcast of rank 0's state, in the same processes. A hang costs the
+timeout first. The replacement is forked from the forkserver and joins at a
+step boundary a few tenths of a second after the kill. `kept` under chaos
+counts every membership change twice (the shrink and the grow), each with
+its rebuilt buckets and groups; on these 2 oversubscribed cores the joiner's
+start-up also competes with the survivors for the CPU. torchft's row heals
+its joiner from a live peer too; its survivors wait for the Lighthouse's
+heartbeat timeout (300 ms here) before the next quorum.""",
     "faults_after": """\
 How to read it. A killed worker is noticed at once (its peers' sockets
 close); a hang costs the timeout plus the 1.5 s in which the live ranks

@@ -18,6 +18,8 @@ from gradsync.elastic.member import ElasticMember
 from gradsync.elastic.run_store import connect
 from gradsync.launch import die_with_launcher
 from gradsync.train.config import TrainConfig
+from gradsync.train.elastic_async import run_elastic_async  # imported here: the forkserver preloads this module
+from gradsync.train.elastic_loop import ElasticTrainer
 from gradsync.train.metrics import METRICS_FILE, SUMMARY_FILE, private_files, read_metrics, write_summary
 from gradsync.train.plots import plot_run
 
@@ -32,12 +34,8 @@ def run_elastic_worker(slot: int, incarnation: int, config: TrainConfig, data_pa
         store = connect(store_host, store_port)
         member = ElasticMember(store, slot, incarnation, timeout_s=config.timeout)
         if config.mode == "async":
-            from gradsync.train.elastic_async import run_elastic_async
-
             summary = run_elastic_async(member, slot, config, Path(data_path), Path(out_dir))
         else:
-            from gradsync.train.elastic_loop import ElasticTrainer
-
             summary = ElasticTrainer(member, config, Path(data_path), Path(out_dir)).run()
         if summary is not None:
             out = Path(out_dir)
