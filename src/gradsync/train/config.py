@@ -10,6 +10,7 @@ from gradsync.compression import COMPRESSIONS
 from gradsync.hosts.netns import link_options_problem
 from gradsync.parallel.deterministic import DEFAULT_MICRO_SHARDS
 from gradsync.train.data import DEFAULT_NUM_SAMPLES
+from gradsync.train.elastic_options import elastic_bounds, validate_elastic
 from gradsync.train.models import MODELS
 
 MODES = ("sync", "async", "local-sgd")
@@ -206,7 +207,7 @@ def validate(config: TrainConfig) -> None:
     _validate_mode(config)
     _validate_trajectory(config)
     _validate_fault_tolerance(config)
-    _validate_elastic(config)
+    validate_elastic(config)
     if not _is_int(config.check_replicas_every) or config.check_replicas_every < 0:
         raise ValueError(f"--check-replicas-every must be an int >= 0 (optimizer steps), got "
                          f"{config.check_replicas_every}")
@@ -386,41 +387,3 @@ def _validate_global_batch(config: TrainConfig, world_size: int, num_train: int)
         raise ValueError(f"--global-batch-size {size} does not split evenly over world size {world_size} x "
                          f"--accumulate {config.accumulate} = {parts} micro-batches ({size / parts:.2f} samples "
                          f"each): choose a multiple of {parts}")
-
-
-def elastic_bounds(config: TrainConfig) -> tuple[int, int]:
-    """``(min_nproc, max_nproc)`` of an elastic run: workers in all (defaults 1 and the workers it starts)."""
-    low = 1 if config.min_nproc is None else config.min_nproc
-    high = elastic_workers(config) if config.max_nproc is None else config.max_nproc
-    return low, high
-
-
-def elastic_workers(config: TrainConfig) -> int:
-    """Workers an elastic run starts with: ``--nproc``, per host with ``--hosts``."""
-    return config.nproc * (config.hosts or 1)
-
-
-def _validate_elastic(config: TrainConfig) -> None:
-    if not config.elastic:
-        for name in ("min_nproc", "max_nproc", "join", "elastic_fault"):
-            if getattr(config, name) is not None:
-                raise ValueError(f"--{name.replace('_', '-')} needs --elastic")
-        return
-    if config.elastic_fault is not None:
-        from gradsync.train.elastic_faults import parse
-
-        parse(config.elastic_fault)
-    low, high = elastic_bounds(config)
-    for name, value in (("--min-nproc", low), ("--max-nproc", high), ("--max-relaunches", config.max_relaunches)):
-        if not _is_int(value) or value < (0 if name == "--max-relaunches" else 1):
-            raise ValueError(f"{name} must be an int >= {0 if name == '--max-relaunches' else 1}, got {value}")
-    if not low <= elastic_workers(config) <= high:
-        what = f"--nproc {config.nproc}" + (f" x --hosts {config.hosts}" if config.hosts else "")
-        raise ValueError(f"--elastic needs --min-nproc {low} <= {what} <= --max-nproc {high}")
-    if config.max_restarts:
-        raise ValueError("--elastic replaces --max-restarts: survivors go on and each worker's launcher starts "
-                         "it again (--max-relaunches)")
-    if config.hosts is not None and config.mode != "sync":
-        raise ValueError("--elastic with --hosts runs --mode sync only")
-    if config.mode == "local-sgd":
-        raise ValueError("--elastic runs --mode sync or async (local-sgd is not elastic yet)")

@@ -25,7 +25,8 @@ from pathlib import Path
 from gradsync.errors import GradsyncError
 from gradsync.fault.events import read_events
 from gradsync.train import data
-from gradsync.train.config import TrainConfig, elastic_bounds
+from gradsync.train.config import TrainConfig
+from gradsync.train.elastic_options import elastic_bounds
 from gradsync.train.elastic_job import RUN_FILE
 from gradsync.train.hosts_job import reached_step
 from gradsync.train.metrics import SUMMARY_FILE

@@ -43,7 +43,8 @@ from gradsync.fault import checkpoint
 from gradsync.fault.events import EventLog
 from gradsync.fault.injection import FaultPlan
 from gradsync.train.elastic_faults import ElasticFault
-from gradsync.train.config import TrainConfig, elastic_workers
+from gradsync.train.config import TrainConfig
+from gradsync.train.elastic_options import elastic_workers
 from gradsync.train.data import load
 from gradsync.train import elastic_checkpoint
 from gradsync.train.elastic_samples import SAMPLES_FOLDER
@@ -85,8 +86,10 @@ class ElasticTrainer:
                                 self.events)
         self.fault_in = ElasticFault.from_config(config.elastic_fault, member.slot, self.events,
                                                  lambda: self.progress["step"] + 1)
-        self.samples_path = self.out_dir / SAMPLES_FOLDER / f"samples-{member.slot}.{member.incarnation}.jsonl"
-        self.samples_path.parent.mkdir(exist_ok=True)
+        samples_path = self.out_dir / SAMPLES_FOLDER / f"samples-{member.slot}.{member.incarnation}.jsonl"
+        samples_path.parent.mkdir(exist_ok=True)
+        # one handle for the run, a line each write (buffering=1): a kill loses at most a torn last line
+        self.samples = open(samples_path, "a", encoding="utf-8", buffering=1)
         self._permutation = (None, None)
         self.log = None
         self.futile = (-1, 0)  # (step, times in a row it failed with an error no peer caused)
@@ -281,8 +284,7 @@ class ElasticTrainer:
         """Append to this member's samples file: the ids it computes a step on (before the step's
         collectives), then the step's commit (after): a member killed in between still counts, as long as
         some member committed that step in that membership (its gradient was in every member's sum)."""
-        with open(self.samples_path, "a", encoding="utf-8") as file:
-            file.write(json.dumps(record) + "\n")
+        self.samples.write(json.dumps(record) + "\n")
 
     def _end_epoch(self) -> None:
         progress = self.progress
