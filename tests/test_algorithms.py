@@ -34,7 +34,7 @@ from _reference import (ALL_DTYPES, FLOAT_DTYPES, INT_DTYPES, SENTINEL, assert_b
 from _strict_transport import MODES, StrictWorld
 from gradsync import CollectiveMismatchError, CollectiveTimeoutError, Communicator
 from gradsync.collectives import ops as collectives_api
-from gradsync.collectives import HierarchicalOptions, SegmentOptions, auto, halving_doubling
+from gradsync.collectives import HierarchicalOptions, SegmentOptions, auto, halving_doubling, shm_setup
 from gradsync.sim.formulas import predict_s
 from gradsync.sim.profile import Link, Profile
 from gradsync.sim.profiles import get_profile
@@ -53,6 +53,8 @@ class Variant:
     segment_bytes: int | None = None  # SegmentOptions(segment_bytes=...)
     shm_region_bytes: int | None = None  # override of gradsync.transport.shm_segment.DEFAULT_REGION_BYTES
     intra_node_algorithm: str = "ring"  # HierarchicalOptions(intra_node_algorithm=...)
+    shm_cell_bytes: int | None = None  # override of gradsync.collectives.shm_setup.DEFAULT_CELL_BYTES
+    warm_shm: bool = False  # one shm all_reduce first: the segment exists, small calls take the lean path
 
     def fits(self, world_size: int) -> bool:
         return self.ranks_per_node is None or world_size % self.ranks_per_node == 0
@@ -72,6 +74,8 @@ VARIANTS = {
     "hierarchical-shm-rpn3": Variant("hierarchical", ranks_per_node=3, intra_node_algorithm="shm"),
     "shm": Variant("shm"),
     "shm-small-regions": Variant("shm", shm_region_bytes=4096),  # several slices, both buffer sets
+    "shm-tiny-cells": Variant("shm", shm_cell_bytes=24),  # pipelined cells of a few elements each
+    "shm-lean": Variant("shm", warm_shm=True),  # up to LEAN_MAX_BYTES through the mailboxes, checked there
     "native": Variant("native"),
     "auto": Variant("auto"),
 }
@@ -104,13 +108,23 @@ def selected_path(variant: Variant):
             patch.setattr(halving_doubling, "SHORT_MESSAGE_BYTES", variant.short_message_bytes)
         if variant.shm_region_bytes is not None:
             patch.setattr(shm_transport, "DEFAULT_REGION_BYTES", variant.shm_region_bytes)
+        if variant.shm_cell_bytes is not None:
+            patch.setattr(shm_setup, "DEFAULT_CELL_BYTES", variant.shm_cell_bytes)
         yield
+
+
+def _warmed(fn):
+    """``fn(comm)`` after one shm all_reduce on ``comm`` (its segment then exists)."""
+    def run(comm):
+        collectives_api.all_reduce(torch.zeros(1), comm, algorithm="shm")
+        return fn(comm)
+    return run
 
 
 def run_variant(variant: Variant, world_size: int, fn, *, segment_bytes: int | None = None, **kwargs):
     """``run_threads(world_size, fn)`` on communicators configured for ``variant``."""
     with selected_path(variant):
-        return run_threads(world_size, fn, segment_bytes=segment_bytes or variant.segment_bytes,
+        return run_threads(world_size, _warmed(fn) if variant.warm_shm else fn, segment_bytes=segment_bytes or variant.segment_bytes,
                            ranks_per_node=variant.ranks_per_node,
                            intra_node_algorithm=variant.intra_node_algorithm, **kwargs)
 
@@ -831,7 +845,12 @@ def test_hierarchical_sends_one_node_share_across_nodes():
 @pytest.mark.parametrize("name", sorted(variant_names_for(4)))
 def test_algorithms_empty_tensor_sends_no_payload(name):
     """An empty all_reduce moves no payload bytes for any variant (the layout check is control traffic)."""
-    all_stats = payload_stats(VARIANTS[name], 4, 0)
+    variant = VARIANTS[name]
+    if variant.warm_shm:  # the segment exists: the layout check goes through it, nothing point-to-point
+        [all_stats] = payload_stats_per_call(variant, 4, [(0, torch.float32)])
+        assert all(not any(stats.values()) for stats in all_stats), all_stats
+        return
+    all_stats = payload_stats(variant, 4, 0)
     for rank, stats in enumerate(all_stats):
         assert stats["bytes_sent"] == 0 and stats["bytes_received"] == 0, f"rank {rank}: {stats}"
     assert_conserved(all_stats)

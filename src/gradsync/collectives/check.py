@@ -24,6 +24,19 @@ Cost: (p-1) concurrent messages of ``DESCRIPTOR_NUMEL * 8`` bytes per rank
 (plus ``REASON_BYTES`` per rejecting rank on failure). Callers that already
 verified a fixed layout (the DataParallel buckets, checked once at
 construction) pass ``verify=False``.
+
+The channel belongs to the group, not to an algorithm: once the group has a
+shared-memory segment (every rank on one machine, after its first ``shm``
+call), every layout check of every collective goes through the segment's
+mailboxes instead (:func:`post_check` / :func:`settle_check`): each rank
+posts one word, a 62-bit digest of its descriptor mixed with the round's
+barrier number (or, rejecting, a flag, the round and its cause, with its
+error text beside it), one barrier, every rank compares the words. Only if
+they differ and nobody rejected does a second round exchange the full
+descriptors, so every rank raises the same detailed error. The shm
+AllReduce of a small message carries its word in its data round
+(:mod:`~gradsync.collectives.shm_lean`): a rank in another collective, or
+rejecting, still meets it in that round.
 """
 
 from __future__ import annotations
@@ -35,7 +48,9 @@ import torch
 from gradsync.collectives.call import CollectiveCall
 from gradsync.collectives.dtypes import dtype_code, dtype_name
 from gradsync.collectives.registry import ALGORITHMS
+from gradsync.collectives.shm_setup import MAIL_DATA_OFFSET, ShmState, barrier
 from gradsync.errors import CollectiveMismatchError
+from gradsync.transport.shm_segment import ShmSegment
 
 DESCRIPTOR_NUMEL = 20
 MAX_DIMS = 8
@@ -94,9 +109,17 @@ def verify_layout(call: CollectiveCall, tensor: torch.Tensor | None, *, collecti
     world_size = call.world_size
     if world_size == 1:
         return
+    row = describe(tensor, collective, op, algorithm or call.algorithm, src,
+                   rejected=rejection[0] if rejection else 0, options=options)
+    segment = call.options(ShmState).segment
+    if segment is not None:
+        word = post_check(segment, rejection_word(segment, rejection[0]) if rejection else
+                          check_word(segment, row_digest(row)), rejection[1] if rejection else None)
+        barrier(segment, call, "layout check")
+        settle_check(call, segment, word, lambda: row, collective)
+        return
     table = torch.zeros(world_size, DESCRIPTOR_NUMEL, dtype=torch.int64)
-    table[call.rank] = describe(tensor, collective, op, algorithm or call.algorithm, src,
-                                rejected=rejection[0] if rejection else 0, options=options)
+    table[call.rank] = row
     call.exchange_with_every_peer(table, "layout check")
     rows = table.tolist()
     rejecting = [rank for rank, row in enumerate(rows) if row[8] and row[0] == _MAGIC]
@@ -110,6 +133,91 @@ def verify_layout(call: CollectiveCall, tensor: torch.Tensor | None, *, collecti
     problem = _first_difference(rows, tensor_shapes=[_shape_of(row) for row in rows])
     if problem:
         raise CollectiveMismatchError(f"{collective} on rank {call.rank}: ranks disagree on {problem}")
+
+
+# A mailbox (bytes): word 0 the check word, word 1 the round its row was posted in; the error text of
+# a rejecting rank; the full descriptor (second round only); then a small AllReduce's data.
+_MAIL_ROUND_WORD = 1
+MAIL_REASON_OFFSET = 64
+MAIL_ROW_OFFSET = MAIL_REASON_OFFSET + REASON_BYTES
+assert MAIL_ROW_OFFSET + 8 * DESCRIPTOR_NUMEL <= MAIL_DATA_OFFSET
+_REJECTED = 1 << 62
+_DIGEST_MASK = _REJECTED - 1
+_ROUND_MASK = 2**40 - 1
+_MIX = 0x9E3779B97F4A7C15
+
+
+def row_digest(row: torch.Tensor) -> int:
+    """A 62-bit digest of a descriptor row (``(DESCRIPTOR_NUMEL,)`` int64)."""
+    data = row.numpy().tobytes()
+    return ((zlib.crc32(data) << 31) ^ zlib.adler32(data)) & _DIGEST_MASK
+
+
+def check_word(segment: ShmSegment, digest: int) -> int:
+    """The word an accepting rank posts for the round the next barrier ends: ``digest`` mixed with
+    the round's number, so a word left from an earlier round never matches."""
+    return (digest ^ ((segment.next_round() * _MIX) & _DIGEST_MASK)) & _DIGEST_MASK
+
+
+def rejection_word(segment: ShmSegment, code: int) -> int:
+    return _REJECTED | ((segment.next_round() & _ROUND_MASK) << 8) | code
+
+
+def post_check(segment: ShmSegment, word: int, error: Exception | None = None) -> int:
+    """Write this rank's ``word`` (and a rejecting rank's error text) into its mailbox of the coming
+    round; return ``word``. The caller then passes the barrier and calls :func:`settle_check`."""
+    parity = segment.next_parity()
+    if error is not None:
+        encoded = f"{type(error).__name__}: {error}".encode()[:REASON_BYTES - 1] + b"\0"
+        reason = segment.mailboxes(parity)[segment.rank, MAIL_REASON_OFFSET:MAIL_REASON_OFFSET + len(encoded)]
+        reason.copy_(torch.frombuffer(bytearray(encoded), dtype=torch.uint8))
+    segment.mail_words[segment.mailbox_word_index(parity, segment.rank)] = word
+    return word
+
+
+def settle_check(call: CollectiveCall, segment: ShmSegment, word: int, row, collective: str) -> None:
+    """After the round's barrier: return if every rank posted ``word``; a rejecting rank returns (its
+    caller raises its own error); otherwise CollectiveMismatchError on every rank, naming the rejecting
+    ranks and their reasons, or (a second round, the full descriptors from ``row()``) the difference."""
+    parity = 1 - segment.next_parity()  # the round just ended
+    words = segment.mail_words
+    posted = [words[segment.mailbox_word_index(parity, peer)] for peer in range(call.world_size)]
+    if posted.count(word) == len(posted) and not word & _REJECTED:
+        return
+    round_tag = (segment.next_round() - 1) & _ROUND_MASK
+    rejecting = [peer for peer, value in enumerate(posted)
+                 if value & _REJECTED and (value >> 8) & _ROUND_MASK == round_tag]
+    if rejecting:
+        if word & _REJECTED:
+            return
+        boxes = segment.mailboxes(parity)
+        detail = "; ".join(f"rank {peer} rejected the call: {_text(boxes[peer, MAIL_REASON_OFFSET:MAIL_ROW_OFFSET])}"
+                           f" ({_cause(posted[peer] & 0xFF)})" for peer in rejecting)
+        raise CollectiveMismatchError(f"{collective} on rank {call.rank}: {detail}")
+    rows = _exchange_rows(call, segment, row())
+    problem = _first_difference(rows, tensor_shapes=[_shape_of(one) for one in rows])
+    raise CollectiveMismatchError(f"{collective} on rank {call.rank}: ranks disagree on "
+                                  f"{problem or 'the layout check (their words differ)'}")
+
+
+def _exchange_rows(call: CollectiveCall, segment: ShmSegment, row: torch.Tensor) -> list[list[int]]:
+    """The second round: every rank's full descriptor through the mailboxes (a row not posted in this
+    round, by a rank in another operation, reads as no valid layout)."""
+    parity, round_number = segment.next_parity(), segment.next_round()
+    boxes = segment.mailboxes(parity, torch.int64)
+    start = MAIL_ROW_OFFSET // 8
+    boxes[segment.rank, start:start + DESCRIPTOR_NUMEL] = row
+    segment.mail_words[segment.mailbox_word_index(parity, segment.rank) + _MAIL_ROUND_WORD] = round_number
+    barrier(segment, call, "layout check (descriptors)")
+    rows = boxes[:, start:start + DESCRIPTOR_NUMEL].tolist()
+    for peer in range(call.world_size):
+        if segment.mail_words[segment.mailbox_word_index(parity, peer) + _MAIL_ROUND_WORD] != round_number:
+            rows[peer][0] = 0
+    return rows
+
+
+def _text(buffer: torch.Tensor) -> str:
+    return bytes(buffer.tolist()).split(b"\0", 1)[0].decode(errors="replace")
 
 
 def _cause(code: int) -> str:

@@ -92,6 +92,7 @@ class Communicator:
         self.calls_started = 0  # every rank starts its calls in the same order: their ordinal is a tag
         self.flight = FlightRecorder(transport.rank, transport.world_size)
         self.lane = Lane()  # the communication thread that keeps collectives in issue order
+        self.plans: dict = {}  # checked layouts -> their lean shm plans (collectives.shm_lean)
         self.closed = False
         self.locality: Locality | None = getattr(transport, "locality", None)
         if self.locality is None and transport.world_size == 1:
@@ -172,5 +173,6 @@ class Communicator:
         """Release what the options hold (shared-memory segments; their names are already gone) and
         the communication thread; later calls raise GroupClosedError."""
         self.closed = True
+        self.plans.clear()
         self.lane.close()
         self._options.close()

@@ -30,9 +30,9 @@ import zlib
 
 import torch
 
-from gradsync.collectives import auto, hierarchical, native, shm
+from gradsync.collectives import auto, hierarchical, native, shm, shm_lean
 from gradsync.collectives.call import CollectiveCall
-from gradsync.collectives.check import rejection_code, verify_layout
+from gradsync.collectives.check import describe, rejection_code, verify_layout
 from gradsync.collectives.chunking import SegmentOptions
 from gradsync.collectives.communicator import Communicator, check_timeout
 from gradsync.collectives.dtypes import FLOAT32_ACCUMULATED, SUPPORTED_DTYPES
@@ -217,7 +217,8 @@ def options_fingerprint(comm: Communicator, algorithm: str) -> int:
     if algorithm == "native":
         parts: tuple = ()
     elif algorithm == "shm":
-        parts = (comm.options(shm.ShmState).region_bytes,)
+        state = comm.options(shm.ShmState)
+        parts = (state.region_bytes, state.cell_bytes)
     elif algorithm == "hierarchical":
         options = comm.options(HierarchicalOptions)
         try:
@@ -254,12 +255,15 @@ def _layout_key(tensor: torch.Tensor, algorithm: str, src) -> str:
 
 def start_call(comm: Communicator, tensor, what: str, *, op=NO_OP, algorithm: str | None = None,
                src: int | None = None, timeout: float | None, verify: bool,
-               prepare=None) -> tuple[CollectiveCall, str, object]:
+               prepare=None, lean: bool = False) -> tuple[CollectiveCall, str, object]:
     """Check the arguments and the ranks' agreement; return (the call, the resolved algorithm,
     ``prepare(algorithm)``'s staging buffers).
 
     ``op``: ``NO_OP`` for collectives without one. A problem on this rank is
     raised here, after every rank learnt of it (see the module docstring).
+    ``lean`` (AllReduce): when the call resolves to ``shm`` and is small enough for the lean path
+    (:mod:`~gradsync.collectives.shm_lean`), its layout check is left to that path's one round and the
+    third element is its :class:`~gradsync.collectives.shm_lean.LeanPlan` instead.
     """
     problem = argument_problem(tensor, what, op, algorithm, src, timeout, comm.world_size)
     call = comm.new_call(what, str(algorithm), None if problem else timeout)
@@ -281,6 +285,10 @@ def start_call(comm: Communicator, tensor, what: str, *, op=NO_OP, algorithm: st
         problem = problem or _runnable_problem(comm, resolved, device)
         call.refine_tag(_layout_key(tensor, resolved, src))
     staged = None
+    if lean and problem is None and resolved == "shm" and isinstance(tensor, torch.Tensor):
+        plan = _lean_plan(comm, tensor, op, resolved, algorithm, call)
+        if plan is not None:
+            return call, resolved, plan
     if problem is None:
         problem, staged = _stage(prepare, resolved)
     if verify:
@@ -292,6 +300,17 @@ def start_call(comm: Communicator, tensor, what: str, *, op=NO_OP, algorithm: st
     if problem is not None:
         raise problem[1]
     return call, resolved, staged
+
+
+def _lean_plan(comm: Communicator, tensor: torch.Tensor, op, resolved: str, requested,
+               call: CollectiveCall) -> shm_lean.LeanPlan | None:
+    """The lean plan of this AllReduce, or None when it does not take that path."""
+    state = comm.options(shm.ShmState)
+    work_dtype = working_dtype(tensor.dtype, resolved)
+    if not shm_lean.eligible(state, tensor.numel(), work_dtype, comm.world_size):
+        return None
+    row = describe(tensor, "all_reduce", op, resolved, -1, options=_fingerprint(comm, resolved, requested))
+    return shm_lean.LeanPlan(state.segment, tensor, work_dtype, op == "avg", row, call.algorithm, call.layout)
 
 
 def sequence_problem(sends, receives, world_size: int, timeout) -> Rejection | None:

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import torch
 
+from gradsync.collectives import shm_pipeline
 from gradsync.collectives.call import CollectiveCall
 from gradsync.collectives.chunking import chunk_bounds, segment_bounds
+from gradsync.collectives.shm_pipeline import next_set
 from gradsync.collectives.shm_setup import ShmState, barrier, create_segment, group_segment, usable
 from gradsync.errors import CollectiveMismatchError, ShmSetupError
 from gradsync.transport.shm_segment import ShmSegment
-SMALL_MESSAGE_BYTES = 64 * 2**10  # every rank sums every region: p-fold adds, but one barrier
 IN_PLACE_DTYPES = (torch.float32, torch.float64)  # reduced in the arena without staging (see allocate_shared)
 ARENA_MIN_BYTES = 2**20  # per rank: small buffers share an arena (tmpfs pages cost only once touched)
 ARENA_ALIGN = 64         # every buffer starts on its own cache line
@@ -41,19 +42,14 @@ def _slices(numel: int, segment: ShmSegment, dtype: torch.dtype) -> list[tuple[i
     return [(0, numel)] if 0 < numel <= region_numel else segment_bounds(0, numel, region_numel)
 
 
-def _next_set(segment: ShmSegment) -> int:
-    segment.slice_counter += 1
-    return segment.slice_counter % 2
-
-
 def all_reduce(flat: torch.Tensor, call: CollectiveCall) -> None:
     """Sum ``flat`` (``(numel,)``, contiguous) over all ranks, in place, through shared memory.
 
-    Up to ``SMALL_MESSAGE_BYTES`` every rank sums every region itself, in rank
-    order (one barrier; the same additions in the same order give bitwise
-    equal results); above, a tensor that lies in the group's arena
-    (:func:`allocate_shared`) is reduced in place, anything else goes
-    reduce-scatter + all-gather through the regions.
+    A tensor that lies in the group's arena (:func:`allocate_shared`) is
+    reduced in place (zero copy); anything else goes through the regions in
+    cache-sized cells (:mod:`~gradsync.collectives.shm_pipeline`). Small
+    public calls take the lean path before they get here
+    (:mod:`~gradsync.collectives.shm_lean`).
 
     Collective: every rank must call this in the same order with equal ``numel``.
 
@@ -65,33 +61,15 @@ def all_reduce(flat: torch.Tensor, call: CollectiveCall) -> None:
         simulated.all_reduce(flat, call)
         return
     segment = group_segment(call)
-    if flat.numel() * flat.element_size() <= SMALL_MESSAGE_BYTES:  # one barrier beats no copy here
-        _all_reduce_small(flat, segment, call)
-        return
     state = call.options(ShmState)
     placement = state.find(flat) if state.arenas else None
     if placement is not None:
         _all_reduce_in_arena(flat, placement, call)
         return
-    rank, world_size, dtype = call.rank, call.world_size, flat.dtype
-    for start, stop in _slices(flat.numel(), segment, dtype):
-        part, numel = flat[start:stop], stop - start
-        set_index = _next_set(segment)
-        regions = [segment.region(set_index, peer, dtype, numel) for peer in range(world_size)]
-        regions[rank].copy_(part)
-        if state.arenas and start == 0:
-            segment.post(_PLACEMENT_WORD, _NOT_IN_ARENA)
-        barrier(segment, call, "shm all_reduce (copy in)")
-        if state.arenas and start == 0:
-            _check_placement(segment, call)
-        chunks = chunk_bounds(numel, world_size)
-        a, b = chunks[rank]
-        mine = regions[rank][a:b]
-        for offset in range(1, world_size):
-            mine += regions[(rank + offset) % world_size][a:b]
-        barrier(segment, call, "shm all_reduce (reduce)")
-        for peer, (a, b) in enumerate(chunks):
-            part[a:b] = regions[peer][a:b]
+    if state.arenas:  # the peers compare placements after the first barrier: say this one is not in it
+        segment.post(_PLACEMENT_WORD, _NOT_IN_ARENA)
+    shm_pipeline.all_reduce(flat, call, segment, state.cell_bytes,
+                            after_first_barrier=(lambda: _check_placement(segment, call)) if state.arenas else None)
 
 
 def allocate_shared(call: CollectiveCall, nbytes: int) -> torch.Tensor | None:
@@ -178,7 +156,7 @@ def _all_reduce_in_arena(flat: torch.Tensor, placement: tuple[int, int], call: C
     regions = [flat if peer == rank else arena.at_offset(peer, placement[1], flat.dtype, numel)
                for peer in range(world_size)]
     chunks = chunk_bounds(numel, world_size)
-    _next_set(segment)  # the copy-through path advances it here too: the sets stay paired across ranks
+    next_set(segment)  # the copy-through path advances it here too: the sets stay paired across ranks
     segment.post(_PLACEMENT_WORD, (placement[0] << 40) | placement[1])
     barrier(segment, call, "shm all_reduce in place (written)")
     _check_placement(segment, call)
@@ -190,18 +168,6 @@ def _all_reduce_in_arena(flat: torch.Tensor, placement: tuple[int, int], call: C
         if peer != rank:
             flat[a:b] = regions[peer][a:b]
     barrier(arena, call, "shm all_reduce in place (copied)")
-
-
-def _all_reduce_small(flat: torch.Tensor, segment: ShmSegment, call: CollectiveCall) -> None:
-    for start, stop in _slices(flat.numel(), segment, flat.dtype):
-        part, numel = flat[start:stop], stop - start
-        set_index = _next_set(segment)
-        segment.region(set_index, call.rank, flat.dtype, numel).copy_(part)
-        barrier(segment, call, "shm all_reduce (copy in)")
-        torch.add(segment.region(set_index, 0, flat.dtype, numel),
-                  segment.region(set_index, 1, flat.dtype, numel), out=part)
-        for peer in range(2, call.world_size):
-            part += segment.region(set_index, peer, flat.dtype, numel)
 
 
 def reduce_scatter(flat: torch.Tensor, call: CollectiveCall) -> tuple[int, int]:
@@ -221,7 +187,7 @@ def broadcast(flat: torch.Tensor, src: int, call: CollectiveCall) -> None:
         return
     segment = group_segment(call)
     for start, stop in _slices(flat.numel(), segment, flat.dtype):
-        region = segment.region(_next_set(segment), src, flat.dtype, stop - start)
+        region = segment.region(next_set(segment), src, flat.dtype, stop - start)
         if call.rank == src:
             region.copy_(flat[start:stop])
         barrier(segment, call, "shm broadcast")
@@ -236,7 +202,7 @@ def all_gather(gathered: torch.Tensor, call: CollectiveCall) -> None:
     numel = gathered.numel() // world_size
     parts = gathered.view(world_size, numel) if numel else None
     for start, stop in _slices(numel, segment, gathered.dtype):
-        set_index = _next_set(segment)
+        set_index = next_set(segment)
         regions = [segment.region(set_index, peer, gathered.dtype, stop - start) for peer in range(world_size)]
         regions[rank].copy_(parts[rank, start:stop])
         barrier(segment, call, "shm all_gather")

@@ -22,6 +22,10 @@ from gradsync.transport.base import PeerFailure
 from gradsync.transport.shm_segment import ShmPeerTimeout, ShmSegment, host_id
 
 _NAME_BYTES = 64
+LEAN_MAX_BYTES = 16 * 2**10  # a small AllReduce travels whole in the mailboxes, with its layout check
+MAIL_DATA_OFFSET = 512       # a mailbox: the layout check's words and texts (check.py), then that data
+MAILBOX_BYTES = MAIL_DATA_OFFSET + LEAN_MAX_BYTES
+DEFAULT_CELL_BYTES = 256 * 2**10  # per rank: a pipelined AllReduce's cell (collectives.shm_pipeline)
 
 
 class ShmState(AlgorithmOptions):
@@ -34,8 +38,9 @@ class ShmState(AlgorithmOptions):
     bytes of each rank's region of ``arenas[i]`` are taken (equal on every rank).
     """
 
-    def __init__(self, region_bytes: int | None = None):
+    def __init__(self, region_bytes: int | None = None, cell_bytes: int | None = None):
         self.region_bytes = region_bytes or shm_transport.DEFAULT_REGION_BYTES
+        self.cell_bytes = cell_bytes or DEFAULT_CELL_BYTES
         self.segment: ShmSegment | None = None
         self.available: bool | None = None
         self.arenas: list[ShmSegment] = []
@@ -63,7 +68,7 @@ def usable(call: CollectiveCall) -> bool:
     the first time; every rank learns the same answer)."""
     state = call.options(ShmState)
     if state.available is None:
-        state.segment = create_segment(call, state.region_bytes)
+        state.segment = create_segment(call, state.region_bytes, mailbox_bytes=MAILBOX_BYTES)
         state.available = state.segment is not None
     return state.available
 
@@ -104,7 +109,8 @@ def _one_host(call: CollectiveCall) -> bool:
     return bool((hosts[1:] == host_id()).all())
 
 
-def create_segment(call: CollectiveCall, region_bytes: int, sets: int = 2) -> ShmSegment | None:
+def create_segment(call: CollectiveCall, region_bytes: int, sets: int = 2,
+                   mailbox_bytes: int = 0) -> ShmSegment | None:
     """Rank 0 creates the segment if every rank is on its host, every rank maps it and reports the
     outcome to rank 0, which tells every rank; None when the ranks are on several hosts (collective).
 
@@ -113,7 +119,7 @@ def create_segment(call: CollectiveCall, region_bytes: int, sets: int = 2) -> Sh
     """
     one_host = _one_host(call)
     if call.rank == 0:
-        return _create_as_root(call, region_bytes, sets, one_host)
+        return _create_as_root(call, region_bytes, sets, mailbox_bytes, one_host)
     name = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
     call.recv(name, 0, "shm setup (segment name)")
     if int(name[0]) == _NO_SHM:
@@ -122,7 +128,7 @@ def create_segment(call: CollectiveCall, region_bytes: int, sets: int = 2) -> Sh
         raise ShmSetupError(_setup_failure(call, f"rank 0 could not create the segment: {_text(name[1:])}"))
     segment, report, cause = None, "", None
     try:
-        segment = ShmSegment.attach(_text(name[1:]), call.rank, call.world_size, region_bytes, sets)
+        segment = ShmSegment.attach(_text(name[1:]), call.rank, call.world_size, region_bytes, sets, mailbox_bytes)
     except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised here as well
         report, cause = f"{type(exc).__name__}: {exc}", exc
     call.send(_encode(report, _REPORT_BYTES), 0, "shm setup (attach report)")
@@ -135,11 +141,12 @@ def create_segment(call: CollectiveCall, region_bytes: int, sets: int = 2) -> Sh
     return segment
 
 
-def _create_as_root(call: CollectiveCall, region_bytes: int, sets: int, one_host: bool) -> ShmSegment | None:
+def _create_as_root(call: CollectiveCall, region_bytes: int, sets: int, mailbox_bytes: int,
+                    one_host: bool) -> ShmSegment | None:
     segment, failure = None, ""
     if one_host:
         try:
-            segment = ShmSegment.create(call.world_size, region_bytes, sets)
+            segment = ShmSegment.create(call.world_size, region_bytes, sets, mailbox_bytes)
         except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised here as well
             failure = f"{type(exc).__name__}: {exc}"
     if failure:

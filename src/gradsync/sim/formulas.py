@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from gradsync.collectives.chunking import DEFAULT_SEGMENT_BYTES
 from gradsync.collectives.halving_doubling import SHORT_MESSAGE_BYTES as HD_SHORT_BYTES
-from gradsync.collectives.shm import SMALL_MESSAGE_BYTES as SHM_SMALL_BYTES
+from gradsync.collectives.shm_setup import LEAN_MAX_BYTES as SHM_SMALL_BYTES
 from gradsync.sim.topology import Topology
 from gradsync.sim.profile import Profile
 from gradsync.transport.shm_segment import DEFAULT_REGION_BYTES

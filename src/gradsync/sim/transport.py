@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from gradsync.collectives.shm import SMALL_MESSAGE_BYTES
+from gradsync.collectives.shm_setup import LEAN_MAX_BYTES as SMALL_MESSAGE_BYTES
 from gradsync.sim.cluster import VirtualCluster
 from gradsync.sim.formulas import shm_slices
 from gradsync.transport.base import TransportStats

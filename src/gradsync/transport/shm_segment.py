@@ -11,12 +11,20 @@ on the machine removes names whose creating process is gone
 (:func:`remove_leftovers`).
 
 Layout: a header of one 64-byte line per rank holding that rank's sequence
-counter (int64), then two sets ("double buffering") of one region of
+counter (int64), then (group segments) two mailboxes per rank of
+``mailbox_bytes`` each, then two sets ("double buffering") of one region of
 ``region_bytes`` per rank. A barrier is "advance my counter, wait until
-every counter reached it". Waits spin briefly, then ``os.sched_yield()``,
-then sleep (growing to 1 ms), so a waiting rank never starves the rank it
-waits for when ranks outnumber cores; every wait ends at the call's deadline
-with the rank that did not arrive.
+every counter reached it". The mailbox a round uses is the parity of the
+barrier that ends it (:meth:`ShmSegment.next_parity`): written before that
+barrier, read after it and before the next one, so a rank one round ahead
+never overwrites what a slower rank still reads, whatever ran in between.
+
+Waiting: while the ranks of this machine's groups have a core each, a
+waiting rank spins on the counters (``SPIN_S``), then ``os.sched_yield()``
+for a while (``YIELD_S``), then sleeps (growing to ``_MAX_SLEEP_S``); when
+ranks outnumber cores, or are threads of one process (one GIL), it yields
+from the start, so it never starves the rank it waits for. Every wait ends
+at the call's deadline with the rank that did not arrive.
 
 Lifetime: tensors viewing a segment (region views, the arena's zero-copy
 buckets) are made with ``torch.frombuffer`` on the ``mmap`` and keep it
@@ -46,9 +54,11 @@ from gradsync.transport.locality import host_identity
 
 LINE_BYTES = 64
 DEFAULT_REGION_BYTES = 4 * 2**20   # per rank and set: messages go through in slices of this size
-_SPINS = 100                       # counter checks (~0.2 µs each) before yielding the core
-_YIELDS = 100                      # sched_yield calls before sleeping
-_MAX_SLEEP_S = 1e-3
+SPIN_S = 100e-6                    # spin this long before yielding (only when every rank has a core)
+YIELD_S = 2e-3                     # then sched_yield this long before sleeping
+_CHECKS_PER_CLOCK = 32             # counter checks (~50 ns each) between clock reads
+_FIRST_SLEEP_S = 50e-6
+_MAX_SLEEP_S = 500e-6
 _LIVENESS_EVERY_S = 0.05           # how often a waiting rank checks that the laggard's process lives
 _PID_WORD = 1                      # word 1 of each rank's counter line holds its process id
 _GAVE_UP_WORD = 3                  # word 3: whom this rank gave up on, 1 + 2 * peer + died (0: never)
@@ -141,9 +151,19 @@ def host_id() -> int:
     return zlib.crc32(words.encode()) & 0x7FFFFFFF
 
 
-def segment_bytes_for(world_size: int, region_bytes: int, sets: int = 2) -> int:
-    header = -(-world_size * LINE_BYTES // 4096) * 4096
-    return header + sets * world_size * region_bytes
+def _header_bytes(world_size: int, mailbox_bytes: int) -> int:
+    return -(-world_size * (LINE_BYTES + 2 * mailbox_bytes) // 4096) * 4096
+
+
+def segment_bytes_for(world_size: int, region_bytes: int, sets: int = 2, mailbox_bytes: int = 0) -> int:
+    return _header_bytes(world_size, mailbox_bytes) + sets * world_size * region_bytes
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 class ShmSegment:
@@ -153,36 +173,44 @@ class ShmSegment:
         mapping: the ``mmap`` of the shared-memory object named ``name``.
         rank, world_size: this rank and the group size.
         region_bytes: bytes of one rank's region in one set.
+        sets: region sets (2: double buffering; arenas have 1).
+        mailbox_bytes: bytes of each of a rank's two mailboxes (0: none; a multiple of 64).
     """
 
     def __init__(self, mapping: mmap.mmap, name: str, rank: int, world_size: int, region_bytes: int,
-                 sets: int = 2):
+                 sets: int = 2, mailbox_bytes: int = 0):
         self._name = name
         self.sets = sets
         self.rank = rank
         self.world_size = world_size
         self.region_bytes = region_bytes
+        self.mailbox_bytes = mailbox_bytes
         stride = LINE_BYTES // 8
         self._words = memoryview(mapping)[:world_size * LINE_BYTES].cast("q")  # int64; counter r at r * stride
         self._stride = stride
-        self._header_bytes = segment_bytes_for(world_size, region_bytes, sets) - sets * world_size * region_bytes
+        self._mail_start = world_size * LINE_BYTES
+        mail_end = self._mail_start + 2 * world_size * mailbox_bytes
+        self.mail_words = memoryview(mapping)[self._mail_start:mail_end].cast("q") if mailbox_bytes else None
+        self._header_bytes = _header_bytes(world_size, mailbox_bytes)
         self._bytes = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping while any view lives
         self._views: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         self._sequence = self._words[rank * stride]
         self._words[rank * stride + _PID_WORD] = os.getpid()  # so that peers see this process die
+        self._spin_s: float | None = None  # known after the first barrier (are the ranks threads?)
         self.slice_counter = 0  # slices sent through so far: picks the set, across calls
 
     @classmethod
-    def create(cls, world_size: int, region_bytes: int, sets: int = 2) -> "ShmSegment":
+    def create(cls, world_size: int, region_bytes: int, sets: int = 2, mailbox_bytes: int = 0) -> "ShmSegment":
         """Rank 0: a new zeroed segment with a random name (mode 0600)."""
         remove_leftovers()
         name = f"gradsync-{os.getpid()}-{secrets.token_hex(12)}"
-        return cls(_map(name, segment_bytes_for(world_size, region_bytes, sets)), name, 0, world_size,
-                   region_bytes, sets)
+        return cls(_map(name, segment_bytes_for(world_size, region_bytes, sets, mailbox_bytes)), name, 0,
+                   world_size, region_bytes, sets, mailbox_bytes)
 
     @classmethod
-    def attach(cls, name: str, rank: int, world_size: int, region_bytes: int, sets: int = 2) -> "ShmSegment":
-        return cls(_map(name), name, rank, world_size, region_bytes, sets)
+    def attach(cls, name: str, rank: int, world_size: int, region_bytes: int, sets: int = 2,
+               mailbox_bytes: int = 0) -> "ShmSegment":
+        return cls(_map(name), name, rank, world_size, region_bytes, sets, mailbox_bytes)
 
     @property
     def name(self) -> str:
@@ -204,6 +232,34 @@ class ShmSegment:
             usable = self.region_bytes - self.region_bytes % dtype.itemsize
             whole = self._views[key] = self._bytes[start:start + usable].view(dtype)
         return whole[:numel]
+
+    def regions(self, set_index: int, dtype: torch.dtype) -> torch.Tensor:
+        """``(world_size, region_bytes // itemsize)`` view of every rank's region of set ``set_index``
+        (row r: rank r's), for one reduction over the ranks."""
+        key = (set_index, -1, dtype)
+        every_rank = self._views.get(key)
+        if every_rank is None:
+            start = self._header_bytes + set_index * self.world_size * self.region_bytes
+            every_rank = self._bytes[start:start + self.world_size * self.region_bytes].view(dtype)
+            every_rank = self._views[key] = every_rank.view(self.world_size, -1)
+        return every_rank
+
+    def next_round(self) -> int:
+        """The number of the round the next :meth:`barrier` ends (equal on every rank in step)."""
+        return self._sequence + 1
+
+    def next_parity(self) -> int:
+        """The mailbox parity of the round the next :meth:`barrier` ends."""
+        return (self._sequence + 1) & 1
+
+    def mailbox_word_index(self, parity: int, rank: int) -> int:
+        """Index in :attr:`mail_words` of word 0 of ``rank``'s mailbox ``parity``."""
+        return (parity * self.world_size + rank) * self.mailbox_bytes // 8
+
+    def mailboxes(self, parity: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        """``(world_size, mailbox_bytes // itemsize)`` view of every rank's mailbox ``parity``."""
+        start = self._mail_start + parity * self.world_size * self.mailbox_bytes
+        return self._bytes[start:start + self.world_size * self.mailbox_bytes].view(dtype).view(self.world_size, -1)
 
     def offset_in_own_region(self, tensor: torch.Tensor) -> int | None:
         """Byte offset of ``tensor``'s data in this rank's set-0 region, or None if it lies elsewhere."""
@@ -230,6 +286,15 @@ class ShmSegment:
     def region_numel(self, dtype: torch.dtype) -> int:
         return self.region_bytes // dtype.itemsize
 
+    def _learn_spin(self) -> float:
+        """How long to spin before yielding: ``SPIN_S`` when every rank has a core and the ranks are
+        processes; 0 when ranks outnumber cores or are threads of this process (they share its GIL)."""
+        words, stride, me = self._words, self._stride, os.getpid()
+        threads = any(words[peer * stride + _PID_WORD] == me for peer in range(self.world_size)
+                      if peer != self.rank)
+        self._spin_s = 0.0 if threads or self.world_size > _cores() else SPIN_S
+        return self._spin_s
+
     def barrier(self, deadline: float) -> None:
         """Advance this rank's counter and wait until every rank's counter reached it.
 
@@ -238,31 +303,43 @@ class ShmSegment:
             (``time.monotonic()`` seconds).
         """
         self._sequence += 1
-        words, stride = self._words, self._stride
+        words, stride, world_size = self._words, self._stride, self.world_size
         self._check_nobody_gave_up()
-        words[self.rank * stride] = self._sequence
-        target, checks, sleep_s = self._sequence, 0, 2e-5
-        peer, next_liveness = 0, 0.0
+        words[self.rank * stride] = target = self._sequence
+        peer = 0
+        while peer < world_size and words[peer * stride] >= target:
+            peer += 1
+        if peer < world_size:
+            self._wait(peer, target, deadline)
+
+    def _wait(self, peer: int, target: int, deadline: float) -> None:
+        words, stride, world_size = self._words, self._stride, self.world_size
+        spin_s = self._spin_s if self._spin_s is not None else self._learn_spin()
+        started = time.monotonic()
+        next_liveness, sleep_s, checks = started + _LIVENESS_EVERY_S, _FIRST_SLEEP_S, 0
         while True:
-            while peer < self.world_size and words[peer * stride] >= target:
+            while peer < world_size and words[peer * stride] >= target:
                 peer += 1  # ranks that arrived stay arrived: resume from the first laggard
-            if peer == self.world_size:
+            if peer == world_size:
                 return
             checks += 1
-            if checks <= _SPINS:
+            if checks % _CHECKS_PER_CLOCK:
                 continue
             now = time.monotonic()
+            waited = now - started
+            if waited < spin_s:
+                continue
             if now > deadline:
                 self._give_up(peer, died=False)
                 raise ShmPeerTimeout(peer)
             if now > next_liveness:  # a killed peer never arrives: say so now, not at the deadline
                 next_liveness = now + _LIVENESS_EVERY_S
+                self._check_nobody_gave_up()  # first: a peer that gave up on a dead rank names it
                 pid = words[peer * stride + _PID_WORD]
                 if pid == _LEFT_PID or (pid > 0 and not pid_alive(pid)):
                     self._give_up(peer, died=True)
                     raise ShmPeerTimeout(peer, died=True, left=pid == _LEFT_PID)
-                self._check_nobody_gave_up()
-            if checks <= _SPINS + _YIELDS:
+            if waited < spin_s + YIELD_S:
                 os.sched_yield()
             else:
                 time.sleep(sleep_s)
@@ -275,8 +352,8 @@ class ShmSegment:
 
     def _check_nobody_gave_up(self) -> None:
         words, stride = self._words, self._stride
-        for rank in range(self.world_size):
-            code = words[rank * stride + _GAVE_UP_WORD] if rank != self.rank else 0
+        for rank in range(self.world_size):  # this rank too: a group it gave up on stays broken
+            code = words[rank * stride + _GAVE_UP_WORD]
             if code:
                 raise ShmPeerTimeout((code - 1) // 2, died=bool((code - 1) % 2), gave_up=rank)
 
