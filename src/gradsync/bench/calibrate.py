@@ -24,14 +24,18 @@ from the AllReduce sweep the profile is validated against (``gradsync simulate -
   (messages, barriers, copies): the measured time of a one-float ``all_reduce``
   (``verify=False``, as the sweep and DataParallel's buckets call it: no layout
   round) minus the time the simulation gives that call with the terms just
-  measured (so nothing is counted twice). On one host the call is ``shm``: its
-  barrier spins, where every Gloo wait sleeps and, on a busy machine, waits
-  milliseconds to be woken (latency the link's α holds, not the call); across
-  hosts, where no shm spans the group, ``halving_doubling``.
+  measured (so nothing is counted twice). On one host the call is ``hierarchical``
+  (one node: the whole public path of ring and tree, then one shm cell, no
+  message: its barrier spins, where every Gloo wait sleeps and, on a busy machine,
+  waits milliseconds to be woken, latency the link's α holds, not the call);
+  across hosts, where no shm spans the group, ``halving_doubling``.
 * ``shm``: one barrier of two ranks on a shared-memory segment, each on a core of its
   own, and (``oversubscribed_barrier_s``) both pinned to one core, as ranks that
-  outnumber the cores are (ws 3 and 4 here); memory bandwidth = bytes read and
-  written by one rank per core copying ``Settings.memory_bytes`` at once.
+  outnumber the cores are (ws 3 and 4 here); memory bandwidth = DRAM bytes (3 per byte
+  copied) of one rank per core copying ``Settings.memory_bytes`` at once;
+  ``cell_overhead_s`` = one cell of one float of the pipelined AllReduce
+  (``Settings.cells`` per call, on ranks 0 and 1) less the barrier; ``lean_call_overhead_s``
+  = a one-float ``shm`` all_reduce (the lean path) less its simulated cost without overhead.
 * Each figure is the median of ``Settings.repeats`` batches (see :mod:`gradsync.bench.micro`).
 
 With ``--hosts H --nproc L`` the measurements run as a torchrun job on H test hosts
@@ -59,10 +63,11 @@ from gradsync.collectives.communicator import Communicator
 from gradsync.sim.profile import Link, Profile, ShmModel, load, save
 
 KIB, MIB = 2**10, 2**20
-# the call whose time less its modelled cost is the call overhead: on one host shm (no message: a
-# barrier that spins, so a busy machine's wake-up latency, which every Gloo wait pays, does not count
-# as overhead); across hosts (no shm over the whole group) halving_doubling, one exchange per doubling
-OVERHEAD_ALGORITHMS = {True: "shm", False: "halving_doubling"}  # by "one host"
+# the call whose time less its modelled cost is the call overhead: on one host hierarchical (the full
+# public path, then one shm cell: no message, a barrier that spins, so a busy machine's wake-up latency,
+# which every Gloo wait pays, does not count as overhead; shm itself takes the lean path, measured
+# apart); across hosts (no shm over the whole group) halving_doubling, one exchange per doubling
+OVERHEAD_ALGORITHMS = {True: "hierarchical", False: "halving_doubling"}  # by "one host"
 
 
 @dataclass(frozen=True)
@@ -78,13 +83,15 @@ class Settings:
     memory_bytes: int = 64 * MIB
     barriers: int = 2000
     tiny_calls: int = 200
+    cells: int = 500
 
 
 FULL = Settings()
 QUICK = Settings(large_sizes=(1 * MIB, 4 * MIB), repeats=5, batch_bytes=8 * MIB, small_iterations=100,
-                 memory_bytes=32 * MIB, barriers=500, tiny_calls=100)
+                 memory_bytes=32 * MIB, barriers=500, tiny_calls=100, cells=200)
 TINY = Settings(small_sizes=(4,), large_sizes=(64 * KIB, 256 * KIB), repeats=1, batch_bytes=256 * KIB,
-                small_iterations=5, compute_bytes=64 * KIB, memory_bytes=256 * KIB, barriers=20, tiny_calls=5)
+                small_iterations=5, compute_bytes=64 * KIB, memory_bytes=256 * KIB, barriers=20, tiny_calls=5,
+                cells=10)
 SETTINGS = {"full": FULL, "quick": QUICK, "tiny": TINY}
 
 
@@ -155,10 +162,12 @@ def calibrate_comm(comm: Communicator, settings: Settings, *, name: str, layout:
     memory = micro.memory_bandwidth(comm, settings.memory_bytes, settings.repeats, workers)
     barrier = micro.shm_barrier(comm, settings.barriers, settings.repeats, one_core=cores < 2)
     crowded = micro.shm_barrier(comm, max(settings.barriers // 10, 1), settings.repeats, one_core=True)
+    cell = micro.shm_cell(comm, settings.cells, settings.repeats) if barrier is not None else 0.0
     micro.close_shm(comm)
     barrier_known = barrier is not None and hosts == 1
     overhead_algorithm = OVERHEAD_ALGORITHMS[barrier_known]
     tiny = micro.tiny_all_reduce(comm, settings.tiny_calls, settings.repeats, overhead_algorithm)
+    lean = micro.tiny_all_reduce(comm, settings.tiny_calls, settings.repeats, "shm") if barrier_known else None
     if comm.rank != 0:
         return None
     shared = max(1.0, 2 / cores)  # ranks 0 and 1 on one core (a test host): the pair measured is oversubscribed
@@ -167,9 +176,13 @@ def calibrate_comm(comm: Communicator, settings: Settings, *, name: str, layout:
     profile = Profile(
         name=name, description="", intra=intra, inter=inter, gamma_s_per_byte=gamma, copy_s_per_byte=copy,
         ranks_per_host=per_host, nics_per_host=1, cores_per_host=cores, call_overhead_s=0.0,
-        shm=ShmModel(barrier_s=barrier, memory_bandwidth_bytes_per_s=memory, oversubscribed_barrier_s=crowded)
+        shm=ShmModel(barrier_s=barrier, memory_bandwidth_bytes_per_s=memory, oversubscribed_barrier_s=crowded,
+                     cell_overhead_s=max(cell - barrier, 0.0), lean_call_overhead_s=0.0 if lean is not None else None)
         if barrier is not None else None)
     overhead = max(tiny - _modelled_time(profile, overhead_algorithm, comm.world_size, layout), 0.0)
+    if lean is not None:
+        lean_overhead = max(lean - _modelled_time(profile, "shm", comm.world_size, layout), 0.0)
+        profile = dataclasses.replace(profile, shm=dataclasses.replace(profile.shm, lean_call_overhead_s=lean_overhead))
     description = (f"{'this machine' if hosts == 1 else f'{hosts} test hosts x {per_host} ranks'}: "
                    f"{cores} usable cores, Gloo over {'loopback' if hosts == 1 else 'veth'}, calibrated "
                    f"{started}")
@@ -188,9 +201,12 @@ def calibrate_comm(comm: Communicator, settings: Settings, *, name: str, layout:
                f"cores_per_host: len(os.sched_getaffinity(0)) = {cores}",
                f"call_overhead_s: one-float {overhead_algorithm} all_reduce (verify=False) = {tiny * 1e6:.1f} us "
                f"minus its simulated cost without overhead",
+               *([f"shm lean_call_overhead_s: one-float shm all_reduce (the lean path) = {lean * 1e6:.1f} us "
+                  f"minus its simulated cost without overhead"] if lean is not None else []),
                f"shm: barrier of ranks 0 and 1 ({settings.barriers} per batch; oversubscribed: both pinned to one "
-               f"core); memory bandwidth: {workers} "
-               f"rank(s) copying {settings.memory_bytes} B at once")
+               f"core); cell overhead: a pipelined cell of one float ({settings.cells} per call) = "
+               f"{cell * 1e6:.1f} us minus the barrier; memory bandwidth: {workers} "
+               f"rank(s) copying {settings.memory_bytes} B at once, 3 DRAM bytes per byte copied")
     return dataclasses.replace(profile, description=description, call_overhead_s=overhead, sources=sources)
 
 
@@ -337,8 +353,11 @@ def describe(profile: Profile) -> str:
                  f"call overhead {profile.call_overhead_s * 1e6:.1f} us")
     if profile.shm is not None:
         crowded = profile.shm.oversubscribed_barrier_s
+        lean = profile.shm.lean_call_overhead_s
         lines.append(f"{'shm':>8}: barrier {profile.shm.barrier_s * 1e6:.1f} us"
                      + (f" ({crowded * 1e6:.1f} us when ranks outnumber cores)" if crowded is not None else "")
+                     + f", cell overhead {profile.shm.cell_overhead_s * 1e6:.1f} us"
+                     + (f", lean call overhead {lean * 1e6:.1f} us" if lean is not None else "")
                      + ", memory "
                      f"{profile.shm.memory_bandwidth_bytes_per_s / 1e9:.2f} GB/s")
     return "\n".join(lines)

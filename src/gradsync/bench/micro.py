@@ -20,10 +20,13 @@ but a profile of it then predicts a loaded machine's sweep systematically low):
   at two ranks); the time of one exchange.
 * :func:`compute_per_byte`: ``acc += other`` (float32) and ``dst.copy_(src)`` piece by
   piece over large buffers, one rank per core at once, per output byte.
-* :func:`memory_bandwidth`: ranks 0 and 1 copy a large buffer at once; bytes read
-  plus written by both over the slower rank's time.
+* :func:`memory_bandwidth`: ranks 0 and 1 copy a large buffer at once; the DRAM bytes of
+  both (3 per byte copied: the read, the destination's read for ownership, the write-back)
+  over the slower rank's time.
 * :func:`shm_barrier`: one barrier of ranks 0 and 1 on their shared-memory segment, on
   a core each, or both pinned to one core (ranks that outnumber the cores).
+* :func:`shm_cell`: one cell of the pipelined shm AllReduce
+  (:mod:`gradsync.collectives.shm_pipeline`) of one float on ranks 0 and 1, its barrier included.
 * :func:`tiny_all_reduce`: one ``all_reduce`` of a single float32 (``verify=False``,
   as the sweep calls it) over the whole group.
 """
@@ -38,7 +41,9 @@ import torch
 
 from gradsync.collectives import ops
 from gradsync.collectives.communicator import Communicator
+from gradsync.collectives import shm_pipeline
 from gradsync.collectives.shm_setup import ShmState, group_segment
+from gradsync.sim.formulas import COPY_MEMORY_BYTES
 
 _FLOAT = 4
 
@@ -140,7 +145,8 @@ def compute_per_byte(comm: Communicator, piece_bytes: int, total_bytes: int, rep
 
 def memory_bandwidth(comm: Communicator, nbytes: int, repeats: int, workers: int = 2) -> float:
     """Bytes per second the host's memory moves when ranks 0 .. ``workers``-1 each copy ``nbytes`` at
-    once (2 bytes moved per byte copied: a read and a write)."""
+    once (3 bytes moved per byte copied: the read, the destination's read for ownership and its
+    write-back, as :mod:`gradsync.sim.formulas` counts them)."""
     numel = max(nbytes // _FLOAT, 1)
     busy = comm.rank < workers
     source, target = (torch.ones(numel), torch.zeros(numel)) if busy else (None, None)
@@ -154,7 +160,7 @@ def memory_bandwidth(comm: Communicator, nbytes: int, repeats: int, workers: int
 
     timed()
     seconds = _batches(repeats, timed)
-    return min(workers, comm.world_size) * 2 * numel * _FLOAT / seconds
+    return min(workers, comm.world_size) * COPY_MEMORY_BYTES * numel * _FLOAT / seconds
 
 
 def shm_barrier(comm: Communicator, barriers: int, repeats: int, one_core: bool = False) -> float | None:
@@ -186,6 +192,26 @@ def shm_barrier(comm: Communicator, barriers: int, repeats: int, one_core: bool 
                 os.sched_setaffinity(0, cores)
         if batch:
             results.append(seconds)
+    return statistics.median(results) if comm.rank == 0 and results else 0.0
+
+
+def shm_cell(comm: Communicator, cells: int, repeats: int) -> float:
+    """Seconds of one cell of the pipelined shm AllReduce (``shm_pipeline.all_reduce`` with cells of
+    one float, ``cells`` of them per call) on ranks 0 and 1, its barrier included (0.0 on the other
+    ranks). Call after :func:`shm_barrier` found shared memory (it uses the same segment)."""
+    results = []
+    for batch in range(repeats + 1):
+        call = comm.new_call("calibrate shm cells", "shm")
+        line_up(comm)
+        if comm.rank >= 2:
+            continue
+        sub = call.sub([0, 1], "shm", options=[_STATE.setdefault(id(comm), ShmState())])
+        segment = group_segment(sub)
+        flat = torch.zeros(cells)
+        started = time.perf_counter()
+        shm_pipeline.all_reduce(flat, sub, segment, _FLOAT)
+        if batch:
+            results.append((time.perf_counter() - started) / cells)
     return statistics.median(results) if comm.rank == 0 and results else 0.0
 
 

@@ -26,6 +26,7 @@ from gradsync.collectives.hierarchical import HierarchicalOptions
 from gradsync.collectives.options import AlgorithmOptions, OptionStore
 from gradsync.collectives.registry import ALL_REDUCE
 from gradsync.sim.cluster import TraceEvent, VirtualCluster
+from gradsync.sim.formulas import call_overhead_s
 from gradsync.sim.topology import Topology
 from gradsync.sim.profile import Profile
 from gradsync.sim.transport import SimWorld
@@ -41,7 +42,7 @@ class SimResult:
     """A simulated AllReduce.
 
     ``time_s``: from the call's start on every rank to the last rank's end
-    (simulated seconds, including the profile's call overhead); ``stats``:
+    (simulated seconds, including the call overhead: ``formulas.call_overhead_s``); ``stats``:
     every rank's :class:`TransportStats`; ``trace``: the transfers and
     reductions, when asked for.
     """
@@ -108,9 +109,10 @@ def simulate_all_reduce(algorithm: str, nbytes: int, profile: Profile, topology:
     store = OptionStore(_with_defaults(options, segment_bytes))
     transports = [world.transport(rank) for rank in range(topology.world_size)]
     function = ALL_REDUCE[algorithm]
+    overhead_s = call_overhead_s(profile, algorithm, topology.world_size, nbytes)
 
     def body(state):
-        state.now = profile.call_overhead_s
+        state.now = overhead_s
         if topology.world_size == 1 or nbytes == 0:
             return
         transport = transports[state.rank]

@@ -113,8 +113,9 @@ def render(algorithm: str, nproc: int, nbytes: int, profile_name: str, hosts: in
         lines.append(f"rank i's children: 2i+1 and 2i+2; segments of {segment_numel} elements flow up to rank 0, "
                      f"then down")
     elif algorithm in ("shm", "hierarchical") and profile.shm is not None:
-        lines.append("shared-memory steps are priced by a formula (copy in, barrier, each rank sums its chunk, "
-                     "barrier, copy out), not by messages: see gradsync.sim.transport.VirtualSharedMemory")
+        lines.append("shared-memory steps are priced by a formula (per cell: copy in, barrier, each rank sums "
+                     "the copies; one round for a small message), not by messages: see "
+                     "gradsync.sim.transport.VirtualSharedMemory")
     slow = profile.oversubscription(nproc // hosts)
     if slow > 1:
         lines.append(f"{nproc // hosts} ranks share {profile.cores_per_host} cores per host: adds, copies and "

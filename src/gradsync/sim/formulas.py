@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from gradsync.collectives.chunking import DEFAULT_SEGMENT_BYTES
 from gradsync.collectives.halving_doubling import SHORT_MESSAGE_BYTES as HD_SHORT_BYTES
-from gradsync.collectives.shm_setup import LEAN_MAX_BYTES as SHM_SMALL_BYTES
+from gradsync.collectives.shm_pipeline import REDUCE_ALL_MAX_RANKS
+from gradsync.collectives.shm_setup import DEFAULT_CELL_BYTES, LEAN_MAX_BYTES
 from gradsync.sim.topology import Topology
 from gradsync.sim.profile import Profile
 from gradsync.transport.shm_segment import DEFAULT_REGION_BYTES
@@ -240,24 +241,79 @@ def halving_doubling_s(profile: Profile, topology: Topology, n: int, itemsize: i
     return total
 
 
+# DRAM bytes per byte a rank copies or writes out: the read of the source, the read for ownership of
+# the destination's lines and their write-back (the staging cells themselves stay in cache)
+COPY_MEMORY_BYTES = 3
+# the shm AllReduce's DRAM bytes per payload byte and rank: the input read once (copy in), the output
+# written once (read for ownership + write-back); the cells, the peers' copies and the sums stay in cache
+SHM_MEMORY_BYTES_PER_PAYLOAD_BYTE = 3
+
+
+def shm_lean(nbytes: int, public: bool = True) -> bool:
+    """Whether an shm AllReduce of ``nbytes`` (in its working dtype) takes the lean path
+    (:mod:`gradsync.collectives.shm_lean`): a public call of at most ``LEAN_MAX_BYTES``. A collective's own
+    use of shm (``hierarchical``'s node sum, ``public=False``) always goes through cells."""
+    return public and 0 < nbytes <= LEAN_MAX_BYTES
+
+
+def shm_cells(nbytes: int, itemsize: int, cell_bytes: int = DEFAULT_CELL_BYTES,
+              region_bytes: int = DEFAULT_REGION_BYTES) -> list[int]:
+    """The bytes of each cell :mod:`gradsync.collectives.shm_pipeline` cuts an ``nbytes`` message into
+    (``cell_bytes``, at most one region, whole elements; the last cell may be shorter)."""
+    cell = max(1, min(cell_bytes, region_bytes) // itemsize) * itemsize
+    full, rest = divmod(nbytes, cell)
+    return [cell] * full + ([rest] if rest else [])
+
+
 def shm_slices(nbytes: int, itemsize: int) -> list[int]:
-    """The bytes of each slice :mod:`gradsync.collectives.shm` cuts an ``nbytes`` message into (regions
-    of ``DEFAULT_REGION_BYTES`` per rank; the last slice may be shorter)."""
+    """The bytes of each slice the shm broadcast cuts an ``nbytes`` message into (regions of
+    ``DEFAULT_REGION_BYTES`` per rank; the last slice may be shorter)."""
     region = DEFAULT_REGION_BYTES - DEFAULT_REGION_BYTES % itemsize
     full, rest = divmod(nbytes, region)
     return [region] * full + ([rest] if rest else [])
 
 
-def shm_phase_s(profile: Profile, ranks: int, copy_bytes: float, add_bytes: float, oversub: float) -> float:
-    """One phase of the shared-memory collective on one rank: its copies and adds on a core, bounded
-    below by the host's memory traffic (2 bytes moved per byte copied, 3 per byte added, all ranks)."""
+def shm_phase_s(profile: Profile, ranks: int, copy_bytes: float, add_bytes: float, oversub: float,
+                memory_bytes: float | None = None) -> float:
+    """One phase of the shared-memory collective on one rank: its copies and adds on a core (the
+    profile's copy and γ, slowed by ``oversub``), bounded below by the host's memory traffic:
+    ``memory_bytes`` DRAM bytes per rank (None: ``COPY_MEMORY_BYTES`` per byte copied) for all
+    ``ranks`` of the host at ``ShmModel.memory_bandwidth_bytes_per_s``."""
+    if memory_bytes is None:
+        memory_bytes = COPY_MEMORY_BYTES * copy_bytes
     cpu = (copy_bytes * profile.copy_s_per_byte + add_bytes * profile.gamma_s_per_byte) * oversub
-    memory = ranks * (2 * copy_bytes + 3 * add_bytes) / profile.shm.memory_bandwidth_bytes_per_s
-    return max(cpu, memory)
+    return max(cpu, ranks * memory_bytes / profile.shm.memory_bandwidth_bytes_per_s)
 
 
-def shm_s(profile: Profile, topology: Topology, n: int, itemsize: int = 4) -> float:
-    """Shared memory on one host (the formula :class:`~gradsync.sim.transport.VirtualSharedMemory` uses)."""
+def shm_lean_s(profile: Profile, p: int, n: float, oversub: float) -> float:
+    """The lean AllReduce of n bytes over p ranks (its call overhead apart): copy in (the input read
+    from memory), one barrier (the layout check rides in it), every rank adds all p rows into its
+    output ((p-1)·n added; the output written back: 2 DRAM bytes per byte)."""
+    return (shm_phase_s(profile, p, n, 0, oversub, n) + profile.shm_barrier_s(p)
+            + shm_phase_s(profile, p, 0, (p - 1) * n, oversub, 2 * n))
+
+
+def shm_cell_s(profile: Profile, p: int, n: float, oversub: float) -> float:
+    """One cell of n bytes of the pipelined shm AllReduce over p ranks: the cell's Python cost
+    (``ShmModel.cell_overhead_s``, slowed by ``oversub``), copy in (the input read from memory,
+    1 DRAM byte per byte), then up to ``REDUCE_ALL_MAX_RANKS`` ranks: one barrier and every rank adds
+    all p copies into its output ((p-1)·n added, 2 DRAM bytes per byte: the output's read for
+    ownership and write-back); above: barrier, reduce its own chunk in cache ((p-1)/p·n added),
+    barrier, copy out (n copied, 2 DRAM bytes per byte). In all: 3 DRAM bytes per payload byte
+    (``SHM_MEMORY_BYTES_PER_PAYLOAD_BYTE``)."""
+    barrier = profile.shm_barrier_s(p)
+    fixed = profile.shm.cell_overhead_s * oversub + shm_phase_s(profile, p, n, 0, oversub, n) + barrier
+    if p <= REDUCE_ALL_MAX_RANKS:
+        return fixed + shm_phase_s(profile, p, 0, (p - 1) * n, oversub, 2 * n)
+    return (fixed + shm_phase_s(profile, p, 0, (p - 1) * n / p, oversub, 0) + barrier
+            + shm_phase_s(profile, p, n, 0, oversub, 2 * n))
+
+
+def shm_s(profile: Profile, topology: Topology, n: int, itemsize: int = 4, public: bool = True) -> float:
+    """Shared memory on one host (the formula :class:`~gradsync.sim.transport.VirtualSharedMemory`
+    uses): the lean path (:func:`shm_lean`), else :func:`shm_cell_s` per cell (:func:`shm_cells`).
+    Small cells are bound by their Python cost and barrier, large messages by the copies and adds
+    or the host's memory traffic (3 DRAM bytes per payload byte and rank)."""
     if topology.hosts > 1:
         raise ValueError("shm needs every rank on one host")
     p = topology.world_size
@@ -265,11 +321,23 @@ def shm_s(profile: Profile, topology: Topology, n: int, itemsize: int = 4) -> fl
         return 0.0
     if profile.shm is None:
         raise ValueError(f"profile {profile.name!r} has no shared-memory model (shm)")
-    oversub, barrier = profile.oversubscription(p), profile.shm_barrier_s(p)
-    if n <= SHM_SMALL_BYTES:
-        return shm_phase_s(profile, p, n, 0, oversub) + barrier + shm_phase_s(profile, p, 0, (p - 1) * n, oversub)
-    return sum(2 * shm_phase_s(profile, p, s, 0, oversub) + 2 * barrier +
-               shm_phase_s(profile, p, 0, (p - 1) * s / p, oversub) for s in shm_slices(n, itemsize))
+    oversub = profile.oversubscription(p)
+    if shm_lean(n, public):
+        return shm_lean_s(profile, p, n, oversub)
+    cells = shm_cells(n, itemsize)
+    full = cells[0]
+    count = len(cells) - (cells[-1] != full)
+    return count * shm_cell_s(profile, p, full, oversub) + (shm_cell_s(profile, p, cells[-1], oversub)
+                                                            if cells[-1] != full else 0.0)
+
+
+def call_overhead_s(profile: Profile, algorithm: str, world_size: int, nbytes: int) -> float:
+    """The fixed cost of one call: ``ShmModel.lean_call_overhead_s`` for a public shm call on the lean
+    path (its argument checks are cached per layout), else ``Profile.call_overhead_s``."""
+    if (algorithm == "shm" and world_size > 1 and shm_lean(nbytes) and profile.shm is not None
+            and profile.shm.lean_call_overhead_s is not None):
+        return profile.shm.lean_call_overhead_s
+    return profile.call_overhead_s
 
 
 def hierarchical_s(profile: Profile, topology: Topology, n: int, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
@@ -298,7 +366,7 @@ def hierarchical_s(profile: Profile, topology: Topology, n: int, segment_bytes: 
         else:
             inter = ring_s(profile, across, chunk, segment_bytes, itemsize, sharing=sharing, oversub=oversub)
     if inside:
-        node = shm_s(profile, Topology((largest,)), n, itemsize)
+        node = shm_s(profile, Topology((largest,)), n, itemsize, public=False)
         if hosts == 1:
             return node
         spread = local * sum(profile.shm_barrier_s(largest) + shm_phase_s(profile, largest, s, 0, oversub)
@@ -314,7 +382,7 @@ def hierarchical_s(profile: Profile, topology: Topology, n: int, segment_bytes: 
 
 def predict_s(algorithm: str, profile: Profile, topology: Topology, nbytes: int, *,
               segment_bytes: int = DEFAULT_SEGMENT_BYTES, itemsize: int = 4) -> float:
-    """Predicted seconds of one AllReduce of ``nbytes`` (the profile's call overhead included).
+    """Predicted seconds of one AllReduce of ``nbytes`` (the call's overhead included, :func:`call_overhead_s`).
 
     Raises:
         ValueError: an algorithm without a formula, or one this topology cannot run.
@@ -331,4 +399,4 @@ def predict_s(algorithm: str, profile: Profile, topology: Topology, nbytes: int,
         body = shm_s(profile, topology, nbytes, itemsize)
     else:
         raise ValueError(f"no formula for {algorithm!r}; choose one of {', '.join(FORMULAS)}")
-    return profile.call_overhead_s + body
+    return call_overhead_s(profile, algorithm, topology.world_size, nbytes) + body

@@ -19,7 +19,8 @@ Gropp (2005), with two links and the resources that bound them:
   bytes the CPU moves, as loopback TCP) their transfers take
   ``ranks / cores`` times longer. None: ranks never wait (GPUs).
 * ``call_overhead_s``: what one collective call costs before its first
-  message (argument checks, the layout round, a kernel launch).
+  message (argument checks, the layout round, a kernel launch); the shm
+  lean path's own figure is ``ShmModel.lean_call_overhead_s``.
 * ``shm``: the shared-memory collective's costs (:class:`ShmModel`), None
   where it does not exist.
 
@@ -64,20 +65,30 @@ class Link:
 
 @dataclass(frozen=True)
 class ShmModel:
-    """Costs of the shared-memory collective (``algorithm="shm"``, :mod:`gradsync.collectives.shm`).
+    """Costs of the shared-memory collective (``algorithm="shm"``, :mod:`gradsync.collectives.shm`;
+    the model: :func:`gradsync.sim.formulas.shm_s`).
 
     Args:
         barrier_s: one barrier of the host's ranks (seconds), each rank on a core of its own.
-        memory_bandwidth_bytes_per_s: the host's whole memory traffic bound; copies and adds
-            of all its ranks share it.
+        memory_bandwidth_bytes_per_s: the host's whole memory (DRAM) traffic bound; the copies
+            and adds of all its ranks share it. A copy moves 3 bytes per byte (the source's read,
+            the destination's read for ownership and write-back); the pipelined AllReduce 3 per
+            payload byte (its cells stay in cache).
         oversubscribed_barrier_s: one barrier when the host's ranks outnumber its cores (a
             rank that spins waits for the late one to get the core: the kernel's scheduling,
             not the memory, sets it); None: ``barrier_s``.
+        cell_overhead_s: the Python and dispatch cost of one cell of the pipelined AllReduce
+            (its views, copy and adds as calls; its barrier and bytes apart), each rank on a core.
+        lean_call_overhead_s: the fixed cost of a public shm AllReduce on the lean path (its
+            checks cached per layout; its copy, barrier and adds apart); None: the profile's
+            ``call_overhead_s``.
     """
 
     barrier_s: float
     memory_bandwidth_bytes_per_s: float
     oversubscribed_barrier_s: float | None = None
+    cell_overhead_s: float = 0.0
+    lean_call_overhead_s: float | None = None
 
 
 @dataclass(frozen=True)

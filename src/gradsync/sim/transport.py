@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from collections import deque
 
-from gradsync.collectives.shm_setup import LEAN_MAX_BYTES as SMALL_MESSAGE_BYTES
+from gradsync.collectives.shm_pipeline import REDUCE_ALL_MAX_RANKS
+from gradsync.collectives.shm_setup import ShmState
 from gradsync.sim.cluster import VirtualCluster
-from gradsync.sim.formulas import shm_slices
+from gradsync.sim.formulas import COPY_MEMORY_BYTES, shm_cells, shm_lean, shm_slices
 from gradsync.transport.base import TransportStats
 from gradsync.transport.locality import Locality, derive
 
@@ -136,17 +137,25 @@ def _members(transport) -> list[int]:
 
 
 class VirtualSharedMemory:
-    """A formula for :mod:`gradsync.collectives.shm` on simulated ranks.
+    """A formula for :mod:`gradsync.collectives.shm` on simulated ranks (the closed form:
+    :func:`gradsync.sim.formulas.shm_s`).
 
-    Per rank and slice of n bytes (a region, ``DEFAULT_REGION_BYTES``, as the real code
-    cuts a message) over p ranks of one host: copy in (n), a
-    barrier, the sum of its chunk over the p regions ((p-1)/p·n added; the
-    small-message path, up to ``SMALL_MESSAGE_BYTES``, adds all (p-1)·n
-    itself and needs no second barrier), a barrier, copy out (n). The CPU
-    terms slow down by ranks/cores; the host's memory traffic (read + write
-    of every copy, two reads and a write per add, for all its ranks) bounds
-    them from below at ``ShmModel.memory_bandwidth_bytes_per_s``. A barrier
-    costs ``Profile.shm_barrier_s`` (more when the ranks outnumber the cores).
+    AllReduce over p ranks of one host, per rank:
+
+    * the lean path (:func:`~gradsync.sim.formulas.shm_lean`: the group's own call of at most
+      ``LEAN_MAX_BYTES``, as ``algorithm="shm"`` runs it): copy n in, one barrier (the layout check
+      travels in it), add all p rows ((p-1)·n added); its fixed cost is the call's
+      (``ShmModel.lean_call_overhead_s``, set by the engine);
+    * else cells of ``ShmState.cell_bytes`` (:func:`~gradsync.sim.formulas.shm_cells`), each:
+      ``ShmModel.cell_overhead_s``, copy n in, a barrier, then up to ``REDUCE_ALL_MAX_RANKS`` ranks
+      every rank adds all p copies into its output ((p-1)·n added); above, it reduces its own chunk
+      ((p-1)/p·n), a barrier, copies n out.
+
+    The CPU terms slow down by ranks/cores; the host's memory traffic bounds each phase from
+    below at ``ShmModel.memory_bandwidth_bytes_per_s``: 3 DRAM bytes per payload byte and rank
+    (the input read in the copy in, the output's read for ownership and write-back where it is
+    written; the cells stay in cache), 3 per byte a broadcast copies. A barrier costs
+    ``Profile.shm_barrier_s`` (more when the ranks outnumber the cores).
     """
 
     def __init__(self, cluster: VirtualCluster):
@@ -159,12 +168,14 @@ class VirtualSharedMemory:
             raise ValueError(f"profile {self.cluster.profile.name!r} has no shared-memory model (shm)")
         return model
 
-    def _phase(self, members: list[int], copy_bytes: float, add_bytes: float) -> None:
+    def _phase(self, members: list[int], copy_bytes: float, add_bytes: float, memory_bytes: float,
+               fixed_s: float = 0.0) -> None:
         cluster, profile = self.cluster, self.cluster.profile
         state = cluster.current
-        cpu = (copy_bytes * profile.copy_s_per_byte + add_bytes * profile.gamma_s_per_byte) * cluster.oversub[state.host]
-        memory = len(members) * (2 * copy_bytes + 3 * add_bytes) / self._model().memory_bandwidth_bytes_per_s
-        state.now += max(cpu, memory)
+        oversub = cluster.oversub[state.host]
+        cpu = (copy_bytes * profile.copy_s_per_byte + add_bytes * profile.gamma_s_per_byte) * oversub
+        memory = len(members) * memory_bytes / self._model().memory_bandwidth_bytes_per_s
+        state.now += fixed_s * oversub + max(cpu, memory)  # the fixed Python cost: on the core, not hidden
 
     def _barrier(self, members: list[int]) -> None:
         rank = self.cluster.current.rank
@@ -175,22 +186,30 @@ class VirtualSharedMemory:
 
     def all_reduce(self, flat, call) -> None:
         members = _members(call.transport)
-        p, total = len(members), flat.numel() * flat.element_size()
-        if total <= SMALL_MESSAGE_BYTES:
-            self._phase(members, total, 0)
+        p, itemsize = len(members), flat.element_size()
+        total = flat.numel() * itemsize
+        if shm_lean(total, public=isinstance(call.transport, SimTransport)):
+            self._phase(members, total, 0, total)
             self._barrier(members)
-            self._phase(members, 0, (p - 1) * total)
+            self._phase(members, 0, (p - 1) * total, 2 * total)
             return
-        for n in shm_slices(total, flat.element_size()):  # the real code's slices of one region
-            self._phase(members, n, 0)
+        state = call.options(ShmState)
+        overhead = self._model().cell_overhead_s
+        for n in shm_cells(total, itemsize, state.cell_bytes, state.region_bytes):
+            self._phase(members, n, 0, n, overhead)
             self._barrier(members)
-            self._phase(members, 0, (p - 1) * n / p)
+            if p <= REDUCE_ALL_MAX_RANKS:
+                self._phase(members, 0, (p - 1) * n, 2 * n)
+                continue
+            self._phase(members, 0, (p - 1) * n / p, 0)
             self._barrier(members)
-            self._phase(members, n, 0)
+            self._phase(members, n, 0, 2 * n)
 
     def broadcast(self, flat, src: int, call) -> None:
         members = _members(call.transport)
         for n in shm_slices(flat.numel() * flat.element_size(), flat.element_size()):
-            self._phase(members, n if call.rank == src else 0, 0)
+            mine = n if call.rank == src else 0
+            self._phase(members, mine, 0, COPY_MEMORY_BYTES * mine)
             self._barrier(members)
-            self._phase(members, 0 if call.rank == src else n, 0)
+            theirs = n - mine
+            self._phase(members, theirs, 0, COPY_MEMORY_BYTES * theirs)

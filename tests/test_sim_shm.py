@@ -1,0 +1,116 @@
+"""The simulator's model of the shm AllReduce: the lean path, cache-sized cells, the memory bound.
+
+Every expected time is written out here from the model's definition (per cell: its overhead, copy in,
+barrier, adds; 3 DRAM bytes per payload byte), not taken from the formulas under test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from gradsync.collectives.shm_pipeline import REDUCE_ALL_MAX_RANKS
+from gradsync.collectives.shm_setup import DEFAULT_CELL_BYTES, LEAN_MAX_BYTES, ShmState
+from gradsync.sim.engine import simulate_all_reduce
+from gradsync.sim.formulas import (SHM_MEMORY_BYTES_PER_PAYLOAD_BYTE, call_overhead_s, predict_s, shm_cells,
+                                   shm_lean)
+from gradsync.sim.profile import Link, Profile, ShmModel
+from gradsync.sim.profiles import get_profile
+from gradsync.sim.topology import Topology
+
+COPY, GAMMA, BARRIER, CELL, CALL, LEAN = 1e-10, 2e-10, 1e-6, 5e-6, 30e-6, 10e-6
+
+
+def _profile(memory_bytes_per_s: float = 1e15, cores: int = 8) -> Profile:
+    return Profile("t", "", Link(1e-5, 1e9, True), None, gamma_s_per_byte=GAMMA, copy_s_per_byte=COPY,
+                   ranks_per_host=8, cores_per_host=cores, call_overhead_s=CALL,
+                   shm=ShmModel(barrier_s=BARRIER, memory_bandwidth_bytes_per_s=memory_bytes_per_s,
+                                oversubscribed_barrier_s=4 * BARRIER, cell_overhead_s=CELL,
+                                lean_call_overhead_s=LEAN))
+
+
+def _both(algorithm: str, profile: Profile, p: int, nbytes: int, **options) -> tuple[float, float]:
+    """(event simulation, formula) seconds."""
+    event = simulate_all_reduce(algorithm, nbytes, profile, Topology((p,)), **options).time_s
+    return event, predict_s(algorithm, profile, Topology((p,)), nbytes)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_lean_path_is_one_barrier_and_every_rank_adds_all_rows(p):
+    n = LEAN_MAX_BYTES
+    expected = LEAN + n * COPY + BARRIER + (p - 1) * n * GAMMA
+    assert shm_lean(n) and not shm_lean(n + 4) and not shm_lean(n, public=False) and not shm_lean(0)
+    for seconds in _both("shm", _profile(), p, n):
+        assert seconds == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("p", [2, 4, 5])
+def test_cells_above_the_lean_path(p):
+    """A message of 2 full cells and one of 12 bytes: per cell its overhead, copy in, a barrier, the
+    adds (reduce-all up to REDUCE_ALL_MAX_RANKS ranks; above: own chunk, barrier, copy out)."""
+    n = 2 * DEFAULT_CELL_BYTES + 12
+    assert n > LEAN_MAX_BYTES and shm_cells(n, 4) == [DEFAULT_CELL_BYTES] * 2 + [12]
+
+    def cell(c):
+        if p <= REDUCE_ALL_MAX_RANKS:
+            return CELL + c * COPY + BARRIER + (p - 1) * c * GAMMA
+        return CELL + c * COPY + BARRIER + (p - 1) / p * c * GAMMA + BARRIER + c * COPY
+    expected = CALL + 2 * cell(DEFAULT_CELL_BYTES) + cell(12)
+    for seconds in _both("shm", _profile(), p, n):
+        assert seconds == pytest.approx(expected, rel=1e-9)
+
+
+def test_hierarchical_on_one_host_goes_through_cells_even_when_small():
+    """hierarchical's node sum calls shm inside a collective: never the lean path, the full call overhead."""
+    event, formula = _both("hierarchical", _profile(), 2, 4)
+    expected = CALL + CELL + 4 * COPY + BARRIER + 4 * GAMMA
+    assert event == pytest.approx(expected, rel=1e-9) and formula == pytest.approx(expected, rel=1e-9)
+    assert call_overhead_s(_profile(), "shm", 2, 4) == LEAN
+    assert call_overhead_s(_profile(), "hierarchical", 2, 4) == CALL
+    assert call_overhead_s(_profile(), "shm", 2, LEAN_MAX_BYTES + 4) == CALL
+
+
+def test_the_groups_cell_bytes_option_sets_the_cells():
+    n = 64 * 2**10 * 8
+    few = simulate_all_reduce("shm", n, _profile(), Topology((2,))).time_s
+    many = simulate_all_reduce("shm", n, _profile(), Topology((2,)), options=[ShmState(cell_bytes=n // 64)]).time_s
+    extra_cells = 64 - len(shm_cells(n, 4))
+    assert many - few == pytest.approx(extra_cells * (CELL + BARRIER), rel=1e-9)
+
+
+def test_large_messages_are_memory_bound_at_3_bytes_per_payload_byte():
+    """With slow memory, the copy-in phase moves 1 DRAM byte per byte and the output's write 2, for all
+    p ranks at once: p * 3 * n / bandwidth (the fixed costs per cell apart)."""
+    bandwidth, p, n = 1e9, 2, 64 * 2**20
+    assert SHM_MEMORY_BYTES_PER_PAYLOAD_BYTE == 3
+    cells = len(shm_cells(n, 4))
+    expected = CALL + cells * (CELL + BARRIER) + p * 3 * n / bandwidth
+    for seconds in _both("shm", _profile(bandwidth), p, n):
+        assert seconds == pytest.approx(expected, rel=1e-9)
+    small = 2 * DEFAULT_CELL_BYTES  # small messages on the same machine: bound by the CPU terms
+    cpu = CALL + 2 * (CELL + DEFAULT_CELL_BYTES * (COPY + GAMMA) + BARRIER)
+    assert predict_s("shm", _profile(1e15), Topology((2,)), small) == pytest.approx(cpu, rel=1e-9)
+
+
+def test_oversubscribed_ranks_slow_the_cpu_terms_and_the_barrier():
+    p, n = 4, DEFAULT_CELL_BYTES + 4 * 2**10  # one full cell and a short one, 4 ranks on 2 cores
+    def cell(c):
+        return 2 * (CELL + c * COPY + (p - 1) * c * GAMMA) + 4 * BARRIER
+    expected = CALL + cell(DEFAULT_CELL_BYTES) + cell(4 * 2**10)
+    for seconds in _both("shm", _profile(cores=2), p, n):
+        assert seconds == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_profile_file_without_the_new_shm_terms_still_loads(tmp_path):
+    data = get_profile("this-machine").as_dict()
+    for key in ("cell_overhead_s", "lean_call_overhead_s"):
+        data["shm"].pop(key, None)
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    from gradsync.sim.profile import load
+    old = load(path)
+    assert old.shm.cell_overhead_s == 0.0 and old.shm.lean_call_overhead_s is None
+    assert call_overhead_s(old, "shm", 2, 4) == old.call_overhead_s
+    assert dataclasses.replace(old, name="x").shm == old.shm
