@@ -155,7 +155,10 @@ class VirtualSharedMemory:
     below at ``ShmModel.memory_bandwidth_bytes_per_s``: 3 DRAM bytes per payload byte and rank
     (the input read in the copy in, the output's read for ownership and write-back where it is
     written; the cells stay in cache), 3 per byte a broadcast copies. A barrier costs
-    ``Profile.shm_barrier_s`` (more when the ranks outnumber the cores).
+    ``Profile.shm_barrier_s`` (more when the ranks outnumber the cores). Not priced: the one
+    layout-check barrier a verified (``verify=True``) call above the lean path runs before its
+    cells (the sweep and DataParallel's buckets call with ``verify=False``), and the first call's
+    segment set-up.
     """
 
     def __init__(self, cluster: VirtualCluster):
