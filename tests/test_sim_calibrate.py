@@ -9,8 +9,8 @@ import pytest
 
 from _dist import run_threads
 from gradsync.bench.calibrate import TINY, calibrate_comm, fit_line
-from gradsync.bench.sim_validation import (LARGE_BYTES, ValidationRow, format_rows, predict, relative_error,
-                                           summarize)
+from gradsync.bench.sim_validation import (LARGE_BYTES, ValidationRow, auto_picks, format_picks, format_rows,
+                                           predict, relative_error, summarize)
 from gradsync.sim.cluster import Topology, VirtualCluster
 from gradsync.sim.engine import simulate_all_reduce
 from gradsync.sim.profile import Link, Profile, ShmModel, load, save
@@ -92,3 +92,18 @@ def test_predict_uses_each_rows_topology_and_skips_unsimulated():
     assert rows[0].predicted_us == pytest.approx(across * 1e6)
     # the inter-host link (1 Gbit/s) bounds the 2x2 ring: slower than the same ring on one host
     assert across > simulate_all_reduce("ring", 2**20, profile, Topology((4,))).time_s
+
+
+def test_auto_picks_compare_the_models_fastest_with_the_measured_fastest():
+    rows = [ValidationRow("ring", 2**20, 2, 1, 300.0, 900.0), ValidationRow("shm", 2**20, 2, 1, 100.0, 250.0),
+            ValidationRow("hierarchical", 2**20, 2, 1, 50.0, 10.0),      # not a candidate on one host
+            ValidationRow("tree", 4096, 4, 1, 50.0, 120.0), ValidationRow("shm", 4096, 4, 1, 60.0, 100.0),
+            ValidationRow("shm", 64, 2, 1, 1.0, 1.0),                     # a point with one candidate: skipped
+            ValidationRow("ring", 2**20, 4, 2, 900.0, 1000.0),
+            ValidationRow("hierarchical", 2**20, 4, 2, 950.0, 1050.0)]
+    picks = auto_picks(rows)
+    assert [(p.hosts, p.world_size, p.nbytes, p.predicted, p.measured) for p in picks] == [
+        (1, 2, 2**20, "shm", "shm"), (1, 4, 4096, "tree", "shm"), (2, 4, 2**20, "ring", "ring")]
+    assert [p.slowdown for p in picks] == pytest.approx([1.0, 1.2, 1.0])
+    assert [p.right for p in picks] == [True, False, True]
+    assert "at 2 of 3 points; worst pick 1.20x" in format_picks(picks)

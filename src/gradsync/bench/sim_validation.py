@@ -13,6 +13,10 @@
    the error (predicted - measured) / measured.
 
 Goal (issue 19): median |error| <= 10% over all rows, worst <= 25% over rows >= 64 KiB.
+
+4. ``auto``'s choice against the measurement (:func:`auto_picks`): at every point, the candidate
+   ``auto`` would run there (the flat algorithms, shm on one host, hierarchical across hosts) that
+   the model predicts fastest, and the measured time of that pick over the measured fastest's.
 """
 
 from __future__ import annotations
@@ -119,6 +123,63 @@ def format_summary(summary: Summary) -> str:
             f"{'goal met' if summary.meets_goal else 'goal MISSED'}")
 
 
+@dataclass(frozen=True)
+class Pick:
+    """At one point (hosts, world size, bytes): the candidate the model predicts fastest and the one
+    measured fastest; ``slowdown`` = the measured time of the first over the second's (1.0: the same)."""
+
+    hosts: int
+    world_size: int
+    nbytes: int
+    predicted: str
+    measured: str
+    slowdown: float
+
+    @property
+    def right(self) -> bool:
+        """The pick is the fastest, or within ``PICK_TOLERANCE`` of it (the sweep's noise)."""
+        return self.slowdown <= 1 + PICK_TOLERANCE
+
+
+PICK_TOLERANCE = 0.10
+
+
+def auto_picks(rows: list[ValidationRow]) -> list[Pick]:
+    """For every point of ``rows``: :class:`Pick` among ``auto``'s candidates there (``auto.FLAT``, plus
+    shm on one host, hierarchical across hosts) that have a row; points with fewer than two skipped.
+    The prediction is the event simulation's on the profile calibrated in the run (``auto`` itself
+    uses the formulas, within 5% of it, on the shipped profile)."""
+    from gradsync.collectives.auto import FLAT
+
+    points: dict[tuple[int, int, int], dict[str, ValidationRow]] = {}
+    for row in rows:
+        candidates = FLAT + (("shm",) if row.hosts == 1 else ("hierarchical",))
+        if row.algorithm in candidates:
+            points.setdefault((row.hosts, row.world_size, row.nbytes), {})[row.algorithm] = row
+    picks = []
+    for (hosts, world_size, nbytes), by_name in sorted(points.items()):
+        if len(by_name) < 2:
+            continue
+        predicted = min(by_name, key=lambda name: by_name[name].predicted_us)
+        measured = min(by_name, key=lambda name: by_name[name].measured_us)
+        picks.append(Pick(hosts, world_size, nbytes, predicted, measured,
+                          by_name[predicted].measured_us / by_name[measured].measured_us))
+    return picks
+
+
+def format_picks(picks: list[Pick]) -> str:
+    lines = [f"{'hosts':>6} {'size [B]':>10} {'auto (model)':>17} {'measured fastest':>17} {'slowdown':>9}"]
+    for pick in picks:
+        layout = f"{pick.hosts}x{pick.world_size // pick.hosts}"
+        lines.append(f"{layout:>6} {pick.nbytes:>10} {pick.predicted:>17} {pick.measured:>17} "
+                     f"{pick.slowdown:>8.2f}x")
+    right = sum(pick.right for pick in picks)
+    worst = max((pick.slowdown for pick in picks), default=1.0)
+    lines.append(f"# auto's model picks the fastest (within {100 * PICK_TOLERANCE:.0f}%) at {right} of "
+                 f"{len(picks)} points; worst pick {worst:.2f}x the fastest")
+    return "\n".join(lines)
+
+
 def predict(rows: list[dict], profile: Profile) -> list[ValidationRow]:
     """A :class:`ValidationRow` per bench row (``gradsync.bench.allreduce.Row`` dicts) of a simulated
     algorithm, predicted on ``profile`` with the row's topology (hosts x ranks per host)."""
@@ -196,6 +257,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"# done ({load_text()})")
     print(format_rows(rows))
     print(format_summary(summarize(rows)))
+    print(format_picks(auto_picks(rows)))
     if getattr(args, "json", None):
         with open(args.json, "w", encoding="utf-8") as file:
             json.dump([row.as_dict() for row in rows], file, indent=2)
