@@ -7,8 +7,7 @@
 * a rank that never arrives: every other rank raises CollectiveTimeoutError naming it at the deadline,
   in the lean round and inside the cells of a large call;
 * a rank SIGKILLed in the middle of a pipelined call: the survivors name it as dead at once;
-* cell boundaries: numel around multiples of the cell, every world size 2-6 (reduce-all up to 4 ranks,
-  reduce-scatter + all-gather above).
+* cell boundaries: numel around multiples of the cell, every world size 2-6.
 
 Expected values come from plain torch (``_reference``), never from gradsync.
 """
@@ -199,7 +198,7 @@ def _killed_mid_pipeline(victim):
     numel = 16 * CELL_BYTES // 4
     gradsync.all_reduce(torch.ones(numel), algorithm="shm", group=comm)
     if gradsync.rank() == victim:
-        original, copied = shm_pipeline._reduce_all, [0]
+        original, copied = shm_pipeline.reduce_cell, [0]
 
         def dying(part, call, segment, set_index, after_barrier=None):
             copied[0] += 1
@@ -207,7 +206,7 @@ def _killed_mid_pipeline(victim):
                 os.kill(os.getpid(), signal.SIGKILL)
             original(part, call, segment, set_index, after_barrier)
 
-        shm_pipeline._reduce_all = dying
+        shm_pipeline.reduce_cell = dying
     exc, seconds = capture(lambda: gradsync.all_reduce(torch.ones(numel), algorithm="shm", group=comm))
     return type(exc).__name__, str(exc), getattr(exc, "peer", None), seconds
 

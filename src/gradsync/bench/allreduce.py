@@ -31,8 +31,9 @@ import gradsync
 from gradsync.bench.across_hosts import (LinkMeter, check_host_options, print_rank0_rows, run_bench_on_hosts,
                                         world_layout)
 from gradsync.bench.output import claim_json_path, fmt_optional, write_json
+from gradsync.bench.memory_bound import bound_fraction, bytes_per_payload_byte, measure_bandwidth
 from gradsync.bench.mpi import MPI_COLUMN, MpiAllReduce, free_port, mpi_available, run_with_mpiexec
-from gradsync.collectives import HierarchicalOptions, SegmentOptions, ops
+from gradsync.collectives import HierarchicalOptions, SegmentOptions, ShmState, ops
 from gradsync.collectives.communicator import Communicator
 from gradsync.process_group import default_communicator
 from gradsync.train.job import under_torchrun
@@ -79,14 +80,31 @@ class Row:
     nproc_per_host: int = 1
     link_gbps: float | None = None      # host 0's interface, during the timed calls (hosts > 1)
     link_fraction: float | None = None  # link_gbps / --inter-host-gbit (shaped links only)
+    bound_fraction: float | None = None  # shm designs: the memory-traffic bound's time / time (bench.memory_bound)
+    memory_gbps: float | None = None     # the machine's memory traffic rate that bound uses
 
 
 def _iterations(nbytes: int) -> int:
     return max(1, min(MAX_ITERATIONS, TARGET_BYTES_PER_REP // max(nbytes, 1)))
 
 
+def cell_name(cell_bytes: int) -> str:
+    """The row name of ``shm`` with cells of ``cell_bytes`` (``--shm-cells``): "shm@1M"."""
+    for unit, suffix in ((2**20, "M"), (2**10, "K")):
+        if cell_bytes % unit == 0:
+            return f"shm@{cell_bytes // unit}{suffix}"
+    return f"shm@{cell_bytes}"
+
+
+def _cell_communicators(comm: Communicator, algorithms: list[str]) -> dict[str, Communicator]:
+    """A communicator with ``ShmState(cell_bytes=...)`` for every ``shm@<cells>`` row."""
+    return {name: Communicator(comm.transport, comm.timeout_s, options=[ShmState(cell_bytes=parse_nbytes(name[4:]))])
+            for name in algorithms if name.startswith("shm@")}
+
+
 def _time_once(comm: Communicator, tensor: torch.Tensor, algorithm: str, iterations: int,
-               mpi_all_reduce=None, shared: torch.Tensor | None = None, meter: LinkMeter | None = None) -> float:
+               mpi_all_reduce=None, shared: torch.Tensor | None = None, meter: LinkMeter | None = None,
+               cells: dict[str, Communicator] | None = None) -> float:
     ops.all_reduce(torch.zeros(1), comm, algorithm="native", verify=False)  # line the ranks up
     if meter is not None:
         meter.start()
@@ -96,6 +114,8 @@ def _time_once(comm: Communicator, tensor: torch.Tensor, algorithm: str, iterati
             mpi_all_reduce(tensor)
         elif algorithm == ZERO_COPY:
             ops.all_reduce(shared, comm, algorithm="shm", verify=False)
+        elif cells and algorithm in cells:
+            ops.all_reduce(tensor, cells[algorithm], algorithm="shm", verify=False)
         else:
             ops.all_reduce(tensor, comm, algorithm=algorithm, verify=False)
     seconds = time.perf_counter() - started
@@ -123,6 +143,9 @@ def sweep(comm: Communicator, sizes: list[int], algorithms: list[str], repetitio
         arena = ops.shared_buffer(comm, max(max(sizes), 4), "shm")
         if arena is None:
             raise ValueError(f"{ZERO_COPY} needs every rank on one machine")
+    cells = _cell_communicators(comm, algorithms)
+    shm_rows = hosts == 1 and any(bytes_per_payload_byte(name, comm.world_size) for name in algorithms)
+    bandwidth = measure_bandwidth(comm) if shm_rows else None
     rows = []
     world_size = comm.world_size
     for nbytes in sizes:
@@ -133,11 +156,11 @@ def sweep(comm: Communicator, sizes: list[int], algorithms: list[str], repetitio
         sent: dict[str, float] = {}
         meter = LinkMeter() if hosts > 1 and comm.rank == 0 else None
         for name in algorithms:  # warm-up: buffers, connections, caches
-            _time_once(comm, tensor, name, 1, mpi_all_reduce, shared)
+            _time_once(comm, tensor, name, 1, mpi_all_reduce, shared, cells=cells)
         for _ in range(repetitions):
             for name in algorithms:
                 before = comm.stats.bytes_sent
-                seconds = _time_once(comm, tensor, name, iterations, mpi_all_reduce, shared, meter)
+                seconds = _time_once(comm, tensor, name, iterations, mpi_all_reduce, shared, meter, cells)
                 sent[name] = (comm.stats.bytes_sent - before) / iterations
                 times[name].append(_slowest_rank(comm, seconds))
         median = {name: statistics.median(values) for name, values in times.items()}
@@ -146,9 +169,12 @@ def sweep(comm: Communicator, sizes: list[int], algorithms: list[str], repetitio
             ratio = median["native"] / median[name] if "native" in median else None
             link = meter.gbps(name) if meter is not None else None
             fraction = link / link_gbit if link is not None and link_gbit else None
+            bound = bound_fraction(name, world_size, tensor.numel() * 4, median[name], bandwidth) \
+                if bandwidth else None
             rows.append(Row(name, world_size, tensor.numel() * 4, median[name] * 1e6, algbw,
                             algbw * 2 * (world_size - 1) / world_size, ratio, sent[name],
-                            repetitions, iterations, hosts, per_host, link, fraction))
+                            repetitions, iterations, hosts, per_host, link, fraction, bound,
+                            bandwidth / 1e9 if bound is not None else None))
     return rows
 
 
@@ -176,26 +202,35 @@ def format_table(rows: list[dict]) -> str:
     """Render rows as an aligned text table with units in the header.
 
     With hosts > 1 also "hosts" (HxL) and "link [Gb/s]"; "link %" of the shaped rate when shaped.
+    With an mpi row, "vs mpi" (MPI_Allreduce's time / this time at the same size); with shm rows
+    measured against the memory bound, "of bound" (:mod:`gradsync.bench.memory_bound`).
     (One-host tables keep their columns: docs/benchmarks.md renders committed rows.)
     """
     multi = any(row.get("hosts", 1) > 1 for row in rows)
     shaped = any(row.get("link_fraction") is not None for row in rows)
+    mpi = {(row["nbytes"], row["world_size"]): row["time_us"] for row in rows if row["algorithm"] == MPI_COLUMN}
+    bound = any(row.get("bound_fraction") is not None for row in rows)
     header = ((f"{'hosts':>6} " if multi else "")
               + f"{'size [B]':>12} {'algorithm':>17} {'time [us]':>11} {'algbw [GB/s]':>13} "
               f"{'busbw [GB/s]':>13} {'vs native':>10} {'sent/size':>10}"
-              + (f" {'link [Gb/s]':>12}" if multi else "") + (f" {'link %':>7}" if shaped else ""))
+              + (f" {'link [Gb/s]':>12}" if multi else "") + (f" {'link %':>7}" if shaped else "")
+              + (f" {'vs mpi':>8}" if mpi else "") + (f" {'of bound':>9}" if bound else ""))
     lines = [header, "-" * len(header)]
     for row in rows:
         ratio = "-" if row["ratio_to_native"] is None else f"{row['ratio_to_native']:.2f}x"
         layout = f"{row.get('hosts', 1)}x{row.get('nproc_per_host', row['world_size'])}"
         fraction = row.get("link_fraction")
+        versus = mpi.get((row["nbytes"], row["world_size"]))
+        versus = "-" if versus is None or row["algorithm"] == MPI_COLUMN else f"{versus / row['time_us']:.2f}x"
         lines.append((f"{layout:>6} " if multi else "")
                      + f"{row['nbytes']:>12} {row['algorithm']:>17} {row['time_us']:>11.1f} "
                      f"{row['algbw_gbps']:>13.3f} {row['busbw_gbps']:>13.3f} {ratio:>10} "
                      f"{row['bytes_sent_per_call'] / max(row['nbytes'], 1):>10.3f}"
                      + (f" {fmt_optional(row.get('link_gbps'), '.3f'):>12}" if multi else "")
                      + (f" {fmt_optional(None if fraction is None else 100 * fraction, '.1f'):>7}"
-                        if shaped else ""))
+                        if shaped else "")
+                     + (f" {versus:>8}" if mpi else "")
+                     + (f" {fmt_optional(row.get('bound_fraction'), '.2f'):>9}" if bound else ""))
     return "\n".join(lines)
 
 
@@ -230,7 +265,7 @@ def format_auto_table(rows: list[dict]) -> str:
 
 def _parse_options(nproc: int, sizes: str, algorithms: str | None, repetitions: int,
                    ranks_per_node: int | None, segment_bytes: int | None,
-                   hosts: int | None = None) -> tuple[list[int], list[str], int | None]:
+                   hosts: int | None = None, shm_cells: str | None = None) -> tuple[list[int], list[str], int | None]:
     """Checked sizes, algorithm names (native added) and ranks per pretend node (None across hosts).
 
     Raises:
@@ -250,12 +285,17 @@ def _parse_options(nproc: int, sizes: str, algorithms: str | None, repetitions: 
         algorithms = HOSTS_ALGORITHMS if hosts else (
             DEFAULT_ALGORITHMS + (f",{MPI_COLUMN}" if mpi_available() else ""))
     names = [name.strip() for name in algorithms.split(",")]
+    names += [cell_name(parse_nbytes(text)) for text in shm_cells.split(",")] if shm_cells else []
     for name in names:
         if name == MPI_COLUMN and hosts:
             raise ValueError("--algorithms mpi does not run across --hosts (mpiexec starts the processes)")
         if name == MPI_COLUMN and not mpi_available():
             raise ValueError("--algorithms mpi needs mpi4py and mpiexec: pip install -e '.[mpi]' in the "
                              "clone, or 'gradsync[mpi]'")
+        if name.startswith("shm@"):
+            if parse_nbytes(name[4:]) < 1 or (hosts and hosts > 1):
+                raise ValueError(f"--shm-cells: {name[4:]!r} must be a size > 0, and shm runs on one host only")
+            continue
         if name not in ops.ALGORITHMS + (MPI_COLUMN, ZERO_COPY):
             raise ValueError(f"unknown algorithm {name!r} in --algorithms; choose from "
                              f"{', '.join(ops.ALGORITHMS + (ZERO_COPY, MPI_COLUMN))}")
@@ -295,7 +335,8 @@ def _worker_argv(sizes: str, names: list[str], repetitions: int, segment_bytes: 
 
 def run_sweep(*, nproc: int, sizes: str, algorithms: str | None, repetitions: int, ranks_per_node: int | None,
               segment_bytes: int | None, json_path: str | None, hosts: int | None = None,
-              inter_host_gbit: float | None = None, join_timeout_s: float = 30.0) -> list[dict]:
+              inter_host_gbit: float | None = None, join_timeout_s: float = 30.0,
+              shm_cells: str | None = None) -> list[dict]:
     """Validate the options, run the sweep, print the table, write JSON; returns the rows.
 
     Local: ``nproc`` processes on this machine. ``hosts``: ``nproc`` ranks on each of
@@ -307,7 +348,7 @@ def run_sweep(*, nproc: int, sizes: str, algorithms: str | None, repetitions: in
                                        json_path, hosts, inter_host_gbit)
     check_host_options(hosts, inter_host_gbit, join_timeout_s)
     size_list, names, ranks_per_node = _parse_options(nproc, sizes, algorithms, repetitions,
-                                                      ranks_per_node, segment_bytes, hosts)
+                                                      ranks_per_node, segment_bytes, hosts, shm_cells)
     claim_json_path(json_path)
     if hosts:
         shaping = f"{inter_host_gbit:g} Gbit/s per host link" if inter_host_gbit else "unshaped links"

@@ -122,6 +122,8 @@ def _add_allreduce_bench_options(parser: argparse.ArgumentParser) -> None:
         "hierarchical (default: 2 when --nproc is even and >= 4, else --nproc)")
     add("--segment-bytes", type=int, default=None, help="pipelining segment of ring and tree "
         "(default: the library's)")
+    add("--shm-cells", default=None, metavar="SIZES", help="also measure shm with these cell sizes per rank "
+        "(rows shm@<size>, e.g. 256K,1M,2M,4M): how the default, 2 x the L2 cache, was chosen")
     add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
     _add_bench_hosts_options(parser)
 
@@ -163,7 +165,7 @@ def bench_allreduce(args: argparse.Namespace) -> int:
     run_sweep(nproc=args.nproc, sizes=args.sizes, algorithms=args.algorithms,
               repetitions=args.repetitions, ranks_per_node=args.ranks_per_node,
               segment_bytes=args.segment_bytes, json_path=args.json, hosts=args.hosts,
-              inter_host_gbit=args.inter_host_gbit, join_timeout_s=args.join_timeout)
+              inter_host_gbit=args.inter_host_gbit, join_timeout_s=args.join_timeout, shm_cells=args.shm_cells)
     return 0
 
 

@@ -179,7 +179,7 @@ def settle_check(call: CollectiveCall, segment: ShmSegment, word: int, row, coll
     """After the round's barrier: return if every rank posted ``word``; a rejecting rank returns (its
     caller raises its own error); otherwise CollectiveMismatchError on every rank, naming the rejecting
     ranks and their reasons, or (a second round, the full descriptors from ``row()``) the difference."""
-    parity = 1 - segment.next_parity()  # the round just ended
+    parity = segment.last_parity()  # the round just ended
     words = segment.mail_words
     posted = [words[segment.mailbox_word_index(parity, peer)] for peer in range(call.world_size)]
     if posted.count(word) == len(posted) and not word & _REJECTED:

@@ -69,13 +69,14 @@ class LeanPlan:
                  row: torch.Tensor, label: str, layout: str):
         numel, shape, rank = tensor.numel(), tensor.shape, segment.rank
         offset = MAIL_DATA_OFFSET // work_dtype.itemsize
-        boxes = [segment.mailboxes(parity, work_dtype)[:, offset:offset + numel] for parity in (0, 1)]
+        parities = range(segment.mail_slots)
+        boxes = [segment.mailboxes(parity, work_dtype)[:, offset:offset + numel] for parity in parities]
         self.segment = segment
         self.inputs = [box[rank].view(shape) for box in boxes]
         self.every_rank = [[row.view(shape) for row in box] for box in boxes]  # per parity, rank order
-        self.word_index = [segment.mailbox_word_index(parity, rank) for parity in (0, 1)]
+        self.word_index = [segment.mailbox_word_index(parity, rank) for parity in parities]
         self.peer_words = [[segment.mailbox_word_index(parity, peer) for peer in range(segment.world_size)]
-                           for parity in (0, 1)]
+                           for parity in parities]
         self.work_dtype = work_dtype
         self.direct = tensor.dtype == work_dtype  # summed straight into the caller's tensor
         self.scratch = None if self.direct else torch.empty(shape, dtype=work_dtype)
@@ -100,8 +101,9 @@ class LeanPlan:
         words = segment.mail_words
         words[self.word_index[parity]] = word
         barrier(segment, call, "shm all_reduce (mailboxes)")
-        if any(words[index] != word for index in self.peer_words[parity]):
-            settle_check(call, segment, word, lambda: self.row, "all_reduce")  # raises
+        for index in self.peer_words[parity]:
+            if words[index] != word:
+                settle_check(call, segment, word, lambda: self.row, "all_reduce")  # raises
         if self.direct:
             sum_rows(self.every_rank[parity], tensor)
             if self.avg:

@@ -22,14 +22,35 @@ from gradsync.transport.base import PeerFailure
 from gradsync.transport.shm_segment import ShmPeerTimeout, ShmSegment, host_id
 
 _NAME_BYTES = 64
-LEAN_MAX_BYTES = 16 * 2**10  # a small AllReduce travels whole in the mailboxes, with its layout check
+LEAN_MAX_BYTES = 64 * 2**10  # an AllReduce up to this travels whole in the mailboxes, with its layout check
 MAIL_DATA_OFFSET = 512       # a mailbox: the layout check's words and texts (check.py), then that data
 MAILBOX_BYTES = MAIL_DATA_OFFSET + LEAN_MAX_BYTES
-DEFAULT_CELL_BYTES = 256 * 2**10  # per rank: a pipelined AllReduce's cell (collectives.shm_pipeline)
+CELL_L2_MULTIPLE = 2  # measured here: 1-2 MiB cells fastest with a 1 MiB L2 (gradsync bench allreduce --shm-cells)
+MIN_CELL_BYTES, FALLBACK_CELL_BYTES = 256 * 2**10, 2 * 2**20
+_L2_SIZE = "/sys/devices/system/cpu/cpu0/cache/index2/size"
+
+
+def default_cell_bytes(path: str = _L2_SIZE) -> int:
+    """Bytes per rank of a pipelined AllReduce's cell (:mod:`~gradsync.collectives.shm_pipeline`):
+    ``CELL_L2_MULTIPLE`` x this machine's L2 cache per core (sysfs, e.g. "1024K"), at least
+    ``MIN_CELL_BYTES``; ``FALLBACK_CELL_BYTES`` when the size cannot be read."""
+    try:
+        with open(path, encoding="ascii") as file:
+            text = file.read().strip().upper()
+        l2 = int(text.rstrip("KMB")) * {"K": 2**10, "M": 2**20}.get(text.rstrip("B")[-1:], 1)
+    except (OSError, ValueError):
+        return FALLBACK_CELL_BYTES
+    return max(MIN_CELL_BYTES, CELL_L2_MULTIPLE * l2)
+
+
+DEFAULT_CELL_BYTES = default_cell_bytes()
 
 
 class ShmState(AlgorithmOptions):
     """A group's segment and arenas: shm's options, created on first use and kept until :meth:`close`.
+
+    ``region_bytes``, ``cell_bytes`` (None: the defaults, ``DEFAULT_CELL_BYTES``, from this machine's
+    L2 cache) must be equal on every rank (the layout check compares them).
 
     ``available`` is None until the first shm call found out whether every
     rank is on one machine. ``region_bytes``: bytes per rank region of the
