@@ -1,7 +1,8 @@
 """The simulator's model of the shm AllReduce: the lean path, cache-sized cells, the memory bound.
 
-Every expected time is written out here from the model's definition (per cell: its overhead, copy in,
-barrier, adds; 3 DRAM bytes per payload byte), not taken from the formulas under test.
+Every expected time is written out here from the model's definition (per cell: its overhead, stage the
+peers' chunks, barrier, reduce the own chunk, barrier, copy out; 3 DRAM bytes per payload byte), not taken
+from the formulas under test.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import json
 
 import pytest
 
-from gradsync.collectives.shm_pipeline import REDUCE_ALL_MAX_RANKS
 from gradsync.collectives.shm_setup import DEFAULT_CELL_BYTES, LEAN_MAX_BYTES, ShmState
 from gradsync.sim.engine import simulate_all_reduce
 from gradsync.sim.formulas import (SHM_MEMORY_BYTES_PER_PAYLOAD_BYTE, call_overhead_s, predict_s, shm_cells,
@@ -46,18 +46,20 @@ def test_lean_path_is_one_barrier_and_every_rank_adds_all_rows(p):
         assert seconds == pytest.approx(expected, rel=1e-9)
 
 
-@pytest.mark.parametrize("p", [2, 4, 5])
+def _cell(p: int, c: float, slow: float = 1.0, barrier: float = BARRIER) -> float:
+    """One pipelined cell written out: p cell overheads, stage (p-1)/p·c, barrier, reduce the own chunk
+    ((p-1)/p·c added, c/p copied into the region), barrier, copy (p-1)/p·c out."""
+    share = c / p
+    return (slow * (p * CELL + (c - share) * COPY + (p - 1) * share * GAMMA + share * COPY + (c - share) * COPY)
+            + 2 * barrier)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5])
 def test_cells_above_the_lean_path(p):
-    """A message of 2 full cells and one of 12 bytes: per cell its overhead, copy in, a barrier, the
-    adds (reduce-all up to REDUCE_ALL_MAX_RANKS ranks; above: own chunk, barrier, copy out)."""
+    """A message of 2 full cells and one of 12 bytes, each an owner-reduces reduce-scatter + all-gather."""
     n = 2 * DEFAULT_CELL_BYTES + 12
     assert n > LEAN_MAX_BYTES and shm_cells(n, 4) == [DEFAULT_CELL_BYTES] * 2 + [12]
-
-    def cell(c):
-        if p <= REDUCE_ALL_MAX_RANKS:
-            return CELL + c * COPY + BARRIER + (p - 1) * c * GAMMA
-        return CELL + c * COPY + BARRIER + (p - 1) / p * c * GAMMA + BARRIER + c * COPY
-    expected = CALL + 2 * cell(DEFAULT_CELL_BYTES) + cell(12)
+    expected = CALL + 2 * _cell(p, DEFAULT_CELL_BYTES) + _cell(p, 12)
     for seconds in _both("shm", _profile(), p, n):
         assert seconds == pytest.approx(expected, rel=1e-9)
 
@@ -65,7 +67,7 @@ def test_cells_above_the_lean_path(p):
 def test_hierarchical_on_one_host_goes_through_cells_even_when_small():
     """hierarchical's node sum calls shm inside a collective: never the lean path, the full call overhead."""
     event, formula = _both("hierarchical", _profile(), 2, 4)
-    expected = CALL + CELL + 4 * COPY + BARRIER + 4 * GAMMA
+    expected = CALL + _cell(2, 4)
     assert event == pytest.approx(expected, rel=1e-9) and formula == pytest.approx(expected, rel=1e-9)
     assert call_overhead_s(_profile(), "shm", 2, 4) == LEAN
     assert call_overhead_s(_profile(), "hierarchical", 2, 4) == CALL
@@ -77,7 +79,7 @@ def test_the_groups_cell_bytes_option_sets_the_cells():
     few = simulate_all_reduce("shm", n, _profile(), Topology((2,))).time_s
     many = simulate_all_reduce("shm", n, _profile(), Topology((2,)), options=[ShmState(cell_bytes=n // 64)]).time_s
     extra_cells = 64 - len(shm_cells(n, 4))
-    assert many - few == pytest.approx(extra_cells * (CELL + BARRIER), rel=1e-9)
+    assert many - few == pytest.approx(extra_cells * (2 * CELL + 2 * BARRIER), rel=1e-9)
 
 
 def test_large_messages_are_memory_bound_at_3_bytes_per_payload_byte():
@@ -86,19 +88,17 @@ def test_large_messages_are_memory_bound_at_3_bytes_per_payload_byte():
     bandwidth, p, n = 1e9, 2, 64 * 2**20
     assert SHM_MEMORY_BYTES_PER_PAYLOAD_BYTE == 3
     cells = len(shm_cells(n, 4))
-    expected = CALL + cells * (CELL + BARRIER) + p * 3 * n / bandwidth
+    expected = CALL + cells * (p * CELL + 2 * BARRIER) + p * 3 * n / bandwidth
     for seconds in _both("shm", _profile(bandwidth), p, n):
         assert seconds == pytest.approx(expected, rel=1e-9)
-    small = 2 * DEFAULT_CELL_BYTES  # small messages on the same machine: bound by the CPU terms
-    cpu = CALL + 2 * (CELL + DEFAULT_CELL_BYTES * (COPY + GAMMA) + BARRIER)
+    small = 2 * DEFAULT_CELL_BYTES  # the same message with fast memory: bound by the CPU terms
+    cpu = CALL + 2 * _cell(2, DEFAULT_CELL_BYTES)
     assert predict_s("shm", _profile(1e15), Topology((2,)), small) == pytest.approx(cpu, rel=1e-9)
 
 
 def test_oversubscribed_ranks_slow_the_cpu_terms_and_the_barrier():
     p, n = 4, DEFAULT_CELL_BYTES + 4 * 2**10  # one full cell and a short one, 4 ranks on 2 cores
-    def cell(c):
-        return 2 * (CELL + c * COPY + (p - 1) * c * GAMMA) + 4 * BARRIER
-    expected = CALL + cell(DEFAULT_CELL_BYTES) + cell(4 * 2**10)
+    expected = CALL + sum(_cell(p, c, slow=2.0, barrier=4 * BARRIER) for c in (DEFAULT_CELL_BYTES, 4 * 2**10))
     for seconds in _both("shm", _profile(cores=2), p, n):
         assert seconds == pytest.approx(expected, rel=1e-9)
 

@@ -33,8 +33,9 @@ from the AllReduce sweep the profile is validated against (``gradsync simulate -
   own, and (``oversubscribed_barrier_s``) both pinned to one core, as ranks that
   outnumber the cores are (ws 3 and 4 here); memory bandwidth = DRAM bytes (3 per byte
   copied) of one rank per core copying ``Settings.memory_bytes`` at once;
-  ``cell_overhead_s`` = one cell of one float of the pipelined AllReduce
-  (``Settings.cells`` per call, on ranks 0 and 1) less the barrier; ``lean_call_overhead_s``
+  ``cell_overhead_s`` = one cell of two floats of the pipelined AllReduce
+  (``Settings.cells`` per call, on ranks 0 and 1) less its two barriers, per rank (half of it);
+  ``lean_call_overhead_s``
   = a one-float ``shm`` all_reduce (the lean path) less its simulated cost without overhead.
 * Each figure is the median of ``Settings.repeats`` batches (see :mod:`gradsync.bench.micro`).
 
@@ -177,7 +178,7 @@ def calibrate_comm(comm: Communicator, settings: Settings, *, name: str, layout:
         name=name, description="", intra=intra, inter=inter, gamma_s_per_byte=gamma, copy_s_per_byte=copy,
         ranks_per_host=per_host, nics_per_host=1, cores_per_host=cores, call_overhead_s=0.0,
         shm=ShmModel(barrier_s=barrier, memory_bandwidth_bytes_per_s=memory, oversubscribed_barrier_s=crowded,
-                     cell_overhead_s=max(cell - barrier, 0.0), lean_call_overhead_s=0.0 if lean is not None else None)
+                     cell_overhead_s=max(cell - 2 * barrier, 0.0) / 2, lean_call_overhead_s=0.0 if lean is not None else None)
         if barrier is not None else None)
     overhead = max(tiny - _modelled_time(profile, overhead_algorithm, comm.world_size, layout), 0.0)
     if lean is not None:
@@ -204,8 +205,8 @@ def calibrate_comm(comm: Communicator, settings: Settings, *, name: str, layout:
                *([f"shm lean_call_overhead_s: one-float shm all_reduce (the lean path) = {lean * 1e6:.1f} us "
                   f"minus its simulated cost without overhead"] if lean is not None else []),
                f"shm: barrier of ranks 0 and 1 ({settings.barriers} per batch; oversubscribed: both pinned to one "
-               f"core); cell overhead: a pipelined cell of one float ({settings.cells} per call) = "
-               f"{cell * 1e6:.1f} us minus the barrier; memory bandwidth: {workers} "
+               f"core); cell overhead: a pipelined cell of two floats ({settings.cells} per call) = "
+               f"{cell * 1e6:.1f} us minus its two barriers, per rank (/ 2); memory bandwidth: {workers} "
                f"rank(s) copying {settings.memory_bytes} B at once, 3 DRAM bytes per byte copied")
     return dataclasses.replace(profile, description=description, call_overhead_s=overhead, sources=sources)
 
@@ -356,7 +357,7 @@ def describe(profile: Profile) -> str:
         lean = profile.shm.lean_call_overhead_s
         lines.append(f"{'shm':>8}: barrier {profile.shm.barrier_s * 1e6:.1f} us"
                      + (f" ({crowded * 1e6:.1f} us when ranks outnumber cores)" if crowded is not None else "")
-                     + f", cell overhead {profile.shm.cell_overhead_s * 1e6:.1f} us"
+                     + f", cell overhead {profile.shm.cell_overhead_s * 1e6:.1f} us per rank"
                      + (f", lean call overhead {lean * 1e6:.1f} us" if lean is not None else "")
                      + ", memory "
                      f"{profile.shm.memory_bandwidth_bytes_per_s / 1e9:.2f} GB/s")

@@ -26,7 +26,7 @@ but a profile of it then predicts a loaded machine's sweep systematically low):
 * :func:`shm_barrier`: one barrier of ranks 0 and 1 on their shared-memory segment, on
   a core each, or both pinned to one core (ranks that outnumber the cores).
 * :func:`shm_cell`: one cell of the pipelined shm AllReduce
-  (:mod:`gradsync.collectives.shm_pipeline`) of one float on ranks 0 and 1, its barrier included.
+  (:mod:`gradsync.collectives.shm_pipeline`) of two floats on ranks 0 and 1, its barriers included.
 * :func:`tiny_all_reduce`: one ``all_reduce`` of a single float32 (``verify=False``,
   as the sweep calls it) over the whole group.
 """
@@ -197,8 +197,8 @@ def shm_barrier(comm: Communicator, barriers: int, repeats: int, one_core: bool 
 
 def shm_cell(comm: Communicator, cells: int, repeats: int) -> float:
     """Seconds of one cell of the pipelined shm AllReduce (``shm_pipeline.all_reduce`` with cells of
-    one float, ``cells`` of them per call) on ranks 0 and 1, its barrier included (0.0 on the other
-    ranks). Call after :func:`shm_barrier` found shared memory (it uses the same segment)."""
+    two floats, one per rank, ``cells`` of them per call) on ranks 0 and 1, its barriers included
+    (0.0 on the other ranks). Call after :func:`shm_barrier` found shared memory (its segment)."""
     results = []
     for batch in range(repeats + 1):
         call = comm.new_call("calibrate shm cells", "shm")
@@ -207,9 +207,9 @@ def shm_cell(comm: Communicator, cells: int, repeats: int) -> float:
             continue
         sub = call.sub([0, 1], "shm", options=[_STATE.setdefault(id(comm), ShmState())])
         segment = group_segment(sub)
-        flat = torch.zeros(cells)
+        flat = torch.zeros(2 * cells)
         started = time.perf_counter()
-        shm_pipeline.all_reduce(flat, sub, segment, _FLOAT)
+        shm_pipeline.all_reduce(flat, sub, segment, 2 * _FLOAT)
         if batch:
             results.append((time.perf_counter() - started) / cells)
     return statistics.median(results) if comm.rank == 0 and results else 0.0

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 from gradsync.collectives.chunking import DEFAULT_SEGMENT_BYTES
 from gradsync.collectives.halving_doubling import SHORT_MESSAGE_BYTES as HD_SHORT_BYTES
-from gradsync.collectives.shm_pipeline import REDUCE_ALL_MAX_RANKS
 from gradsync.collectives.shm_setup import DEFAULT_CELL_BYTES, LEAN_MAX_BYTES
 from gradsync.sim.topology import Topology
 from gradsync.sim.profile import Profile
@@ -294,19 +293,26 @@ def shm_lean_s(profile: Profile, p: int, n: float, oversub: float) -> float:
 
 
 def shm_cell_s(profile: Profile, p: int, n: float, oversub: float) -> float:
-    """One cell of n bytes of the pipelined shm AllReduce over p ranks: the cell's Python cost
-    (``ShmModel.cell_overhead_s``, slowed by ``oversub``), copy in (the input read from memory,
-    1 DRAM byte per byte), then up to ``REDUCE_ALL_MAX_RANKS`` ranks: one barrier and every rank adds
-    all p copies into its output ((p-1)·n added, 2 DRAM bytes per byte: the output's read for
-    ownership and write-back); above: barrier, reduce its own chunk in cache ((p-1)/p·n added),
-    barrier, copy out (n copied, 2 DRAM bytes per byte). In all: 3 DRAM bytes per payload byte
-    (``SHM_MEMORY_BYTES_PER_PAYLOAD_BYTE``)."""
-    barrier = profile.shm_barrier_s(p)
-    fixed = profile.shm.cell_overhead_s * oversub + shm_phase_s(profile, p, n, 0, oversub, n) + barrier
-    if p <= REDUCE_ALL_MAX_RANKS:
-        return fixed + shm_phase_s(profile, p, 0, (p - 1) * n, oversub, 2 * n)
-    return (fixed + shm_phase_s(profile, p, 0, (p - 1) * n / p, oversub, 0) + barrier
-            + shm_phase_s(profile, p, n, 0, oversub, 2 * n))
+    """One cell of n bytes of the pipelined shm AllReduce over p ranks
+    (:mod:`gradsync.collectives.shm_pipeline`: owner-reduces reduce-scatter then all-gather, chunks
+    of n/p), on one rank:
+
+    * the cell's Python cost, ``p`` x ``ShmModel.cell_overhead_s`` (an add and a copy out per peer);
+    * stage the peers' chunks ((p-1)/p·n copied; their bytes read from the input, 1 DRAM byte each);
+    * barrier; reduce its own chunk from its tensor and the peers' copies ((p-1)/p·n added, its
+      n/p read from the input) and write the sum into its region (n/p copied);
+    * barrier; copy the other chunks out of their owners' regions ((p-1)/p·n copied; the whole
+      output's read for ownership and write-back, 2 DRAM bytes per byte).
+
+    The CPU terms slow down by ``oversub``; DRAM traffic, 3 bytes per payload byte
+    (``SHM_MEMORY_BYTES_PER_PAYLOAD_BYTE``: the cells stay in cache), bounds each phase from below.
+    """
+    share, barrier = n / p, profile.shm_barrier_s(p)
+    python = p * profile.shm.cell_overhead_s * oversub
+    stage = shm_phase_s(profile, p, n - share, 0, oversub, n - share)
+    reduce = shm_phase_s(profile, p, share, (p - 1) * share, oversub, share)
+    gather = shm_phase_s(profile, p, n - share, 0, oversub, 2 * n)
+    return python + stage + barrier + reduce + barrier + gather
 
 
 def shm_s(profile: Profile, topology: Topology, n: int, itemsize: int = 4, public: bool = True) -> float:

@@ -78,7 +78,8 @@ class ShmModel:
             rank that spins waits for the late one to get the core: the kernel's scheduling,
             not the memory, sets it); None: ``barrier_s``.
         cell_overhead_s: the Python and dispatch cost of one cell of the pipelined AllReduce
-            (its views, copy and adds as calls; its barrier and bytes apart), each rank on a core.
+            per rank of the group (its calls grow with the ranks: an add and a copy out per peer;
+            its barriers and bytes apart), each rank on a core.
         lean_call_overhead_s: the fixed cost of a public shm AllReduce on the lean path (its
             checks cached per layout; its copy, barrier and adds apart); None: the profile's
             ``call_overhead_s``.

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections import deque
 
-from gradsync.collectives.shm_pipeline import REDUCE_ALL_MAX_RANKS
 from gradsync.collectives.shm_setup import ShmState
 from gradsync.sim.cluster import VirtualCluster
 from gradsync.sim.formulas import COPY_MEMORY_BYTES, shm_cells, shm_lean, shm_slices
@@ -146,10 +145,10 @@ class VirtualSharedMemory:
       ``LEAN_MAX_BYTES``, as ``algorithm="shm"`` runs it): copy n in, one barrier (the layout check
       travels in it), add all p rows ((p-1)·n added); its fixed cost is the call's
       (``ShmModel.lean_call_overhead_s``, set by the engine);
-    * else cells of ``ShmState.cell_bytes`` (:func:`~gradsync.sim.formulas.shm_cells`), each:
-      ``ShmModel.cell_overhead_s``, copy n in, a barrier, then up to ``REDUCE_ALL_MAX_RANKS`` ranks
-      every rank adds all p copies into its output ((p-1)·n added); above, it reduces its own chunk
-      ((p-1)/p·n), a barrier, copies n out.
+    * else cells of ``ShmState.cell_bytes`` (:func:`~gradsync.sim.formulas.shm_cells`), each
+      (:func:`~gradsync.sim.formulas.shm_cell_s`): p x ``ShmModel.cell_overhead_s``, stage the peers'
+      chunks ((p-1)/p·n copied), a barrier, reduce its own chunk ((p-1)/p·n added, n/p copied into
+      its region), a barrier, copy the other chunks out ((p-1)/p·n).
 
     The CPU terms slow down by ranks/cores; the host's memory traffic bounds each phase from
     below at ``ShmModel.memory_bandwidth_bytes_per_s``: 3 DRAM bytes per payload byte and rank
@@ -197,16 +196,14 @@ class VirtualSharedMemory:
             self._phase(members, 0, (p - 1) * total, 2 * total)
             return
         state = call.options(ShmState)
-        overhead = self._model().cell_overhead_s
+        overhead = p * self._model().cell_overhead_s
         for n in shm_cells(total, itemsize, state.cell_bytes, state.region_bytes):
-            self._phase(members, n, 0, n, overhead)
+            share = n / p
+            self._phase(members, n - share, 0, n - share, overhead)
             self._barrier(members)
-            if p <= REDUCE_ALL_MAX_RANKS:
-                self._phase(members, 0, (p - 1) * n, 2 * n)
-                continue
-            self._phase(members, 0, (p - 1) * n / p, 0)
+            self._phase(members, share, (p - 1) * share, share)
             self._barrier(members)
-            self._phase(members, n, 0, 2 * n)
+            self._phase(members, n - share, 0, 2 * n)
 
     def broadcast(self, flat, src: int, call) -> None:
         members = _members(call.transport)
