@@ -21,14 +21,15 @@ from the AllReduce sweep the profile is validated against (``gradsync simulate -
   in the cache and runs faster), on one rank per core at once, per output byte.
 * ``cores_per_host``: ``len(os.sched_getaffinity(0))``.
 * ``call_overhead_s``: what one ``all_reduce`` costs beyond what the model prices
-  (messages, barriers, copies): the measured time of a one-float ``all_reduce``
+  (messages, barriers, copies): the measured time of a small ``all_reduce``
   (``verify=False``, as the sweep and DataParallel's buckets call it: no layout
   round) minus the time the simulation gives that call with the terms just
-  measured (so nothing is counted twice). On one host the call is ``hierarchical``
-  (one node: the whole public path of ring and tree, then one shm cell, no
-  message: its barrier spins, where every Gloo wait sleeps and, on a busy machine,
-  waits milliseconds to be woken, latency the link's α holds, not the call);
-  across hosts, where no shm spans the group, ``halving_doubling``.
+  measured (so nothing is counted twice). On one host the call is ``shm`` of the
+  smallest message past its lean path (``LEAN_MAX_BYTES`` + 4: the whole public
+  path, then one cell; no message: its barriers spin, where every Gloo wait sleeps
+  and, on a busy machine, waits milliseconds to be woken, latency the link's α
+  holds, not the call); across hosts, where no shm spans the group, a one-float
+  ``halving_doubling``.
 * ``shm``: one barrier of two ranks on a shared-memory segment, each on a core of its
   own, and (``oversubscribed_barrier_s``) both pinned to one core, as ranks that
   outnumber the cores are (ws 3 and 4 here); memory bandwidth = DRAM bytes (3 per byte
@@ -61,14 +62,16 @@ import torch
 from gradsync.bench import micro
 from gradsync.bench.output import claim_json_path
 from gradsync.collectives.communicator import Communicator
+from gradsync.collectives.shm_setup import LEAN_MAX_BYTES
 from gradsync.sim.profile import Link, Profile, ShmModel, load, save
 
 KIB, MIB = 2**10, 2**20
-# the call whose time less its modelled cost is the call overhead: on one host hierarchical (the full
-# public path, then one shm cell: no message, a barrier that spins, so a busy machine's wake-up latency,
-# which every Gloo wait pays, does not count as overhead; shm itself takes the lean path, measured
-# apart); across hosts (no shm over the whole group) halving_doubling, one exchange per doubling
-OVERHEAD_ALGORITHMS = {True: "hierarchical", False: "halving_doubling"}  # by "one host"
+# the call whose time less its modelled cost is the call overhead: on one host shm just past its lean
+# path (the full public path, then one cell: no message, barriers that spin, so a busy machine's wake-up
+# latency, which every Gloo wait pays, does not count as overhead; the lean path is measured apart);
+# across hosts (no shm over the whole group) a one-float halving_doubling, one exchange per doubling
+OVERHEAD_ALGORITHMS = {True: "shm", False: "halving_doubling"}  # by "one host"
+OVERHEAD_BYTES = {True: LEAN_MAX_BYTES + 4, False: 4}
 
 
 @dataclass(frozen=True)
@@ -166,8 +169,9 @@ def calibrate_comm(comm: Communicator, settings: Settings, *, name: str, layout:
     cell = micro.shm_cell(comm, settings.cells, settings.repeats) if barrier is not None else 0.0
     micro.close_shm(comm)
     barrier_known = barrier is not None and hosts == 1
-    overhead_algorithm = OVERHEAD_ALGORITHMS[barrier_known]
-    tiny = micro.tiny_all_reduce(comm, settings.tiny_calls, settings.repeats, overhead_algorithm)
+    overhead_algorithm, overhead_bytes = OVERHEAD_ALGORITHMS[barrier_known], OVERHEAD_BYTES[barrier_known]
+    tiny = micro.tiny_all_reduce(comm, settings.tiny_calls, settings.repeats, overhead_algorithm,
+                                 overhead_bytes // 4)
     lean = micro.tiny_all_reduce(comm, settings.tiny_calls, settings.repeats, "shm") if barrier_known else None
     if comm.rank != 0:
         return None
@@ -178,12 +182,14 @@ def calibrate_comm(comm: Communicator, settings: Settings, *, name: str, layout:
         name=name, description="", intra=intra, inter=inter, gamma_s_per_byte=gamma, copy_s_per_byte=copy,
         ranks_per_host=per_host, nics_per_host=1, cores_per_host=cores, call_overhead_s=0.0,
         shm=ShmModel(barrier_s=barrier, memory_bandwidth_bytes_per_s=memory, oversubscribed_barrier_s=crowded,
-                     cell_overhead_s=max(cell - 2 * barrier, 0.0) / 2, lean_call_overhead_s=0.0 if lean is not None else None)
+                     cell_overhead_s=max(cell - 2 * barrier, 0.0) / 2,
+                     lean_call_overhead_s=0.0 if lean is not None else None)
         if barrier is not None else None)
-    overhead = max(tiny - _modelled_time(profile, overhead_algorithm, comm.world_size, layout), 0.0)
+    overhead = max(tiny - _modelled_time(profile, overhead_algorithm, comm.world_size, layout, overhead_bytes), 0.0)
     if lean is not None:
-        lean_overhead = max(lean - _modelled_time(profile, "shm", comm.world_size, layout), 0.0)
-        profile = dataclasses.replace(profile, shm=dataclasses.replace(profile.shm, lean_call_overhead_s=lean_overhead))
+        lean_overhead = max(lean - _modelled_time(profile, "shm", comm.world_size, layout, 4), 0.0)
+        shm = dataclasses.replace(profile.shm, lean_call_overhead_s=lean_overhead)
+        profile = dataclasses.replace(profile, shm=shm)
     description = (f"{'this machine' if hosts == 1 else f'{hosts} test hosts x {per_host} ranks'}: "
                    f"{cores} usable cores, Gloo over {'loopback' if hosts == 1 else 'veth'}, calibrated "
                    f"{started}")
@@ -200,7 +206,8 @@ def calibrate_comm(comm: Communicator, settings: Settings, *, name: str, layout:
                f"gamma, copy: float32 add_ / copy_ in {settings.compute_bytes} B pieces over {settings.memory_bytes} B "
                f"buffers (from memory, not cache) on {workers} rank(s) at once (one a core)",
                f"cores_per_host: len(os.sched_getaffinity(0)) = {cores}",
-               f"call_overhead_s: one-float {overhead_algorithm} all_reduce (verify=False) = {tiny * 1e6:.1f} us "
+               f"call_overhead_s: {overhead_bytes} B {overhead_algorithm} all_reduce (verify=False) = "
+               f"{tiny * 1e6:.1f} us "
                f"minus its simulated cost without overhead",
                *([f"shm lean_call_overhead_s: one-float shm all_reduce (the lean path) = {lean * 1e6:.1f} us "
                   f"minus its simulated cost without overhead"] if lean is not None else []),
@@ -211,14 +218,14 @@ def calibrate_comm(comm: Communicator, settings: Settings, *, name: str, layout:
     return dataclasses.replace(profile, description=description, call_overhead_s=overhead, sources=sources)
 
 
-def _modelled_time(profile: Profile, algorithm: str, world_size: int, layout: tuple[int, int]) -> float:
-    """Simulated seconds of a one-float ``algorithm`` all_reduce on ``profile`` (no call overhead yet)."""
+def _modelled_time(profile: Profile, algorithm: str, world_size: int, layout: tuple[int, int], nbytes: int) -> float:
+    """Simulated seconds of an ``nbytes`` ``algorithm`` all_reduce on ``profile`` (its overheads as set)."""
     from gradsync.sim.cluster import Topology
     from gradsync.sim.engine import simulate_all_reduce
 
     hosts, per_host = layout
     topology = Topology.uniform(hosts, per_host) if hosts > 1 else Topology((world_size,))
-    return simulate_all_reduce(algorithm, 4, profile, topology).time_s
+    return simulate_all_reduce(algorithm, nbytes, profile, topology).time_s
 
 
 def _raw_text(raw: dict) -> str:

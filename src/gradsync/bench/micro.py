@@ -27,7 +27,7 @@ but a profile of it then predicts a loaded machine's sweep systematically low):
   a core each, or both pinned to one core (ranks that outnumber the cores).
 * :func:`shm_cell`: one cell of the pipelined shm AllReduce
   (:mod:`gradsync.collectives.shm_pipeline`) of two floats on ranks 0 and 1, its barriers included.
-* :func:`tiny_all_reduce`: one ``all_reduce`` of a single float32 (``verify=False``,
+* :func:`tiny_all_reduce`: one ``all_reduce`` of a few float32 (``verify=False``,
   as the sweep calls it) over the whole group.
 """
 
@@ -224,9 +224,9 @@ def close_shm(comm: Communicator) -> None:
         state.close()
 
 
-def tiny_all_reduce(comm: Communicator, calls: int, repeats: int, algorithm: str = "ring") -> float:
-    """Seconds of one ``all_reduce`` of one float32 (``verify=False``), the slowest rank's median."""
-    tensor = torch.zeros(1)
+def tiny_all_reduce(comm: Communicator, calls: int, repeats: int, algorithm: str = "ring", numel: int = 1) -> float:
+    """Seconds of one ``all_reduce`` of ``numel`` float32 (``verify=False``), the slowest rank's median."""
+    tensor = torch.zeros(numel)
 
     def timed() -> float:
         line_up(comm)
