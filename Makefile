@@ -32,13 +32,18 @@ test: $(STAMP)
 # says so and shows each command.
 # One bench: `make bench BENCHES=faults`; other options: `make bench BENCH_modes="--epochs 15"`.
 BENCH_DIR := docs/bench
-BENCHES ?= allreduce allreduce_hosts_1g allreduce_hosts_10g train compression modes faults faults_elastic deterministic replicas
+BENCHES ?= allreduce allreduce_shm2 allreduce_shm4 allreduce_hosts_1g allreduce_hosts_10g train compression modes faults \
+	faults_elastic deterministic replicas
 BENCH_allreduce ?= --nproc 4 --sizes 4K,64K,1M,16M,64M
+# shared memory against MPICH (the mpi extra: mpi4py and the mpich wheel, installed by `make bench`)
+BENCH_SHM := --sizes 4,4K,64K,1M,16M,64M,256M --algorithms shm,shm_zero_copy,native,mpi
+BENCH_allreduce_shm2 ?= --nproc 2 $(BENCH_SHM) --shm-cells 256K,1M,2M,4M
+BENCH_allreduce_shm4 ?= --nproc 4 $(BENCH_SHM)
 # across 2 test hosts (network namespaces: needs root, as `make test` does for its host tests)
 BENCH_HOSTS := --hosts 2 --nproc 2 --sizes 64K,256K,512K,1M,4M,16M,64M --repetitions 9
 BENCH_allreduce_hosts_1g ?= $(BENCH_HOSTS) --inter-host-gbit 1
 BENCH_allreduce_hosts_10g ?= $(BENCH_HOSTS) --inter-host-gbit 10
-BENCH_train ?= --nproc 2 --model cnn,mlp --steps 50 --rounds 3
+BENCH_train ?= --nproc 2 --model cnn,mlp --algorithms auto,shm,ring,native --steps 50 --rounds 3
 BENCH_compression ?= --compressions none,fp16,onebit,topk,powersgd --epochs 5 --compression-warmup-steps 125 \
 	--throughput-steps 2 --rounds 2
 BENCH_modes ?= --epochs 5 --staleness-bounds none+lr --sync-every 16
@@ -49,6 +54,7 @@ BENCH_replicas ?= --nproc 2,4 --model cnn,mlp
 RECORD := $(PY) -m gradsync bench record --bench-dir $(BENCH_DIR)
 
 bench: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[mpi]"
 	$(foreach bench,$(BENCHES),$(RECORD) $(bench) $(BENCH_$(bench)) && ) true
 	$(MAKE) bench-report
 

@@ -27,8 +27,8 @@ from gradsync.bench.report_texts import ABOUT as _ABOUT
 from gradsync.bench.report_texts import TITLES as _TITLES
 
 # Record names: a bench, or "<bench>_<label>" for a second setting of one (the test-host sweeps).
-BENCHES = ("allreduce", "allreduce_hosts_1g", "allreduce_hosts_10g", "train", "compression", "modes", "faults",
-           "faults_elastic", "deterministic", "replicas")
+BENCHES = ("allreduce", "allreduce_shm2", "allreduce_shm4", "allreduce_hosts_1g", "allreduce_hosts_10g", "train",
+           "compression", "modes", "faults", "faults_elastic", "deterministic", "replicas")
 DEFAULT_BENCH_DIR = "docs/bench"
 DEFAULT_OUT = "docs/benchmarks.md"
 FORMAT_VERSION = 1

@@ -27,6 +27,34 @@ copies, and the pipelined ring is close to Gloo's own ring. `shm` avoids the
 sockets altogether; `shm_zero_copy` also skips the copy in, which is what
 sets it apart on large messages. Smaller `--segment-bytes` cost more than they
 overlap on this kind of machine, hence the library's 4 MiB default.""",
+    "allreduce_shm2": """\
+Shared memory against MPICH on one machine, world size 2: `shm` (a tensor
+anywhere: up to 64 KiB one round through the mailboxes, above that
+cache-sized cells), `shm_zero_copy` (data already in the shared arena, as
+`DataParallel`'s shm buckets), Gloo's native call, and MPI_Allreduce
+(MPICH, in the same processes, interleaved). `vs mpi` = MPI's time / the
+row's time (above 1: faster than MPICH); `of bound` = the time the design's
+memory traffic would take at the machine's measured rate (3 bytes per payload
+byte and rank for `shm`, 1 + 2/p + 3(p-1)/p for `shm_zero_copy`;
+`gradsync/bench/memory_bound.py`) over the measured time; messages of a few
+MiB and less stay in cache, where that bound is not the one that binds.
+`shm@<size>` rows: `shm` with other cell sizes (`--shm-cells`), the sweep
+the default, 2 x the L2 cache of a core, comes from.""",
+    "allreduce_shm2_after": """\
+How to read it. Below 64 KiB a call is latency: one barrier plus about
+10 µs of Python per call (`python -m gradsync.bench.latency` breaks it
+down), against MPICH's compiled path. From 1 MiB the cells bound the copies
+to the caches and `shm` passes MPICH, which copies through its own cells
+too; `shm_zero_copy` saves the copy in. At 64 MiB and beyond MPICH leaves
+the caches and falls behind.""",
+    "allreduce_shm4": """\
+As above at world size 4: four ranks on two cores, where every wait has to
+yield the core to the rank it waits for (gradsync's barrier yields at once
+when ranks outnumber cores; MPICH polls).""",
+    "allreduce_shm4_after": """\
+How to read it. Every barrier now costs a context switch, so the latency
+rows grow for every design; the bandwidth rows are bound by two cores doing
+the copies of four ranks.""",
     "allreduce_hosts_1g": """\
 The same sweep across 2 test hosts (`--hosts 2 --nproc 2`: network
 namespaces on this machine, each with its own network, hostname and
@@ -193,7 +221,8 @@ message round trip costs what it costs when the other rank has to be
 scheduled first.""",
 }
 
-TITLES = {"allreduce": "AllReduce sweep", "allreduce_hosts_1g": "AllReduce across 2 test hosts, 1 Gbit/s links",
+TITLES = {"allreduce": "AllReduce sweep", "allreduce_shm2": "Shared memory against MPICH, 2 ranks",
+           "allreduce_shm4": "Shared memory against MPICH, 4 ranks on 2 cores", "allreduce_hosts_1g": "AllReduce across 2 test hosts, 1 Gbit/s links",
            "allreduce_hosts_10g": "AllReduce across 2 test hosts, 10 Gbit/s links", "train": "Training: gradsync DataParallel against torch DDP",
            "compression": "Gradient compression", "modes": "Sync, async and local SGD",
            "faults": "Faults: a killed and a hung worker",

@@ -142,23 +142,36 @@ class Reducer(FailureHandling, RebuildAndJoin):
         self._shadow.clear()
 
     def _shared_storages(self, assignment: list[list[int]]) -> list[torch.Tensor | None]:
-        """Zero-copy buckets: with bucket views, buckets of a dtype the algorithm reduces in place in its
-        own shared storage (shm: float32/float64 on CPU) live there. None per bucket otherwise.
+        """Zero-copy buckets: buckets of a dtype the algorithm reduces in place in its own shared storage
+        (shm: float32/float64 on CPU; under "auto", the buckets it resolves to shm) live there, so the
+        gradients' copy into the bucket is the only copy (with bucket views, not even that). None per
+        bucket otherwise.
 
         Each call (construction, a rebuild) gets a fresh range of the group's arena of its own; an
         earlier range stays reserved until the group is closed (see ``shared_buffer``)."""
         storages: list[torch.Tensor | None] = [None] * len(assignment)
-        in_place = collectives.zero_copy_dtypes(self.algorithm)
-        if not (self.gradient_as_bucket_view and in_place and self.comm.world_size > 1 and self.compression is None):
+        algorithm = "shm" if self.algorithm == "auto" else self.algorithm
+        in_place = collectives.zero_copy_dtypes(algorithm)
+        if not (in_place and self.comm.world_size > 1 and self.compression is None):
             return storages
         sizes = shared_bucket_nbytes(self.params, assignment, self._num_flags, in_place)
-        arena = collectives.shared_buffer(self.comm, sum(sizes), self.algorithm)
+        if self.algorithm == "auto":  # only the buckets auto will reduce with shm
+            sizes = [nbytes if nbytes and self._resolves_to_shm(indices, b == len(assignment) - 1) else 0
+                     for b, (nbytes, indices) in enumerate(zip(sizes, assignment))]
+        if not any(sizes):
+            return storages
+        arena = collectives.shared_buffer(self.comm, sum(sizes), algorithm)
         offset = 0
         for b, nbytes in enumerate(sizes if arena is not None else []):
             if nbytes:
                 storages[b] = arena[offset:offset + nbytes]
                 offset += nbytes
         return storages
+
+    def _resolves_to_shm(self, indices: list[int], last: bool) -> bool:
+        first = self.params[indices[0]]
+        numel = sum(self.params[i].numel() for i in indices) + (self._num_flags if last else 0)
+        return collectives.resolve_algorithm(self.comm, numel * first.element_size(), "auto") == "shm"
 
     @property
     def bucket_numels(self) -> list[int]:
