@@ -166,14 +166,16 @@ def memory_bandwidth(comm: Communicator, nbytes: int, repeats: int, workers: int
 def shm_barrier(comm: Communicator, barriers: int, repeats: int, one_core: bool = False) -> float | None:
     """Seconds of one barrier of ranks 0 and 1 through their shared-memory segment (None: those two
     ranks share no memory). ``one_core``: both ranks pinned to one core for the measurement (their
-    affinity is restored after), the barrier of ranks that outnumber the cores."""
+    affinity is restored after), the barrier of ranks that outnumber the cores; on a segment of its
+    own, whose first wait happens pinned, so that it waits as such a group's does (yielding at once,
+    not spinning first: ``shm_segment``'s spin is decided at a segment's first wait)."""
     results = []
     for batch in range(repeats + 1):
         call = comm.new_call("calibrate shm barrier", "shm")
         line_up(comm)
         if comm.rank >= 2:
             continue
-        sub = call.sub([0, 1], "shm", options=[_STATE.setdefault(id(comm), ShmState())])
+        sub = call.sub([0, 1], "shm", options=[_STATE.setdefault((id(comm), one_core), ShmState())])
         try:
             segment = group_segment(sub)
         except ValueError:
@@ -205,7 +207,7 @@ def shm_cell(comm: Communicator, cells: int, repeats: int) -> float:
         line_up(comm)
         if comm.rank >= 2:
             continue
-        sub = call.sub([0, 1], "shm", options=[_STATE.setdefault(id(comm), ShmState())])
+        sub = call.sub([0, 1], "shm", options=[_STATE.setdefault((id(comm), False), ShmState())])
         segment = group_segment(sub)
         flat = torch.zeros(2 * cells)
         started = time.perf_counter()
@@ -215,13 +217,14 @@ def shm_cell(comm: Communicator, cells: int, repeats: int) -> float:
     return statistics.median(results) if comm.rank == 0 and results else 0.0
 
 
-_STATE: dict[int, ShmState] = {}  # the calibration's own segment per communicator (closed by close_shm)
+_STATE: dict[tuple[int, bool], ShmState] = {}  # the calibration's own segments per (communicator, one core)
 
 
 def close_shm(comm: Communicator) -> None:
-    state = _STATE.pop(id(comm), None)
-    if state is not None:
-        state.close()
+    for one_core in (False, True):
+        state = _STATE.pop((id(comm), one_core), None)
+        if state is not None:
+            state.close()
 
 
 def tiny_all_reduce(comm: Communicator, calls: int, repeats: int, algorithm: str = "ring", numel: int = 1) -> float:
