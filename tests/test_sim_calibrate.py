@@ -34,6 +34,7 @@ def test_tiny_calibration_gives_a_usable_profile(tmp_path):
     assert profile.shm is not None and profile.shm.barrier_s > 0 and profile.shm.memory_bandwidth_bytes_per_s > 0
     assert profile.shm.cell_overhead_s >= 0 and profile.shm.lean_call_overhead_s is not None
     assert profile.shm.lean_call_overhead_s >= 0 and any("lean" in source for source in profile.sources)
+    assert profile.shm.cache_copy_s_per_byte > 0 and profile.shm.cache_gamma_s_per_byte > 0
     assert any("measured by" in source for source in profile.sources)
     again = load(save(profile, tmp_path / "p.json"))
     assert again == profile and again.digest() == profile.digest()

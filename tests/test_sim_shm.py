@@ -103,14 +103,34 @@ def test_oversubscribed_ranks_slow_the_cpu_terms_and_the_barrier():
         assert seconds == pytest.approx(expected, rel=1e-9)
 
 
+def test_cells_run_at_the_cache_rates_while_every_rank_has_a_core():
+    """With in-cache rates known: cells and the lean round use them when the ranks have a core each, the
+    out-of-cache ones (times ranks/cores) when the ranks outnumber the cores."""
+    cache_copy, cache_gamma = COPY / 4, GAMMA / 4
+    profile = _profile()
+    profile = dataclasses.replace(profile, shm=dataclasses.replace(
+        profile.shm, cache_copy_s_per_byte=cache_copy, cache_gamma_s_per_byte=cache_gamma))
+    n, share = DEFAULT_CELL_BYTES, DEFAULT_CELL_BYTES / 2
+    cell = 2 * CELL + (n - share) * cache_copy + share * (cache_copy + cache_gamma) + (n - share) * cache_copy
+    for seconds in _both("shm", profile, 2, n):
+        assert seconds == pytest.approx(CALL + cell + 2 * BARRIER, rel=1e-9)
+    lean = LEAN_MAX_BYTES
+    for seconds in _both("shm", profile, 2, lean):
+        assert seconds == pytest.approx(LEAN + lean * cache_copy + BARRIER + lean * cache_gamma, rel=1e-9)
+    crowded = dataclasses.replace(profile, cores_per_host=2)
+    for seconds in _both("shm", crowded, 4, n):
+        assert seconds == pytest.approx(CALL + _cell(4, n, slow=2.0, barrier=4 * BARRIER), rel=1e-9)
+
+
 def test_a_profile_file_without_the_new_shm_terms_still_loads(tmp_path):
     data = get_profile("this-machine").as_dict()
-    for key in ("cell_overhead_s", "lean_call_overhead_s"):
+    for key in ("cell_overhead_s", "lean_call_overhead_s", "cache_copy_s_per_byte", "cache_gamma_s_per_byte"):
         data["shm"].pop(key, None)
     path = tmp_path / "old.json"
     path.write_text(json.dumps(data))
     from gradsync.sim.profile import load
     old = load(path)
     assert old.shm.cell_overhead_s == 0.0 and old.shm.lean_call_overhead_s is None
+    assert old.shm.cache_copy_s_per_byte is None and old.shm.cache_gamma_s_per_byte is None
     assert call_overhead_s(old, "shm", 2, 4) == old.call_overhead_s
     assert dataclasses.replace(old, name="x").shm == old.shm

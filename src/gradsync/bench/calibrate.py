@@ -37,7 +37,9 @@ from the AllReduce sweep the profile is validated against (``gradsync simulate -
   ``cell_overhead_s`` = one cell of two floats of the pipelined AllReduce
   (``Settings.cells`` per call, on ranks 0 and 1) less its two barriers, per rank (half of it);
   ``lean_call_overhead_s``
-  = a one-float ``shm`` all_reduce (the lean path) less its simulated cost without overhead.
+  = a one-float ``shm`` all_reduce (the lean path) less its simulated cost without overhead;
+  ``cache_gamma_s_per_byte`` / ``cache_copy_s_per_byte``: ``add_`` and ``copy_`` over buffers of a
+  cell's size (``shm_setup.DEFAULT_CELL_BYTES``) passed over ``Settings.cache_passes`` times (in cache).
 * Each figure is the median of ``Settings.repeats`` batches (see :mod:`gradsync.bench.micro`).
 
 With ``--hosts H --nproc L`` the measurements run as a torchrun job on H test hosts
@@ -62,7 +64,7 @@ import torch
 from gradsync.bench import micro
 from gradsync.bench.output import claim_json_path
 from gradsync.collectives.communicator import Communicator
-from gradsync.collectives.shm_setup import LEAN_MAX_BYTES
+from gradsync.collectives.shm_setup import DEFAULT_CELL_BYTES, LEAN_MAX_BYTES
 from gradsync.sim.profile import Link, Profile, ShmModel, load, save
 
 KIB, MIB = 2**10, 2**20
@@ -88,14 +90,16 @@ class Settings:
     barriers: int = 2000
     tiny_calls: int = 200
     cells: int = 500
+    cell_bytes: int | None = None  # the in-cache rates' buffers (None: shm_setup.DEFAULT_CELL_BYTES)
+    cache_passes: int = 20
 
 
 FULL = Settings()
 QUICK = Settings(large_sizes=(1 * MIB, 4 * MIB), repeats=5, batch_bytes=8 * MIB, small_iterations=100,
-                 memory_bytes=32 * MIB, barriers=500, tiny_calls=100, cells=200)
+                 memory_bytes=32 * MIB, barriers=500, tiny_calls=100, cells=200, cache_passes=10)
 TINY = Settings(small_sizes=(4,), large_sizes=(64 * KIB, 256 * KIB), repeats=1, batch_bytes=256 * KIB,
                 small_iterations=5, compute_bytes=64 * KIB, memory_bytes=256 * KIB, barriers=20, tiny_calls=5,
-                cells=10)
+                cells=10, cell_bytes=64 * KIB, cache_passes=2)
 SETTINGS = {"full": FULL, "quick": QUICK, "tiny": TINY}
 
 
@@ -163,6 +167,8 @@ def calibrate_comm(comm: Communicator, settings: Settings, *, name: str, layout:
     workers = min(2, cores)
     gamma, copy = micro.compute_per_byte(comm, settings.compute_bytes, settings.memory_bytes,
                                          settings.repeats, workers)
+    cache_gamma, cache_copy = micro.cache_per_byte(comm, settings.cell_bytes or DEFAULT_CELL_BYTES,
+                                                   settings.cache_passes, settings.repeats, workers)
     memory = micro.memory_bandwidth(comm, settings.memory_bytes, settings.repeats, workers)
     barrier = micro.shm_barrier(comm, settings.barriers, settings.repeats, one_core=cores < 2)
     crowded = micro.shm_barrier(comm, max(settings.barriers // 10, 1), settings.repeats, one_core=True)
@@ -183,7 +189,8 @@ def calibrate_comm(comm: Communicator, settings: Settings, *, name: str, layout:
         ranks_per_host=per_host, nics_per_host=1, cores_per_host=cores, call_overhead_s=0.0,
         shm=ShmModel(barrier_s=barrier, memory_bandwidth_bytes_per_s=memory, oversubscribed_barrier_s=crowded,
                      cell_overhead_s=max(cell - 2 * barrier, 0.0) / 2,
-                     lean_call_overhead_s=0.0 if lean is not None else None)
+                     lean_call_overhead_s=0.0 if lean is not None else None,
+                     cache_copy_s_per_byte=cache_copy, cache_gamma_s_per_byte=cache_gamma)
         if barrier is not None else None)
     overhead = max(tiny - _modelled_time(profile, overhead_algorithm, comm.world_size, layout, overhead_bytes), 0.0)
     if lean is not None:
@@ -205,6 +212,8 @@ def calibrate_comm(comm: Communicator, settings: Settings, *, name: str, layout:
                   f"{_raw_text(inter_raw)}"] if inter is not None else []),
                f"gamma, copy: float32 add_ / copy_ in {settings.compute_bytes} B pieces over {settings.memory_bytes} B "
                f"buffers (from memory, not cache) on {workers} rank(s) at once (one a core)",
+               f"shm cache_gamma, cache_copy: the same on {settings.cell_bytes or DEFAULT_CELL_BYTES} B buffers "
+               f"(a cell; in cache), {settings.cache_passes} passes per batch",
                f"cores_per_host: len(os.sched_getaffinity(0)) = {cores}",
                f"call_overhead_s: {overhead_bytes} B {overhead_algorithm} all_reduce (verify=False) = "
                f"{tiny * 1e6:.1f} us "
@@ -365,6 +374,10 @@ def describe(profile: Profile) -> str:
         lines.append(f"{'shm':>8}: barrier {profile.shm.barrier_s * 1e6:.1f} us"
                      + (f" ({crowded * 1e6:.1f} us when ranks outnumber cores)" if crowded is not None else "")
                      + f", cell overhead {profile.shm.cell_overhead_s * 1e6:.1f} us per rank"
+                     + (f", in cache: add {profile.shm.cache_gamma_s_per_byte * 1e9:.3f} copy "
+                        f"{profile.shm.cache_copy_s_per_byte * 1e9:.3f} ns/B"
+                        if profile.shm.cache_gamma_s_per_byte is not None
+                        and profile.shm.cache_copy_s_per_byte is not None else "")
                      + (f", lean call overhead {lean * 1e6:.1f} us" if lean is not None else "")
                      + ", memory "
                      f"{profile.shm.memory_bandwidth_bytes_per_s / 1e9:.2f} GB/s")

@@ -20,6 +20,8 @@ but a profile of it then predicts a loaded machine's sweep systematically low):
   at two ranks); the time of one exchange.
 * :func:`compute_per_byte`: ``acc += other`` (float32) and ``dst.copy_(src)`` piece by
   piece over large buffers, one rank per core at once, per output byte.
+* :func:`cache_per_byte`: the same on buffers of a shm cell's size, passed over again and again
+  (in cache).
 * :func:`memory_bandwidth`: ranks 0 and 1 copy a large buffer at once; the DRAM bytes of
   both (3 per byte copied: the read, the destination's read for ownership, the write-back)
   over the slower rank's time.
@@ -140,6 +142,29 @@ def compute_per_byte(comm: Communicator, piece_bytes: int, total_bytes: int, rep
     timed(add), timed(copy)  # warm: first touch of the pages
     add_s = _batches(repeats, lambda: timed(add))
     copy_s = _batches(repeats, lambda: timed(copy))
+    return add_s / (numel * _FLOAT), copy_s / (numel * _FLOAT)
+
+
+def cache_per_byte(comm: Communicator, nbytes: int, passes: int, repeats: int, workers: int = 2) -> tuple[float, float]:
+    """(add, copy) seconds per output byte of float32 ``acc += other`` and ``dst.copy_(src)`` on
+    ``nbytes`` buffers that stay in cache (``passes`` passes over the same buffers per batch, after a
+    warm pass), on ranks 0 .. ``workers``-1 at once, the slower rank's median."""
+    numel = max(nbytes // _FLOAT, 1)
+    busy = comm.rank < workers
+    acc, other = (torch.ones(numel), torch.ones(numel)) if busy else (None, None)
+
+    def timed(work) -> float:
+        line_up(comm)
+        if busy:
+            work()
+        started = time.perf_counter()
+        if busy:
+            for _ in range(passes):
+                work()
+        return _slowest(comm, (time.perf_counter() - started) / passes)
+
+    add_s = _batches(repeats, lambda: timed(lambda: acc.add_(other)))
+    copy_s = _batches(repeats, lambda: timed(lambda: acc.copy_(other)))
     return add_s / (numel * _FLOAT), copy_s / (numel * _FLOAT)
 
 

@@ -272,15 +272,28 @@ def shm_slices(nbytes: int, itemsize: int) -> list[int]:
     return [region] * full + ([rest] if rest else [])
 
 
+def shm_rates(profile: Profile, oversub: float, cached: bool) -> tuple[float, float]:
+    """(copy, add) seconds per byte of a shared-memory phase: a cell's in cache
+    (``ShmModel.cache_copy_s_per_byte`` / ``cache_gamma_s_per_byte``) while every rank has a core;
+    the profile's out-of-cache rates for the broadcast's whole regions, when the cache rates are not
+    known, and when ranks outnumber the cores (a rank that waited for a core finds its cells evicted
+    by the rank that ran there)."""
+    shm = profile.shm
+    if cached and oversub <= 1 and shm.cache_copy_s_per_byte is not None and shm.cache_gamma_s_per_byte is not None:
+        return shm.cache_copy_s_per_byte, shm.cache_gamma_s_per_byte
+    return profile.copy_s_per_byte, profile.gamma_s_per_byte
+
+
 def shm_phase_s(profile: Profile, ranks: int, copy_bytes: float, add_bytes: float, oversub: float,
-                memory_bytes: float | None = None) -> float:
-    """One phase of the shared-memory collective on one rank: its copies and adds on a core (the
-    profile's copy and γ, slowed by ``oversub``), bounded below by the host's memory traffic:
+                memory_bytes: float | None = None, cached: bool = False) -> float:
+    """One phase of the shared-memory collective on one rank: its copies and adds on a core
+    (:func:`shm_rates`, slowed by ``oversub``), bounded below by the host's memory traffic:
     ``memory_bytes`` DRAM bytes per rank (None: ``COPY_MEMORY_BYTES`` per byte copied) for all
     ``ranks`` of the host at ``ShmModel.memory_bandwidth_bytes_per_s``."""
     if memory_bytes is None:
         memory_bytes = COPY_MEMORY_BYTES * copy_bytes
-    cpu = (copy_bytes * profile.copy_s_per_byte + add_bytes * profile.gamma_s_per_byte) * oversub
+    copy, gamma = shm_rates(profile, oversub, cached)
+    cpu = (copy_bytes * copy + add_bytes * gamma) * oversub
     return max(cpu, ranks * memory_bytes / profile.shm.memory_bandwidth_bytes_per_s)
 
 
@@ -288,8 +301,8 @@ def shm_lean_s(profile: Profile, p: int, n: float, oversub: float) -> float:
     """The lean AllReduce of n bytes over p ranks (its call overhead apart): copy in (the input read
     from memory), one barrier (the layout check rides in it), every rank adds all p rows into its
     output ((p-1)·n added; the output written back: 2 DRAM bytes per byte)."""
-    return (shm_phase_s(profile, p, n, 0, oversub, n) + profile.shm_barrier_s(p)
-            + shm_phase_s(profile, p, 0, (p - 1) * n, oversub, 2 * n))
+    return (shm_phase_s(profile, p, n, 0, oversub, n, cached=True) + profile.shm_barrier_s(p)
+            + shm_phase_s(profile, p, 0, (p - 1) * n, oversub, 2 * n, cached=True))
 
 
 def shm_cell_s(profile: Profile, p: int, n: float, oversub: float) -> float:
@@ -304,14 +317,15 @@ def shm_cell_s(profile: Profile, p: int, n: float, oversub: float) -> float:
     * barrier; copy the other chunks out of their owners' regions ((p-1)/p·n copied; the whole
       output's read for ownership and write-back, 2 DRAM bytes per byte).
 
-    The CPU terms slow down by ``oversub``; DRAM traffic, 3 bytes per payload byte
+    The copies and adds run at the in-cache rates while every rank has a core (:func:`shm_rates`),
+    slowed by ``oversub`` otherwise; DRAM traffic, 3 bytes per payload byte
     (``SHM_MEMORY_BYTES_PER_PAYLOAD_BYTE``: the cells stay in cache), bounds each phase from below.
     """
     share, barrier = n / p, profile.shm_barrier_s(p)
     python = p * profile.shm.cell_overhead_s * oversub
-    stage = shm_phase_s(profile, p, n - share, 0, oversub, n - share)
-    reduce = shm_phase_s(profile, p, share, (p - 1) * share, oversub, share)
-    gather = shm_phase_s(profile, p, n - share, 0, oversub, 2 * n)
+    stage = shm_phase_s(profile, p, n - share, 0, oversub, n - share, cached=True)
+    reduce = shm_phase_s(profile, p, share, (p - 1) * share, oversub, share, cached=True)
+    gather = shm_phase_s(profile, p, n - share, 0, oversub, 2 * n, cached=True)
     return python + stage + barrier + reduce + barrier + gather
 
 

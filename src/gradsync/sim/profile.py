@@ -83,6 +83,9 @@ class ShmModel:
         lean_call_overhead_s: the fixed cost of a public shm AllReduce on the lean path (its
             checks cached per layout; its copy, barrier and adds apart); None: the profile's
             ``call_overhead_s``.
+        cache_copy_s_per_byte, cache_gamma_s_per_byte: a copy and an add per byte on buffers of a
+            cell's size that stay in cache (the cells' rates while every rank has a core); None:
+            the profile's out-of-cache ``copy_s_per_byte`` and ``gamma_s_per_byte``.
     """
 
     barrier_s: float
@@ -90,6 +93,8 @@ class ShmModel:
     oversubscribed_barrier_s: float | None = None
     cell_overhead_s: float = 0.0
     lean_call_overhead_s: float | None = None
+    cache_copy_s_per_byte: float | None = None
+    cache_gamma_s_per_byte: float | None = None
 
 
 @dataclass(frozen=True)

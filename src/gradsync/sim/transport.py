@@ -19,7 +19,7 @@ from collections import deque
 
 from gradsync.collectives.shm_setup import ShmState
 from gradsync.sim.cluster import VirtualCluster
-from gradsync.sim.formulas import COPY_MEMORY_BYTES, shm_cells, shm_lean, shm_slices
+from gradsync.sim.formulas import COPY_MEMORY_BYTES, shm_cells, shm_lean, shm_rates, shm_slices
 from gradsync.transport.base import TransportStats
 from gradsync.transport.locality import Locality, derive
 
@@ -150,7 +150,9 @@ class VirtualSharedMemory:
       chunks ((p-1)/p·n copied), a barrier, reduce its own chunk ((p-1)/p·n added, n/p copied into
       its region), a barrier, copy the other chunks out ((p-1)/p·n).
 
-    The CPU terms slow down by ranks/cores; the host's memory traffic bounds each phase from
+    Copies and adds of cells and mailboxes run at the in-cache rates while every rank has a core
+    (:func:`~gradsync.sim.formulas.shm_rates`), at the out-of-cache ones slowed by ranks/cores when
+    they outnumber the cores; the host's memory traffic bounds each phase from
     below at ``ShmModel.memory_bandwidth_bytes_per_s``: 3 DRAM bytes per payload byte and rank
     (the input read in the copy in, the output's read for ownership and write-back where it is
     written; the cells stay in cache), 3 per byte a broadcast copies. A barrier costs
@@ -171,11 +173,12 @@ class VirtualSharedMemory:
         return model
 
     def _phase(self, members: list[int], copy_bytes: float, add_bytes: float, memory_bytes: float,
-               fixed_s: float = 0.0) -> None:
+               fixed_s: float = 0.0, cached: bool = True) -> None:
         cluster, profile = self.cluster, self.cluster.profile
         state = cluster.current
         oversub = cluster.oversub[state.host]
-        cpu = (copy_bytes * profile.copy_s_per_byte + add_bytes * profile.gamma_s_per_byte) * oversub
+        copy, gamma = shm_rates(profile, oversub, cached)
+        cpu = (copy_bytes * copy + add_bytes * gamma) * oversub
         memory = len(members) * memory_bytes / self._model().memory_bandwidth_bytes_per_s
         state.now += fixed_s * oversub + max(cpu, memory)  # the fixed Python cost: on the core, not hidden
 
@@ -209,7 +212,7 @@ class VirtualSharedMemory:
         members = _members(call.transport)
         for n in shm_slices(flat.numel() * flat.element_size(), flat.element_size()):
             mine = n if call.rank == src else 0
-            self._phase(members, mine, 0, COPY_MEMORY_BYTES * mine)
+            self._phase(members, mine, 0, COPY_MEMORY_BYTES * mine, cached=False)
             self._barrier(members)
             theirs = n - mine
-            self._phase(members, theirs, 0, COPY_MEMORY_BYTES * theirs)
+            self._phase(members, theirs, 0, COPY_MEMORY_BYTES * theirs, cached=False)
