@@ -69,9 +69,11 @@ def test_hierarchical_on_one_host_goes_through_cells_even_when_small():
     event, formula = _both("hierarchical", _profile(), 2, 4)
     expected = CALL + _cell(2, 4)
     assert event == pytest.approx(expected, rel=1e-9) and formula == pytest.approx(expected, rel=1e-9)
-    assert call_overhead_s(_profile(), "shm", 2, 4) == LEAN
-    assert call_overhead_s(_profile(), "hierarchical", 2, 4) == CALL
-    assert call_overhead_s(_profile(), "shm", 2, LEAN_MAX_BYTES + 4) == CALL
+    pair = Topology((2,))
+    assert call_overhead_s(_profile(), "shm", pair, 4) == LEAN
+    assert call_overhead_s(_profile(), "hierarchical", pair, 4) == CALL
+    assert call_overhead_s(_profile(), "shm", pair, LEAN_MAX_BYTES + 4) == CALL
+    assert call_overhead_s(_profile(cores=2), "shm", Topology((3,)), 4) == pytest.approx(1.5 * LEAN)  # 3 on 2 cores
 
 
 def test_the_groups_cell_bytes_option_sets_the_cells():
@@ -98,7 +100,7 @@ def test_large_messages_are_memory_bound_at_3_bytes_per_payload_byte():
 
 def test_oversubscribed_ranks_slow_the_cpu_terms_and_the_barrier():
     p, n = 4, DEFAULT_CELL_BYTES + 4 * 2**10  # one full cell and a short one, 4 ranks on 2 cores
-    expected = CALL + sum(_cell(p, c, slow=2.0, barrier=4 * BARRIER) for c in (DEFAULT_CELL_BYTES, 4 * 2**10))
+    expected = 2 * CALL + sum(_cell(p, c, slow=2.0, barrier=4 * BARRIER) for c in (DEFAULT_CELL_BYTES, 4 * 2**10))
     for seconds in _both("shm", _profile(cores=2), p, n):
         assert seconds == pytest.approx(expected, rel=1e-9)
 
@@ -119,7 +121,7 @@ def test_cells_run_at_the_cache_rates_while_every_rank_has_a_core():
         assert seconds == pytest.approx(LEAN + lean * cache_copy + BARRIER + lean * cache_gamma, rel=1e-9)
     crowded = dataclasses.replace(profile, cores_per_host=2)
     for seconds in _both("shm", crowded, 4, n):
-        assert seconds == pytest.approx(CALL + _cell(4, n, slow=2.0, barrier=4 * BARRIER), rel=1e-9)
+        assert seconds == pytest.approx(2 * CALL + _cell(4, n, slow=2.0, barrier=4 * BARRIER), rel=1e-9)
 
 
 def test_a_profile_file_without_the_new_shm_terms_still_loads(tmp_path):
@@ -132,5 +134,5 @@ def test_a_profile_file_without_the_new_shm_terms_still_loads(tmp_path):
     old = load(path)
     assert old.shm.cell_overhead_s == 0.0 and old.shm.lean_call_overhead_s is None
     assert old.shm.cache_copy_s_per_byte is None and old.shm.cache_gamma_s_per_byte is None
-    assert call_overhead_s(old, "shm", 2, 4) == old.call_overhead_s
+    assert call_overhead_s(old, "shm", Topology((2,)), 4) == old.call_overhead_s
     assert dataclasses.replace(old, name="x").shm == old.shm

@@ -109,7 +109,7 @@ def simulate_all_reduce(algorithm: str, nbytes: int, profile: Profile, topology:
     store = OptionStore(_with_defaults(options, segment_bytes))
     transports = [world.transport(rank) for rank in range(topology.world_size)]
     function = ALL_REDUCE[algorithm]
-    overhead_s = call_overhead_s(profile, algorithm, topology.world_size, nbytes)
+    overhead_s = call_overhead_s(profile, algorithm, topology, nbytes)
 
     def body(state):
         state.now = overhead_s

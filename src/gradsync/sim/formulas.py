@@ -351,13 +351,15 @@ def shm_s(profile: Profile, topology: Topology, n: int, itemsize: int = 4, publi
                                                             if cells[-1] != full else 0.0)
 
 
-def call_overhead_s(profile: Profile, algorithm: str, world_size: int, nbytes: int) -> float:
+def call_overhead_s(profile: Profile, algorithm: str, topology: Topology, nbytes: int) -> float:
     """The fixed cost of one call: ``ShmModel.lean_call_overhead_s`` for a public shm call on the lean
-    path (its argument checks are cached per layout), else ``Profile.call_overhead_s``."""
-    if (algorithm == "shm" and world_size > 1 and shm_lean(nbytes) and profile.shm is not None
+    path (its argument checks are cached per layout), else ``Profile.call_overhead_s``; both Python
+    work on a core, slowed by the ranks-per-core oversubscription of the busiest host."""
+    oversub = max(profile.oversubscription(size) for size in topology.host_sizes)
+    if (algorithm == "shm" and topology.world_size > 1 and shm_lean(nbytes) and profile.shm is not None
             and profile.shm.lean_call_overhead_s is not None):
-        return profile.shm.lean_call_overhead_s
-    return profile.call_overhead_s
+        return profile.shm.lean_call_overhead_s * oversub
+    return profile.call_overhead_s * oversub
 
 
 def hierarchical_s(profile: Profile, topology: Topology, n: int, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
@@ -419,4 +421,4 @@ def predict_s(algorithm: str, profile: Profile, topology: Topology, nbytes: int,
         body = shm_s(profile, topology, nbytes, itemsize)
     else:
         raise ValueError(f"no formula for {algorithm!r}; choose one of {', '.join(FORMULAS)}")
-    return call_overhead_s(profile, algorithm, topology.world_size, nbytes) + body
+    return call_overhead_s(profile, algorithm, topology, nbytes) + body
