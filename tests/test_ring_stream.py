@@ -1,12 +1,10 @@
-"""The ring as one stream of segments per phase: the sum order, the cut and the buffers across hops.
+"""The ring's sum order, segment cuts and buffers at every world size 2-5, pinned bitwise.
 
-``collectives/ring.py`` awaits every segment a phase receives in one loop across its hops, posts
-the all-gather's receives at once and awaits sends only at the end of a phase. These tests pin
-what that must not change: every element is added in the ring's order whatever the segment cut
-(so results are bitwise those of the hop-by-hop ring), segment boundaries fall anywhere in a chunk
-and across hops (odd sizes, one to a few elements per segment, p = 2..5), and buffers stay safe
-when data moves as early or as late as a network may (``_strict_transport``).
-"""
+Every element must be added in the ring's order whatever the segment cut (chunk c starts at rank
+c+1, each next rank adds its own), segment boundaries fall anywhere in a chunk and across hops
+(odd sizes, one to a few elements per segment), and buffers stay safe when data moves as early
+or as late as a network may (``_strict_transport``). The reference is computed here from the
+inputs; any change to how ``collectives/ring.py`` posts and awaits its segments must keep it."""
 
 from __future__ import annotations
 
