@@ -34,7 +34,7 @@ test: $(STAMP)
 BENCH_DIR := docs/bench
 BENCHES ?= allreduce allreduce_shm2 allreduce_shm4 allreduce_hosts_1g allreduce_hosts_10g train compression modes faults \
 	faults_elastic deterministic replicas
-BENCH_allreduce ?= --nproc 4 --sizes 4K,64K,1M,16M,64M
+BENCH_allreduce ?= --nproc 4 --sizes 4K,64K,1M,16M,64M --algorithms ring,tree,halving_doubling,hierarchical,shm,shm_zero_copy,native,auto
 # shared memory against MPICH (the mpi extra: mpi4py and the mpich wheel, installed by `make bench`)
 BENCH_SHM := --sizes 4,4K,64K,1M,16M,64M,256M --algorithms shm,shm_zero_copy,native,mpi
 BENCH_allreduce_shm2 ?= --nproc 2 $(BENCH_SHM) --shm-cells 256K,1M,2M,4M

@@ -10,6 +10,7 @@ import pytest
 from _early import early_job
 from gradsync.bench import train as train_bench
 from gradsync.bench.allreduce import format_table, parse_nbytes
+from gradsync.bench.memory_bound import bound_fraction, bytes_per_payload_byte
 from gradsync.cli import main
 
 
@@ -35,6 +36,8 @@ def _main(argv, capsys):
     (["--ranks-per-node", "3"], "--ranks-per-node 3"),
     (["--segment-bytes", "0"], "--segment-bytes"),
     (["--repetitions", "0"], "--repetitions"),
+    (["--shm-cells", "0"], "--shm-cells"),
+    (["--shm-cells", "1Q"], "1Q"),
 ])
 def test_bench_rejects_bad_options_with_one_line(args, needle, capsys):
     """Each bad option: exit 2 and one error line naming it, before any process starts."""
@@ -76,7 +79,8 @@ def test_bench_mpi_column_runs_under_mpiexec_with_shm(tmp_path, capsys):
 
 # Runs of the benches: early jobs (``_early.py``), started with the session and waited for by their tests.
 SHM_ROWS = early_job("bench-shm-rows", ["bench", "allreduce", "--nproc", "2", "--sizes", "4K,256K", "--algorithms",
-                                        "shm,shm_zero_copy", "--repetitions", "1", "--json", "{folder}/rows.json"])
+                                        "shm,shm_zero_copy", "--shm-cells", "64K", "--repetitions", "1",
+                                        "--json", "{folder}/rows.json"])
 SMALL_SWEEP = early_job("bench-small-sweep", ["bench", "allreduce", "--nproc", "2", "--sizes", "4K,64K",
                                               "--algorithms", "ring,tree", "--repetitions", "2",
                                               "--json", "{folder}/rows.json"])
@@ -95,9 +99,26 @@ def test_bench_shm_rows_including_zero_copy(early):
     assert result.returncode == 0, result.stderr
     rows = json.loads(out.read_text())
     assert [(r["nbytes"], r["algorithm"]) for r in rows] == [
-        (4096, "shm"), (4096, "shm_zero_copy"), (4096, "native"),
-        (262144, "shm"), (262144, "shm_zero_copy"), (262144, "native")]
+        (4096, "shm"), (4096, "shm_zero_copy"), (4096, "shm@64K"), (4096, "native"),
+        (262144, "shm"), (262144, "shm_zero_copy"), (262144, "shm@64K"), (262144, "native")]
     assert all(r["time_us"] > 0 and r["bytes_sent_per_call"] == 0 for r in rows if r["algorithm"] != "native")
+    for row in rows:  # of bound = model bytes x ranks x size / measured rate / measured time
+        per_byte = bytes_per_payload_byte(row["algorithm"], 2)
+        if per_byte is None:
+            assert row["bound_fraction"] is None, row
+            continue
+        expected = per_byte * 2 * row["nbytes"] / (row["memory_gbps"] * 1e9) / (row["time_us"] * 1e-6)
+        assert row["bound_fraction"] == pytest.approx(expected, rel=1e-6), row
+    assert "of bound" in result.stdout
+
+
+def test_memory_bound_models():
+    """Bytes per payload byte and rank: 3 for shm (and its cell rows), 1 + 2/p + 3(p-1)/p zero-copy, none else."""
+    assert bytes_per_payload_byte("shm", 4) == bytes_per_payload_byte("shm@1M", 2) == 3.0
+    assert bytes_per_payload_byte("shm_zero_copy", 2) == pytest.approx(3.5)
+    assert bytes_per_payload_byte("shm_zero_copy", 4) == pytest.approx(1 + 0.5 + 2.25)
+    assert bytes_per_payload_byte("ring", 2) is None and bound_fraction("ring", 2, 100, 1.0, 1e9) is None
+    assert bound_fraction("shm", 2, 10**6, 1e-3, 6e9) == pytest.approx(3 * 2 * 10**6 / 6e9 / 1e-3)
 
 
 @pytest.mark.early_job(SMALL_SWEEP)

@@ -278,3 +278,21 @@ def test_data_parallel_buckets_live_in_the_arena_without_bucket_views(algorithm)
         assert any(placed), f"rank {rank}: no bucket in the arena: {placed}"
         for index, grad in enumerate(got):
             torch.testing.assert_close(grad, (grads[0][index] + grads[1][index]) / 2, msg=f"rank {rank} param {index}")
+
+
+@pytest.mark.parametrize("kwargs,error", [({"cell_bytes": 0}, ValueError), ({"cell_bytes": 1.5e6}, TypeError),
+                                          ({"cell_bytes": True}, TypeError), ({"region_bytes": 8}, ValueError),
+                                          ({"region_bytes": "4M"}, TypeError)])
+def test_shm_state_rejects_bad_sizes(kwargs, error):
+    with pytest.raises(error, match=next(iter(kwargs))):
+        ShmState(**kwargs)
+
+
+def test_default_cell_bytes_follows_the_l2_cache(tmp_path):
+    """Twice the L2 size sysfs reports (K or M), at least MIN_CELL_BYTES; the fallback when unreadable."""
+    for text, expected in (("1024K", 2 * 2**20), ("512K", 2**20), ("2M", 4 * 2**20), ("64K", shm_setup.MIN_CELL_BYTES),
+                           ("garbage", shm_setup.FALLBACK_CELL_BYTES)):
+        path = tmp_path / "size"
+        path.write_text(text + "\n")
+        assert shm_setup.default_cell_bytes(str(path)) == expected, text
+    assert shm_setup.default_cell_bytes(str(tmp_path / "missing")) == shm_setup.FALLBACK_CELL_BYTES

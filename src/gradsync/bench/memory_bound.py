@@ -28,7 +28,7 @@ import torch
 from gradsync.collectives import ops
 from gradsync.collectives.communicator import Communicator
 
-BANDWIDTH_BUFFER_BYTES = 256 * 2**20  # per rank: well beyond the last-level cache
+BANDWIDTH_BUFFER_BYTES = 64 * 2**20  # per rank: twice the 32 MiB last-level cache of this machine, at least
 COPY_TRAFFIC = 3  # bytes moved per byte copied (read, write, read for ownership)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from gradsync.collectives.call import CollectiveCall
-from gradsync.collectives.options import AlgorithmOptions
+from gradsync.collectives.options import AlgorithmOptions, check_count
 from gradsync.errors import ShmSetupError
 from gradsync.transport import shm_segment as shm_transport
 from gradsync.transport.base import PeerFailure
@@ -52,6 +52,9 @@ class ShmState(AlgorithmOptions):
     ``region_bytes``, ``cell_bytes`` (None: the defaults, ``DEFAULT_CELL_BYTES``, from this machine's
     L2 cache) must be equal on every rank (the layout check compares them).
 
+    Raises:
+        TypeError: ``region_bytes`` or ``cell_bytes`` is not an int; ValueError: below 64 / 1.
+
     ``available`` is None until the first shm call found out whether every
     rank is on one machine. ``region_bytes``: bytes per rank region of the
     segment (None: the transport's default). ``arenas``: the segments that
@@ -60,8 +63,9 @@ class ShmState(AlgorithmOptions):
     """
 
     def __init__(self, region_bytes: int | None = None, cell_bytes: int | None = None):
-        self.region_bytes = region_bytes or shm_transport.DEFAULT_REGION_BYTES
-        self.cell_bytes = cell_bytes or DEFAULT_CELL_BYTES
+        self.region_bytes = shm_transport.DEFAULT_REGION_BYTES if region_bytes is None else \
+            check_count("region_bytes", region_bytes, minimum=64)
+        self.cell_bytes = DEFAULT_CELL_BYTES if cell_bytes is None else check_count("cell_bytes", cell_bytes)
         self.segment: ShmSegment | None = None
         self.available: bool | None = None
         self.arenas: list[ShmSegment] = []

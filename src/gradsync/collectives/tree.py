@@ -29,46 +29,50 @@ def _children(rank: int, world_size: int) -> list[int]:
     return [child for child in (2 * rank + 1, 2 * rank + 2) if child < world_size]
 
 
-def reduce(flat: torch.Tensor, call: CollectiveCall, segments: list[tuple[int, int]]) -> None:
-    """Sum every rank's ``flat`` into rank 0's ``flat``, segment by segment (in place).
+def reduce(call: CollectiveCall, segments: list[torch.Tensor]) -> None:
+    """Sum every rank's ``segments`` (views of its ``flat``, in order) into rank 0's, in place.
 
-    Collective: every rank must call this in the same order with equal ``numel``.
+    Collective: every rank must call this in the same order with equally cut segments.
     """
     rank = call.rank
-    children = _children(rank, call.world_size)
+    children = _children(rank, call.world_size) if segments else []
     parent = (rank - 1) // 2
-    longest = max((b - a for a, b in segments), default=0)
-    inbox = call.workspace.get(_IN_FLIGHT * len(children) * longest, flat.dtype, flat.device)
-    inbox = inbox.view(_IN_FLIGHT, len(children), longest) if children else inbox
+    if children:
+        longest = max((view.numel() for view in segments), default=0)
+        inbox = call.workspace.get(_IN_FLIGHT * len(children) * longest, segments[0].dtype, segments[0].device)
+        inbox = inbox.view(_IN_FLIGHT, len(children), longest)
+        slots = [[inbox[index, slot] for slot in range(len(children))] for index in range(_IN_FLIGHT)]
 
-    def post(index):
-        a, b = segments[index]
-        return [call.irecv(inbox[index % _IN_FLIGHT, slot, : b - a], child)
-                for slot, child in enumerate(children)]
+        def post(index):
+            numel, boxes = segments[index].numel(), slots[index % _IN_FLIGHT]
+            boxes = boxes if numel == longest else [box[:numel] for box in boxes]
+            return [(call.irecv(box, child), box) for box, child in zip(boxes, children)]
 
-    receives = [post(i) for i in range(min(_IN_FLIGHT, len(segments)))] if children else []
+        receives = [post(index) for index in range(min(_IN_FLIGHT, len(segments)))]
     sends = []
-    for index, (a, b) in enumerate(segments):
-        for slot, pending in enumerate(receives[index] if children else []):
-            call.wait_on(pending, f"tree reduce segment {index}")
-            flat[a:b] += inbox[index % _IN_FLIGHT, slot, : b - a]
-        if children and index + _IN_FLIGHT < len(segments):
-            receives.append(post(index + _IN_FLIGHT))
+    for index, view in enumerate(segments):
+        if children:
+            step = f"tree reduce segment {index}"
+            for pending, box in receives[index]:  # own + left subtree + right subtree
+                call.wait_on(pending, step)
+                view += box
+            if index + _IN_FLIGHT < len(segments):
+                receives.append(post(index + _IN_FLIGHT))
         if rank != 0:
-            sends.append(call.isend(flat[a:b], parent))
+            sends.append(call.isend(view, parent))
     call.wait_all(sends, "tree reduce")
 
 
-def broadcast_down(flat: torch.Tensor, call: CollectiveCall, segments: list[tuple[int, int]]) -> None:
-    """Copy rank 0's ``flat`` to every rank down the tree, segment by segment (in place)."""
+def broadcast_down(call: CollectiveCall, segments: list[torch.Tensor]) -> None:
+    """Copy rank 0's ``segments`` (views of its ``flat``) to every rank's down the tree, in place."""
     rank = call.rank
     children = _children(rank, call.world_size)
-    receives = [call.irecv(flat[a:b], (rank - 1) // 2) for a, b in segments] if rank else []
+    receives = [call.irecv(view, (rank - 1) // 2) for view in segments] if rank else []
     sends = []
-    for index, (a, b) in enumerate(segments):
+    for index, view in enumerate(segments):
         if rank:
             call.wait_on(receives[index], f"tree broadcast segment {index}")
-        sends.extend(call.isend(flat[a:b], child) for child in children)
+        sends.extend(call.isend(view, child) for child in children)
     call.wait_all(sends, "tree broadcast")
 
 
@@ -80,6 +84,6 @@ def all_reduce(flat: torch.Tensor, call: CollectiveCall) -> None:
     if call.world_size == 1:
         return
     segment_numel = call.options(SegmentOptions).segment_numel(flat.element_size())
-    segments = segment_bounds(0, flat.numel(), segment_numel)
-    reduce(flat, call, segments)
-    broadcast_down(flat, call, segments)
+    segments = [flat[a:b] for a, b in segment_bounds(0, flat.numel(), segment_numel)]  # one view each
+    reduce(call, segments)
+    broadcast_down(call, segments)
