@@ -18,6 +18,7 @@ from gradsync.bench.allreduce import parse_nbytes
 from gradsync.collectives.chunking import DEFAULT_SEGMENT_BYTES, chunk_bounds
 from gradsync.sim.cluster import TraceEvent
 from gradsync.sim.engine import SimResult, simulate_all_reduce
+from gradsync.sim.formulas import call_overhead_s
 from gradsync.sim.profiles import get_profile
 from gradsync.sim.topology import Topology
 
@@ -113,9 +114,9 @@ def render(algorithm: str, nproc: int, nbytes: int, profile_name: str, hosts: in
         lines.append(f"rank i's children: 2i+1 and 2i+2; segments of {segment_numel} elements flow up to rank 0, "
                      f"then down")
     elif algorithm in ("shm", "hierarchical") and profile.shm is not None:
-        lines.append("shared-memory steps are priced by a formula (per cell: copy in, barrier, each rank sums "
-                     "the copies; one round for a small message), not by messages: see "
-                     "gradsync.sim.transport.VirtualSharedMemory")
+        lines.append("shared-memory steps are priced by a formula (per cell: stage the peers' chunks, barrier, "
+                     "each rank reduces its own chunk, barrier, copy out; one round for a small message), not by "
+                     "messages: see gradsync.sim.transport.VirtualSharedMemory")
     slow = profile.oversubscription(nproc // hosts)
     if slow > 1:
         lines.append(f"{nproc // hosts} ranks share {profile.cores_per_host} cores per host: adds, copies and "
@@ -123,7 +124,8 @@ def render(algorithm: str, nproc: int, nbytes: int, profile_name: str, hosts: in
                      f"(alpha below is the link's times {slow:g})")
     lines.append("'waiting': time a step's ranks wait for transfers queued behind others on a port, or for peers")
     lines.append("")
-    steps = steps_of(result, profile.call_overhead_s)
+    overhead_s = call_overhead_s(profile, algorithm, topology, nbytes)
+    steps = steps_of(result, overhead_s)
     for number, step in enumerate(steps[:_MAX_STEPS]):
         terms = step.terms
         lines.append(f"step {number}: at {step.start_s * 1e6:.1f} us, {len(step.sends)} transfers "
@@ -144,8 +146,8 @@ def render(algorithm: str, nproc: int, nbytes: int, profile_name: str, hosts: in
         lines.append(f"... and {len(steps) - _MAX_STEPS} more steps")
     total = {key: sum(step.terms.get(key, 0.0) for step in steps) for key in ("call", "alpha", "beta", "gamma", "wait")}
     if not steps:  # shared memory only: no message to show
-        total["call"] = profile.call_overhead_s
-        total["wait"] = result.time_s - profile.call_overhead_s
+        total["call"] = overhead_s
+        total["wait"] = result.time_s - overhead_s
         lines.append("no messages: the shared-memory formula's copies, adds and barriers are the waiting below")
     lines += ["", f"predicted time {result.time_s * 1e6:.1f} us = call overhead {total['call'] * 1e6:.1f} + alpha "
               f"{total['alpha'] * 1e6:.1f} + beta {total['beta'] * 1e6:.1f} + gamma {total['gamma'] * 1e6:.1f} + "
