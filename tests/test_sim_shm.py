@@ -14,8 +14,8 @@ import pytest
 
 from gradsync.collectives.shm_setup import DEFAULT_CELL_BYTES, LEAN_MAX_BYTES, ShmState
 from gradsync.sim.engine import simulate_all_reduce
-from gradsync.sim.formulas import (SHM_MEMORY_BYTES_PER_PAYLOAD_BYTE, call_overhead_s, predict_s, shm_cells,
-                                   shm_lean)
+from gradsync.sim.formulas import call_overhead_s, predict_s
+from gradsync.sim.shm_formulas import SHM_MEMORY_BYTES_PER_PAYLOAD_BYTE, shm_cells, shm_lean
 from gradsync.sim.profile import Link, Profile, ShmModel
 from gradsync.sim.profiles import get_profile
 from gradsync.sim.topology import Topology
