@@ -97,10 +97,14 @@ def cell_name(cell_bytes: int) -> str:
     return f"shm@{cell_bytes}"
 
 
-def _cell_communicators(comm: Communicator, algorithms: list[str]) -> dict[str, Communicator]:
-    """A communicator with ``ShmState(cell_bytes=...)`` for every ``shm@<cells>`` row."""
-    return {name: Communicator(comm.transport, comm.timeout_s, options=[ShmState(cell_bytes=parse_nbytes(name[4:]))])
+def _row_communicators(comm: Communicator, algorithms: list[str]) -> dict[str, Communicator]:
+    """Rows that run on a communicator of their own: ``shm@<cells>`` (``ShmState(cell_bytes=...)``) and
+    ``auto``, which decides from the group's real hosts, not from the pretend nodes of ``hierarchical``."""
+    rows = {name: Communicator(comm.transport, comm.timeout_s, options=[ShmState(cell_bytes=parse_nbytes(name[4:]))])
             for name in algorithms if name.startswith("shm@")}
+    if "auto" in algorithms:
+        rows["auto"] = Communicator(comm.transport, comm.timeout_s, options=[comm.options(SegmentOptions)])
+    return rows
 
 
 def _time_once(comm: Communicator, tensor: torch.Tensor, algorithm: str, iterations: int,
@@ -116,7 +120,7 @@ def _time_once(comm: Communicator, tensor: torch.Tensor, algorithm: str, iterati
         elif algorithm == ZERO_COPY:
             ops.all_reduce(shared, comm, algorithm="shm", verify=False)
         elif cells and algorithm in cells:
-            ops.all_reduce(tensor, cells[algorithm], algorithm="shm", verify=False)
+            ops.all_reduce(tensor, cells[algorithm], algorithm="auto" if algorithm == "auto" else "shm", verify=False)
         else:
             ops.all_reduce(tensor, comm, algorithm=algorithm, verify=False)
     seconds = time.perf_counter() - started
@@ -144,7 +148,7 @@ def sweep(comm: Communicator, sizes: list[int], algorithms: list[str], repetitio
         arena = ops.shared_buffer(comm, max(max(sizes), 4), "shm")
         if arena is None:
             raise ValueError(f"{ZERO_COPY} needs every rank on one machine")
-    cells = _cell_communicators(comm, algorithms)
+    cells = _row_communicators(comm, algorithms)
     shm_rows = hosts == 1 and any(bytes_per_payload_byte(name, comm.world_size) for name in algorithms)
     bandwidth = measure_bandwidth(comm) if shm_rows else None
     rows = []

@@ -15,7 +15,8 @@ rank sent per call over the message size (`native` is the backend's own call,
 whose traffic gradsync cannot count). `shm_zero_copy` is `shm` on data that
 already lies in the shared arena, as `DataParallel`'s zero-copy buckets do.
 `hierarchical` runs on pretend nodes (`--ranks-per-node`, 2 by default at an
-even world size of 4 or more). With `pip install -e '.[mpi]'` an `mpi` column
+even world size of 4 or more); `auto` decides from the real hosts (one here),
+and the table under the sweep sets it against the fastest row. With `pip install -e '.[mpi]'` an `mpi` column
 (MPI_Allreduce in the same processes) is added.""",
     "allreduce_after": """\
 How to read it. For small messages every hop of a gradsync algorithm is a
