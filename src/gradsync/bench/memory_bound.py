@@ -45,8 +45,10 @@ def bytes_per_payload_byte(design: str, world_size: int) -> float | None:
 def measure_bandwidth(comm: Communicator, repetitions: int = 3) -> float:
     """Bytes per second the machine's memory moves with every rank copying at once (collective).
 
-    Every rank copies a ``BANDWIDTH_BUFFER_BYTES`` buffer ``repetitions`` times between two barriers;
-    traffic = ``COPY_TRAFFIC`` x bytes copied x ranks over the slowest rank's time (best of the repetitions).
+    Every rank copies a ``BANDWIDTH_BUFFER_BYTES`` buffer between two barriers; traffic =
+    ``COPY_TRAFFIC`` x bytes copied x ranks over the time from the first barrier to the second (so
+    ranks that outnumber the cores, and copy in turns, count at the rate the machine gave them all),
+    best of ``repetitions``.
     """
     source = torch.ones(BANDWIDTH_BUFFER_BYTES // 4)
     target = torch.empty_like(source)
@@ -56,6 +58,7 @@ def measure_bandwidth(comm: Communicator, repetitions: int = 3) -> float:
         ops.all_reduce(torch.zeros(1), comm, algorithm="native", verify=False)
         started = time.perf_counter()
         target.copy_(source)
+        ops.all_reduce(torch.zeros(1), comm, algorithm="native", verify=False)
         seconds = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
         best = min(best, max(float(t) for t in ops.all_gather(seconds, comm)))
     return COPY_TRAFFIC * BANDWIDTH_BUFFER_BYTES * comm.world_size / best
