@@ -36,8 +36,9 @@ def _main(argv, capsys):
     (["--ranks-per-node", "3"], "--ranks-per-node 3"),
     (["--segment-bytes", "0"], "--segment-bytes"),
     (["--repetitions", "0"], "--repetitions"),
-    (["--shm-cells", "0"], "--shm-cells"),
-    (["--shm-cells", "1Q"], "1Q"),
+    (["--shm-cells", "0"], "--shm-cells: '0'"),
+    (["--shm-cells", "1Q"], "--shm-cells: '1Q'"),
+    (["--shm-cells", "-5"], "--shm-cells: '-5'"),
 ])
 def test_bench_rejects_bad_options_with_one_line(args, needle, capsys):
     """Each bad option: exit 2 and one error line naming it, before any process starts."""

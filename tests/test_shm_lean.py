@@ -280,8 +280,9 @@ def test_data_parallel_buckets_live_in_the_arena_without_bucket_views(algorithm)
             torch.testing.assert_close(grad, (grads[0][index] + grads[1][index]) / 2, msg=f"rank {rank} param {index}")
 
 
-@pytest.mark.parametrize("kwargs,error", [({"cell_bytes": 0}, ValueError), ({"cell_bytes": 1.5e6}, TypeError),
-                                          ({"cell_bytes": True}, TypeError), ({"region_bytes": 8}, ValueError),
+@pytest.mark.parametrize("kwargs,error", [({"cell_bytes": 0}, ValueError), ({"cell_bytes": 32}, ValueError),
+                                          ({"cell_bytes": 1.5e6}, TypeError), ({"cell_bytes": True}, TypeError),
+                                          ({"region_bytes": 8}, ValueError), ({"region_bytes": 100}, ValueError),
                                           ({"region_bytes": "4M"}, TypeError)])
 def test_shm_state_rejects_bad_sizes(kwargs, error):
     with pytest.raises(error, match=next(iter(kwargs))):
@@ -296,3 +297,38 @@ def test_default_cell_bytes_follows_the_l2_cache(tmp_path):
         path.write_text(text + "\n")
         assert shm_setup.default_cell_bytes(str(path)) == expected, text
     assert shm_setup.default_cell_bytes(str(tmp_path / "missing")) == shm_setup.FALLBACK_CELL_BYTES
+
+
+# rank 1's call, skipping the layout check, against rank 0's (kind -> (rank 0's call, rank 1's call)).
+UNCHECKED = {
+    "checked-small-vs-unchecked-large": (
+        lambda comm: gradsync.all_reduce(torch.ones(4), algorithm="shm", group=comm),
+        lambda comm: collectives_api.all_reduce(torch.ones(100_000), comm, op="avg", algorithm="shm", verify=False)),
+    "checked-large-vs-unchecked-large": (
+        lambda comm: gradsync.all_reduce(torch.ones(1_000_000), algorithm="shm", group=comm),
+        lambda comm: collectives_api.all_reduce(torch.ones(1_000_000), comm, algorithm="shm", verify=False)),
+    "unchecked-float32-vs-int32": (
+        lambda comm: collectives_api.all_reduce(torch.ones(100_000), comm, algorithm="shm", verify=False),
+        lambda comm: collectives_api.all_reduce(torch.ones(100_000, dtype=torch.int32), comm, algorithm="shm",
+                                                verify=False)),
+    "small-vs-unchecked-broadcast": (
+        lambda comm: gradsync.all_reduce(torch.ones(4), algorithm="shm", group=comm),
+        lambda comm: collectives_api.broadcast(torch.ones(50_000), comm, src=0, algorithm="shm", verify=False)),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", sorted(UNCHECKED))
+def test_a_call_that_skips_the_layout_check_never_returns_data_not_meant_for_it(kind):
+    """Every shared-memory round carries a word of its operation and step, so a rank whose call skipped the
+    layout check (verify=False) and meets a peer's check or another layout raises CollectiveMismatchError,
+    as the peer does, at once: never a wrong result (it used to pair barriers and return garbage)."""
+    calls = UNCHECKED[kind]
+
+    def rank_fn(comm):
+        _warm(comm)
+        return capture(lambda: calls[comm.rank](comm))
+
+    for rank, (exc, seconds) in enumerate(run_threads(2, rank_fn, timeout_s=30, collective_timeout_s=5)):
+        assert type(exc) is CollectiveMismatchError, f"rank {rank}: {exc!r}"
+        assert seconds < 2.0, f"rank {rank} took {seconds:.2f} s"

@@ -89,6 +89,20 @@ def _iterations(nbytes: int) -> int:
     return max(1, min(MAX_ITERATIONS, TARGET_BYTES_PER_REP // max(nbytes, 1)))
 
 
+def _cell_bytes(text: str, hosts: int | None) -> int:
+    """One size of ``--shm-cells`` in bytes (>= 64). Raises ValueError naming the option."""
+    if hosts and hosts > 1:
+        raise ValueError(f"--shm-cells: shm runs on one host only, not across --hosts {hosts}")
+    try:
+        nbytes = parse_nbytes(text)
+    except ValueError:
+        nbytes = -1
+    if nbytes < 64:
+        raise ValueError(f"--shm-cells: {text.strip()!r} is not a cell size of at least 64 bytes "
+                         f"(a number with an optional K or M suffix)")
+    return nbytes
+
+
 def cell_name(cell_bytes: int) -> str:
     """The row name of ``shm`` with cells of ``cell_bytes`` (``--shm-cells``): "shm@1M"."""
     for unit, suffix in ((2**20, "M"), (2**10, "K")):
@@ -175,7 +189,7 @@ def sweep(comm: Communicator, sizes: list[int], algorithms: list[str], repetitio
             link = meter.gbps(name) if meter is not None else None
             fraction = link / link_gbit if link is not None and link_gbit else None
             bound = bound_fraction(name, world_size, tensor.numel() * 4, median[name], bandwidth) \
-                if bandwidth else None
+                if bandwidth and world_size > 1 else None  # alone, nothing moves
             rows.append(Row(name, world_size, tensor.numel() * 4, median[name] * 1e6, algbw,
                             algbw * 2 * (world_size - 1) / world_size, ratio, sent[name],
                             repetitions, iterations, hosts, per_host, link, fraction, bound,
@@ -261,7 +275,7 @@ def _parse_options(nproc: int, sizes: str, algorithms: str | None, repetitions: 
         algorithms = HOSTS_ALGORITHMS if hosts else (
             DEFAULT_ALGORITHMS + (f",{MPI_COLUMN}" if mpi_available() else ""))
     names = [name.strip() for name in algorithms.split(",")]
-    names += [cell_name(parse_nbytes(text)) for text in shm_cells.split(",")] if shm_cells else []
+    names += [cell_name(_cell_bytes(text, hosts)) for text in shm_cells.split(",")] if shm_cells else []
     for name in names:
         if name == MPI_COLUMN and hosts:
             raise ValueError("--algorithms mpi does not run across --hosts (mpiexec starts the processes)")
@@ -269,8 +283,7 @@ def _parse_options(nproc: int, sizes: str, algorithms: str | None, repetitions: 
             raise ValueError("--algorithms mpi needs mpi4py and mpiexec: pip install -e '.[mpi]' in the "
                              "clone, or 'gradsync[mpi]'")
         if name.startswith("shm@"):
-            if parse_nbytes(name[4:]) < 1 or (hosts and hosts > 1):
-                raise ValueError(f"--shm-cells: {name[4:]!r} must be a size > 0, and shm runs on one host only")
+            _cell_bytes(name[4:], hosts)
             continue
         if name not in ops.ALGORITHMS + (MPI_COLUMN, ZERO_COPY):
             raise ValueError(f"unknown algorithm {name!r} in --algorithms; choose from "

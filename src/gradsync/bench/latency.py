@@ -82,6 +82,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2, help="ranks on this machine (default %(default)s)")
     options = parser.parse_args()
+    if options.nproc < 2:
+        parser.error(f"--nproc must be >= 2 (a collective needs peers), got {options.nproc}")
     from gradsync.launch import launch_local
 
     rows = launch_local(options.nproc, profile_rows)[0]

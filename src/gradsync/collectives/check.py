@@ -48,7 +48,7 @@ import torch
 from gradsync.collectives.call import CollectiveCall
 from gradsync.collectives.dtypes import dtype_code, dtype_name
 from gradsync.collectives.registry import ALGORITHMS
-from gradsync.collectives.shm_setup import MAIL_DATA_OFFSET, ShmState, barrier
+from gradsync.collectives.shm_setup import DATA_FLAG, MAIL_DATA_OFFSET, ShmState, barrier, out_of_step
 from gradsync.errors import CollectiveMismatchError
 from gradsync.transport.shm_segment import ShmSegment
 
@@ -142,7 +142,7 @@ MAIL_REASON_OFFSET = 64
 MAIL_ROW_OFFSET = MAIL_REASON_OFFSET + REASON_BYTES
 assert MAIL_ROW_OFFSET + 8 * DESCRIPTOR_NUMEL <= MAIL_DATA_OFFSET
 _REJECTED = 1 << 62
-_DIGEST_MASK = _REJECTED - 1
+_DIGEST_MASK = DATA_FLAG - 1  # bit 61 marks a data round's word (shm_setup.data_barrier)
 _ROUND_MASK = 2**40 - 1
 _MIX = 0x9E3779B97F4A7C15
 
@@ -184,6 +184,9 @@ def settle_check(call: CollectiveCall, segment: ShmSegment, word: int, row, coll
     posted = [words[segment.mailbox_word_index(parity, peer)] for peer in range(call.world_size)]
     if posted.count(word) == len(posted) and not word & _REJECTED:
         return
+    for peer, value in enumerate(posted):
+        if value & DATA_FLAG and not value & _REJECTED and not word & _REJECTED:  # in a data round instead
+            raise out_of_step(call, "layout check", peer)
     round_tag = (segment.next_round() - 1) & _ROUND_MASK
     rejecting = [peer for peer, value in enumerate(posted)
                  if value & _REJECTED and (value >> 8) & _ROUND_MASK == round_tag]
@@ -207,7 +210,9 @@ def _exchange_rows(call: CollectiveCall, segment: ShmSegment, row: torch.Tensor)
     boxes = segment.mailboxes(parity, torch.int64)
     start = MAIL_ROW_OFFSET // 8
     boxes[segment.rank, start:start + DESCRIPTOR_NUMEL] = row
-    segment.mail_words[segment.mailbox_word_index(parity, segment.rank) + _MAIL_ROUND_WORD] = round_number
+    index = segment.mailbox_word_index(parity, segment.rank)
+    segment.mail_words[index] = DATA_FLAG  # not a layout check: a peer in one raises at once
+    segment.mail_words[index + _MAIL_ROUND_WORD] = round_number
     barrier(segment, call, "layout check (descriptors)")
     rows = boxes[:, start:start + DESCRIPTOR_NUMEL].tolist()
     for peer in range(call.world_size):

@@ -27,7 +27,8 @@ from gradsync.collectives import shm_pipeline
 from gradsync.collectives.call import CollectiveCall
 from gradsync.collectives.chunking import chunk_bounds, segment_bounds
 from gradsync.collectives.shm_pipeline import next_set
-from gradsync.collectives.shm_setup import ShmState, barrier, create_segment, group_segment, usable
+from gradsync.collectives.shm_setup import (ShmState, barrier, create_segment, data_barrier, group_segment,
+                                            layout_digest, usable)
 from gradsync.errors import CollectiveMismatchError, ShmSetupError
 from gradsync.transport.shm_segment import ShmSegment
 IN_PLACE_DTYPES = (torch.float32, torch.float64)  # reduced in the arena without staging (see allocate_shared)
@@ -158,7 +159,8 @@ def _all_reduce_in_arena(flat: torch.Tensor, placement: tuple[int, int], call: C
     chunks = chunk_bounds(numel, world_size)
     next_set(segment)  # the copy-through path advances it here too: the sets stay paired across ranks
     segment.post(_PLACEMENT_WORD, (placement[0] << 40) | placement[1])
-    barrier(segment, call, "shm all_reduce in place (written)")
+    data_barrier(segment, call, "shm all_reduce in place (written)", layout_digest("all_reduce", numel,
+                                                                                 str(flat.dtype)))
     _check_placement(segment, call)
     a, b = chunks[rank]
     for step in range(1, world_size):
@@ -186,11 +188,12 @@ def broadcast(flat: torch.Tensor, src: int, call: CollectiveCall) -> None:
         simulated.broadcast(flat, src, call)
         return
     segment = group_segment(call)
+    digest = layout_digest("broadcast", flat.numel(), str(flat.dtype), src)
     for start, stop in _slices(flat.numel(), segment, flat.dtype):
         region = segment.region(next_set(segment), src, flat.dtype, stop - start)
         if call.rank == src:
             region.copy_(flat[start:stop])
-        barrier(segment, call, "shm broadcast")
+        data_barrier(segment, call, "shm broadcast", digest)
         if call.rank != src:
             flat[start:stop] = region
 
@@ -201,11 +204,12 @@ def all_gather(gathered: torch.Tensor, call: CollectiveCall) -> None:
     rank, world_size = call.rank, call.world_size
     numel = gathered.numel() // world_size
     parts = gathered.view(world_size, numel) if numel else None
+    digest = layout_digest("all_gather", numel, str(gathered.dtype))
     for start, stop in _slices(numel, segment, gathered.dtype):
         set_index = next_set(segment)
         regions = [segment.region(set_index, peer, gathered.dtype, stop - start) for peer in range(world_size)]
         regions[rank].copy_(parts[rank, start:stop])
-        barrier(segment, call, "shm all_gather")
+        data_barrier(segment, call, "shm all_gather", digest)
         for peer in range(world_size):
             if peer != rank:
                 parts[peer, start:stop] = regions[peer]

@@ -31,7 +31,7 @@ import torch
 
 from gradsync.collectives.call import CollectiveCall
 from gradsync.collectives.chunking import chunk_bounds
-from gradsync.collectives.shm_setup import barrier
+from gradsync.collectives.shm_setup import data_barrier, layout_digest
 from gradsync.transport.shm_segment import ShmSegment
 
 
@@ -59,8 +59,10 @@ def all_reduce(flat: torch.Tensor, call: CollectiveCall, segment: ShmSegment, ce
         CollectiveTimeoutError: a rank did not reach a barrier (named; a dead one at once).
     """
     cell_numel = max(1, min(cell_bytes, segment.region_bytes) // flat.element_size())
-    for start, stop in cells(flat.numel(), cell_numel):
-        reduce_cell(flat[start:stop], call, segment, next_set(segment), after_first_barrier)
+    digest = layout_digest("all_reduce", flat.numel(), str(flat.dtype))  # the in-place path's first word too
+    for index, (start, stop) in enumerate(cells(flat.numel(), cell_numel)):
+        reduce_cell(flat[start:stop], call, segment, next_set(segment), after_first_barrier,
+                    digest if index == 0 else layout_digest(digest, index, stop - start))
         after_first_barrier = None
 
 
@@ -76,7 +78,9 @@ def sum_rows(every_rank, out: torch.Tensor) -> None:
 
 
 def reduce_cell(part: torch.Tensor, call: CollectiveCall, segment: ShmSegment, set_index: int,
-                           after_barrier=None) -> None:
+                after_barrier=None, digest: int = 0) -> None:
+    """Reduce one cell (``part``, a slice of the message) through region set ``set_index``; both barriers
+    prove every rank is at the same step of the same call (``digest``, :func:`~gradsync.collectives.shm_setup.data_barrier`)."""
     rank, world_size, numel = call.rank, call.world_size, part.numel()
     every_rank = segment.regions(set_index, part.dtype)[:, :numel]
     mine_in_region = every_rank[rank]
@@ -86,7 +90,7 @@ def reduce_cell(part: torch.Tensor, call: CollectiveCall, segment: ShmSegment, s
         mine_in_region[:a].copy_(part[:a])
     if b < numel:
         mine_in_region[b:].copy_(part[b:])
-    barrier(segment, call, "shm all_reduce (cell copied in)")
+    data_barrier(segment, call, "shm all_reduce (cell copied in)", digest)
     if after_barrier is not None:
         after_barrier()
     mine = part[a:b]
@@ -94,7 +98,7 @@ def reduce_cell(part: torch.Tensor, call: CollectiveCall, segment: ShmSegment, s
         if peer != rank:
             mine += every_rank[peer, a:b]
     mine_in_region[a:b] = mine
-    barrier(segment, call, "shm all_reduce (cell reduced)")
+    data_barrier(segment, call, "shm all_reduce (cell reduced)", layout_digest(digest, numel))
     for peer, (a, b) in enumerate(chunks):
         if peer != rank:
             part[a:b] = every_rank[peer, a:b]

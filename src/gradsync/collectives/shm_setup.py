@@ -12,11 +12,13 @@ every rank raise :class:`~gradsync.errors.ShmSetupError` naming that rank and wh
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 
 from gradsync.collectives.call import CollectiveCall
 from gradsync.collectives.options import AlgorithmOptions, check_count
-from gradsync.errors import ShmSetupError
+from gradsync.errors import CollectiveMismatchError, ShmSetupError
 from gradsync.transport import shm_segment as shm_transport
 from gradsync.transport.base import PeerFailure
 from gradsync.transport.shm_segment import ShmPeerTimeout, ShmSegment, host_id
@@ -53,7 +55,8 @@ class ShmState(AlgorithmOptions):
     L2 cache) must be equal on every rank (the layout check compares them).
 
     Raises:
-        TypeError: ``region_bytes`` or ``cell_bytes`` is not an int; ValueError: below 64 / 1.
+        TypeError: ``region_bytes`` or ``cell_bytes`` is not an int; ValueError: below 64, or
+        ``region_bytes`` not a multiple of 64.
 
     ``available`` is None until the first shm call found out whether every
     rank is on one machine. ``region_bytes``: bytes per rank region of the
@@ -65,7 +68,10 @@ class ShmState(AlgorithmOptions):
     def __init__(self, region_bytes: int | None = None, cell_bytes: int | None = None):
         self.region_bytes = shm_transport.DEFAULT_REGION_BYTES if region_bytes is None else \
             check_count("region_bytes", region_bytes, minimum=64)
-        self.cell_bytes = DEFAULT_CELL_BYTES if cell_bytes is None else check_count("cell_bytes", cell_bytes)
+        if self.region_bytes % 64:
+            raise ValueError(f"region_bytes must be a multiple of 64 (a cache line), got {self.region_bytes}")
+        self.cell_bytes = DEFAULT_CELL_BYTES if cell_bytes is None else check_count("cell_bytes", cell_bytes,
+                                                                                   minimum=64)
         self.segment: ShmSegment | None = None
         self.available: bool | None = None
         self.arenas: list[ShmSegment] = []
@@ -206,6 +212,48 @@ def _create_as_root(call: CollectiveCall, region_bytes: int, sets: int, mailbox_
 def _setup_failure(call: CollectiveCall, reason: str) -> str:
     rank, world_size = call.reported_rank
     return f"{call.op_name} (algorithm={call.algorithm}) on rank {rank} of {world_size}: shm setup failed: {reason}"
+
+
+DATA_FLAG = 1 << 61  # mailbox word 0 of a data round (check words use the 61 bits below, rejections bit 62)
+_MIX = 0x9E3779B97F4A7C15
+
+
+def layout_digest(*parts) -> int:
+    """A 61-bit digest of what a data round moves (collective, numel, dtype, ...): equal on every rank of
+    a correct call."""
+    text = repr(parts).encode()
+    return ((zlib.crc32(text) << 30) ^ zlib.adler32(text)) & (DATA_FLAG - 1)
+
+
+def data_barrier(segment: ShmSegment, call: CollectiveCall, step: str, digest: int) -> None:
+    """A barrier of a data round that also proves every rank is in the same round of the same
+    operation: each posts ``DATA_FLAG`` | (``digest`` mixed with the round's number) in its mailbox;
+    a rank whose peers posted another word (a layout check, another collective or layout, another
+    step) raises CollectiveMismatchError, as does that peer, instead of reading data not meant for it.
+
+    Raises:
+        CollectiveMismatchError: the ranks' rounds differ; CollectiveTimeoutError: a rank did not arrive.
+    """
+    words = segment.mail_words
+    if words is None:  # a segment without mailboxes (an arena): its barriers cannot meet a layout check
+        barrier(segment, call, step)
+        return
+    parity = segment.next_parity()
+    word = DATA_FLAG | ((digest ^ (segment.next_round() * _MIX)) & (DATA_FLAG - 1))
+    words[segment.mailbox_word_index(parity, segment.rank)] = word
+    barrier(segment, call, step)
+    for peer in range(call.world_size):
+        if words[segment.mailbox_word_index(parity, peer)] != word:
+            raise out_of_step(call, step, peer)
+
+
+def out_of_step(call: CollectiveCall, step: str, peer: int) -> CollectiveMismatchError:
+    rank, _ = call.reported_rank
+    return CollectiveMismatchError(
+        f"{call.op_name} on rank {rank}: the ranks' shared-memory rounds are out of step at {step}: rank "
+        f"{peer} is in another collective, another layout or another step of it (every rank must issue the "
+        f"same collectives in the same order; verify=False skips the layout check that would name the "
+        f"difference)")
 
 
 def barrier(segment: ShmSegment, call: CollectiveCall, step: str) -> None:
