@@ -253,26 +253,26 @@ def test_cell_boundaries_match_reference(world_size):
 def test_data_parallel_buckets_live_in_the_arena_without_bucket_views(algorithm):
     """DataParallel without gradient_as_bucket_view still places its shm buckets in the shared arena (the
     gradients' copy into the bucket is the copy in), and its gradients are the average of the ranks'."""
+    import copy
+
     from torch import nn
 
-    def rank_fn(comm):
-        torch.manual_seed(0)
-        module = nn.Sequential(nn.Linear(200, 300), nn.ReLU(), nn.Linear(300, 10))
-        model = gradsync.DataParallel(module, algorithm=algorithm, group=comm, bucket_cap_mb=0.1)
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(200, 300), nn.ReLU(), nn.Linear(300, 10))
+    inputs = [torch.randn(8, 200, generator=torch.Generator().manual_seed(1 + rank)) for rank in range(2)]
+
+    def rank_fn(comm):  # thread ranks share torch's global generator: nothing random in here
+        model = gradsync.DataParallel(copy.deepcopy(reference), algorithm=algorithm, group=comm, bucket_cap_mb=0.1)
         state = comm.options(ShmState)
         placed = [state.find(bucket.flat) is not None for bucket in model._reducer.buckets]
-        torch.manual_seed(1 + comm.rank)
-        model(torch.randn(8, 200)).square().sum().backward()
+        model(inputs[comm.rank]).square().sum().backward()
         return placed, [param.grad.clone() for param in model.parameters()]
 
     per_rank = run_threads(2, rank_fn, **THREAD_RUN)
-    torch.manual_seed(0)
-    reference = nn.Sequential(nn.Linear(200, 300), nn.ReLU(), nn.Linear(300, 10))
     grads = []
     for rank in range(2):
         reference.zero_grad()
-        torch.manual_seed(1 + rank)
-        reference(torch.randn(8, 200)).square().sum().backward()
+        reference(inputs[rank]).square().sum().backward()
         grads.append([param.grad.clone() for param in reference.parameters()])
     for rank, (placed, got) in enumerate(per_rank):
         assert any(placed), f"rank {rank}: no bucket in the arena: {placed}"
