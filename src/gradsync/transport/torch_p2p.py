@@ -46,11 +46,6 @@ def _post(start, tensor: torch.Tensor, peer: int, **kwargs):
         raise _failure(peer, exc) from exc
 
 
-def _real(tensor: torch.Tensor) -> torch.Tensor:
-    """A complex tensor as its real view (what ``dist.isend`` sends); any other tensor as it is."""
-    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
-
-
 class _WorkHandle:
     __slots__ = ("_work", "_peer")
 
@@ -97,25 +92,20 @@ class TorchP2PTransport:
         # Gloo matches messages by (peer, tag): collectives tag each call (Communicator._tags)
         self.call_tags = self.backend == "gloo"
         self.stats = TransportStats()
-        # isend/irecv call the group's ProcessGroup.send/recv directly: what dist.isend/irecv end
-        # in, less their per-call Python (group lookup, rank and type checks: ~1 us a message)
-        self._process_group = dist.group.WORLD if group is None else group
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> _WorkHandle:
-        """Start sending ``tensor`` (contiguous) to group rank ``peer`` on ``tag``."""
-        try:
-            work = self._process_group.send([_real(tensor)], peer, tag)
-        except RuntimeError as exc:
-            raise _failure(peer, exc) from exc
+        """Start sending ``tensor`` (contiguous) to group rank ``peer`` on ``tag``.
+
+        Through ``dist.isend`` on the group, not a reference to its ProcessGroup kept here: a kept
+        reference would keep a destroyed group's Gloo pairs open (an elastic member that left), so a
+        peer waiting on them would wait for its timeout instead of seeing the connection close."""
+        work = _post(dist.isend, tensor, peer, group=self.group, group_dst=peer, tag=tag)
         self.stats.record_send(tensor.nbytes)
         return _WorkHandle(work, peer)
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> _WorkHandle:
         """Start receiving group rank ``peer``'s next message on ``tag`` into ``tensor`` (contiguous)."""
-        try:
-            work = self._process_group.recv([_real(tensor)], peer, tag)
-        except RuntimeError as exc:
-            raise _failure(peer, exc) from exc
+        work = _post(dist.irecv, tensor, peer, group=self.group, group_src=peer, tag=tag)
         self.stats.record_recv(tensor.nbytes)
         return _WorkHandle(work, peer)
 
