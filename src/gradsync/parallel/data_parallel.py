@@ -11,7 +11,6 @@ inputs (DDP's ``join``, Horovod's ``hvd.join``).
 
 from __future__ import annotations
 
-import math
 import time
 from contextlib import contextmanager
 
@@ -19,10 +18,9 @@ import torch
 from torch import nn
 
 from gradsync.collectives import ops as collectives
-from gradsync.compression import COMPRESSIONS, Compressor
-from gradsync.compression import make as make_compressor
 from gradsync.errors import GradsyncError, GroupClosedError
 from gradsync.parallel.debug_checks import DebugChecks, resolve_debug, tensors_in
+from gradsync.parallel.dp_arguments import check_bucket_cap_mb, resolve_compression
 from gradsync.parallel.reducer import Reducer
 from gradsync.parallel.replica_check import ReplicaCheck, check_replicas
 from gradsync.parallel.replicas import (ParameterWatch, agree_on_arguments, broadcast_tensors, buffer_signature,
@@ -114,11 +112,11 @@ class DataParallel(nn.Module):
         def check() -> None:
             if not isinstance(module, nn.Module):
                 raise TypeError(f"DataParallel wraps a torch.nn.Module, got {type(module).__name__}")
-            _check_bucket_cap_mb(bucket_cap_mb)
+            check_bucket_cap_mb(bucket_cap_mb)
             collectives.validate_algorithm(algorithm)
             settings["auto_profile"] = collectives.auto_profiles_fingerprint() if algorithm == "auto" else ""
             settings["debug"] = resolve_debug(debug)
-            settings["compression"] = _resolve_compression(compression)
+            settings["compression"] = resolve_compression(compression)
             if settings["compression"] is not None:
                 settings["compression"].attach(self)  # raises if another model uses it
 
@@ -383,22 +381,4 @@ class DataParallel(nn.Module):
     def last_bucket_spans(self) -> list[tuple[int, float, float]]:
         """(bucket index, start, end) of each bucket's AllReduce in the last sync, ``time.perf_counter`` seconds."""
         return self._reducer.last_bucket_spans
-
-
-def _check_bucket_cap_mb(bucket_cap_mb) -> None:
-    ok = isinstance(bucket_cap_mb, (int, float)) and not isinstance(bucket_cap_mb, bool)
-    if not (ok and 0 < bucket_cap_mb < math.inf and int(bucket_cap_mb * 2**20) >= 1):
-        raise ValueError(f"bucket_cap_mb must be a finite number of MiB, at least one byte "
-                         f"(> {1 / 2**20:.1e}), got {bucket_cap_mb!r}")
-
-
-def _resolve_compression(compression) -> Compressor | None:
-    if isinstance(compression, str):
-        compression = make_compressor(compression)
-    if compression is None:
-        return None
-    if not isinstance(compression, Compressor):
-        raise TypeError(f"compression must be None, a name ({', '.join(COMPRESSIONS)}) or a "
-                        f"gradsync.compression.Compressor such as OneBit(), got {type(compression).__name__}")
-    return compression
 
