@@ -26,7 +26,8 @@ from gradsync.elastic.run_store import EventReader, post
 from gradsync.fault.events import read_events
 from gradsync.train import data
 from gradsync.train.config import TrainConfig
-from gradsync.train.elastic_samples import count_samples
+from gradsync.elastic.samples import count_samples
+from gradsync.train.global_batch import global_batches
 from gradsync.train.job import run_job
 from gradsync.train.metrics import MODEL_FILE
 from test_cli import _assert_one_line_error, _main
@@ -141,6 +142,10 @@ def _config(tmp_path: Path, name: str, nproc: int, **options) -> TrainConfig:
     return TrainConfig(**base)
 
 
+def _batches(num_train: int, global_batch: int):
+    return lambda epoch: global_batches(num_train, global_batch, 0, epoch)
+
+
 def _model(run: Path) -> dict:
     return torch.load(run / MODEL_FILE, weights_only=True)
 
@@ -150,7 +155,7 @@ def _bitwise_equal(a: dict, b: dict) -> bool:
 
 
 def _samples(run: Path, summary: dict, epochs: int = 1) -> dict:
-    return count_samples(run, NUM_TRAIN, GLOBAL_BATCH, 0, steps_done=summary["steps"])
+    return count_samples(run, _batches(NUM_TRAIN, GLOBAL_BATCH), steps_done=summary["steps"])
 
 
 def _memberships(run: Path) -> list[dict]:
@@ -249,7 +254,7 @@ def test_a_death_inside_a_bucket_allreduce_then_a_joiner_grows_the_world_to_max_
     assert any("all_reduce" in e["error"] and "connection closed" in e["error"] for e in left)
     assert summary["replicas_equal"] is True and summary["steps"] == NUM_TRAIN // 32
     assert summary["world_size"] == 3 and summary["global_batch_size"] == 32
-    counts = count_samples(run, NUM_TRAIN, 32, 0, steps_done=summary["steps"])
+    counts = count_samples(run, _batches(NUM_TRAIN, 32), steps_done=summary["steps"])
     assert (counts["samples_lost"], counts["samples_duplicated"]) == (0, 0)
     assert not (run / "elastic.json").exists()
     assert all(not launcher.is_alive() for launcher in job.launchers.values())
@@ -304,10 +309,10 @@ def test_samples_of_a_member_killed_after_its_step_count_when_a_peer_committed_i
              "samples-1.0.jsonl": [{"m": 1, "step": 0, "epoch": 0, "ids": batches[0][2:]}]}  # killed before its commit
     for name, records in lines.items():
         (folder / name).write_text("".join(json.dumps(r) + "\n" for r in records) + '{"m": 1, "st')  # torn last line
-    counts = count_samples(tmp_path, 8, 4, 0, steps_done=2)
+    counts = count_samples(tmp_path, _batches(8, 4), steps_done=2)
     assert counts == {"samples_used": 8, "samples_lost": 0, "samples_duplicated": 0, "steps": 2}
     (folder / "samples-1.0.jsonl").write_text(json.dumps({"m": 1, "step": 0, "epoch": 0, "ids": batches[0][:1]}))
-    counts = count_samples(tmp_path, 8, 4, 0, steps_done=2)
+    counts = count_samples(tmp_path, _batches(8, 4), steps_done=2)
     assert (counts["samples_lost"], counts["samples_duplicated"]) == (2, 1)
 
 

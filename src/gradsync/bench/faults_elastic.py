@@ -36,8 +36,9 @@ from gradsync.bench.output import claim_json_path, fmt_optional, write_json
 from gradsync.fault.events import read_events
 from gradsync.train import data
 from gradsync.train.config import TrainConfig, validate
-from gradsync.train.elastic_loop import elastic_global_batch
-from gradsync.train.elastic_samples import count_samples
+from gradsync.train.elastic_options import elastic_global_batch
+from gradsync.elastic.samples import count_samples
+from gradsync.train.global_batch import global_batches
 from gradsync.train.metrics import METRICS_FILE, read_metrics
 
 
@@ -121,8 +122,9 @@ def _median(values) -> float | None:
 
 def _row(name: str, config: TrainConfig, summary: dict, folder: Path, failures: list[dict],
          reference: tuple[Path, dict] | None) -> dict:
-    counts = count_samples(folder, data.num_train_samples(config.num_samples), elastic_global_batch(config),
-                           config.seed, steps_done=summary.get("steps"))
+    num_train, batch = data.num_train_samples(config.num_samples), elastic_global_batch(config)
+    counts = count_samples(folder, lambda epoch: global_batches(num_train, batch, config.seed, epoch),
+                           steps_done=summary.get("steps"))
     row = {"system": "gradsync", "elastic": True, "fault": name, "nproc": config.nproc,
            "failures": len(failures), "detect_s": _median(f["detect_s"] for f in failures),
            "recover_s": _median(f["recover_s"] for f in failures),

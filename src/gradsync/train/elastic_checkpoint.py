@@ -56,6 +56,21 @@ def latest(config: TrainConfig) -> tuple[Path, dict] | None:
     return None
 
 
+def offer(found: tuple[Path, dict], global_batch: int, world_size: int, events) -> dict:
+    """What rank 0 of a whole job's first membership hands over from the newest checkpoint ``found``;
+    says so on stderr and in ``events``."""
+    path, state = found
+    progress = state["progress"]
+    line = (f"elastic run resuming from step {progress['step']} of {path}, written by {state['world_size']} "
+            f"workers, now {world_size}: the same global batch of {global_batch} samples and data position "
+            f"(epoch {progress['epoch']}, step {progress['steps_in_epoch']} of it); per-rank RNG streams and "
+            f"error-feedback residuals start fresh")
+    resume.say(line)
+    events.write({"event": "resumed", "from_step": progress["step"], "checkpoint": str(path),
+                  "world_size_from": state["world_size"], "world_size_to": world_size, "line": line})
+    return {name: state[name] for name in ("model", "optimizer", "scheduler", "progress")}
+
+
 def check_resumable(config: TrainConfig) -> None:
     """Refuse, before any worker starts, a checkpoint of another job (another model, lr, seed ...).
 

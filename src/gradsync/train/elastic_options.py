@@ -22,6 +22,11 @@ def elastic_workers(config) -> int:
     return config.nproc * (config.hosts or 1)
 
 
+def elastic_global_batch(config) -> int:
+    """Samples per optimizer step of an elastic run, whatever its world size."""
+    return config.global_batch_size or config.batch_size * config.accumulate * elastic_workers(config)
+
+
 def validate_elastic(config) -> None:
     if not config.elastic:
         for name in ("min_nproc", "max_nproc", "join", "elastic_fault"):
@@ -29,7 +34,7 @@ def validate_elastic(config) -> None:
                 raise ValueError(f"--{name.replace('_', '-')} needs --elastic")
         return
     if config.elastic_fault is not None:
-        from gradsync.train.elastic_faults import parse
+        from gradsync.elastic.faults import parse
 
         parse(config.elastic_fault)
     low, high = elastic_bounds(config)

@@ -15,11 +15,12 @@ from pathlib import Path
 from tqdm import tqdm
 
 from gradsync.elastic.member import ElasticMember
+from gradsync.elastic.membership import ElasticMembership
 from gradsync.elastic.run_store import connect
 from gradsync.launch import die_with_launcher
 from gradsync.train.config import TrainConfig
 from gradsync.train.elastic_async import run_elastic_async  # imported here: the forkserver preloads this module
-from gradsync.train.elastic_loop import ElasticTrainer
+from gradsync.train.loop import Trainer
 from gradsync.train.metrics import METRICS_FILE, SUMMARY_FILE, private_files, read_metrics, write_summary
 from gradsync.train.plots import plot_run
 
@@ -36,7 +37,8 @@ def run_elastic_worker(slot: int, incarnation: int, config: TrainConfig, data_pa
         if config.mode == "async":
             summary = run_elastic_async(member, slot, config, Path(data_path), Path(out_dir))
         else:
-            summary = ElasticTrainer(member, config, Path(data_path), Path(out_dir)).run()
+            membership = ElasticMembership(member, Path(out_dir), config.elastic_fault)
+            summary = Trainer(config, Path(data_path), Path(out_dir), membership).run()
         if summary is not None:
             out = Path(out_dir)
             write_summary(out / SUMMARY_FILE, summary)

@@ -75,10 +75,17 @@ def straggle(factor: float, compute_s: float) -> float:
     return max(extra_s, 0.0)
 
 
-def build_replica(config: TrainConfig) -> torch.nn.Module:
+def build_replica(config: TrainConfig, model_state: dict | None = None,
+                  compression_state: dict | None = None) -> torch.nn.Module:
     """The model wrapped for the mode: DataParallel (sync), DeterministicDataParallel (``deterministic``)
-    or LocalSGD (local-sgd) (collective)."""
+    or LocalSGD (local-sgd) (collective).
+
+    ``model_state``: the module's ``state_dict`` to start from (an elastic hand-over), loaded before
+    wrapping; ``compression_state``: the compressor's own (a survivor's error-feedback residuals).
+    """
     module = build_model(config.model)
+    if model_state is not None:
+        module.load_state_dict(model_state)
     if config.deterministic:
         return gradsync.DeterministicDataParallel(module, config.micro_shards, algorithm=config.algorithm,
                                                   seed=config.seed)
@@ -86,6 +93,8 @@ def build_replica(config: TrainConfig) -> torch.nn.Module:
         return gradsync.LocalSGD(module, sync_every=config.sync_every, algorithm=config.algorithm)
     compressor = make_compressor(config.compression, config.topk_ratio, config.powersgd_rank,
                                  config.compression_warmup_steps)
+    if compressor is not None and compression_state is not None:
+        compressor.load_state_dict(compression_state)
     return gradsync.DataParallel(module, bucket_cap_mb=config.bucket_cap_mb, algorithm=config.algorithm,
                                  gradient_as_bucket_view=config.gradient_as_bucket_view, compression=compressor,
                                  debug=True if config.debug else None)  # None: GRADSYNC_DEBUG decides

@@ -21,6 +21,10 @@ def _histogram_equal(a: StalenessStats, b: StalenessStats) -> bool:
     return list(a.histogram) == list(b.histogram)
 
 
+SHARED_FIELDS = ("step", "samples", "epoch", "steps_in_epoch", "samples_in_epoch", "order_start", "epoch_loss_sum",
+                 "epoch_loss_steps", "epoch_records", "eval_s", "elapsed_before_s")
+
+
 @dataclass(eq=False)
 class TrainState:
     """Progress, counters and records of one worker's run (times in seconds, bytes in bytes).
@@ -55,6 +59,15 @@ class TrainState:
     checkpoint_s: float = 0.0       # this attempt's seconds writing checkpoints
     elapsed_before_s: float = 0.0   # wall seconds of the run up to the checkpoint this attempt resumed from
     resumed_from_step: int | None = None
+
+    def shared(self) -> dict:
+        """The fields every rank holds alike (what an elastic membership hands over from its rank 0)."""
+        return {name: getattr(self, name) for name in SHARED_FIELDS}
+
+    def adopt(self, shared: dict) -> None:
+        """Take rank 0's :meth:`shared` fields; this rank's own (times, bytes, staleness) stay."""
+        for name in SHARED_FIELDS:
+            setattr(self, name, shared[name])
 
     def add_step_loss(self, loss: float) -> None:
         self.epoch_loss_sum += loss

@@ -1,4 +1,4 @@
-"""What an elastic membership hands over and checks: rank 0's state on every rank, equal replicas."""
+"""What an elastic membership hands over: rank 0's state on every rank, as ``torch.save`` bytes."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import io
 
 import torch
 
-import gradsync
+from gradsync import api
 
 
 def broadcast_state(state: dict | None, before_payload=None) -> dict:
@@ -21,27 +21,17 @@ def broadcast_state(state: dict | None, before_payload=None) -> dict:
         length = torch.tensor([payload.numel()], dtype=torch.int64)
     else:
         payload, length = None, torch.zeros(1, dtype=torch.int64)
-    gradsync.broadcast(length, src=0)
+    api.broadcast(length, src=0)
     if before_payload is not None:
         before_payload()
     if payload is None:
         payload = torch.empty(int(length[0]), dtype=torch.uint8)
-    gradsync.broadcast(payload, src=0)
+    api.broadcast(payload, src=0)
     return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
 
 
-def check_replicas_equal(module: torch.nn.Module) -> bool:
-    """Whether every member holds the same parameter bits (collective: rank 0's bytes against each rank's)."""
-    flat = torch.cat([p.detach().reshape(-1).view(torch.uint8) if p.dtype != torch.bool else p.reshape(-1)
-                      for p in module.state_dict().values()]).clone()
-    reference = flat.clone()
-    gradsync.broadcast(reference, src=0)
-    unequal = torch.tensor([int(not torch.equal(flat, reference))], dtype=torch.int64)
-    gradsync.all_reduce(unequal, op="sum")
-    return int(unequal[0]) == 0
-
-
 def clone(state):
+    """A deep copy of the tensors in nested dicts and lists (a compressor's state, kept past the next step)."""
     if isinstance(state, torch.Tensor):
         return state.clone()
     if isinstance(state, dict):

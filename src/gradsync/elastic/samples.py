@@ -3,9 +3,9 @@
 Each member appends to its own ``elastic/samples-<slot>.<incarnation>.jsonl``
 ``{"m", "step", "epoch", "ids"}`` before it computes a step in membership
 ``m`` and ``{"m", "commit"}`` once it committed it
-(:mod:`~gradsync.train.elastic_loop`). The expected samples
+(:mod:`~gradsync.elastic.membership`). The expected samples
 of a step are its global batch of the epoch's permutation
-(:func:`~gradsync.train.global_batch.global_batches`), whatever the world
+(the caller's ``epoch_batches``), whatever the world
 size was.
 """
 
@@ -15,7 +15,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from gradsync.train.global_batch import global_batches
+from typing import Callable, Iterable
 
 SAMPLES_FOLDER = "elastic"
 
@@ -45,23 +45,25 @@ def read_used(out_dir: str | Path) -> tuple[Counter, set[int]]:
     return used, {step for _, step in commits}
 
 
-def count_samples(out_dir: str | Path, num_train: int, global_batch_size: int, seed: int,
-                  steps_done: int | None = None) -> dict:
+def count_samples(out_dir: str | Path, epoch_batches: Callable[[int], Iterable], steps_done: int | None = None) -> dict:
     """``{"samples_used", "samples_lost", "samples_duplicated", "steps"}`` of the run in ``out_dir``.
 
-    ``samples_lost``: ids of the global batch of a step the run committed (steps ``0 .. steps_done-1``;
-    default: the steps some member recorded) that no member recorded;
-    ``samples_duplicated``: extra uses of an id within one epoch.
+    ``epoch_batches(epoch)``: that epoch's global batches in step order (sample ids, e.g.
+    :func:`~gradsync.train.global_batch.global_batches`); ``samples_lost``: ids of the global batch of a
+    step the run committed (steps ``0 .. steps_done-1``; default: the steps some member recorded) that
+    no member recorded; ``samples_duplicated``: extra uses of an id within one epoch.
     """
     used, steps = read_used(out_dir)
     if steps_done is not None:
         steps = set(range(steps_done))
-    steps_per_epoch = num_train // global_batch_size
-    expected = Counter()
-    for epoch in sorted({step // steps_per_epoch for step in steps}):
-        for index, batch in enumerate(global_batches(num_train, global_batch_size, seed, epoch)):
-            if epoch * steps_per_epoch + index in steps:
+    expected, step = Counter(), 0
+    for epoch in range(max(steps) + 1 if steps else 0):
+        for batch in epoch_batches(epoch):
+            if step in steps:
                 expected.update((epoch, int(sample)) for sample in batch)
+            step += 1
+        if step > max(steps):
+            break
     lost = sum((expected - used).values())
     duplicated = sum(count - 1 for count in used.values() if count > 1)
     return {"samples_used": sum(used.values()), "samples_lost": lost, "samples_duplicated": duplicated,
