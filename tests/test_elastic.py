@@ -28,7 +28,7 @@ from gradsync.train import data
 from gradsync.train.config import TrainConfig
 from gradsync.elastic.samples import count_samples
 from gradsync.train.global_batch import global_batches
-from gradsync.train.job import run_job
+from gradsync.jobs.job import run_job
 from gradsync.train.metrics import MODEL_FILE
 from test_cli import _assert_one_line_error, _main
 
@@ -232,7 +232,7 @@ def test_a_hung_worker_is_evicted_within_the_timeout_and_replaced(tmp_path):
 @pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_a_death_inside_a_bucket_allreduce_then_a_joiner_grows_the_world_to_max_nproc(tmp_path):
-    from gradsync.train.elastic_job import ElasticJob
+    from gradsync.jobs.elastic import ElasticJob
 
     # the global batch stays 2 x 16 = 32 at 3 workers (uneven shares); slot 0 dies inside a bucket's
     # AllReduce (several 4-KB buckets: the peer is inside one), while it is rank 0
@@ -274,7 +274,7 @@ def test_bad_elastic_options_are_one_line_errors(args, message, capsys):
 @pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_a_whole_job_failure_resumes_from_the_checkpoint_at_another_world_size(tmp_path, reference):
-    from gradsync.train.elastic_job import ElasticJob
+    from gradsync.jobs.elastic import ElasticJob
 
     ref_run, ref_summary = reference
     checkpoints = tmp_path / "checkpoints"

@@ -461,7 +461,7 @@ def test_unwritable_checkpoint_dir_is_one_line_exit_2(run_train, tmp_path, below
 # ---------------------------------------------------------------- run folders across torchrun restarts
 
 def test_torchrun_out_dir_is_named_after_the_run_id(monkeypatch):
-    from gradsync.train.job import torchrun_out_dir
+    from gradsync.jobs.job import torchrun_out_dir
 
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "3f2a-b1")
     assert torchrun_out_dir() == os.path.join("runs", "torchrun-3f2a-b1")
@@ -471,7 +471,7 @@ def test_torchrun_out_dir_is_named_after_the_run_id(monkeypatch):
 
 
 def test_claim_out_dir_reuse_takes_over_a_claimed_folder_and_refuses_files(tmp_path):
-    from gradsync.train.job import claim_out_dir
+    from gradsync.jobs.job import claim_out_dir
 
     folder, created = claim_out_dir(str(tmp_path / "run"))
     assert created

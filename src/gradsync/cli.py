@@ -211,7 +211,7 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def train(args: argparse.Namespace) -> int:
-    from gradsync.train.job import run_job
+    from gradsync.jobs.job import run_job
     from gradsync.train.summary import algorithm_line
 
     summary = run_job(_config_from_args(args))

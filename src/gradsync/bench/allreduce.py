@@ -37,7 +37,7 @@ from gradsync.bench.mpi import MPI_COLUMN, MpiAllReduce, free_port, mpi_availabl
 from gradsync.collectives import HierarchicalOptions, SegmentOptions, ShmState, ops
 from gradsync.collectives.communicator import Communicator
 from gradsync.process_group import default_communicator
-from gradsync.train.job import under_torchrun
+from gradsync.jobs.job import under_torchrun
 
 _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
           "G": 2**30, "GB": 2**30, "GIB": 2**30}

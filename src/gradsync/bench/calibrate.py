@@ -272,7 +272,7 @@ def calibrate(*, hosts: int | None, nproc: int, inter_host_gbit: float | None, s
     Raises:
         ValueError: bad options; HostsFailedError: the job across test hosts failed.
     """
-    from gradsync.train.job import under_torchrun
+    from gradsync.jobs.job import under_torchrun
 
     if under_torchrun():
         return _as_torchrun_worker(settings, out, name, inter_host_gbit)

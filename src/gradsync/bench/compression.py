@@ -46,7 +46,7 @@ ACCURACY_ALGORITHM = "ring"
 def run_accuracy(compression: str, warmup_steps: int, nproc: int, epochs: int, out_dir: Path,
                  options: dict) -> dict:
     """Train the main job with ``compression``; return its accuracy row."""
-    from gradsync.train.job import run_job
+    from gradsync.jobs.job import run_job
 
     config = TrainConfig(nproc=nproc, epochs=epochs, compression=compression, progress=False,
                          algorithm=ACCURACY_ALGORITHM,

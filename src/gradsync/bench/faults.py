@@ -28,7 +28,7 @@ from gradsync.launch import start_forkserver
 from gradsync.train import data
 from gradsync.train.config import TrainConfig, total_steps, validate, validate_against_data
 from gradsync.train.metrics import MODEL_FILE
-from gradsync.train.worker import run_worker
+from gradsync.jobs.worker import run_worker
 
 FAULTS = ("kill", "hang")
 
@@ -40,7 +40,7 @@ def default_fault_step(last_step: int, checkpoint_every: int) -> int:
 
 
 def run_one(config: TrainConfig) -> tuple[dict, float]:
-    from gradsync.train.job import run_job
+    from gradsync.jobs.job import run_job
 
     started = time.perf_counter()
     summary = run_job(config)

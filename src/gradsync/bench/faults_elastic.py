@@ -48,7 +48,7 @@ def _config(base: dict, folder: Path, **options) -> TrainConfig:
 
 def _run(config: TrainConfig, chaos: tuple[float, int] | None = None) -> tuple[dict, list[dict]]:
     """Run the job (``chaos``: kill a random worker every ``chaos[0]`` s, RNG seed ``chaos[1]``)."""
-    from gradsync.train.elastic_job import ElasticJob
+    from gradsync.jobs.elastic import ElasticJob
 
     folder = Path(config.out)
     folder.mkdir(parents=True)
@@ -213,7 +213,7 @@ def _chaos_rows(fields: dict, out_dir: Path, none_summary: dict, epochs: int, ch
 
 def _start_forkserver(torchft: bool) -> None:
     from gradsync.launch import start_forkserver
-    from gradsync.train.elastic_worker import run_elastic_worker
+    from gradsync.jobs.worker import run_elastic_worker
 
     import importlib.util
 

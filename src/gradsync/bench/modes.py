@@ -74,7 +74,7 @@ def seconds_to(epochs: list[dict], target: float) -> float | None:
 
 def run_setting(setting: dict, factor: float, out_dir: Path, options: dict, target: float) -> dict:
     """Train once; return the table row."""
-    from gradsync.train.job import run_job
+    from gradsync.jobs.job import run_job
 
     name = label(setting).replace(" ", "_").replace("<=", "").replace("/", "_") + f"_straggler{factor:g}"
     straggler = f"{STRAGGLER_RANK}:{factor:g}" if factor > 1 else None

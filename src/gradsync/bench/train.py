@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 import gradsync
 from gradsync.bench.across_hosts import check_host_options, print_rank0_rows, run_bench_on_hosts, world_layout
 from gradsync.bench.output import claim_json_path, fmt_optional, write_json
-from gradsync.train.job import under_torchrun
+from gradsync.jobs.job import under_torchrun
 from gradsync.train.models import build_model
 from gradsync.train.setup import threads_per_worker
 

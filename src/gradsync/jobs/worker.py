@@ -1,4 +1,5 @@
-"""Entry point of one ``gradsync train`` worker process: join the group, run its role, write the run folder.
+"""The worker entry of every ``gradsync train`` job: join the group (static) or the run (elastic), run the
+role, and the main rank writes the run folder.
 
 Each worker's flight recorder writes into ``<run folder>/flight`` when a
 collective times out or the ranks disagree (``gradsync debug <run folder>`` reads it).
@@ -18,10 +19,14 @@ import gradsync
 from gradsync.debug.flight import FLIGHT_FOLDER
 from gradsync.fault.events import EventLog
 from gradsync.fault.injection import attempt
+from gradsync.elastic.member import ElasticMember
+from gradsync.elastic.membership import ElasticMembership
+from gradsync.elastic.run_store import connect
 from gradsync.launch import die_with_launcher
 from gradsync.process_group import default_communicator
 from gradsync.train import resume
 from gradsync.train.async_loop import run_async_role
+from gradsync.train.elastic_async import run_elastic_async
 from gradsync.train.config import TrainConfig
 from gradsync.train.loop import Trainer
 from gradsync.train.metrics import METRICS_FILE, SUMMARY_FILE, private_files, read_metrics, write_summary
@@ -61,10 +66,36 @@ def _run_worker(config: TrainConfig, data_path: str, out_dir: str) -> dict | Non
         raise
     finally:
         gradsync.shutdown()
-    if summary is not None:  # rank 0 (the server in async mode) writes the run folder
-        write_summary(Path(out_dir) / SUMMARY_FILE, summary)
-        plot_run(read_metrics(Path(out_dir) / METRICS_FILE), summary, Path(out_dir))
+    _write_run_folder(summary, Path(out_dir))
     return summary
+
+
+def run_elastic_worker(slot: int, incarnation: int, config: TrainConfig, data_path: str, out_dir: str,
+                       store_host: str, store_port: int) -> None:
+    """Train as slot ``slot`` of an elastic run (incarnation ``incarnation``: 0 at first, +1 per relaunch),
+    through as many memberships as the run has; what each slot's launcher starts."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the job stops its workers itself
+    die_with_launcher()
+    tqdm.set_lock(threading.RLock())
+    with private_files():
+        member = ElasticMember(connect(store_host, store_port), slot, incarnation, timeout_s=config.timeout)
+        if config.mode == "async":
+            summary = run_elastic_async(member, slot, config, Path(data_path), Path(out_dir))
+        else:
+            membership = ElasticMembership(member, Path(out_dir), config.elastic_fault)
+            summary = Trainer(config, Path(data_path), Path(out_dir), membership).run()
+        _write_run_folder(summary, Path(out_dir))
+
+
+def _write_run_folder(summary: dict | None, out: Path) -> None:
+    """The main rank's summary (rank 0; the server in async mode) and plots; others pass None."""
+    if summary is None:
+        return
+    write_summary(out / SUMMARY_FILE, summary)
+    try:
+        plot_run(read_metrics(out / METRICS_FILE), summary, out)
+    except (KeyError, ValueError, TypeError):  # the plots are a convenience; the summary is written
+        pass
 
 
 def _report_timeout(config: TrainConfig, out_dir: str, exc: gradsync.CollectiveTimeoutError) -> None:

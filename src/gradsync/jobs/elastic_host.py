@@ -1,6 +1,6 @@
 """One emulated host's launcher in ``gradsync train --elastic --hosts H``: its slots' launchers, nothing else.
 
-``python -m gradsync.train.elastic_host ADDR PORT OUT SLOT [SLOT ...]`` runs inside
+``python -m gradsync.jobs.elastic_host ADDR PORT OUT SLOT [SLOT ...]`` runs inside
 the host's namespaces: it reads the run's configuration from ``OUT/elastic.json``
 (the hosts share the machine's file system), starts its forkserver and one
 :class:`~gradsync.elastic.launcher.Launcher` per slot, and exits once the
@@ -21,8 +21,8 @@ from gradsync.elastic.run_store import connect
 from gradsync.fault.events import EventLog
 from gradsync.launch import die_with_launcher, start_forkserver
 from gradsync.train.config import TrainConfig
-from gradsync.train.elastic_job import RUN_FILE, make_launcher
-from gradsync.train.elastic_worker import run_elastic_worker
+from gradsync.jobs.elastic import RUN_FILE, make_launcher
+from gradsync.jobs.worker import run_elastic_worker
 
 
 def main(argv: list[str] | None = None) -> int:

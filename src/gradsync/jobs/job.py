@@ -18,7 +18,7 @@ from gradsync.fault.injection import attempt, check_environment
 from gradsync.launch import WorkerFailedError, launch_local
 from gradsync.train import data, resume
 from gradsync.train.config import TrainConfig, validate, validate_against_data
-from gradsync.train.worker import run_worker
+from gradsync.jobs.worker import run_worker
 from gradsync.train.metrics import METRICS_FILE, private_files
 
 
@@ -144,68 +144,97 @@ def run_job(config: TrainConfig) -> dict | None:
         return _run_job(config)
 
 
+PLACEMENTS = ("local", "torchrun", "test hosts")
+MEMBERSHIPS = ("static", "elastic")
+
+
+def placement(config: TrainConfig) -> str:
+    """Where the job's workers run: ``local`` processes, one ``torchrun`` rank (this process), ``test hosts``."""
+    if under_torchrun():
+        return "torchrun"
+    return "test hosts" if config.hosts is not None else "local"
+
+
 def _run_job(config: TrainConfig) -> dict | None:
     validate(config)
     check_environment()
-    torchrun = under_torchrun()
-    if config.elastic and torchrun:
-        raise ValueError("--elastic starts its own launcher per worker (membership is gradsync's): run "
-                         "`gradsync train --elastic` directly, not under torchrun")
+    where, membership = placement(config), "elastic" if config.elastic else "static"
+    refusal = REFUSED.get((where, membership)) or _torchrun_refusal(config, where)
+    if refusal:
+        raise ValueError(refusal)
     if config.join is not None:
-        from gradsync.train.elastic_job import join_run
+        from gradsync.jobs.elastic import join_run
 
         outcome = join_run(config.join)
         print(f"gradsync: the worker of slot {outcome['slot']} left the run (exit codes {outcome['exitcodes']})")
         return None
-    if torchrun and config.hosts is not None:
-        raise ValueError("--hosts starts one torchrun per test host itself; under torchrun (RANK and "
-                         "WORLD_SIZE are set) leave it out")
-    if torchrun and config.max_restarts:
-        raise ValueError("under torchrun, give --max-restarts to torchrun (its agent restarts the workers) and "
-                         "--checkpoint-dir to gradsync train (each worker resumes from it)")
-    world_size = int(os.environ["WORLD_SIZE"]) if torchrun else config.world_size()
+    world_size = int(os.environ["WORLD_SIZE"]) if where == "torchrun" else config.world_size()
     validate_against_data(config, world_size, data.num_train_samples(config.num_samples))
     if config.trace is not None:
         config.trace = str(check_trace_path(config.trace))
     if config.checkpoint_dir is not None:
         config.checkpoint_dir = str(check_checkpoint_dir(config.checkpoint_dir))
         check_resumable(config, world_size)
-    if config.hosts is not None and not torchrun:
-        return _run_on_hosts(config)
-    if torchrun and config.out is None:
+    return LAUNCHERS[(where, membership)](config, world_size)
+
+
+def _torchrun_refusal(config: TrainConfig, where: str) -> str | None:
+    if where != "torchrun":
+        return None
+    if config.hosts is not None:
+        return ("--hosts starts one torchrun per test host itself; under torchrun (RANK and WORLD_SIZE are set) "
+                "leave it out")
+    if config.max_restarts:
+        return ("under torchrun, give --max-restarts to torchrun (its agent restarts the workers) and "
+                "--checkpoint-dir to gradsync train (each worker resumes from it)")
+    return None
+
+
+def _launch_torchrun(config: TrainConfig, world_size: int) -> dict | None:
+    """This process is one torchrun rank: the main rank claims the run folder, the others only train."""
+    if config.out is None:
         config.out = torchrun_out_dir()
-    writes_folder = not torchrun or int(os.environ.get("RANK", "0")) == config.main_rank(world_size)
-    if not writes_folder:  # only rank 0 (the server in async mode) writes the run folder
+    if int(os.environ.get("RANK", "0")) != config.main_rank(world_size):
         data_path = data.prepare(config.data_dir, config.num_samples)
         return run_worker(config, str(data_path), str(config.out or "runs/unused"))
     # torchrun restarts this whole function: a restarted rank 0 continues the folder it claimed
     # (a replaced host's new agent counts its attempts from 0: a resumable job may always take its folder over)
-    out_dir, created = claim_out_dir(config.out, reuse=torchrun and (attempt() > 0 or config.checkpoint_dir is not None))
-    config.out = str(out_dir)
-    try:
-        data_path = data.prepare(config.data_dir, config.num_samples)  # after --out: a bad folder costs nothing
-        if config.checkpointing() and config.checkpoint_dir is None:
-            config.checkpoint_dir = str(check_checkpoint_dir(out_dir / "checkpoints"))
-        if torchrun:
-            return run_worker(config, str(data_path), str(out_dir))
-        if config.elastic:
-            from gradsync.train.elastic_job import run_elastic
+    reuse = attempt() > 0 or config.checkpoint_dir is not None
+    return _in_run_folder(config, reuse, lambda data_path, out_dir: run_worker(config, str(data_path), str(out_dir)))
 
-            return run_elastic(config, data_path, out_dir)
+
+def _launch_local(config: TrainConfig, world_size: int) -> dict | None:
+    def launch(data_path: Path, out_dir: Path) -> dict | None:
         try:
             results = launch_local(world_size, run_worker, config, str(data_path), str(out_dir),
                                    max_restarts=config.max_restarts)
         except WorkerFailedError as failure:
             raise _with_restarts(failure, config.max_restarts) from None
         return results[config.main_rank(world_size)]
+    return _in_run_folder(config, False, launch)
+
+
+def _launch_local_elastic(config: TrainConfig, world_size: int) -> dict:
+    from gradsync.jobs.elastic import run_elastic
+
+    return _in_run_folder(config, False, lambda data_path, out_dir: run_elastic(config, data_path, out_dir))
+
+
+def _in_run_folder(config: TrainConfig, reuse: bool, launch) -> dict | None:
+    """Claim the run folder, prepare the data, run ``launch(data_path, out_dir)``; an empty folder goes."""
+    out_dir, created = claim_out_dir(config.out, reuse=reuse)
+    config.out = str(out_dir)
+    try:
+        data_path = data.prepare(config.data_dir, config.num_samples)  # after --out: a bad folder costs nothing
+        if config.checkpointing() and config.checkpoint_dir is None:
+            config.checkpoint_dir = str(check_checkpoint_dir(out_dir / "checkpoints"))
+        return launch(data_path, out_dir)
     finally:
         release_out_dir(out_dir, created)
 
 
-def _run_on_hosts(config: TrainConfig) -> dict:
-    """The job across ``config.hosts`` test hosts (:mod:`gradsync.train.hosts_job`)."""
+def _hosts_out_dir(config: TrainConfig) -> Path:
     from gradsync.hosts.netns import unavailable_reason
-    from gradsync.train.hosts_job import run_on_test_hosts
 
     for name in ("cut_link_at", "kill_host_at"):
         config.host_fault(name)
@@ -215,12 +244,36 @@ def _run_on_hosts(config: TrainConfig) -> dict:
     out_dir = (Path(config.out) if config.out else default_out_dir()).resolve()
     if (out_dir / METRICS_FILE).exists():
         raise ValueError(f"--out {out_dir} already holds a run ({METRICS_FILE}); choose another folder")
-    if config.elastic:
-        from gradsync.train.elastic_hosts_job import run_elastic_on_hosts
+    return out_dir
 
-        return run_elastic_on_hosts(config, out_dir)
+
+def _launch_hosts(config: TrainConfig, world_size: int) -> dict:
+    """The job across ``config.hosts`` test hosts (:mod:`gradsync.jobs.hosts`)."""
+    from gradsync.jobs.hosts import run_on_test_hosts
+
+    out_dir = _hosts_out_dir(config)
     data.prepare(config.data_dir, config.num_samples)  # once here, not on every host at the same time
     return run_on_test_hosts(config, out_dir)  # HostsFailedError names the host and its error
+
+
+def _launch_hosts_elastic(config: TrainConfig, world_size: int) -> dict:
+    from gradsync.jobs.elastic_hosts import run_elastic_on_hosts
+
+    return run_elastic_on_hosts(config, _hosts_out_dir(config))
+
+
+# {placement} x {membership} -> launcher; a pair that is not here is refused with REFUSED's line.
+LAUNCHERS = {
+    ("local", "static"): _launch_local,
+    ("local", "elastic"): _launch_local_elastic,
+    ("torchrun", "static"): _launch_torchrun,
+    ("test hosts", "static"): _launch_hosts,
+    ("test hosts", "elastic"): _launch_hosts_elastic,
+}
+REFUSED = {
+    ("torchrun", "elastic"): "--elastic starts its own launcher per worker (membership is gradsync's): run "
+                             "`gradsync train --elastic` directly, not under torchrun",
+}
 
 
 def _with_restarts(failure: WorkerFailedError, max_restarts: int) -> WorkerFailedError:

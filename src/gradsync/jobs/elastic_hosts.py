@@ -2,7 +2,7 @@
 
 The quorum service runs in the switch namespace (its store on the switch's
 address, reachable from every host and from nothing else); each host runs
-one launcher process (:mod:`gradsync.train.elastic_host`) for its L slots
+one launcher process (:mod:`gradsync.jobs.elastic_host`) for its L slots
 (host h: slots ``h*L .. h*L+L-1``). ``--kill-host-at HOST:STEP`` kills every
 process of that host once rank 0's ``metrics.jsonl`` reaches the step (L
 ranks at once, no launcher left to report them: the survivors see their
@@ -27,8 +27,8 @@ from gradsync.fault.events import read_events
 from gradsync.train import data
 from gradsync.train.config import TrainConfig
 from gradsync.train.elastic_options import elastic_bounds
-from gradsync.train.elastic_job import RUN_FILE
-from gradsync.train.hosts_job import reached_step
+from gradsync.jobs.elastic import RUN_FILE
+from gradsync.jobs.hosts import reached_step
 from gradsync.train.metrics import SUMMARY_FILE
 
 HOST_RETURN_S = 1.0
@@ -59,7 +59,7 @@ def run_elastic_on_hosts(config: TrainConfig, out_dir: Path) -> dict:
 
         def launch(index: int) -> subprocess.Popen:
             slots = [str(index * config.nproc + local) for local in range(config.nproc)]
-            return hosts.popen(index, [sys.executable, "-m", "gradsync.train.elastic_host", SWITCH_ADDR, str(port),
+            return hosts.popen(index, [sys.executable, "-m", "gradsync.jobs.elastic_host", SWITCH_ADDR, str(port),
                                        str(out_dir), *slots], env=env)
 
         launchers = {index: launch(index) for index in range(config.hosts)}

@@ -28,7 +28,7 @@ from gradsync.launch import start_forkserver
 from gradsync.train import data
 from gradsync.train.config import TrainConfig
 from gradsync.train.elastic_options import elastic_bounds
-from gradsync.train.elastic_worker import run_elastic_worker
+from gradsync.jobs.worker import run_elastic_worker
 from gradsync.train.metrics import SUMMARY_FILE
 from gradsync.train.resume import say
 
