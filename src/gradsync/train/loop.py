@@ -31,11 +31,9 @@ the moment; a step interrupted by a failure is redone on the same batch.
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 import gradsync
@@ -44,21 +42,22 @@ from gradsync.elastic.state import broadcast_state, clone
 from gradsync.fault import checkpoint
 from gradsync.fault.events import EventLog
 from gradsync.fault.injection import FaultPlan, attempt
-from gradsync.parallel.timeline import Timeline, trace_events, write_trace
+from gradsync.parallel.timeline import Timeline
 from gradsync.train import elastic_checkpoint, resume
 from gradsync.train.config import TrainConfig, validate_against_data
 from gradsync.train.data import load
-from gradsync.train.global_batch import epoch_permutation, global_batches, split_contiguous, worker_micro_batches
 from gradsync.train.meter import StepMeter
 from gradsync.train.elastic_options import elastic_global_batch
 from gradsync.train.metrics import METRICS_FILE, MODEL_FILE, MetricsLog
 from gradsync.train.models import build_model
-from gradsync.train.position import EpochOrder, order_steps, rank_steps, steps_taken
+from gradsync.train.position import EpochOrder, order_steps, steps_taken
 from gradsync.train.reshard import world_change
 from gradsync.train.setup import (build_replica, make_optimizer, make_scheduler, seed_everything, set_threads,
                                   straggle, straggler_factor)
 from gradsync.train.state import TrainState
-from gradsync.train.summary import RunTotals, build_summary
+from gradsync.train.step import backward, epoch_micro_batches, micro_shard_backward
+from gradsync.train.evaluate import evaluate, gather_trace
+from gradsync.train.summary import build_summary, gather_totals
 
 
 class Trainer:
@@ -262,23 +261,6 @@ class Trainer:
             self.state.bytes_received_offset += self.model.comm.stats.bytes_received
         self.membership.leave(self.state.step, exc)
 
-    def _micro_batch_groups(self):
-        """The epoch's optimizer steps, each a list of ``accumulate`` micro-batches of sample indices.
-
-        With ``deterministic``: this rank's micro-shards (``model.local_shards()``) of each global batch.
-        """
-        if self.global_batch is not None:
-            for batch in global_batches(self.num_train, self.global_batch, self.config.seed, self.state.epoch):
-                if self.config.deterministic:
-                    shards = split_contiguous(batch, self.config.micro_shards)
-                    yield [shards[index] for index in self.model.local_shards()]
-                else:
-                    yield worker_micro_batches(batch, self.world_size, self.rank, self.config.accumulate)
-            return
-        permutation = epoch_permutation(self.num_train, self.config.seed, self.state.epoch)
-        yield from rank_steps(permutation, EpochOrder(self.state.order_start), self.world_size, self.rank,
-                              self.config.batch_size, self.config.accumulate)
-
     def _train_epoch(self, bar) -> None:
         """Run the epoch's optimizer steps after those done before a resume (``state``'s data position)."""
         self.model.train()
@@ -287,7 +269,10 @@ class Trainer:
         else:
             done_before = steps_taken(self.state.samples_in_epoch, EpochOrder(self.state.order_start),
                                       self.samples_per_step)
-        for number, micro_batches in enumerate(self._micro_batch_groups(), start=1):
+        local_shards = self.model.local_shards() if self.config.deterministic else None
+        batches = epoch_micro_batches(self.config, self.num_train, self.global_batch, self.state.epoch,
+                                      self.state.order_start, self.rank, self.world_size, local_shards)
+        for number, micro_batches in enumerate(batches, start=1):
             if number <= done_before:
                 continue
             self.membership.at_step_boundary()
@@ -308,9 +293,11 @@ class Trainer:
         self.faults.before_step(self.state.step + 1)
         meter = self.meter.start()
         if self.config.deterministic:
-            step_loss = self._micro_shard_backward(micro_batches, meter)
+            step_loss = micro_shard_backward(self.model, self.data, micro_batches, meter, self.state.step,
+                                             self.global_batch)
         else:
-            step_loss = self._backward(micro_batches, meter)
+            step_loss = backward(self.model, self.data, micro_batches, meter, self.global_batch, self.world_size,
+                                 global_loss=self.elastic)
         straggle(self.straggler_factor, meter.compute_s())
         with meter.phase("optimizer"):
             self.optimizer.step()
@@ -347,43 +334,6 @@ class Trainer:
             self.log.write({"kind": "replica_check", "step": self.state.step, "equal": True,
                             "tensors": check.tensors, "bytes": check.nbytes, "seconds": check.seconds})
 
-    def _backward(self, micro_batches: list[list[int]], meter: StepMeter) -> float:
-        """Forward and backward of each micro-batch, synchronising on the last; returns this rank's loss
-        (elastic: the global batch's mean loss).
-
-        With a global batch, each rank's loss is its samples' sum scaled by ``world_size / B``, so that
-        DataParallel's average over ranks is the global batch's mean, weighted by samples, not by rank
-        (an elastic run's shares are uneven when B does not divide)."""
-        step_loss = torch.zeros(1, dtype=torch.float64)
-        for index, indices in enumerate(micro_batches):
-            last = index == len(micro_batches) - 1
-            x, y = self.data.x_train[indices], self.data.y_train[indices]
-            with nullcontext() if last else self.model.no_sync():
-                with meter.phase("forward"):
-                    if self.global_batch is None:
-                        loss = F.cross_entropy(self.model(x), y) / len(micro_batches)
-                    else:
-                        loss = F.cross_entropy(self.model(x), y, reduction="sum") * (self.world_size / self.global_batch)
-                with meter.phase("backward"):
-                    loss.backward()  # the last micro-batch's AllReduces run inside it
-            step_loss += loss.detach().double()
-        if self.elastic:
-            gradsync.all_reduce(step_loss, op="sum")
-            step_loss /= self.world_size
-        return float(step_loss[0])
-
-    def _micro_shard_backward(self, shards: list, meter: StepMeter) -> float:
-        """One backward per micro-shard of this rank, then the exact sum; returns the global batch's mean loss."""
-        for index, indices in zip(self.model.local_shards(), shards):
-            x, y = self.data.x_train[indices], self.data.y_train[indices]
-            with self.model.micro_shard(index, self.state.step) as shard:
-                with meter.phase("forward"):
-                    loss = F.cross_entropy(self.model(x), y, reduction="sum")  # divided by B once, after the sum
-                with meter.phase("backward"):
-                    shard.backward(loss)
-        with meter.phase("backward"):  # the exchange, as DataParallel's end-of-backward wait
-            return self.model.synchronize(divisor=self.global_batch)
-
     def _finish_step(self, meter: StepMeter, step_loss: float, lr: float) -> None:
         record = meter.stop(self.state.times)
         self.state.step_bytes_sent += record.bytes_sent
@@ -402,7 +352,8 @@ class Trainer:
         if self.local_sgd and self.model.local_steps:  # evaluate the average, as the paper does
             self.model.average()
         eval_started = time.perf_counter()
-        test_loss, test_accuracy = self._evaluate()
+        shards = (self.config.micro_shards, self.model.local_shards()) if self.config.deterministic else None
+        test_loss, test_accuracy = evaluate(self.model, self.data, self.rank, self.world_size, shards)
         self.meter.record("eval", eval_started, time.perf_counter())
         self.state.eval_s += time.perf_counter() - eval_started
         record = {"kind": "epoch", "epoch": self.state.epoch, "train_loss": float(loss_sum[0] / loss_sum[1]),
@@ -440,75 +391,17 @@ class Trainer:
             self.events.write({"event": "checkpoint", "step": self.state.step, "attempt": attempt(),
                                "seconds": time.perf_counter() - started})
 
-    # -- evaluation and the end of the run -------------------------------------------------------
-
-    @torch.no_grad()
-    def _evaluate(self) -> tuple[float, float]:
-        """Each rank scores its share of the test split; the sums are all-reduced.
-
-        With ``deterministic`` the split is cut into the micro-shards' number of pieces, each scored
-        on its own and gathered by piece, so the result does not depend on the world size either.
-        """
-        self.model.eval()
-        pieces, mine = self.world_size, [self.rank]
-        if self.config.deterministic:
-            pieces, mine = self.config.micro_shards, list(self.model.local_shards())
-        table = torch.zeros(pieces, 3, dtype=torch.float64)  # (piece, [loss sum, correct, samples])
-        for index, shard in enumerate(torch.tensor_split(torch.arange(len(self.data.y_test)), pieces)):
-            if index in mine:
-                x, y = self.data.x_test[shard], self.data.y_test[shard]
-                logits = self.model.module(x)
-                table[index] = torch.tensor([F.cross_entropy(logits, y, reduction="sum").item(),
-                                             (logits.argmax(1) == y).sum().item(), len(y)], dtype=torch.float64)
-        if self.config.deterministic:
-            gradsync.all_reduce(table, op="sum")  # one rank's value and zeros per entry: exact in any order
-            totals = table.sum(0)
-        else:
-            totals = table.sum(0)
-            gradsync.all_reduce(totals, op="sum")
-        loss_sum, correct, count = totals.tolist()
-        return loss_sum / count, correct / count
-
-    def _write_trace(self) -> None:
-        """Gather every rank's timeline to rank 0, which writes ``config.trace`` (collective)."""
-        if self.timeline is None:
-            return
-        rows = self.timeline.rows()
-        counts = gradsync.all_gather(torch.tensor([rows.shape[0]]))
-        padded = torch.zeros(int(max(counts)), rows.shape[1], dtype=torch.float64)
-        padded[:rows.shape[0]] = rows
-        gathered = gradsync.all_gather(padded)
-        if self.is_main:
-            write_trace(Path(self.config.trace),
-                        trace_events(part[:int(count)] for part, count in zip(gathered, counts)))
+    # -- the end of the run ----------------------------------------------------------------------
 
     def _summary(self) -> dict | None:
-        """Gather every rank's counters (collective); rank 0 returns the summary, others None."""
-        wall_s = self.elapsed_s()
-        state, t, stats = self.state, self.state.times, self.model.comm.stats
-        own = torch.tensor([t.compute_s, t.comm_s, state.bytes_sent_offset + stats.bytes_sent,
-                            state.bytes_received_offset + stats.bytes_received, t.exposed_comm_s,
-                            t.forward_s, t.backward_s, t.optimizer_s, state.step_bytes_sent], dtype=torch.float64)
-        per_rank = torch.stack(gradsync.all_gather(own))  # (world_size, 9)
-        self._write_trace()
+        """Gather every rank's counters and timeline (collective); rank 0 returns the summary, others None."""
+        totals, extra = gather_totals(self.state, self.model.comm.stats, self.world_size, self.elapsed_s())
+        gather_trace(self.timeline, self.config.trace, self.is_main)
         if not self.is_main:
             return None
-        mean = per_rank.mean(0).tolist()
-        totals = RunTotals(
-            world_size=self.world_size, num_workers=self.world_size, steps=state.step,
-            samples=state.samples, wall_s=wall_s,
-            train_wall_s=wall_s - state.eval_s, compute_s=mean[0], communication_s=mean[1],
-            exposed_communication_s=mean[4],
-            # inside the steps only: the start-up broadcast and evaluation sums are not per-step traffic
-            bytes_sent_per_step=mean[8] / max(state.step, 1),
-            bytes_sent_per_rank=[int(v) for v in per_rank[:, 2].tolist()],
-            bytes_received_per_rank=[int(v) for v in per_rank[:, 3].tolist()],
-            per_rank_compute_s=per_rank[:, 0].tolist(), per_rank_communication_s=per_rank[:, 1].tolist())
-        extra = {"restarts": attempt(), "resumed_from_step": state.resumed_from_step,
-                 "checkpoint_s": state.checkpoint_s, "forward_s": mean[5], "backward_s": mean[6],
-                 "optimizer_s": mean[7], "per_rank_exposed_communication_s": per_rank[:, 4].tolist(),
-                 "global_batch_size": self.global_batch, **self.membership.summary_fields()}
+        extra.update({"restarts": attempt(), "global_batch_size": self.global_batch,
+                      **self.membership.summary_fields()})
         if self.elastic:
             extra["replicas_equal"] = True  # checked before the summary (ReplicaDivergenceError otherwise)
-        return build_summary(self.config, state.epoch_records, totals, state.staleness.as_dict(),
+        return build_summary(self.config, self.state.epoch_records, totals, self.state.staleness.as_dict(),
                              self.model.bucket_algorithms(), self.model.module, self.data, extra)

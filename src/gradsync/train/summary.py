@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gradsync import api
 from gradsync.train.config import TrainConfig
 from gradsync.train.data import Splits
 
@@ -95,6 +96,31 @@ def build_summary(config: TrainConfig, epochs: list[dict], totals: RunTotals, st
         "test_samples": len(data.y_test),
         "config": config.to_dict(),
     }
+
+
+def gather_totals(state, stats, world_size: int, wall_s: float) -> tuple[RunTotals, dict]:
+    """Every rank's times and byte counts (collective: ``all_gather``) as the run's :class:`RunTotals`
+    and the per-phase means; ``state`` a :class:`~gradsync.train.state.TrainState`, ``stats`` this
+    rank's communicator counters (bytes since its group formed)."""
+    t = state.times
+    own = torch.tensor([t.compute_s, t.comm_s, state.bytes_sent_offset + stats.bytes_sent,
+                        state.bytes_received_offset + stats.bytes_received, t.exposed_comm_s,
+                        t.forward_s, t.backward_s, t.optimizer_s, state.step_bytes_sent], dtype=torch.float64)
+    per_rank = torch.stack(api.all_gather(own))  # (world_size, 9)
+    mean = per_rank.mean(0).tolist()
+    totals = RunTotals(
+        world_size=world_size, num_workers=world_size, steps=state.step, samples=state.samples, wall_s=wall_s,
+        train_wall_s=wall_s - state.eval_s, compute_s=mean[0], communication_s=mean[1],
+        exposed_communication_s=mean[4],
+        # inside the steps only: the start-up broadcast and evaluation sums are not per-step traffic
+        bytes_sent_per_step=mean[8] / max(state.step, 1),
+        bytes_sent_per_rank=[int(v) for v in per_rank[:, 2].tolist()],
+        bytes_received_per_rank=[int(v) for v in per_rank[:, 3].tolist()],
+        per_rank_compute_s=per_rank[:, 0].tolist(), per_rank_communication_s=per_rank[:, 1].tolist())
+    extra = {"resumed_from_step": state.resumed_from_step, "checkpoint_s": state.checkpoint_s,
+             "forward_s": mean[5], "backward_s": mean[6], "optimizer_s": mean[7],
+             "per_rank_exposed_communication_s": per_rank[:, 4].tolist()}
+    return totals, extra
 
 
 def pushed_gradient(model: torch.nn.Module) -> list[tuple[int, str]]:
