@@ -18,6 +18,7 @@ from gradsync.fault.injection import attempt, check_environment
 from gradsync.launch import WorkerFailedError, launch_local
 from gradsync.train import data, resume
 from gradsync.train.config import TrainConfig, validate, validate_against_data
+from gradsync.jobs.options import refusal
 from gradsync.jobs.worker import run_worker
 from gradsync.train.metrics import METRICS_FILE, private_files
 
@@ -144,10 +145,6 @@ def run_job(config: TrainConfig) -> dict | None:
         return _run_job(config)
 
 
-PLACEMENTS = ("local", "torchrun", "test hosts")
-MEMBERSHIPS = ("static", "elastic")
-
-
 def placement(config: TrainConfig) -> str:
     """Where the job's workers run: ``local`` processes, one ``torchrun`` rank (this process), ``test hosts``."""
     if under_torchrun():
@@ -155,13 +152,19 @@ def placement(config: TrainConfig) -> str:
     return "test hosts" if config.hosts is not None else "local"
 
 
-def _run_job(config: TrainConfig) -> dict | None:
+def check_options(config: TrainConfig, where: str) -> None:
+    """Every option's value (:func:`~gradsync.train.config.validate`) and its rule in ``where``'s
+    combination (:mod:`~gradsync.jobs.options`): ValueError with one line naming the option."""
     validate(config)
-    check_environment()
+    problem = _torchrun_refusal(config, where) or refusal(config, where)
+    if problem:
+        raise ValueError(problem)
+
+
+def _run_job(config: TrainConfig) -> dict | None:
     where, membership = placement(config), "elastic" if config.elastic else "static"
-    refusal = REFUSED.get((where, membership)) or _torchrun_refusal(config, where)
-    if refusal:
-        raise ValueError(refusal)
+    check_options(config, where)
+    check_environment()
     if config.join is not None:
         from gradsync.jobs.elastic import join_run
 
@@ -262,17 +265,13 @@ def _launch_hosts_elastic(config: TrainConfig, world_size: int) -> dict:
     return run_elastic_on_hosts(config, _hosts_out_dir(config))
 
 
-# {placement} x {membership} -> launcher; a pair that is not here is refused with REFUSED's line.
+# {placement} x {membership} -> launcher (torchrun x elastic is refused by options.REFUSED_COMBINATIONS)
 LAUNCHERS = {
     ("local", "static"): _launch_local,
     ("local", "elastic"): _launch_local_elastic,
     ("torchrun", "static"): _launch_torchrun,
     ("test hosts", "static"): _launch_hosts,
     ("test hosts", "elastic"): _launch_hosts_elastic,
-}
-REFUSED = {
-    ("torchrun", "elastic"): "--elastic starts its own launcher per worker (membership is gradsync's): run "
-                             "`gradsync train --elastic` directly, not under torchrun",
 }
 
 

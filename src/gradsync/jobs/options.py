@@ -1,0 +1,180 @@
+"""Every ``gradsync train`` option's rule: honoured, or refused before any process starts, per combination.
+
+A run is one combination of a mode (``sync``, ``async``, ``local-sgd``), a
+membership (``static``, ``elastic``) and a placement (``local`` processes,
+one ``torchrun`` rank, ``test hosts``). Each :class:`~gradsync.train.config.TrainConfig`
+field has a :class:`Rule`: the combinations it is honoured in (everywhere
+unless it says otherwise) and the other options it needs. An option set to
+anything but its default in a combination its rule leaves out is refused
+with one line naming the option and the combination (:func:`refusal`);
+``tests/test_option_rules.py`` walks every field under every combination and
+checks that validation agrees with this table, so a new option cannot be
+added without a rule. Value checks (ranges, formats) stay in
+:func:`~gradsync.train.config.validate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from gradsync.train.config import TrainConfig
+
+MODES = ("sync", "async", "local-sgd")
+MEMBERSHIPS = ("static", "elastic")
+PLACEMENTS = ("local", "torchrun", "test hosts")
+
+# (mode, membership, placement) patterns (None: any) that gradsync train refuses whatever the options
+REFUSED_COMBINATIONS = {
+    (None, "elastic", "torchrun"): "--elastic starts its own launcher per worker (membership is gradsync's): run "
+                                   "`gradsync train --elastic` directly, not under torchrun",
+    ("async", None, "test hosts"): "--hosts runs --mode sync only (for now)",
+    ("local-sgd", None, "test hosts"): "--hosts runs --mode sync only (for now)",
+    ("local-sgd", "elastic", None): "--elastic runs --mode sync or async (local-sgd is not elastic yet)",
+}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Where a non-default value of an option is honoured, and what it needs.
+
+    ``also_refused``: ``(mode, membership, placement)`` patterns (None: any) refused besides;
+    ``needs``: ``(field, value)`` pairs of which another option must have one (a value of None:
+    anything but its default); ``why``: said when the option is refused.
+    """
+
+    modes: tuple[str, ...] = MODES
+    memberships: tuple[str, ...] = MEMBERSHIPS
+    placements: tuple[str, ...] = PLACEMENTS
+    also_refused: tuple[tuple, ...] = ()
+    needs: tuple[tuple[str, object], ...] = ()
+    why: str = ""
+
+    def honoured_in(self, mode: str, membership: str, placement: str) -> bool:
+        where = (mode, membership, placement)
+        return (mode in self.modes and membership in self.memberships and placement in self.placements
+                and not any(_matches(pattern, where) for pattern in self.also_refused))
+
+    def missing(self, config: TrainConfig) -> str | None:
+        """The option this one needs and ``config`` lacks (e.g. ``--compression topk``), or None."""
+        if not self.needs or any(_has(config, field, value) for field, value in self.needs):
+            return None
+        field, value = self.needs[0]
+        return option(field) + ("" if value is None or value is True else f" {value}")
+
+
+def _matches(pattern: tuple, where: tuple) -> bool:
+    return all(p is None or p == w for p, w in zip(pattern, where))
+
+
+def _has(config: TrainConfig, field: str, value) -> bool:
+    have = getattr(config, field)
+    return have != getattr(_DEFAULTS, field) if value is None else have == value
+
+
+def option(name: str) -> str:
+    """The command-line flag that sets field ``name`` away from its default (``--no-progress`` for a
+    switch that is on by default)."""
+    flag = name.replace("_", "-")
+    return f"--no-{flag}" if getattr(_DEFAULTS, name) is True else f"--{flag}"
+
+
+EVERYWHERE = Rule()
+NOT_ASYNC = Rule(modes=("sync", "local-sgd"), why="async workers push gradients to a server")
+SYNC = Rule(modes=("sync",), why="only --mode sync reduces gradients in buckets")
+HOSTS = Rule(placements=("test hosts",), needs=(("hosts", None),), why="it acts on test hosts")
+_TORCHRUN_HOSTS = Rule(memberships=("static",), placements=("test hosts",), needs=(("hosts", None),),
+                       why="it is torchrun's rendezvous across test hosts; an elastic run has a quorum instead")
+ELASTIC = Rule(memberships=("elastic",), needs=(("elastic", True),), why="it sets an elastic run's membership")
+CHECKPOINTS = Rule(needs=(("checkpoint_dir", None), ("max_restarts", None)), why="it sets how checkpoints are kept")
+FAULTS = Rule(modes=("sync", "local-sgd"), why="a parameter server's faults are injected by killing its PID")
+
+RULES: dict[str, Rule] = {
+    "nproc": Rule(placements=("local", "test hosts"), why="torchrun's --nproc-per-node sets the workers"),
+    "mode": EVERYWHERE,
+    "max_staleness": Rule(modes=("async",), why="only a parameter server has stale gradients"),
+    "staleness_lr": Rule(modes=("async",), why="only a parameter server has stale gradients"),
+    "sync_every": Rule(modes=("local-sgd",), why="only local SGD averages every H steps"),
+    "straggler": EVERYWHERE,
+    "model": EVERYWHERE, "epochs": EVERYWHERE, "batch_size": EVERYWHERE, "accumulate": EVERYWHERE,
+    "global_batch_size": NOT_ASYNC,
+    "deterministic": Rule(modes=("sync",), needs=(("global_batch_size", None),),
+                          why="the exact sum of a fixed global batch is --mode sync's"),
+    "micro_shards": Rule(modes=("sync",), needs=(("deterministic", True),), why="it cuts --deterministic's batch"),
+    "lr": EVERYWHERE, "lr_schedule": EVERYWHERE, "optimizer": EVERYWHERE, "weight_decay": EVERYWHERE,
+    "algorithm": NOT_ASYNC,
+    "bucket_cap_mb": SYNC,
+    "gradient_as_bucket_view": SYNC,
+    "debug": SYNC,
+    "compression": SYNC,
+    "topk_ratio": Rule(modes=("sync",), needs=(("compression", "topk"),), why="it sets topk's share"),
+    "powersgd_rank": Rule(modes=("sync",), needs=(("compression", "powersgd"),), why="it sets powersgd's rank"),
+    "compression_warmup_steps": Rule(modes=("sync",), needs=(("compression", None),),
+                                     why="it delays a compressor"),
+    "trace": NOT_ASYNC,
+    "seed": EVERYWHERE, "timeout": EVERYWHERE,
+    "max_restarts": Rule(modes=("sync", "local-sgd"), memberships=("static",), placements=("local", "test hosts"),
+                         why="torch's agent restarts a static sync or local-sgd job (torchrun: give it to torchrun;"
+                             " --elastic: survivors go on)"),
+    "checkpoint_dir": Rule(also_refused=(("async", "static", None),),
+                           why="a parameter server without --elastic does not checkpoint"),
+    "checkpoint_every": CHECKPOINTS,
+    "keep_checkpoints": CHECKPOINTS,
+    "fail_at": FAULTS,
+    "hang_at": FAULTS,
+    "check_replicas_every": NOT_ASYNC,
+    "num_samples": EVERYWHERE, "data_dir": EVERYWHERE, "out": EVERYWHERE, "progress": EVERYWHERE,
+    "hosts": Rule(placements=("test hosts",), why="it starts one torchrun per test host itself"),
+    "inter_host_gbit": HOSTS,
+    "join_timeout": _TORCHRUN_HOSTS,
+    "cut_link_at": Rule(memberships=("static",), placements=("test hosts",), needs=(("hosts", None),),
+                        why="an elastic run across hosts loses a host by --kill-host-at"),
+    "kill_host_at": HOSTS,
+    "elastic": Rule(placements=("local", "test hosts"), why=REFUSED_COMBINATIONS[(None, "elastic", "torchrun")]),
+    "min_nproc": ELASTIC,
+    "max_nproc": ELASTIC,
+    "max_relaunches": ELASTIC,
+    "join": Rule(modes=("sync",), memberships=("elastic",), placements=("local",), needs=(("elastic", True),),
+                 why="it adds a local worker to a running elastic job, with that job's options"),
+    "elastic_fault": Rule(modes=("sync",), memberships=("elastic",), needs=(("elastic", True),),
+                          why="it injects faults into an elastic sync run's step or hand-over"),
+}
+
+_DEFAULTS = TrainConfig()
+_JOIN_TAKES = {"join", "elastic", "progress"}  # --join RUN runs the running job's options, not its own
+
+
+def combination(config: TrainConfig, placement: str) -> tuple[str, str, str]:
+    return config.mode, "elastic" if config.elastic else "static", placement
+
+
+def describe(mode: str, membership: str, placement: str) -> str:
+    """``--mode async --elastic under torchrun``: a combination as the user typed it."""
+    words = [f"--mode {mode}"] + (["--elastic"] if membership == "elastic" else [])
+    return " ".join(words) + {"local": "", "torchrun": " under torchrun", "test hosts": " with --hosts"}[placement]
+
+
+def set_options(config: TrainConfig) -> list[str]:
+    """The fields of ``config`` that differ from their default."""
+    return [item.name for item in dataclasses.fields(TrainConfig)
+            if getattr(config, item.name) != getattr(_DEFAULTS, item.name)]
+
+
+def refusal(config: TrainConfig, placement: str) -> str | None:
+    """The one-line reason ``config`` is refused in ``placement`` (None: every option it sets is honoured)."""
+    where = combination(config, placement)
+    for pattern, why in REFUSED_COMBINATIONS.items():
+        if _matches(pattern, where):
+            return why
+    chosen = set_options(config)
+    if config.join is not None and set(chosen) - _JOIN_TAKES:
+        extra = ", ".join(option(name) for name in chosen if name not in _JOIN_TAKES)
+        return f"--join RUN adds a worker with the running job's options; leave out {extra}"
+    for name in chosen:
+        rule = RULES[name]
+        if not rule.honoured_in(*where):
+            return f"{option(name)} is not honoured with {describe(*where)}: {rule.why}"
+        missing = rule.missing(config)
+        if missing:
+            return f"{option(name)} needs {missing}: {rule.why}"
+    return None
