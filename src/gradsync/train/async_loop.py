@@ -60,7 +60,7 @@ class Group(Protocol):
 
     world_size: int   # processes in the run, the server included
     is_server: bool   # whether this process serves
-    worker: int       # this worker's number, 0 .. nproc-1 (what --straggler names)
+    index: int        # rank (static) or slot (elastic): workers 0 .. nproc-1 (what --straggler names), server nproc
     progress: bool    # whether the server shows a progress bar
 
     def open_server(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, total_steps: int,
@@ -95,7 +95,7 @@ def run_role(group: Group, config: TrainConfig, data_path: Path, out_dir: Path) 
     model = build_model(config.model)
     if group.is_server:
         return ServerRole(config, model, data, Path(out_dir), group).run()
-    group.work(model, WorkerRole(config, model, data, straggler_factor(config, group.worker)))
+    group.work(model, WorkerRole(config, model, data, straggler_factor(config, group.index)))
     return None
 
 
@@ -188,9 +188,9 @@ class StaticGroup:
 
     def __init__(self, config: TrainConfig):
         self.config = config
-        self.worker, self.world_size = gradsync.rank(), gradsync.world_size()
+        self.index, self.world_size = gradsync.rank(), gradsync.world_size()
         self.server_rank = config.main_rank(self.world_size)
-        self.is_server = self.worker == self.server_rank
+        self.is_server = self.index == self.server_rank
 
     def open_server(self, model, optimizer, total_steps, options, state) -> tuple[gradsync.ParameterServer, dict]:
         return gradsync.ParameterServer(model, optimizer, total_steps, **options), state

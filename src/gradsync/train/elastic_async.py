@@ -63,7 +63,7 @@ class ElasticGroup:
 
     def __init__(self, member: ElasticMember, slot: int, config: TrainConfig, out_dir: Path):
         self.member, self.config, self.out_dir = member, config, out_dir
-        self.worker, self.world_size = slot, config.nproc + 1
+        self.index, self.world_size = slot, config.nproc + 1
         self.is_server = slot == config.nproc
 
     def open_server(self, model, optimizer, total_steps, options, state) -> tuple[ElasticParameterServer, dict]:
