@@ -59,7 +59,7 @@ class ElasticGroup:
     """The async roles' view of an elastic run: slot ``nproc`` serves, slots ``0 .. nproc-1`` work, in
     one membership after another; the server checkpoints and restarts from its newest checkpoint."""
 
-    progress = False
+    progress = False  # no bar: a relaunched server would start a second one part-way
 
     def __init__(self, member: ElasticMember, slot: int, config: TrainConfig, out_dir: Path):
         self.member, self.config, self.out_dir = member, config, out_dir
