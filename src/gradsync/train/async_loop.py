@@ -1,4 +1,4 @@
-"""``gradsync train --mode async``: a parameter server (the last rank) and ``nproc`` workers.
+"""``gradsync train --mode async``: a parameter server and ``nproc`` workers, static or elastic.
 
 The server hands out optimizer steps ``0 .. epochs * batches_per_epoch - 1``
 in order; step ``k`` is batch ``k % batches_per_epoch`` of epoch
@@ -10,12 +10,17 @@ samples. The server evaluates the full test split at each epoch boundary
 (every ``batches_per_epoch`` applied gradients) and once more on the final
 parameters; it writes the run folder. Workers keep rank 0 .. nproc-1, so
 ``--straggler 1:3`` names the same worker in every mode.
+
+One server role and one worker role serve both runs; what differs is a
+:class:`Group`: :class:`StaticGroup` here (one fixed process group, the last
+rank serves), or the elastic membership of :mod:`gradsync.train.elastic_async`.
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -50,78 +55,99 @@ def step_indices(config: TrainConfig, num_train: int, step: int, cache: dict) ->
     return cache[epoch][batch * samples:(batch + 1) * samples]
 
 
+class Group(Protocol):
+    """What differs between a static and an elastic async run, as the two roles see it."""
+
+    world_size: int   # processes in the run, the server included
+    is_server: bool   # whether this process serves
+    index: int        # rank (static) or slot (elastic): workers 0 .. nproc-1 (what --straggler names), server nproc
+    progress: bool    # whether the server shows a progress bar
+
+    def open_server(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, total_steps: int,
+                    options: dict, state: dict):
+        """The parameter server (``options``: its keyword arguments) and the server role's state to use:
+        ``state`` as given (fresh), or the one restored from a checkpoint."""
+
+    def restart_record(self, server) -> dict | None:
+        """The ``metrics.jsonl`` record saying the server started from a checkpoint, or None."""
+
+    def serve(self, server, on_update: Callable[[int, int, float, int], None]) -> None:
+        """Serve until every step is applied."""
+
+    def report(self, server, shared: dict, wall_s: float, eval_s: float) -> tuple[RunTotals, dict]:
+        """The run's totals and the mode's ``summary.json`` fields (``shared`` among them)."""
+
+    def work(self, model: torch.nn.Module, role: WorkerRole) -> None:
+        """Pull steps, ``role.compute`` them and push their gradients until the server stops this worker."""
+
+
 def run_async_role(config: TrainConfig, data_path: Path, out_dir: Path) -> dict | None:
     """Serve (last rank) or work (the others); the server returns the summary, workers None."""
-    rank, world_size = gradsync.rank(), gradsync.world_size()
-    set_threads(world_size)
+    return run_role(StaticGroup(config), config, data_path, out_dir)
+
+
+def run_role(group: Group, config: TrainConfig, data_path: Path, out_dir: Path) -> dict | None:
+    """Serve or work, as ``group`` says; the server returns the summary, workers None."""
+    set_threads(group.world_size)
     seed_everything(config.seed)
     data = load(data_path)
-    validate_against_data(config, world_size, len(data.y_train))
+    validate_against_data(config, group.world_size, len(data.y_train))
     model = build_model(config.model)
-    server_rank = config.main_rank(world_size)
-    if rank == server_rank:
-        return _Server(config, model, data, Path(out_dir)).run()
-    _work(config, model, data, server_rank)
+    if group.is_server:
+        return ServerRole(config, model, data, Path(out_dir), group).run()
+    group.work(model, WorkerRole(config, model, data, straggler_factor(config, group.index)))
     return None
 
 
-def _work(config: TrainConfig, model: torch.nn.Module, data: Splits, server_rank: int) -> None:
-    worker = gradsync.AsyncWorker(model, server_rank=server_rank, timeout=config.timeout)
-    factor = straggler_factor(config, gradsync.rank())
-    compute_s = slept_s = 0.0
-    cache: dict = {}
-    step = worker.pull(timeout=max(config.timeout, MIN_STARTUP_TIMEOUT_S))  # the server may still be starting
-    while step is not None:
+class WorkerRole:
+    """A worker's computation: step ``k``'s gradients into ``.grad``, timed, slowed by ``--straggler``."""
+
+    def __init__(self, config: TrainConfig, model: torch.nn.Module, data: Splits, factor: float):
+        self.config, self.model, self.data, self.factor = config, model, data, factor
+        self.compute_s = self.slept_s = 0.0
+        self.cache: dict = {}
+
+    def compute(self, step: int) -> float:
+        """Leave step ``step``'s gradients in ``.grad``; returns its loss."""
+        config, data = self.config, self.data
         started = time.perf_counter()
-        indices = step_indices(config, len(data.y_train), step, cache)
         loss_sum = 0.0
-        for micro in indices.split(config.batch_size):
-            loss = F.cross_entropy(model(data.x_train[micro]), data.y_train[micro]) / config.accumulate
+        for micro in step_indices(config, len(data.y_train), step, self.cache).split(config.batch_size):
+            loss = F.cross_entropy(self.model(data.x_train[micro]), data.y_train[micro]) / config.accumulate
             loss.backward()
             loss_sum += loss.item()
-        compute_s += time.perf_counter() - started
-        slept_s += straggle(factor, time.perf_counter() - started)
-        step = worker.push(loss_sum)
-    stats = gradsync.comm_stats()
-    _gather_stats([compute_s, worker.wait_s, stats["bytes_sent"], stats["bytes_received"], worker.pushes,
-                   slept_s])
+        self.compute_s += time.perf_counter() - started
+        self.slept_s += straggle(self.factor, time.perf_counter() - started)
+        return loss_sum
 
 
-def _gather_stats(values: list[float]) -> torch.Tensor:
-    """All ranks' stat rows, ``(world_size, _STAT_FIELDS)`` float64 (collective)."""
-    return torch.stack(gradsync.all_gather(torch.tensor(values, dtype=torch.float64)))
+class ServerRole:
+    """The server: parameters, optimizer, evaluation, metrics and summary."""
 
-
-class _Server:
-    """The server rank: parameters, optimizer, evaluation, metrics and summary."""
-
-    def __init__(self, config: TrainConfig, model: torch.nn.Module, data: Splits, out_dir: Path):
-        self.config, self.model, self.data = config, model, data
+    def __init__(self, config: TrainConfig, model: torch.nn.Module, data: Splits, out_dir: Path, group: Group):
+        self.config, self.model, self.data, self.group = config, model, data, group
         self.per_epoch = batches_per_epoch(config, len(data.y_train))
-        self.total_steps = self.per_epoch * config.epochs
+        total_steps = self.per_epoch * config.epochs
         optimizer = make_optimizer(model.parameters(), config)
-        self.server = gradsync.ParameterServer(model, optimizer, self.total_steps,
-                                               max_staleness=config.max_staleness,
-                                               staleness_aware_lr=config.staleness_lr,
-                                               scheduler=make_scheduler(optimizer, config, self.total_steps),
-                                               timeout=config.timeout)
+        options = {"max_staleness": config.max_staleness, "staleness_aware_lr": config.staleness_lr,
+                   "scheduler": make_scheduler(optimizer, config, total_steps), "timeout": config.timeout}
+        fresh = {"epochs": [], "eval_s": 0.0}  # what a restarted elastic server must get back
+        self.server, self.state = group.open_server(model, optimizer, total_steps, options, fresh)
         self.log = MetricsLog(out_dir / METRICS_FILE)
-        self.epochs: list[dict] = []
-        self.eval_s = 0.0
-        self.bar = tqdm(total=self.total_steps, desc="train (async)", unit="step", disable=not config.progress,
-                        dynamic_ncols=True)
+        restart = group.restart_record(self.server)
+        if restart is not None:
+            self.log.write(restart)
+        self.bar = tqdm(total=total_steps, desc="train (async)", unit="step",
+                        disable=not (group.progress and config.progress), dynamic_ncols=True)
 
     def run(self) -> dict:
         self.started = time.perf_counter()
         try:
-            self.server.serve(on_update=self._on_update)
+            self.group.serve(self.server, self._on_update)
         finally:
             self.bar.close()
             self.log.close()
-        wall_s = time.perf_counter() - self.started
-        stats = gradsync.comm_stats()
-        rows = _gather_stats([0.0, 0.0, stats["bytes_sent"], stats["bytes_received"], 0, 0.0])
-        return self._summary(rows, wall_s)
+        return self._summary(time.perf_counter() - self.started)
 
     def _on_update(self, worker: int, version: int, loss: float, staleness: int) -> None:
         lr = self.server.last_lr  # as applied: after the staleness scaling, before the scheduler step
@@ -132,39 +158,84 @@ class _Server:
             self._end_epoch(version // self.per_epoch - 1)
 
     def _end_epoch(self, epoch: int) -> None:
+        state, server = self.state, self.server
         started = time.perf_counter()
         test_loss, test_accuracy = evaluate(self.model, self.data)
-        self.eval_s += time.perf_counter() - started
-        losses = self.server.losses[-self.per_epoch:]
+        state["eval_s"] += time.perf_counter() - started
+        losses = server.losses[-self.per_epoch:]
         record = {"kind": "epoch", "epoch": epoch, "train_loss": sum(losses) / len(losses),
                   "test_loss": test_loss, "test_accuracy": test_accuracy,
-                  "elapsed_s": time.perf_counter() - self.started, "version": self.server.version,
-                  "staleness_mean": self.server.staleness.mean, "staleness_max": self.server.staleness.max}
-        self.epochs.append(record)
+                  "elapsed_s": time.perf_counter() - self.started, "version": server.version,
+                  "staleness_mean": server.staleness.mean, "staleness_max": server.staleness.max}
+        # a restarted elastic server replays the epochs after its checkpoint: the newest record counts
+        state["epochs"] = [r for r in state["epochs"] if r["epoch"] != epoch] + [record]
         self.log.write(record)
         self.bar.set_postfix(loss=f"{record['train_loss']:.3f}", test_acc=f"{100 * test_accuracy:.1f}%")
 
-    def _summary(self, rows: torch.Tensor, wall_s: float) -> dict:
+    def _summary(self, wall_s: float) -> dict:
         config, server = self.config, self.server
+        shared = {"max_staleness": config.max_staleness, "staleness_lr": config.staleness_lr,
+                  "updates_applied": server.version}
+        totals, extra = self.group.report(server, shared, wall_s, self.state["eval_s"])
+        return build_summary(config, self.state["epochs"], totals, server.staleness.as_dict(),
+                             pushed_gradient(self.model), self.model, self.data, extra)
+
+
+class StaticGroup:
+    """``--mode async``: one fixed process group; the last rank serves, ranks 0 .. nproc-1 work."""
+
+    progress = True
+
+    def __init__(self, config: TrainConfig):
+        self.config = config
+        self.index, self.world_size = gradsync.rank(), gradsync.world_size()
+        self.server_rank = config.main_rank(self.world_size)
+        self.is_server = self.index == self.server_rank
+
+    def open_server(self, model, optimizer, total_steps, options, state) -> tuple[gradsync.ParameterServer, dict]:
+        return gradsync.ParameterServer(model, optimizer, total_steps, **options), state
+
+    def restart_record(self, server) -> None:
+        return None
+
+    def serve(self, server: gradsync.ParameterServer, on_update) -> None:
+        server.serve(on_update=on_update)
+
+    def work(self, model: torch.nn.Module, role: WorkerRole) -> None:
+        worker = gradsync.AsyncWorker(model, server_rank=self.server_rank, timeout=self.config.timeout)
+        step = worker.pull(timeout=max(self.config.timeout, MIN_STARTUP_TIMEOUT_S))  # the server may be starting
+        while step is not None:
+            step = worker.push(role.compute(step))
+        stats = gradsync.comm_stats()
+        _gather_stats([role.compute_s, worker.wait_s, stats["bytes_sent"], stats["bytes_received"],
+                       worker.pushes, role.slept_s])
+
+    def report(self, server: gradsync.ParameterServer, shared: dict, wall_s: float,
+               eval_s: float) -> tuple[RunTotals, dict]:
+        stats = gradsync.comm_stats()
+        rows = _gather_stats([0.0, 0.0, stats["bytes_sent"], stats["bytes_received"], 0, 0.0])
         workers = server.workers
         pushes = [int(rows[w, 4]) for w in workers]
         wait_s = rows[workers, 1].mean().item()  # a worker waits for every reply: all of it is exposed
         totals = RunTotals(
             world_size=server.world_size, num_workers=len(workers), steps=server.version,
-            samples=server.version * config.batch_size * config.accumulate, wall_s=wall_s,
-            train_wall_s=wall_s - self.eval_s, compute_s=rows[workers, 0].mean().item(),
+            samples=server.version * self.config.batch_size * self.config.accumulate, wall_s=wall_s,
+            train_wall_s=wall_s - eval_s, compute_s=rows[workers, 0].mean().item(),
             communication_s=wait_s, exposed_communication_s=wait_s,
             bytes_sent_per_step=rows[workers, 2].sum().item() / max(server.version, 1),
             bytes_sent_per_rank=[int(v) for v in rows[:, 2].tolist()],
             bytes_received_per_rank=[int(v) for v in rows[:, 3].tolist()],
             per_rank_compute_s=rows[:, 0].tolist(), per_rank_communication_s=rows[:, 1].tolist())
-        extra = {"server_rank": server.rank, "max_staleness": config.max_staleness,
-                 "staleness_lr": config.staleness_lr, "updates_applied": server.version,
+        extra = {"server_rank": server.rank, **shared,
                  "gradients_pushed": sum(pushes), "gradients_pushed_per_worker": pushes,
                  "updates_applied_per_worker": [server.applied_per_worker[w] for w in workers],
-                 "eval_s": self.eval_s, "straggler_sleep_s": rows[workers, 5].tolist()}
-        return build_summary(config, self.epochs, totals, server.staleness.as_dict(), pushed_gradient(self.model),
-                             self.model, self.data, extra)
+                 "eval_s": eval_s, "straggler_sleep_s": rows[workers, 5].tolist()}
+        return totals, extra
+
+
+def _gather_stats(values: list[float]) -> torch.Tensor:
+    """All ranks' stat rows, ``(world_size, _STAT_FIELDS)`` float64 (collective)."""
+    return torch.stack(gradsync.all_gather(torch.tensor(values, dtype=torch.float64)))
 
 
 @torch.no_grad()

@@ -14,8 +14,9 @@ every step's gradient is applied exactly once; replays are applied in the
 order they were computed, so under ``--max-staleness 0`` a server restart
 leaves the run bitwise unchanged.
 
-Data as in :mod:`gradsync.train.async_loop`: step ``k`` is a fixed batch,
-whoever computes it, so a replayed push is that step's gradient.
+The server and worker roles are :mod:`gradsync.train.async_loop`'s, with
+:class:`ElasticGroup` in place of its static group: step ``k`` is a fixed
+batch, whoever computes it, so a replayed push is that step's gradient.
 ``metrics.jsonl`` gets a ``{"kind": "restart"}`` record when a server starts
 from a checkpoint; the records it wrote after that checkpoint in its previous
 life may then appear twice (``summary.json`` counts each update once).
@@ -28,7 +29,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from gradsync import process_group
 from gradsync.elastic.member import RECOVERABLE, ElasticMember
@@ -38,16 +38,73 @@ from gradsync.parallel.elastic_server import ElasticParameterServer
 from gradsync.parallel.ps_protocol import MembershipChange
 from gradsync.process_group import MIN_STARTUP_TIMEOUT_S
 from gradsync.train import resume
-from gradsync.train.async_loop import batches_per_epoch, evaluate, step_indices
-from gradsync.train.config import TrainConfig, validate_against_data
-from gradsync.train.data import load
-from gradsync.train.metrics import METRICS_FILE, MetricsLog
-from gradsync.train.models import build_model
-from gradsync.train.setup import (make_optimizer, make_scheduler, seed_everything, set_threads, straggle,
-                                  straggler_factor)
-from gradsync.train.summary import RunTotals, build_summary, pushed_gradient
+from gradsync.train.async_loop import WorkerRole, run_role
+from gradsync.train.config import TrainConfig
+from gradsync.train.summary import RunTotals
 
 POLL_S = 0.01
+
+
+def run_elastic_async(member: ElasticMember, slot: int, config: TrainConfig, data_path: Path,
+                      out_dir: Path) -> dict | None:
+    """Serve (slot ``config.nproc``) or work (slots below) in an elastic async run.
+
+    The server restores its newest checkpoint (``config.checkpoint_dir`` or ``<out>/checkpoints``)
+    if there is one, writes ``metrics.jsonl`` and returns the summary dict; workers return None.
+    """
+    return run_role(ElasticGroup(member, slot, config, Path(out_dir)), config, data_path, out_dir)
+
+
+class ElasticGroup:
+    """The async roles' view of an elastic run: slot ``nproc`` serves, slots ``0 .. nproc-1`` work, in
+    one membership after another; the server checkpoints and restarts from its newest checkpoint."""
+
+    progress = False  # no bar: a relaunched server would start a second one part-way
+
+    def __init__(self, member: ElasticMember, slot: int, config: TrainConfig, out_dir: Path):
+        self.member, self.config, self.out_dir = member, config, out_dir
+        self.index, self.world_size = slot, config.nproc + 1
+        self.is_server = slot == config.nproc
+
+    def open_server(self, model, optimizer, total_steps, options, state) -> tuple[ElasticParameterServer, dict]:
+        config = self.config
+        server = ElasticParameterServer(model, optimizer, total_steps, checkpoint_folder(config, self.out_dir),
+                                        config.checkpoint_every, keep=config.keep_checkpoints, **options)
+        server.user_state = {**state, "job": _job_fields(config)}
+        server.restore(check=lambda saved, folder: check_compatible(config, saved, folder))
+        return server, server.user_state
+
+    def restart_record(self, server: ElasticParameterServer) -> dict | None:
+        if server.restored_from is None:
+            return None
+        return {"kind": "restart", "version": server.version, "checkpoint": str(server.restored_from),
+                "incarnation": self.member.incarnation}
+
+    def serve(self, server: ElasticParameterServer, on_update) -> None:
+        serve_elastic(self.member, server, on_update)
+
+    def work(self, model: torch.nn.Module, role: WorkerRole) -> None:
+        worker = ElasticAsyncWorker(model, self.member.incarnation, timeout=self.config.timeout)
+        work_elastic(self.member, worker, self.config.nproc, role.compute,
+                     max(self.config.timeout, MIN_STARTUP_TIMEOUT_S))
+
+    def report(self, server: ElasticParameterServer, shared: dict, wall_s: float,
+               eval_s: float) -> tuple[RunTotals, dict]:
+        """Totals this server life saw: per-rank times and bytes are not kept across memberships (NaN)."""
+        config = self.config
+        totals = RunTotals(
+            world_size=config.nproc + 1, num_workers=config.nproc, steps=server.version,
+            samples=server.version * config.batch_size * config.accumulate, wall_s=wall_s,
+            train_wall_s=max(wall_s - eval_s, 0.0), compute_s=float("nan"), communication_s=float("nan"),
+            exposed_communication_s=float("nan"),
+            bytes_sent_per_step=server.bytes_received / max(server.version, 1),
+            bytes_sent_per_rank=[], bytes_received_per_rank=[], per_rank_compute_s=[], per_rank_communication_s=[])
+        extra = {"server_rank": 0, "elastic": True, **shared,
+                 "updates_applied_per_worker": [server.applied_per_slot.get(s, 0) for s in range(config.nproc)],
+                 "duplicates_dropped": server.ledger.duplicates, "memberships": server.memberships,
+                 "restored_from": None if server.restored_from is None else str(server.restored_from),
+                 "eval_s": eval_s}
+        return totals, extra
 
 
 def serve_elastic(member: ElasticMember, server: ElasticParameterServer, on_update: Callable | None = None) -> None:
@@ -107,37 +164,6 @@ def _wait_for_change(member: ElasticMember) -> None:
         time.sleep(POLL_S)
 
 
-def run_elastic_async(member: ElasticMember, slot: int, config: TrainConfig, data_path: Path,
-                      out_dir: Path) -> dict | None:
-    """Serve (slot ``config.nproc``) or work (slots below) in an elastic async run.
-
-    The server restores its newest checkpoint (``config.checkpoint_dir`` or ``<out>/checkpoints``)
-    if there is one, writes ``metrics.jsonl`` and returns the summary dict; workers return None.
-    """
-    set_threads(config.nproc + 1)
-    seed_everything(config.seed)
-    data = load(data_path)
-    validate_against_data(config, config.nproc + 1, len(data.y_train))
-    model = build_model(config.model)
-    if slot == config.nproc:
-        return _ServerRole(config, model, data, Path(out_dir), member).run()
-    worker = ElasticAsyncWorker(model, member.incarnation, timeout=config.timeout)
-    factor, cache = straggler_factor(config, slot), {}
-
-    def compute(step: int) -> float:
-        started = time.perf_counter()
-        loss_sum = 0.0
-        for micro in step_indices(config, len(data.y_train), step, cache).split(config.batch_size):
-            loss = F.cross_entropy(model(data.x_train[micro]), data.y_train[micro]) / config.accumulate
-            loss.backward()
-            loss_sum += loss.item()
-        straggle(factor, time.perf_counter() - started)
-        return loss_sum
-
-    work_elastic(member, worker, config.nproc, compute, max(config.timeout, MIN_STARTUP_TIMEOUT_S))
-    return None
-
-
 def checkpoint_folder(config: TrainConfig, out_dir: Path) -> Path:
     return Path(config.checkpoint_dir) if config.checkpoint_dir else Path(out_dir) / "checkpoints"
 
@@ -172,71 +198,3 @@ def check_resumable(config: TrainConfig, out_dir: Path) -> None:
     found = ckpt.latest(checkpoint_folder(config, out_dir))
     if found is not None:
         check_compatible(config, dict(found.load_shared().get("user_state", {})), found.folder)
-
-
-class _ServerRole:
-    """The server slot: the elastic parameter server, evaluation, metrics and the summary."""
-
-    def __init__(self, config: TrainConfig, model: torch.nn.Module, data, out_dir: Path, member: ElasticMember):
-        self.config, self.model, self.data, self.member = config, model, data, member
-        self.per_epoch = batches_per_epoch(config, len(data.y_train))
-        total_steps = self.per_epoch * config.epochs
-        optimizer = make_optimizer(model.parameters(), config)
-        self.server = ElasticParameterServer(
-            model, optimizer, total_steps, checkpoint_folder(config, out_dir), config.checkpoint_every,
-            keep=config.keep_checkpoints, max_staleness=config.max_staleness,
-            staleness_aware_lr=config.staleness_lr, scheduler=make_scheduler(optimizer, config, total_steps),
-            timeout=config.timeout)
-        self.server.user_state = {"epochs": [], "eval_s": 0.0, "job": _job_fields(config)}
-        restored = self.server.restore(check=lambda saved, folder: check_compatible(config, saved, folder))
-        self.log = MetricsLog(out_dir / METRICS_FILE)
-        if restored:
-            self.log.write({"kind": "restart", "version": self.server.version,
-                            "checkpoint": str(self.server.restored_from), "incarnation": member.incarnation})
-
-    def run(self) -> dict:
-        self.started = time.perf_counter()
-        try:
-            serve_elastic(self.member, self.server, self._on_update)
-        finally:
-            self.log.close()
-        return self._summary(time.perf_counter() - self.started)
-
-    def _on_update(self, slot: int, version: int, loss: float, staleness: int) -> None:
-        self.log.write({"kind": "step", "step": version, "worker": slot, "loss": loss, "staleness": staleness,
-                        "lr": self.server.last_lr, "elapsed_s": time.perf_counter() - self.started})
-        if version % self.per_epoch == 0:
-            self._end_epoch(version // self.per_epoch - 1)
-
-    def _end_epoch(self, epoch: int) -> None:
-        state, server = self.server.user_state, self.server
-        started = time.perf_counter()
-        test_loss, test_accuracy = evaluate(self.model, self.data)
-        state["eval_s"] += time.perf_counter() - started
-        losses = server.losses[-self.per_epoch:]
-        record = {"kind": "epoch", "epoch": epoch, "train_loss": sum(losses) / len(losses),
-                  "test_loss": test_loss, "test_accuracy": test_accuracy,
-                  "elapsed_s": time.perf_counter() - self.started, "version": server.version,
-                  "staleness_mean": server.staleness.mean, "staleness_max": server.staleness.max}
-        state["epochs"] = [r for r in state["epochs"] if r["epoch"] != epoch] + [record]
-        self.log.write(record)
-
-    def _summary(self, wall_s: float) -> dict:
-        config, server = self.config, self.server
-        slots = list(range(config.nproc))
-        eval_s = server.user_state["eval_s"]
-        totals = RunTotals(
-            world_size=config.nproc + 1, num_workers=config.nproc, steps=server.version,
-            samples=server.version * config.batch_size * config.accumulate, wall_s=wall_s,
-            train_wall_s=max(wall_s - eval_s, 0.0), compute_s=float("nan"), communication_s=float("nan"),
-            exposed_communication_s=float("nan"),
-            bytes_sent_per_step=server.bytes_received / max(server.version, 1),
-            bytes_sent_per_rank=[], bytes_received_per_rank=[], per_rank_compute_s=[], per_rank_communication_s=[])
-        extra = {"server_rank": 0, "elastic": True, "max_staleness": config.max_staleness,
-                 "staleness_lr": config.staleness_lr, "updates_applied": server.version,
-                 "updates_applied_per_worker": [server.applied_per_slot.get(s, 0) for s in slots],
-                 "duplicates_dropped": server.ledger.duplicates, "memberships": server.memberships,
-                 "restored_from": None if server.restored_from is None else str(server.restored_from),
-                 "eval_s": eval_s}
-        return build_summary(config, server.user_state["epochs"], totals, server.staleness.as_dict(),
-                             pushed_gradient(self.model), self.model, self.data, extra)
