@@ -235,9 +235,12 @@ def test_a_death_inside_a_bucket_allreduce_then_a_joiner_grows_the_world_to_max_
     from gradsync.jobs.elastic import ElasticJob
 
     # the global batch stays 2 x 16 = 32 at 3 workers (uneven shares); slot 0 dies inside a bucket's
-    # AllReduce (several 4-KB buckets: the peer is inside one), while it is rank 0
+    # AllReduce (several 4-KB buckets: the peer is inside one), while it is rank 0; from step 30 on, a
+    # membership of fewer than 3 holds until a joiner asks in (3:hold:30), so the survivor cannot finish
+    # the run alone before the joiner and slot 0's relaunch have started, however loaded the machine
     config = _config(tmp_path, "run", 2, max_nproc=3, epochs=1, deterministic=False, global_batch_size=None,
-                     batch_size=16, bucket_cap_mb=0.004, elastic_fault="0:allreduce:30", algorithm="ring")
+                     batch_size=16, bucket_cap_mb=0.004, elastic_fault="0:allreduce:30,3:hold:30",
+                     algorithm="ring")
     run = Path(config.out)
     run.mkdir()
     job = ElasticJob(config, data.prepare(None, NUM_SAMPLES), run)

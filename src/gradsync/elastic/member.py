@@ -24,6 +24,7 @@ waiting on it fails at once too, instead of at its timeout.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -40,6 +41,7 @@ from gradsync.errors import GradsyncError
 # (a peer died, hung, or left), or torch.distributed's own error when a group could not form.
 RECOVERABLE = (GradsyncError, RuntimeError, TimeoutError, ConnectionError)
 POLL_S = 0.005
+log = logging.getLogger(__name__)
 
 
 # The errors a failure of a peer causes; others (a mismatch, a divergence, a bug) are bounded: the same step
@@ -87,6 +89,7 @@ class ElasticMember:
         self.timeout_s, self.backend, self.wait_s = timeout_s, backend, wait_s
         self.membership: Membership | None = None
         self.next_epoch = 1
+        self.heartbeat_stop = threading.Event()
 
     def join(self, step: int = -1) -> None:
         """Ask to be admitted; ``step`` is what this worker could offer (-1: nothing, a fresh process).
@@ -95,11 +98,15 @@ class ElasticMember:
         the quorum reads while it closes a membership: a member whose process is gone and whose launcher
         is gone with it (a lost host) stops beating and is evicted without waiting for its timeout.
         """
-        start_heartbeat(self.store, self.slot, self.incarnation)
+        start_heartbeat(self.store, self.slot, self.incarnation, self.timeout_s, self.heartbeat_stop)
         current = self.store.get("q/epoch").decode() if self.store.check(["q/epoch"]) else "0"
         self.next_epoch = int(current) + 1
         post(self.store, "join", slot=self.slot, incarnation=self.incarnation, step=step, pid=os.getpid(),
              host=socket.gethostname())
+
+    def stop_heartbeat(self) -> None:
+        """End this process's heartbeat (the run is over for it)."""
+        self.heartbeat_stop.set()
 
     def enter(self) -> Membership:
         """Wait for the next membership that includes this worker and form its communicator.
@@ -126,9 +133,11 @@ class ElasticMember:
         while not self.store.check([key]):
             for outcome in ("done", "failed"):
                 if self.store.check([f"q/{outcome}"]):
+                    self.stop_heartbeat()
                     raise Evicted(f"slot {self.slot}: the run is {outcome} "
                                   f"({get_json(self.store, f'q/{outcome}')})")
             if self.store.check([f"q/evict/{self.slot}/{self.incarnation}"]):
+                self.stop_heartbeat()
                 raise Evicted(f"slot {self.slot} was evicted: {self.store.get(f'q/evict/{self.slot}/{self.incarnation}').decode()}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"slot {self.slot}: no membership {epoch} within {self.wait_s:g} s")
@@ -167,6 +176,7 @@ class ElasticMember:
     def fail(self, error: BaseException) -> None:
         """End the run: an error that recovery cannot cure (the same step failed :data:`FATAL_AFTER` times,
         or an error no peer caused). Every launcher stops; ``gradsync train`` reports ``error``."""
+        self.stop_heartbeat()
         post(self.store, "fatal", slot=self.slot, incarnation=self.incarnation,
              error=f"{type(error).__name__}: {error}"[:1000])
 
@@ -179,6 +189,7 @@ class ElasticMember:
         epoch = self.membership.epoch
         while True:
             if self.store.check(["q/done"]):
+                self.stop_heartbeat()  # the store goes soon after: a beat that fails then is no news
                 return True
             if self.store.check([f"q/next/{epoch}"]):
                 return False
@@ -192,23 +203,54 @@ def heartbeat_key(slot: int, incarnation: int) -> str:
     return f"hb/{slot}/{incarnation}"
 
 
-def start_heartbeat(store, slot: int, incarnation: int) -> threading.Thread:
-    """A daemon thread bumping ``hb/<slot>/<incarnation>`` every :data:`HEARTBEAT_S` on a store connection
-    of its own (a beat never waits behind the trainer's store calls)."""
-    try:
-        own = store.clone()
-    except (AttributeError, RuntimeError, NotImplementedError):
-        own = store
+def start_heartbeat(store, slot: int, incarnation: int, timeout_s: float, stop: threading.Event,
+                    interval_s: float = HEARTBEAT_S) -> threading.Thread:
+    """A daemon thread bumping ``hb/<slot>/<incarnation>`` every ``interval_s`` on a store connection
+    of its own (a beat never waits behind the trainer's store calls).
+
+    A failed beat is logged and retried at the next one, on a fresh connection (the failed call may
+    have left the old one mid-message): a store that hiccups must not get a healthy member evicted.
+    The thread ends when ``stop`` is set, or when the store has failed every beat for longer than
+    ``timeout_s`` (the member's own timeout; it logs an error saying so): by then the run is over.
+    """
+    key = heartbeat_key(slot, incarnation)
 
     def beat() -> None:
-        key = heartbeat_key(slot, incarnation)
-        while True:
+        connection, failing_since = None, None
+        while not stop.is_set():
             try:
-                own.add(key, 1)
-            except Exception:  # noqa: BLE001 - the store is gone: the run is over
-                return
-            time.sleep(HEARTBEAT_S)
+                connection = connection or _own_connection(store)
+                connection.add(key, 1)
+            except Exception as exc:  # noqa: BLE001 - any store error: judged by how long it lasts
+                first = failing_since is None
+                connection, failing_since = None, failing_since or time.monotonic()
+                if _store_gone(slot, exc, time.monotonic() - failing_since, timeout_s, first):
+                    return
+            else:
+                if failing_since is not None:
+                    log.warning("heartbeat of slot %d: the store answers again", slot)
+                failing_since = None
+            stop.wait(interval_s)
 
     thread = threading.Thread(target=beat, daemon=True, name="gradsync-heartbeat")
     thread.start()
     return thread
+
+
+def _own_connection(store):
+    try:
+        return store.clone()
+    except (AttributeError, NotImplementedError):  # a store that cannot clone (HashStore, a test's): share it
+        return store
+
+
+def _store_gone(slot: int, error: Exception, failing_s: float, timeout_s: float, first: bool) -> bool:
+    """True (and an error logged) once the store has failed for longer than ``timeout_s``; the first
+    failure of a run of them is logged as a warning, the others only at debug level."""
+    if failing_s > timeout_s:
+        log.error("heartbeat of slot %d stops: the run's store has failed every beat for %.1f s, longer than "
+                  "the timeout %g s (last error %s: %s)", slot, failing_s, timeout_s, type(error).__name__, error)
+        return True
+    log.log(logging.WARNING if first else logging.DEBUG, "heartbeat of slot %d: a beat failed (%s: %s); "
+            "retrying every beat for up to %g s", slot, type(error).__name__, error, timeout_s)
+    return False

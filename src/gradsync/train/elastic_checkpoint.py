@@ -15,11 +15,12 @@ fresh, since no rank's own is in it.
 from __future__ import annotations
 
 import io
+import warnings
 from pathlib import Path
 
 import torch
 
-from gradsync.fault.checkpoint import write_atomic
+from gradsync.fault.checkpoint import CheckpointWarning, write_atomic
 from gradsync.train import resume
 from gradsync.train.config import TrainConfig
 
@@ -43,17 +44,49 @@ def save(config: TrainConfig, state: dict, world_size: int) -> Path:
     return path
 
 
+# what _snapshot and check_resumable read: a loadable file without them is no elastic checkpoint
+REQUIRED_KEYS = ("model", "optimizer", "scheduler", "progress", "global_batch", "config", "world_size")
+
+
 def latest(config: TrainConfig) -> tuple[Path, dict] | None:
-    """The newest readable checkpoint and its state, or None (an unreadable one is skipped)."""
+    """The newest readable checkpoint and its state, or None.
+
+    Each newer one that cannot be used is skipped with a
+    :class:`~gradsync.fault.checkpoint.CheckpointWarning` naming the file and
+    what is wrong with it (the same fallback as torch's and DeepSpeed's: the
+    last *valid* checkpoint, said out loud).
+    """
+    found, skipped = scan(config)
+    for line in skipped:
+        warnings.warn(line, CheckpointWarning, stacklevel=2)
+    return found
+
+
+def scan(config: TrainConfig) -> tuple[tuple[Path, dict] | None, list[str]]:
+    """``(newest usable (path, state) or None, one line per newer checkpoint skipped)``; warns nothing,
+    so that a run can record the lines (its events) as well as show them."""
     root = folder(config)
     if root is None or not root.is_dir():
-        return None
+        return None, []
+    skipped = []
     for path in sorted(root.glob("step-*.pt"), reverse=True):
-        try:
-            return path, torch.load(path, weights_only=True)
-        except Exception:  # noqa: BLE001 - a torn or corrupt file: try the one before
-            continue
-    return None
+        state, problem = _read(path)
+        if problem is None:
+            return (path, state), skipped
+        skipped.append(f"skipping elastic checkpoint {path}: {problem}; trying the one before")
+    return None, skipped
+
+
+def _read(path: Path) -> tuple[dict | None, str | None]:
+    """``(state, None)``, or ``(None, what is wrong)`` for a torn, corrupt or foreign file."""
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch.load raises many types for a damaged file
+        return None, f"it cannot be read ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+    missing = [key for key in REQUIRED_KEYS if key not in state] if isinstance(state, dict) else list(REQUIRED_KEYS)
+    if missing:
+        return None, f"it lacks {', '.join(missing)} (not an elastic checkpoint)"
+    return state, None
 
 
 def offer(found: tuple[Path, dict], global_batch: int, world_size: int, events) -> dict:
