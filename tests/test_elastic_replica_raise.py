@@ -29,7 +29,8 @@ STEP = 7  # committed steps rank 0 hands over
 
 
 def _rank_handover_with_a_divergent_replica(data_path: str, out_dir: str):
-    from gradsync.train.elastic_loop import ElasticTrainer
+    from gradsync.elastic.membership import ElasticMembership, View
+    from gradsync.train import loop
     from gradsync.train.models import build_model
 
     rank = gradsync.rank()
@@ -38,21 +39,22 @@ def _rank_handover_with_a_divergent_replica(data_path: str, out_dir: str):
     member = SimpleNamespace(slot=rank, incarnation=0, membership=membership)
     config = TrainConfig(nproc=2, elastic=True, deterministic=False, global_batch_size=64, num_samples=2000,
                          epochs=1, progress=False, out=out_dir)
-    trainer = ElasticTrainer(member, config, Path(data_path), Path(out_dir))
-    trainer.progress["step"] = STEP
+    trainer = loop.Trainer(config, Path(data_path), Path(out_dir), ElasticMembership(member, Path(out_dir)))
+    trainer.state.step = STEP
     if rank == 1:
-        build = trainer._build
+        build = loop.build_replica
 
-        def build_then_nudge(state):
-            build(state)
+        def build_then_nudge(*args, **kwargs):
+            model = build(*args, **kwargs)
             with torch.no_grad():
-                first = next(trainer.module.parameters())
+                first = next(model.module.parameters())
                 first.view(-1)[0] = torch.nextafter(first.view(-1)[0], torch.tensor(9.0))
+            return model
 
-        trainer._build = build_then_nudge
+        loop.build_replica = build_then_nudge
     first = next(name for name, _ in build_model(config.model).named_parameters())
     try:
-        trainer._adopt(membership)
+        trainer._start(View(rank, 2, 2, membership))
     except gradsync.ReplicaDivergenceError as error:
         return {"message": str(error), "tensor": error.tensor, "groups": error.groups, "step": error.step,
                 "first": first}
