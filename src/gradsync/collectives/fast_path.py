@@ -13,9 +13,20 @@ falls back when the group turns out to, and a small AllReduce runs its plan.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
+
+import torch
 
 from gradsync.collectives import shm, shm_lean
+
+
+class Plan(Protocol):
+    """One layout's AllReduce, its arguments checked: ``run`` sums ``tensor`` over the ranks of ``call``
+    (a CollectiveCall), in place; ``label``: the algorithm its calls are recorded under."""
+
+    label: str
+
+    def run(self, tensor: torch.Tensor, call) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -26,7 +37,7 @@ class OneHost:
     found out whether the ranks share a machine, then True or False;
     ``usable(call)``: find out (collective the first time, every rank learns
     the same answer); ``plan(comm, tensor, work_dtype, avg, describe_row, call)``:
-    a plan (:class:`~gradsync.collectives.plans.Plan`) that reduces a small
+    a :class:`Plan` that reduces a small
     AllReduce of this layout in one round with its layout check, or None where
     the call is not small enough (``describe_row()``: the call's layout
     descriptor, built only for a plan).

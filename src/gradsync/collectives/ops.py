@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import os
 from contextlib import contextmanager
+from typing import Sequence
 
 import torch
 
@@ -297,12 +298,6 @@ def all_to_all(sends: list[torch.Tensor], receives: list[torch.Tensor], comm: Co
     return receives
 
 
-def zero_copy_dtypes(algorithm: str) -> tuple[torch.dtype, ...]:
-    """The dtypes ``algorithm`` reduces in place in storage from :func:`shared_buffer` (empty: none)."""
-    capability = ZERO_COPY.get(algorithm)
-    return capability.dtypes if capability else ()
-
-
 @recorded
 def shared_buffer(comm: Communicator, nbytes: int, algorithm: str) -> torch.Tensor | None:
     """A ``(nbytes,)`` uint8 buffer that ``all_reduce(..., algorithm=algorithm)`` reduces without
@@ -332,6 +327,48 @@ def shared_buffer(comm: Communicator, nbytes: int, algorithm: str) -> torch.Tens
     return capability.allocate(call, nbytes) if capability is not None else None
 
 
-__all__ = ["ALGORITHMS", "OPS", "SUPPORTED_DTYPES", "all_gather", "auto_profiles_fingerprint", "all_reduce", "all_to_all", "average",
-           "broadcast", "chunk_bounds", "reduce_scatter", "resolve_algorithm", "shared_buffer",
-           "validate_algorithm", "validate_op", "zero_copy_dtypes"]
+def zero_copy_plan(comm: Communicator, buckets: Sequence[tuple[int, torch.dtype, torch.device]],
+                   algorithm: str) -> list[torch.Tensor | None]:
+    """Where each bucket must live for ``algorithm`` to all-reduce it without copying it in (DataParallel's
+    zero-copy buckets): per bucket, uint8 storage of at least ``numel * dtype.itemsize`` bytes from
+    :func:`shared_buffer`, or None (its own memory will do).
+
+    Args:
+        buckets: ``(numel, dtype, device)`` of each bucket's AllReduce, in order.
+        algorithm: a name in ``ALGORITHMS``; ``auto`` is resolved per bucket as :func:`all_reduce`
+            resolves it for that many bytes.
+
+    A bucket gets storage when the algorithm that reduces it offers zero-copy
+    storage (``registry.ZERO_COPY``) for its dtype, it is on the CPU and holds
+    at least one byte, and the group can share that storage (else None for
+    every bucket). Each call takes fresh storage (see :func:`shared_buffer`).
+
+    Collective: every rank calls it in the same order with the same ``buckets`` and ``algorithm``
+    (a world of one rank communicates nothing and gets None for every bucket).
+    """
+    storages: list[torch.Tensor | None] = [None] * len(buckets)
+    if comm.world_size == 1:
+        return storages
+    wanted: dict[str, list[tuple[int, int]]] = {}  # algorithm -> (bucket, storage bytes)
+    offered = {dtype for capability in ZERO_COPY.values() for dtype in capability.dtypes}
+    for index, (numel, dtype, device) in enumerate(buckets):
+        nbytes = numel * dtype.itemsize
+        if not nbytes or torch.device(device).type != "cpu" or dtype not in offered:
+            continue
+        name = resolve_algorithm(comm, nbytes, algorithm) if algorithm == AUTO else algorithm
+        capability = ZERO_COPY.get(name)
+        if capability is not None and dtype in capability.dtypes:
+            align = capability.align_bytes
+            wanted.setdefault(name, []).append((index, -(-nbytes // align) * align))
+    for name, parts in wanted.items():
+        storage = shared_buffer(comm, sum(nbytes for _, nbytes in parts), name)
+        offset = 0
+        for index, nbytes in parts if storage is not None else ():
+            storages[index] = storage[offset:offset + nbytes]
+            offset += nbytes
+    return storages
+
+
+__all__ = ["ALGORITHMS", "AUTO", "DEFAULT_ALGORITHM", "OPS", "SUPPORTED_DTYPES", "all_gather", "all_reduce",
+           "all_to_all", "auto_profiles_fingerprint", "average", "broadcast", "chunk_bounds", "reduce_scatter",
+           "resolve_algorithm", "shared_buffer", "validate_algorithm", "validate_op", "zero_copy_plan"]

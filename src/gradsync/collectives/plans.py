@@ -1,7 +1,7 @@
 """A communicator's plans by layout: an AllReduce whose arguments were checked once runs its plan directly.
 
-A fast path (``registry.ONE_HOST``) may hand :func:`~gradsync.collectives.validate.start_call`
-a plan for a call's layout (the one-host small-call round, for instance); the
+A fast path (:mod:`~gradsync.collectives.fast_path`) may hand :func:`~gradsync.collectives.validate.start_call`
+a plan (``fast_path.Plan``) for a call's layout (the one-host small-call round, for instance); the
 communicator keeps it under :func:`plan_key` (``Communicator.plans``), so a
 repeated call checks its arguments, resolves its algorithm and fingerprints
 its options once (:func:`gradsync.collectives.ops.all_reduce`).
@@ -10,21 +10,11 @@ its options once (:func:`gradsync.collectives.ops.all_reduce`).
 from __future__ import annotations
 
 import math
-from typing import Protocol
 
 import torch
 
 _STRIDED = torch.strided
 MAX_PLANS = 512  # layouts kept per communicator (a program has a handful; a pathological one stays bounded)
-
-
-class Plan(Protocol):
-    """One layout's AllReduce, its arguments checked: ``run`` sums ``tensor`` over the ranks of ``call``
-    (a CollectiveCall), in place; ``label``: the algorithm its calls are recorded under."""
-
-    label: str
-
-    def run(self, tensor: torch.Tensor, call) -> None: ...
 
 
 def plan_key(tensor, op, algorithm, timeout) -> tuple | None:
@@ -40,7 +30,7 @@ def plan_key(tensor, op, algorithm, timeout) -> tuple | None:
             torch.is_inference_mode_enabled(), op, algorithm)
 
 
-def keep(plans: dict, key: tuple | None, plan: Plan) -> None:
+def keep(plans: dict, key: tuple | None, plan) -> None:
     """Keep ``plan`` under ``key`` (forgetting every plan when ``MAX_PLANS`` are kept)."""
     if key is None:
         return

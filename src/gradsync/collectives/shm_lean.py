@@ -25,7 +25,7 @@ import torch
 
 from gradsync.collectives.call import CollectiveCall
 from gradsync.collectives.check import check_word, row_digest, settle_check
-from gradsync.collectives.plans import plan_key  # noqa: F401 (the key plans are kept under; bench.latency reads it here)
+from gradsync.collectives.plans import plan_key  # noqa: F401 (bench.latency reads it here)
 from gradsync.collectives.shm_pipeline import sum_rows
 from gradsync.collectives.shm_setup import LEAN_MAX_BYTES, MAIL_DATA_OFFSET, ShmState, barrier
 from gradsync.transport.shm_segment import ShmSegment

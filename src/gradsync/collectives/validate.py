@@ -39,10 +39,9 @@ from gradsync.collectives.check import describe, rejection_code, verify_layout
 from gradsync.collectives.chunking import SegmentOptions
 from gradsync.collectives.communicator import Communicator, check_timeout
 from gradsync.collectives.dtypes import FLOAT32_ACCUMULATED, SUPPORTED_DTYPES
-from gradsync.collectives.fast_path import ONE_HOST
+from gradsync.collectives.fast_path import ONE_HOST, Plan
 from gradsync.collectives.hierarchical import HierarchicalOptions
 from gradsync.collectives.options import check_count
-from gradsync.collectives.plans import Plan
 from gradsync.collectives.recording import public_collective
 from gradsync.collectives import registry
 from gradsync.collectives.registry import AUTO
