@@ -15,7 +15,7 @@ import torch
 
 import gradsync
 from gradsync.collectives import Communicator, ops
-from gradsync.collectives.preflight import resolve_algorithm
+from gradsync.collectives.validate import resolve_algorithm
 from gradsync.process_group import default_communicator
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -252,7 +252,7 @@ def test_a_shape_mismatch_of_many_dims_is_shown_without_a_hash(kind):
     (lambda: torch.ones(10).as_strided((3, 3), (1, 2)), True),
 ])
 def test_overlaps_itself_tells_views_from_overlapping_tensors(make, overlaps):
-    from gradsync.collectives.preflight import overlaps_itself
+    from gradsync.collectives.validate import overlaps_itself
     assert overlaps_itself(make()) is overlaps
 
 

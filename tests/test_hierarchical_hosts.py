@@ -23,7 +23,7 @@ from gradsync.collectives import Communicator, HierarchicalOptions, auto
 from gradsync.collectives import ops as collectives_api
 from gradsync.collectives import hierarchical
 from gradsync.collectives.hierarchical import BackendSubgroups
-from gradsync.collectives.preflight import resolve_algorithm
+from gradsync.collectives.validate import resolve_algorithm
 from gradsync.process_group import default_communicator
 from gradsync.sim.formulas import predict_s
 from gradsync.sim.profiles import get_profile

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from _dist import run_threads
-from gradsync.collectives import Communicator, HierarchicalOptions, SegmentOptions, auto, preflight
+from gradsync.collectives import Communicator, HierarchicalOptions, SegmentOptions, auto, validate
 from gradsync.collectives import ops as collectives_api
 from gradsync.sim.cluster import SimulationDeadlock, VirtualCluster
 from gradsync.sim.engine import simulate_all_reduce
@@ -177,10 +177,10 @@ def test_auto_folds_the_profile_digest_into_the_layout_check(monkeypatch):
     comm = Communicator(ThreadWorld(2).transport(0))
     comm.locality = Locality((0, 0))
     monkeypatch.delenv(auto.PROFILE_ENV, raising=False)
-    here = preflight._fingerprint(comm, "ring", "auto")
-    assert preflight._fingerprint(comm, "ring", "ring") == preflight.options_fingerprint(comm, "ring")
+    here = validate._fingerprint(comm, "ring", "auto")
+    assert validate._fingerprint(comm, "ring", "ring") == validate.options_fingerprint(comm, "ring")
     monkeypatch.setenv(auto.PROFILE_ENV, "h100-ib")
-    assert preflight._fingerprint(comm, "ring", "auto") != here
+    assert validate._fingerprint(comm, "ring", "auto") != here
     monkeypatch.setenv(auto.PROFILE_ENV, "no-such-profile")
     with pytest.raises(ValueError, match="GRADSYNC_PROFILE"):
         auto.choose(4096, 2, 2)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.collectives.communicator import DEFAULT_TIMEOUT_S, Communicator
-from gradsync.collectives.preflight import reject_call
+from gradsync.collectives.validate import reject_call
 from gradsync.collectives.recording import run_recorded
 from gradsync.errors import CollectiveTimeoutError, NotInitializedError
 from gradsync.fault.hang import HangDetector

@@ -14,7 +14,7 @@ group on one host, ``test-hosts`` for a group across hosts: the emulated
 hosts of ``--hosts``; calibrate your own cluster and set ``GRADSYNC_PROFILE``).
 Every rank must decide from the same numbers: the profile's digest is folded
 into the layout check's options fingerprint of every ``auto`` call
-(:mod:`~gradsync.collectives.preflight`), so ranks with different profiles
+(:mod:`~gradsync.collectives.validate`), so ranks with different profiles
 raise CollectiveMismatchError instead of running different algorithms.
 
 Candidates: ``shm`` when every rank shares one host and shared memory is not

@@ -92,7 +92,7 @@ class Communicator:
         self.calls_started = 0  # every rank starts its calls in the same order: their ordinal is a tag
         self.flight = FlightRecorder(transport.rank, transport.world_size)
         self.lane = Lane()  # the communication thread that keeps collectives in issue order
-        self.plans: dict = {}  # checked layouts -> their lean shm plans (collectives.shm_lean)
+        self.plans: dict = {}  # checked layouts -> their plans (collectives.plans)
         self.closed = False
         self.locality: Locality | None = getattr(transport, "locality", None)
         if self.locality is None and transport.world_size == 1:

@@ -43,6 +43,7 @@ and each extra rank moves n in and n out inside its host (ring; none with shm).
 
 from __future__ import annotations
 
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -50,7 +51,7 @@ import torch
 
 from gradsync.collectives import halving_doubling, native, ring, shm, tree
 from gradsync.collectives.call import CollectiveCall
-from gradsync.collectives.chunking import chunk_bounds
+from gradsync.collectives.chunking import SegmentOptions, chunk_bounds
 from gradsync.collectives.options import AlgorithmOptions, check_count
 from gradsync.transport.base import PeerFailure
 
@@ -168,6 +169,29 @@ def native_problem(transport) -> ValueError | None:
                       f"TorchP2PTransport whose group holds every rank of the default group (gradsync.init's "
                       f"group); this group runs over {type(transport).__name__} (choose ring, tree or "
                       f"halving_doubling across nodes)")
+
+
+def group_problem(comm) -> ValueError | None:
+    """Why the group of ``comm`` (a Communicator) cannot run this algorithm with its options, or None."""
+    options = comm.options(HierarchicalOptions)
+    try:
+        options.nodes(comm.world_size, comm.locality)
+    except ValueError as exc:
+        return exc
+    if options.inter_node_algorithm == NATIVE:
+        return native_problem(comm.transport)
+    return None
+
+
+def options_compared(comm) -> tuple:
+    """What every rank's options must agree on: segment bytes, the nodes (crc32) and both algorithms."""
+    options = comm.options(HierarchicalOptions)
+    try:
+        nodes = zlib.crc32(repr(options.nodes(comm.world_size, comm.locality)).encode())
+    except ValueError:
+        nodes = None
+    return (comm.options(SegmentOptions).segment_bytes, nodes, options.inter_node_algorithm,
+            options.intra_node_algorithm)
 
 
 @dataclass

@@ -6,13 +6,17 @@ for float32/float64/float16/bfloat16 and int8/uint8/int16/int32/int64.
 fp16/bf16 are accumulated in float32 for every algorithm; results are
 bitwise identical on every rank. Before any payload moves, every rank
 checks its own arguments and the ranks compare their calls
-(:mod:`~gradsync.collectives.preflight`, :mod:`~gradsync.collectives.check`):
-layout, op, src, the algorithm each resolved ("auto" included) and its
+(:mod:`~gradsync.collectives.validate`, :mod:`~gradsync.collectives.check`):
+layout, op, src, the algorithm each resolved (``auto`` included) and its
 options. A difference raises :class:`~gradsync.errors.CollectiveMismatchError`
 on every rank; a bad argument on one rank (timeout, op, algorithm, a sparse,
 meta or inference tensor, a dtype, a failed staging allocation) raises its
 own TypeError/ValueError there and a CollectiveMismatchError naming that
 rank and the cause on every other, so the group stays in step.
+
+Which algorithms a collective offers, and what each needs or offers beyond
+its function (a one-host fast path, zero-copy storage), is data in
+:mod:`~gradsync.collectives.registry`; this module names no algorithm.
 """
 
 from __future__ import annotations
@@ -20,11 +24,11 @@ from __future__ import annotations
 import functools
 import os
 from contextlib import contextmanager
+from typing import Sequence
 
 import torch
 
-from gradsync.collectives import broadcast as tree_broadcast
-from gradsync.collectives import ring, shm, shm_lean
+from gradsync.collectives import plans
 from gradsync.collectives.all_to_all import all_to_all as _all_to_all
 from gradsync.collectives.auto import PROFILE_ENV
 from gradsync.collectives.auto import profiles_fingerprint as auto_profiles_fingerprint
@@ -33,10 +37,11 @@ from gradsync.collectives.check import verify_layout, verify_pairs
 from gradsync.collectives.chunking import chunk_bounds
 from gradsync.collectives.communicator import Communicator
 from gradsync.collectives.dtypes import SUPPORTED_DTYPES
-from gradsync.collectives.preflight import (OPS, nbytes_problem, resolve_algorithm, sequence_problem, start_call,
-                                            working_dtype)
 from gradsync.collectives.recording import public_collective, recorded
-from gradsync.collectives.registry import ALGORITHMS, ALL_REDUCE, AUTO, ZERO_COPY
+from gradsync.collectives.registry import (ALGORITHMS, ALL_GATHER, ALL_REDUCE, AUTO, BROADCAST, DEFAULT_ALGORITHM,
+                                           REDUCE_SCATTER, ZERO_COPY)
+from gradsync.collectives.validate import (FIXED_ALGORITHM, OPS, nbytes_problem, resolve_algorithm, sequence_problem,
+                                           start_call, usable_after_all, working_dtype)
 
 set_grad_enabled = torch._C._set_grad_enabled  # what torch.no_grad() calls on entry and exit
 
@@ -95,7 +100,7 @@ def _flat_view(tensor: torch.Tensor, comm: Communicator, dtype: torch.dtype):
 @public_collective
 @without_grad
 def all_reduce(tensor: torch.Tensor, comm: Communicator, *, op: str = "sum",
-               algorithm: str = "ring", timeout: float | None = None,
+               algorithm: str = DEFAULT_ALGORITHM, timeout: float | None = None,
                verify: bool = True) -> torch.Tensor:
     """Sum (or average) ``tensor`` over all ranks of ``comm``, in place.
 
@@ -121,26 +126,26 @@ def all_reduce(tensor: torch.Tensor, comm: Communicator, *, op: str = "sum",
 
     Collective: every rank must call this in the same order with equal shape and dtype.
     """
-    key = shm_lean.plan_key(tensor, op, algorithm, timeout)
+    key = plans.plan_key(tensor, op, algorithm, timeout)
     if key is not None:
         if algorithm == AUTO:
             key += (os.environ.get(PROFILE_ENV),)
         plan = comm.plans.get(key)
-        if plan is not None:  # a layout already checked: straight to the lean round
+        if plan is not None:  # a layout already checked: straight to its plan's round
             plan.run(tensor, comm.new_call("all_reduce", plan.label, timeout))
             return tensor
     prepare = _stage_through_workspace(comm, tensor, lambda name: working_dtype(tensor.dtype, name))
     requested = algorithm
-    call, algorithm, staged = start_call(comm, tensor, "all_reduce", op=op, algorithm=requested,
-                                         timeout=timeout, verify=verify, prepare=prepare, lean=True)
-    if isinstance(staged, shm_lean.LeanPlan):
-        shm_lean.keep(comm.plans, key, staged)
-        staged.run(tensor, call)
+    started = start_call(comm, tensor, "all_reduce", op=op, algorithm=requested, timeout=timeout,
+                         verify=verify, prepare=prepare, lean=True)
+    call, algorithm = started.call, started.algorithm
+    if started.plan is not None:
+        plans.keep(comm.plans, key, started.plan)
+        started.plan.run(tensor, call)
         return tensor
     if comm.world_size == 1 or tensor.numel() == 0:
         return tensor
-    if requested == AUTO and algorithm == "shm" and not shm.usable(call):  # several hosts after all (agreed)
-        algorithm = resolve_algorithm(comm, tensor.numel() * tensor.element_size(), AUTO)
+    algorithm = usable_after_all(comm, call, requested, algorithm, tensor.numel() * tensor.element_size())
     work_dtype = working_dtype(tensor.dtype, algorithm)
     if tensor.is_contiguous() and tensor.dtype == work_dtype:  # the common case, without staging
         _reduce_flat(tensor.view(-1), call, algorithm, op)
@@ -156,7 +161,8 @@ def _reduce_flat(flat: torch.Tensor, call: CollectiveCall, algorithm: str, op: s
         flat.div_(call.world_size)
 
 
-def average(flat: torch.Tensor, comm: Communicator, divisor: int, algorithm: str = "ring") -> torch.Tensor:
+def average(flat: torch.Tensor, comm: Communicator, divisor: int,
+            algorithm: str = DEFAULT_ALGORITHM) -> torch.Tensor:
     """Replace ``flat`` (floating point, contiguous) by the sum over ranks divided by ``divisor``, in place.
 
     ``divisor``: the ranks whose values count (``world_size``, fewer when
@@ -180,7 +186,7 @@ def broadcast(tensor: torch.Tensor, comm: Communicator, *, src: int = 0,
               algorithm: str | None = None) -> torch.Tensor:
     """Copy rank ``src``'s ``tensor`` into every rank's ``tensor``, in place.
 
-    ``algorithm``: None or "tree" (binomial tree), or "shm" (shared memory, one machine).
+    ``algorithm``: None (a binomial tree) or a name in ``registry.BROADCAST``.
 
     Raises:
         ValueError: ``src`` outside ``[0, world_size)``; CollectiveMismatchError:
@@ -189,15 +195,12 @@ def broadcast(tensor: torch.Tensor, comm: Communicator, *, src: int = 0,
     Collective: every rank must call this in the same order with equal shape, dtype and src.
     """
     prepare = _stage_through_workspace(comm, tensor, lambda name: tensor.dtype)
-    call, algorithm, _ = start_call(comm, tensor, "broadcast", src=src, algorithm=algorithm, timeout=timeout,
-                                    verify=verify, prepare=prepare)
+    started = start_call(comm, tensor, "broadcast", src=src, algorithm=algorithm, timeout=timeout,
+                         verify=verify, prepare=prepare)
     if comm.world_size == 1 or tensor.numel() == 0:
         return tensor
     with _flat_view(tensor, comm, tensor.dtype) as flat:
-        if algorithm == "shm":
-            shm.broadcast(flat, src, call)
-        else:
-            tree_broadcast.broadcast(flat, src, call)
+        BROADCAST[started.algorithm](flat, src, started.call)
     return tensor
 
 
@@ -207,21 +210,19 @@ def all_gather(tensor: torch.Tensor, comm: Communicator, *, timeout: float | Non
                verify: bool = True, algorithm: str | None = None) -> list[torch.Tensor]:
     """Return every rank's ``tensor``: a list of ``world_size`` new tensors, index = rank.
 
-    ``algorithm``: None or "ring", or "shm" (shared memory, one machine).
+    ``algorithm``: None (a ring) or a name in ``registry.ALL_GATHER``.
 
     Collective: every rank must call this in the same order with equal shape and dtype.
     """
     def prepare(name: str) -> torch.Tensor:
         return torch.empty(tensor.numel() * comm.world_size, dtype=tensor.dtype, device=tensor.device)
 
-    call, algorithm, gathered = start_call(comm, tensor, "all_gather", algorithm=algorithm, timeout=timeout,
-                                           verify=verify, prepare=prepare)
-    numel, world_size = tensor.numel(), comm.world_size
+    started = start_call(comm, tensor, "all_gather", algorithm=algorithm, timeout=timeout, verify=verify,
+                         prepare=prepare)
+    numel, world_size, gathered = tensor.numel(), comm.world_size, started.staged
     gathered[comm.rank * numel:(comm.rank + 1) * numel] = tensor.reshape(-1)
-    if algorithm == "shm" and world_size > 1:
-        shm.all_gather(gathered, call)
-    else:
-        ring.all_gather(gathered, call)
+    if world_size > 1:
+        ALL_GATHER[started.algorithm](gathered, started.call)
     return [part.view(tensor.shape) for part in gathered.split(numel)] if numel else \
         [tensor.new_empty(tensor.shape) for _ in range(world_size)]
 
@@ -233,7 +234,7 @@ def reduce_scatter(tensor: torch.Tensor, comm: Communicator, *, op: str = "sum",
                    algorithm: str | None = None) -> torch.Tensor:
     """Reduce ``tensor`` over all ranks and return this rank's chunk.
 
-    ``algorithm``: None or "ring", or "shm" (shared memory, one machine).
+    ``algorithm``: None (a ring) or a name in ``registry.REDUCE_SCATTER``.
 
     The flattened tensor is split into world_size chunks as
     ``torch.tensor_split`` does; rank r gets chunk r, a new ``(chunk_numel,)``
@@ -242,14 +243,15 @@ def reduce_scatter(tensor: torch.Tensor, comm: Communicator, *, op: str = "sum",
     Collective: every rank must call this in the same order with equal shape and dtype.
     """
     def prepare(name: str) -> torch.Tensor:
-        return comm.workspace.get(tensor.numel(), working_dtype(tensor.dtype, "ring"), tensor.device,
-                                  purpose="stage")
+        return comm.workspace.get(tensor.numel(), working_dtype(tensor.dtype, FIXED_ALGORITHM["reduce_scatter"]),
+                                  tensor.device, purpose="stage")
 
-    call, algorithm, flat = start_call(comm, tensor, "reduce_scatter", op=op, algorithm=algorithm,
-                                       timeout=timeout, verify=verify, prepare=prepare)
+    started = start_call(comm, tensor, "reduce_scatter", op=op, algorithm=algorithm, timeout=timeout,
+                         verify=verify, prepare=prepare)
+    flat = started.staged
     flat.copy_(tensor.reshape(-1))
-    scatter = shm.reduce_scatter if algorithm == "shm" else ring.reduce_scatter
-    start, stop = scatter(flat, call) if comm.world_size > 1 else (0, flat.numel())
+    start, stop = (REDUCE_SCATTER[started.algorithm](flat, started.call) if comm.world_size > 1
+                   else (0, flat.numel()))
     chunk = flat[start:stop]
     if op == "avg":
         chunk.div_(comm.world_size)
@@ -296,19 +298,13 @@ def all_to_all(sends: list[torch.Tensor], receives: list[torch.Tensor], comm: Co
     return receives
 
 
-def zero_copy_dtypes(algorithm: str) -> tuple[torch.dtype, ...]:
-    """The dtypes ``algorithm`` reduces in place in storage from :func:`shared_buffer` (empty: none)."""
-    capability = ZERO_COPY.get(algorithm)
-    return capability.dtypes if capability else ()
-
-
 @recorded
 def shared_buffer(comm: Communicator, nbytes: int, algorithm: str) -> torch.Tensor | None:
     """A ``(nbytes,)`` uint8 buffer that ``all_reduce(..., algorithm=algorithm)`` reduces without
     copying in (DataParallel's zero-copy buckets), or None when ``algorithm`` offers no such storage
-    or cannot here (for "shm": the ranks are not all on one machine).
+    or cannot here (for shared memory: the ranks are not all on one machine).
 
-    Every call gets storage of its own (for "shm": a range of the group's
+    Every call gets storage of its own (for shared memory: a range of the group's
     arena that no other call shares, kept until the group is closed, and
     mapped as long as any tensor views it, after :func:`gradsync.shutdown` too).
     Each rank must all-reduce a tensor at the same place of its buffer.
@@ -331,6 +327,48 @@ def shared_buffer(comm: Communicator, nbytes: int, algorithm: str) -> torch.Tens
     return capability.allocate(call, nbytes) if capability is not None else None
 
 
-__all__ = ["ALGORITHMS", "OPS", "SUPPORTED_DTYPES", "all_gather", "auto_profiles_fingerprint", "all_reduce", "all_to_all", "average",
-           "broadcast", "chunk_bounds", "reduce_scatter", "resolve_algorithm", "shared_buffer",
-           "validate_algorithm", "validate_op", "zero_copy_dtypes"]
+def zero_copy_plan(comm: Communicator, buckets: Sequence[tuple[int, torch.dtype, torch.device]],
+                   algorithm: str) -> list[torch.Tensor | None]:
+    """Where each bucket must live for ``algorithm`` to all-reduce it without copying it in (DataParallel's
+    zero-copy buckets): per bucket, uint8 storage of at least ``numel * dtype.itemsize`` bytes from
+    :func:`shared_buffer`, or None (its own memory will do).
+
+    Args:
+        buckets: ``(numel, dtype, device)`` of each bucket's AllReduce, in order.
+        algorithm: a name in ``ALGORITHMS``; ``auto`` is resolved per bucket as :func:`all_reduce`
+            resolves it for that many bytes.
+
+    A bucket gets storage when the algorithm that reduces it offers zero-copy
+    storage (``registry.ZERO_COPY``) for its dtype, it is on the CPU and holds
+    at least one byte, and the group can share that storage (else None for
+    every bucket). Each call takes fresh storage (see :func:`shared_buffer`).
+
+    Collective: every rank calls it in the same order with the same ``buckets`` and ``algorithm``
+    (a world of one rank communicates nothing and gets None for every bucket).
+    """
+    storages: list[torch.Tensor | None] = [None] * len(buckets)
+    if comm.world_size == 1:
+        return storages
+    wanted: dict[str, list[tuple[int, int]]] = {}  # algorithm -> (bucket, storage bytes)
+    offered = {dtype for capability in ZERO_COPY.values() for dtype in capability.dtypes}
+    for index, (numel, dtype, device) in enumerate(buckets):
+        nbytes = numel * dtype.itemsize
+        if not nbytes or torch.device(device).type != "cpu" or dtype not in offered:
+            continue
+        name = resolve_algorithm(comm, nbytes, algorithm) if algorithm == AUTO else algorithm
+        capability = ZERO_COPY.get(name)
+        if capability is not None and dtype in capability.dtypes:
+            align = capability.align_bytes
+            wanted.setdefault(name, []).append((index, -(-nbytes // align) * align))
+    for name, parts in wanted.items():
+        storage = shared_buffer(comm, sum(nbytes for _, nbytes in parts), name)
+        offset = 0
+        for index, nbytes in parts if storage is not None else ():
+            storages[index] = storage[offset:offset + nbytes]
+            offset += nbytes
+    return storages
+
+
+__all__ = ["ALGORITHMS", "AUTO", "DEFAULT_ALGORITHM", "OPS", "SUPPORTED_DTYPES", "all_gather", "all_reduce",
+           "all_to_all", "auto_profiles_fingerprint", "average", "broadcast", "chunk_bounds", "reduce_scatter",
+           "resolve_algorithm", "shared_buffer", "validate_algorithm", "validate_op", "zero_copy_plan"]

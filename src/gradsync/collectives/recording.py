@@ -1,7 +1,7 @@
 """The one entry of every public collective: run it in issue order, then end its flight record.
 
 :func:`public_collective` decorates each public collective (``ops``,
-``preflight.reject_call``). While some owner holds the communicator's lane
+``validate.reject_call``). While some owner holds the communicator's lane
 (a DataParallel backward in flight, :mod:`~gradsync.collectives.lane`), the
 call runs on the lane's thread, after the buckets already queued; otherwise
 here. Either way, on the thread that ran it, the calls it started

@@ -4,7 +4,14 @@ Adding an algorithm: write ``collectives/<name>.py`` with
 ``all_reduce(flat, call)`` (settings, if any, as an options class in the
 same module, read with ``call.options(MyOptions)``), then add one line to
 ``ALL_REDUCE`` below. ``ALGORITHMS``, the public validation, the layout
-check's codes and the CLI choices all come from this table.
+check's codes and the CLI choices all come from this table. What an
+algorithm needs or offers beyond that (its options in the layout check, a
+group it cannot run on, other collectives, zero-copy storage) is data in the
+tables after it, and a one-host fast path is data in
+:mod:`~gradsync.collectives.fast_path` (its small-call plans meet the layout
+check, which sits below this table): the generic entry
+(:mod:`~gradsync.collectives.ops`, :mod:`~gradsync.collectives.validate`)
+reads them and never names an algorithm.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from gradsync.collectives import halving_doubling, hierarchical, native, ring, shm, tree
+from gradsync.collectives import broadcast, halving_doubling, hierarchical, native, ring, shm, tree
 from gradsync.collectives.call import CollectiveCall
 
 AllReduce = Callable[[torch.Tensor, CollectiveCall], None]
@@ -29,6 +36,25 @@ ALL_REDUCE: dict[str, AllReduce] = {
 }
 AUTO = "auto"  # resolved per call by collectives.auto.choose
 ALGORITHMS = tuple(ALL_REDUCE) + (AUTO,)
+DEFAULT_ALGORITHM = "ring"  # all_reduce's, DataParallel's and LocalSGD's default
+
+# The other collectives, per algorithm; the first of each is the one ``algorithm=None`` runs.
+BROADCAST = {"tree": broadcast.broadcast, "shm": shm.broadcast}
+ALL_GATHER = {"ring": ring.all_gather, "shm": shm.all_gather}
+REDUCE_SCATTER = {"ring": ring.reduce_scatter, "shm": shm.reduce_scatter}
+
+UPCAST: dict[str, dict[torch.dtype, torch.dtype]] = {"native": native.UPCAST}
+"""Dtypes an algorithm reduces in a wider one (fp16/bf16 go to float32 for every algorithm)."""
+
+OPTIONS_COMPARED: dict[str, Callable] = {
+    "native": lambda comm: (),
+    "shm": lambda comm: comm.options(shm.ShmState).compared(),
+    "hierarchical": hierarchical.options_compared,
+}
+"""``(communicator) -> tuple``: the options the ranks must agree on (absent: ``SegmentOptions.segment_bytes``)."""
+
+GROUP_PROBLEM: dict[str, Callable] = {"hierarchical": hierarchical.group_problem}
+"""``(communicator) -> Exception | None``: why this group cannot run the algorithm (absent: it can)."""
 
 
 @dataclass(frozen=True)
@@ -37,11 +63,14 @@ class SharedStorage:
 
     ``allocate(call, nbytes)``: this rank's ``(nbytes,)`` uint8 buffer, or
     None where the group cannot share memory; ``dtypes``: the dtypes reduced
-    there without a copy.
+    there without a copy; ``align_bytes``: where each buffer of a zero-copy
+    plan starts (a cache line).
     """
 
     allocate: Callable[[CollectiveCall, int], "torch.Tensor | None"]
     dtypes: tuple[torch.dtype, ...]
+    align_bytes: int
 
 
-ZERO_COPY: dict[str, SharedStorage] = {"shm": SharedStorage(shm.allocate_shared, shm.IN_PLACE_DTYPES)}
+ZERO_COPY: dict[str, SharedStorage] = {"shm": SharedStorage(shm.allocate_shared, shm.IN_PLACE_DTYPES,
+                                                           shm.ARENA_ALIGN)}

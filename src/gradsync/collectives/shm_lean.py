@@ -13,44 +13,28 @@ every rank raises (:func:`~gradsync.collectives.check.settle_check`).
 
 A :class:`LeanPlan` holds what one tensor layout needs: the views of both
 parities' mailboxes, the word indices and the descriptor digest. The
-communicator keeps plans by layout (:func:`plan_key`), so a repeated call
-checks its arguments, resolves its algorithm and fingerprints its options
-once (:func:`gradsync.collectives.ops.all_reduce`).
+communicator keeps plans by layout (:mod:`~gradsync.collectives.plans`), so a
+repeated call checks its arguments, resolves its algorithm and fingerprints
+its options once (:func:`gradsync.collectives.ops.all_reduce`); :func:`plan` is
+what ``registry.ONE_HOST`` offers the generic entry.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
 from gradsync.collectives.call import CollectiveCall
 from gradsync.collectives.check import check_word, row_digest, settle_check
+from gradsync.collectives.plans import plan_key  # noqa: F401 (bench.latency reads it here)
 from gradsync.collectives.shm_pipeline import sum_rows
 from gradsync.collectives.shm_setup import LEAN_MAX_BYTES, MAIL_DATA_OFFSET, ShmState, barrier
 from gradsync.transport.shm_segment import ShmSegment
-
-_STRIDED = torch.strided
-MAX_PLANS = 512  # layouts kept per communicator (a program has a handful; a pathological one stays bounded)
 
 
 def eligible(state: ShmState, numel: int, work_dtype: torch.dtype, world_size: int) -> bool:
     """Whether an AllReduce of ``numel`` elements reduced in ``work_dtype`` takes the lean path now."""
     return (state.segment is not None and world_size > 1 and
             0 < numel * work_dtype.itemsize <= LEAN_MAX_BYTES)
-
-
-def plan_key(tensor, op, algorithm, timeout) -> tuple | None:
-    """The layout a plan is kept under, or None when the arguments are of a kind never planned (the
-    full checks then run). Everything the argument checks read is in it; a timeout is checked per call."""
-    if type(tensor) is not torch.Tensor or type(op) is not str or type(algorithm) is not str:
-        return None
-    if timeout is not None and not (type(timeout) in (int, float) and 0 < timeout < math.inf):
-        return None
-    if tensor.layout is not _STRIDED:
-        return None
-    return (tensor.shape, tensor.stride(), tensor.dtype, tensor.device, tensor.is_inference(),
-            torch.is_inference_mode_enabled(), op, algorithm)
 
 
 class LeanPlan:
@@ -115,10 +99,11 @@ class LeanPlan:
         tensor.copy_(self.scratch)
 
 
-def keep(plans: dict, key: tuple | None, plan: LeanPlan) -> None:
-    """Keep ``plan`` under ``key`` (forgetting every plan when ``MAX_PLANS`` are kept)."""
-    if key is None:
-        return
-    if len(plans) >= MAX_PLANS:
-        plans.clear()
-    plans[key] = plan
+def plan(comm, tensor: torch.Tensor, work_dtype: torch.dtype, avg: bool, describe_row,
+         call: CollectiveCall) -> LeanPlan | None:
+    """The lean plan of this AllReduce on ``comm`` (a Communicator), or None when it does not take that
+    path (``describe_row()``: the call's layout descriptor, built only for a plan)."""
+    state = comm.options(ShmState)
+    if not eligible(state, tensor.numel(), work_dtype, comm.world_size):
+        return None
+    return LeanPlan(state.segment, tensor, work_dtype, avg, describe_row(), call.algorithm, call.layout)

@@ -77,6 +77,10 @@ class ShmState(AlgorithmOptions):
         self.arenas: list[ShmSegment] = []
         self.arena_used: list[int] = []
 
+    def compared(self) -> tuple[int, int]:
+        """The settings every rank's calls must agree on (the layout check's options fingerprint)."""
+        return self.region_bytes, self.cell_bytes
+
     def find(self, tensor: torch.Tensor) -> tuple[int, int] | None:
         """``(arena index, byte offset)`` of ``tensor``'s data in this rank's region of an arena, or None."""
         for index, arena in enumerate(self.arenas):

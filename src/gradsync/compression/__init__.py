@@ -35,5 +35,22 @@ def make(name: str, topk_ratio: float = 0.01, powersgd_rank: int = 2, warmup_ste
     return factories[name]()
 
 
+def resolve(compression) -> Compressor | None:
+    """DataParallel's ``compression`` argument: None, a name from ``COMPRESSIONS`` or a Compressor ->
+    a Compressor or None.
+
+    Raises:
+        TypeError: anything else; ValueError: an unknown name.
+    """
+    if isinstance(compression, str):
+        compression = make(compression)
+    if compression is None:
+        return None
+    if not isinstance(compression, Compressor):
+        raise TypeError(f"compression must be None, a name ({', '.join(COMPRESSIONS)}) or a "
+                        f"gradsync.compression.Compressor such as OneBit(), got {type(compression).__name__}")
+    return compression
+
+
 __all__ = ["BF16", "COMPRESSIONS", "BucketLayout", "Compressor", "ErrorFeedback", "FP16", "OneBit", "PowerSGD",
-           "TopK", "make"]
+           "TopK", "make", "resolve"]

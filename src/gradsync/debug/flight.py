@@ -61,7 +61,8 @@ class FlightEntry:
 
     Set when the call starts: ``ordinal`` (sequence number), ``op_name``, ``algorithm``,
     ``started_wall`` (``time.time()``, seconds), ``started_mono`` (``time.monotonic()``, seconds);
-    by the preflight: ``dtype``, ``shape`` (the tensor's, ``torch.Size``); by the recorder: ``label``,
+    by the argument checks (``validate.start_call``): ``dtype``, ``shape`` (the tensor's,
+    ``torch.Size``); by the recorder: ``label``,
     ``ended_mono``, ``error`` (short text), ``blamed`` (the rank a timeout names), ``timed_out`` (a timeout's
     kind: True, the peer was silent; False, its connection closed); by every wait:
     ``waiting_on`` (the group rank waited for, -1: none yet).

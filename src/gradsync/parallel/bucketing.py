@@ -22,6 +22,7 @@ gets a bucket of its own. The first bucket is capped at
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -109,20 +110,20 @@ def pause_breaks(params: Sequence[torch.Tensor], observed: Sequence[int], ready_
     return breaks
 
 
-def shared_bucket_nbytes(params: Sequence[torch.Tensor], assignment: list[list[int]], num_flags: int,
-                         dtypes: Sequence[torch.dtype], line_bytes: int = 64) -> list[int]:
-    """Bytes each bucket takes in shared storage (rounded up to ``line_bytes``; 0: it stays private).
+def bucket_cap_bytes(bucket_cap_mb) -> int:
+    """``bucket_cap_mb`` (MiB, DataParallel's argument) in bytes.
 
-    Only CPU buckets of ``dtypes`` are placed there; the last bucket also
-    holds ``num_flags`` flags of its dtype.
+    Raises:
+        ValueError: not a finite number of MiB holding at least one byte.
+
+    >>> bucket_cap_bytes(25.0) == 25 * 2**20
+    True
     """
-    sizes = []
-    for b, indices in enumerate(assignment):
-        first = params[indices[0]]
-        numel = sum(params[i].numel() for i in indices) + (num_flags if b == len(assignment) - 1 else 0)
-        shared = first.dtype in dtypes and first.device.type == "cpu"
-        sizes.append(-(-numel * first.dtype.itemsize // line_bytes) * line_bytes if shared else 0)
-    return sizes
+    ok = isinstance(bucket_cap_mb, (int, float)) and not isinstance(bucket_cap_mb, bool)
+    if not (ok and 0 < bucket_cap_mb < math.inf and int(bucket_cap_mb * 2**20) >= 1):
+        raise ValueError(f"bucket_cap_mb must be a finite number of MiB, at least one byte "
+                         f"(> {1 / 2**20:.1e}), got {bucket_cap_mb!r}")
+    return int(bucket_cap_mb * 2**20)
 
 
 def _is_first(buckets: list[list[int]], members: list[int]) -> bool:

@@ -17,15 +17,15 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from gradsync import compression as compressions
 from gradsync.collectives import ops as collectives
 from gradsync.errors import GradsyncError, GroupClosedError
+from gradsync.parallel.bucketing import bucket_cap_bytes
 from gradsync.parallel.debug_checks import DebugChecks, resolve_debug, tensors_in
-from gradsync.parallel.dp_arguments import check_bucket_cap_mb, resolve_compression
 from gradsync.parallel.reducer import Reducer
 from gradsync.parallel.replica_check import ReplicaCheck, check_replicas
 from gradsync.parallel.replicas import (ParameterWatch, agree_on_arguments, broadcast_tensors, buffer_signature,
                                         describe_buffer_change, name_code, placeholders, verify_parameters)
-from gradsync.parallel.sync_round import PARAMS_CHANGED
 
 
 class DataParallel(nn.Module):
@@ -101,9 +101,10 @@ class DataParallel(nn.Module):
         optimizer.step()
     """
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, algorithm: str = "ring",
-                 compression=None, broadcast_buffers: bool = True, group=None,
-                 gradient_as_bucket_view: bool = False, debug: bool | None = None):
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0,
+                 algorithm: str = collectives.DEFAULT_ALGORITHM, compression=None,
+                 broadcast_buffers: bool = True, group=None, gradient_as_bucket_view: bool = False,
+                 debug: bool | None = None):
         super().__init__()
         settings = {"algorithm": algorithm, "auto_profile": "", "bucket_cap_mb": bucket_cap_mb, "compression": compression,
                     "debug": debug,
@@ -112,11 +113,11 @@ class DataParallel(nn.Module):
         def check() -> None:
             if not isinstance(module, nn.Module):
                 raise TypeError(f"DataParallel wraps a torch.nn.Module, got {type(module).__name__}")
-            check_bucket_cap_mb(bucket_cap_mb)
+            bucket_cap_bytes(bucket_cap_mb)
             collectives.validate_algorithm(algorithm)
-            settings["auto_profile"] = collectives.auto_profiles_fingerprint() if algorithm == "auto" else ""
+            settings["auto_profile"] = collectives.auto_profiles_fingerprint() if algorithm == collectives.AUTO else ""
             settings["debug"] = resolve_debug(debug)
-            settings["compression"] = resolve_compression(compression)
+            settings["compression"] = compressions.resolve(compression)
             if settings["compression"] is not None:
                 settings["compression"].attach(self)  # raises if another model uses it
 
@@ -138,7 +139,7 @@ class DataParallel(nn.Module):
                           [name for name, _ in module.named_buffers()])
         self._watch = ParameterWatch(module)
         self._buffer_layout = buffer_signature(module)
-        self._reducer = Reducer(named, self.comm, algorithm, int(bucket_cap_mb * 2**20),
+        self._reducer = Reducer(named, self.comm, algorithm, bucket_cap_bytes(bucket_cap_mb),
                                 gradient_as_bucket_view, should_sync=lambda: not self._sync_disabled,
                                 compression=compression)
         self._reducer.wrapped_names = [name for name, _ in module.named_parameters()] + \
@@ -158,7 +159,7 @@ class DataParallel(nn.Module):
         if training:  # a change is reported to every rank in the next synchronised backward
             self._reducer.forwards += 1  # compared across ranks there too
             change = self._watch.change()
-            self._reducer.problem = None if change is None else (PARAMS_CHANGED, change, self._name_code(change))
+            self._reducer.report_change(change, 0 if change is None else self._name_code(change))
         if self._joining:
             self._join_step(active=True, will_sync=will_sync, sync_buffers=training)
         if training:  # evaluation under no_grad does not communicate (ranks may evaluate unevenly)
@@ -181,7 +182,7 @@ class DataParallel(nn.Module):
             buffers = placeholders(self._buffer_layout)                  # the peers; reported in backward
             if self._reducer.problem is None:
                 change = describe_buffer_change(self._buffer_layout, named)
-                self._reducer.problem = (PARAMS_CHANGED, change, self._name_code(change))
+                self._reducer.report_change(change, self._name_code(change))
         started = time.perf_counter()  # layout verified by the broadcast at construction
         broadcast_tensors(buffers, self.comm, src=self._buffer_src, verify=False)
         self._other_comm_seconds += time.perf_counter() - started
@@ -349,7 +350,7 @@ class DataParallel(nn.Module):
     def bucket_algorithms(self) -> list[tuple[int, str]]:
         """Per bucket, in reduction order: (bytes of its AllReduce, the algorithm that reduces it).
 
-        "auto" is resolved as the collectives resolve it for that size on this
+        ``auto`` is resolved as the collectives resolve it for that size on this
         group. A compressed bucket reads ``"<algorithm>+<compressor>"`` (e.g.
         ``"ring+onebit"``): the compressor averages it, the algorithm carries
         what it sends uncompressed.

@@ -117,7 +117,7 @@ class DeterministicDataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, num_micro_shards: int = DEFAULT_MICRO_SHARDS, *,
-                 algorithm: str = "ring", group=None, seed: int = 0):
+                 algorithm: str = collectives.DEFAULT_ALGORITHM, group=None, seed: int = 0):
         super().__init__()
         settings = {"num_micro_shards": num_micro_shards, "algorithm": algorithm, "seed": seed}
 
@@ -359,7 +359,7 @@ class DeterministicDataParallel(nn.Module):
         return self._comm_seconds  # synchronize waits for all of it: nothing overlaps backward
 
     def bucket_algorithms(self) -> list[tuple[int, str]]:
-        """``[(bytes, algorithm)]`` of the one int64 AllReduce per step ("auto" resolved for that size)."""
+        """``[(bytes, algorithm)]`` of the one int64 AllReduce per step (``auto`` resolved for that size)."""
         nbytes = self._accumulator.numel() * self._accumulator.element_size()
         return [(nbytes, collectives.resolve_algorithm(self.comm, nbytes, self.algorithm))]
 

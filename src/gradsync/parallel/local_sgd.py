@@ -61,7 +61,7 @@ class LocalSGD(nn.Module):
         CollectiveTimeoutError: (from ``step``/``average``) a peer did not take part in time.
     """
 
-    def __init__(self, module: nn.Module, sync_every: int, group=None, algorithm: str = "ring",
+    def __init__(self, module: nn.Module, sync_every: int, group=None, algorithm: str = collectives.DEFAULT_ALGORITHM,
                  timeout: float | None = None):
         super().__init__()
 
@@ -98,7 +98,7 @@ class LocalSGD(nn.Module):
 
     def bucket_algorithms(self) -> list[tuple[int, str]]:
         """Per average (one per dtype and device): (bytes of its AllReduce, the algorithm that runs it,
-        "auto" resolved as the collectives resolve it for that size)."""
+        ``auto`` resolved as the collectives resolve it for that size)."""
         sizes = [flat.numel() * flat.element_size() for flat in self._flat.values()]
         return [(nbytes, collectives.resolve_algorithm(self.comm, nbytes, self.algorithm)) for nbytes in sizes]
 

@@ -173,7 +173,7 @@ def _all_equal(row: list[int], comm: Communicator, timeout) -> bool:
     chunks = torch.tensor([(value >> shift) & 0xFFFF for value in row for shift in (0, 16, 32, 48)],
                           dtype=torch.int64)
     mine = torch.cat([chunks, chunks * chunks])
-    total = collectives.all_reduce(mine.clone(), comm, algorithm="auto", timeout=timeout, verify=False)
+    total = collectives.all_reduce(mine.clone(), comm, algorithm=collectives.AUTO, timeout=timeout, verify=False)
     return torch.equal(total, mine * comm.world_size)
 
 

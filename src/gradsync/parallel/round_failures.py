@@ -9,7 +9,7 @@
   the engine drops the round's end callback, so the round stays in flight.
   Before the next forward, or the next collective on the group, this rank
   completes it with ``BACKWARD_FAILED`` in its status slot
-  (:meth:`FailureHandling._settle`): the peers, still waiting at the end of
+  (:meth:`FailureHandling.settle_if_stale`): the peers, still waiting at the end of
   their backward, get every bucket in order and raise naming this rank, and
   no message is ever paired with a later call's. Every rank then refuses its
   forwards and every collective on the group until
@@ -23,13 +23,12 @@
 from __future__ import annotations
 
 import weakref
-from concurrent.futures import wait
 from typing import Callable
 
 import torch
 
 from gradsync.errors import GradsyncError
-from gradsync.parallel.sync_round import BACKWARD_FAILED, BREAKS_MODEL, Round, sequence_error, status_error
+from gradsync.parallel.sync_round import BREAKS_MODEL, Round, sequence_error, status_error
 
 
 def weak_method(reducer: object, name: str) -> Callable[[], None]:
@@ -69,46 +68,49 @@ def computes_grads_without_accumulating(accumulators) -> bool:
 
 
 class FailureHandling:
-    """The reducer's failure paths (a mixin: it uses the reducer's round, lane and buckets)."""
+    """The reducer's failure paths: a round whose backward raised, statuses to raise, a broken model.
 
-    def _raise_statuses(self, state: Round) -> None:
-        """Raise on every rank when some rank reported a status in this round."""
-        names = self.wrapped_names
+    Args:
+        comm: the group (a Communicator; its lane refuses collectives while the model is broken).
+        runner: the reducer's :class:`~gradsync.parallel.round_runner.RoundRunner` (its round in flight).
+
+    ``broken``: why the model must be reset or re-wrapped before it is used again (None: it need not).
+    ``lane_check``: what the lane calls before a collective while a round or the broken state holds it.
+    """
+
+    def __init__(self, comm, runner):
+        self.comm = comm
+        self.runner = runner
+        self.broken: str | None = None
+        self._broken_hold: int | None = None  # the lane hold that refuses collectives while broken
+        self.lane_check = weak_method(self, "settle_if_stale")
+
+    def raise_statuses(self, state: Round, names: list[str]) -> None:
+        """Raise on every rank when some rank reported a status in this round (``names``: what a rank's
+        name code indexes)."""
         where = [names[code - 1] if 0 < code <= len(names) else None for code in state.name_codes]
         error = status_error(state.statuses, self.comm.rank, state.detail, where)
         mismatch = sequence_error(state.counts, self.comm.rank)
         if mismatch is not None:  # this round's buckets were paired with another iteration's
-            self._break("the ranks ran different forward/backward sequences (that error says how)")
+            self.mark_broken("the ranks ran different forward/backward sequences (that error says how)")
             error = mismatch if error is None else GradsyncError(f"{error}; and {mismatch}")
         if error is not None:
             if any(code in BREAKS_MODEL for code in state.statuses):
-                self._break("its last backward failed on every rank (that error says why)")
+                self.mark_broken("its last backward failed on every rank (that error says why)")
             raise error
-
-    def _complete_failed(self, state: Round, detail: str) -> None:
-        """Finish a round this rank cannot use, so that no peer waits for its buckets or pairs them with
-        a later message: every bucket still goes out in order, the last one with BACKWARD_FAILED in
-        this rank's status slot, and the peers raise naming this rank."""
-        state.status, state.detail = BACKWARD_FAILED, detail
-        state.pending = [0] * len(state.pending)
-        self._launch_ready()
-        wait(state.futures)
-        self.comm.lane.release(state.hold)
-        if not state.failed:  # after a timeout the group is unusable anyway
-            self._reduce_last_bucket(state, copy_out=False)
 
     def _settle(self) -> bool:
         """Finish (marked failed) a round whose backward raised before its end; return whether there was one."""
-        state = self._round
+        state = self.runner.current
         if state is None or in_backward():
             return False
         try:
-            self._complete_failed(state, "its backward raised")
+            self.runner.complete_failed(state, "its backward raised")
         finally:
-            self._round = None
+            self.runner.current = None
             self.comm.lane.release(state.hold)
-        self._break("its last backward raised on this rank before the gradients were synchronised "
-                    "(the other ranks were told)")
+        self.mark_broken("its last backward raised on this rank before the gradients were synchronised "
+                         "(the other ranks were told)")
         return True
 
     def settle_if_stale(self) -> None:
@@ -131,9 +133,9 @@ class FailureHandling:
         self.comm.lane.release(self._broken_hold)
         self._broken_hold = None
 
-    def _break(self, reason: str) -> None:
+    def mark_broken(self, reason: str) -> None:
         """Refuse this model's forwards, and every collective on its group, until :meth:`reset`."""
         self.broken = reason
         if self._broken_hold is None and self.comm.world_size > 1:
-            self._broken_hold = self.comm.lane.hold(self._lane_check)
+            self._broken_hold = self.comm.lane.hold(self.lane_check)
             weakref.finalize(self, self.comm.lane.release, self._broken_hold)  # a model dropped while broken

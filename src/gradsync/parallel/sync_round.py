@@ -52,6 +52,15 @@ NAME_DIGITS = 3    # base-16 digits per rank naming the changed parameter or buf
 SLOTS_PER_RANK = 1 + NAME_DIGITS
 
 
+class SkippedAfterFailure(GradsyncError):
+    """A bucket not reduced because an earlier bucket of the same round failed."""
+
+
+def flag_count(num_params: int, world_size: int) -> int:
+    """Elements the last bucket carries after its gradients: a used flag per parameter, then the slots."""
+    return num_params + world_size * SLOTS_PER_RANK
+
+
 class Round:
     """Bookkeeping of one synchronised backward."""
 
@@ -72,6 +81,11 @@ class Round:
         self.counts: list[int | None] = []  # every rank's forward count then (None: did not report)
         self.name_codes: list[int] = []     # every rank's name_code then
         self.hold: int | None = None   # the lane hold while the round is in flight
+
+    def fail(self, detail: str) -> None:
+        """Mark this rank's part failed (``BACKWARD_FAILED``): every bucket goes out now, gradients or not."""
+        self.status, self.detail = BACKWARD_FAILED, detail
+        self.pending = [0] * len(self.pending)
 
 
 def encode_flags(used: list[bool], state: "Round", rank: int, world_size: int) -> torch.Tensor:

@@ -10,32 +10,36 @@ arguments:
    src or timeout, a non-tensor, a sparse, meta or (for in-place calls)
    inference tensor, an unsupported dtype, a tensor the call writes into
    whose elements overlap in memory (``expand()``), an algorithm this group cannot
-   run (``shm`` across hosts, ``hierarchical`` with "native" across nodes over a
-   transport without backend subgroups), and
+   run (a one-host fast path across hosts or on a GPU, ``registry.GROUP_PROBLEM``), and
    finally the staging buffers the call will need (so that an allocation
    failure, too, is known before the exchange);
-3. resolve the algorithm ("auto" becomes what it runs) and fingerprint the
-   options it runs with;
+3. resolve the algorithm (``auto`` becomes what it runs) and fingerprint the
+   options it runs with (``registry.OPTIONS_COMPARED``);
 4. compare all of that across ranks (:func:`~gradsync.collectives.check.verify_layout`):
    a problem travels as a rejection, so the rejecting rank raises its own
    error and every other rank a CollectiveMismatchError naming it.
 
 With ``verify=False`` (layouts every rank verified before, as DataParallel's
 buckets) step 4 is skipped: a problem is then raised on this rank only.
+
+What an algorithm needs beyond the generic checks is data in
+:mod:`~gradsync.collectives.registry`; this module names no algorithm.
 """
 
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
 
 import torch
 
-from gradsync.collectives import auto, hierarchical, native, shm, shm_lean
+from gradsync.collectives import auto
 from gradsync.collectives.call import CollectiveCall
 from gradsync.collectives.check import describe, rejection_code, verify_layout
 from gradsync.collectives.chunking import SegmentOptions
 from gradsync.collectives.communicator import Communicator, check_timeout
 from gradsync.collectives.dtypes import FLOAT32_ACCUMULATED, SUPPORTED_DTYPES
+from gradsync.collectives.fast_path import ONE_HOST, Plan
 from gradsync.collectives.hierarchical import HierarchicalOptions
 from gradsync.collectives.options import check_count
 from gradsync.collectives.recording import public_collective
@@ -51,8 +55,10 @@ class _NoOp:
 
 
 NO_OP = _NoOp()
-FIXED_ALGORITHM = {"broadcast": "tree", "all_gather": "ring", "reduce_scatter": "ring"}
-_CHOICES = {what: (default, "shm") for what, default in FIXED_ALGORITHM.items()}
+_TABLES = {"broadcast": registry.BROADCAST, "all_gather": registry.ALL_GATHER,
+           "reduce_scatter": registry.REDUCE_SCATTER}
+FIXED_ALGORITHM = {what: next(iter(table)) for what, table in _TABLES.items()}  # algorithm=None runs these
+_CHOICES = {what: tuple(table) for what, table in _TABLES.items()}
 _IN_PLACE = ("all_reduce", "broadcast")
 
 Rejection = tuple[int, Exception]
@@ -66,9 +72,7 @@ def working_dtype(dtype: torch.dtype, algorithm: str) -> torch.dtype:
     """The dtype ``algorithm`` reduces a ``dtype`` tensor in (fp16/bf16: float32)."""
     if dtype in FLOAT32_ACCUMULATED:
         return torch.float32
-    if algorithm == "native":
-        return native.UPCAST.get(dtype, dtype)
-    return dtype
+    return registry.UPCAST.get(algorithm, {}).get(dtype, dtype)
 
 
 def _choice_problem(what: str, op, algorithm) -> Rejection | None:
@@ -166,7 +170,7 @@ def argument_problem(tensor, what: str, op, algorithm, src, timeout, world_size:
 
 def resolve_algorithm(comm: Communicator, nbytes: int, algorithm: str, device: str = "cpu") -> str:
     """The AllReduce algorithm that ``algorithm`` means for ``nbytes`` bytes on ``comm`` now: itself, or
-    for "auto" :func:`~gradsync.collectives.auto.choose`'s pick from the group's locality (explicit
+    for ``auto`` :func:`~gradsync.collectives.auto.choose`'s pick from the group's locality (explicit
     ``HierarchicalOptions.ranks_per_node`` wins over the hosts: pretend nodes of that size; else the
     hosts' rank counts, equal or not)."""
     if algorithm != AUTO:
@@ -181,53 +185,48 @@ def resolve_algorithm(comm: Communicator, nbytes: int, algorithm: str, device: s
         host_sizes = known.host_sizes
     else:
         ranks_per_node = comm.world_size
-    shm_available = comm.options(shm.ShmState).available
-    if device != "cpu" or (known is not None and not known.one_host):
-        shm_available = False
-    return auto.choose(nbytes, comm.world_size, ranks_per_node, shm_available=shm_available,
+    return auto.choose(nbytes, comm.world_size, ranks_per_node, shm_available=_one_host_available(comm, device),
                        host_sizes=host_sizes)
+
+
+def _one_host_available(comm: Communicator, device: str) -> bool | None:
+    """Whether ``auto`` may pick the one-host fast path: None (not known yet), True or False."""
+    known = comm.locality
+    if device != "cpu" or (known is not None and not known.one_host):
+        return False
+    answers = {comm.options(path.options).available for path in ONE_HOST.values()}
+    return True if True in answers else None if None in answers else False
+
+
+def usable_after_all(comm: Communicator, call: CollectiveCall, requested, resolved: str, nbytes: int) -> str:
+    """``resolved``, or what ``auto`` picks instead when it chose a one-host fast path and the group
+    turns out to span hosts (found out here: collective the first time, every rank the same answer)."""
+    fast_path = ONE_HOST.get(resolved) if requested == AUTO else None
+    if fast_path is None or fast_path.usable(call):
+        return resolved
+    return resolve_algorithm(comm, nbytes, AUTO)
 
 
 def _runnable_problem(comm: Communicator, algorithm: str, device: str) -> Rejection | None:
     """Why this group cannot run ``algorithm`` (resolved) on a ``device`` tensor, or None."""
     cause = "an algorithm this group cannot run"
     known = comm.locality
-    if algorithm == "shm":
+    if algorithm in ONE_HOST:
         if device != "cpu":
-            return _reject("an unsupported device", ValueError(f"algorithm 'shm' needs CPU tensors, got {device}"))
+            return _reject("an unsupported device", ValueError(f"algorithm {algorithm!r} needs CPU tensors, "
+                                                               f"got {device}"))
         if known is not None and not known.one_host:
-            return _reject(cause, ValueError(f"algorithm 'shm' needs every rank of the group on one host; this "
-                                             f"group has {known.describe()}"))
-    if algorithm == "hierarchical":
-        options = comm.options(HierarchicalOptions)
-        try:
-            options.nodes(comm.world_size, known)
-        except ValueError as exc:
-            return _reject(cause, exc)
-        if options.inter_node_algorithm == hierarchical.NATIVE:
-            problem = hierarchical.native_problem(comm.transport)
-            if problem is not None:
-                return _reject(cause, problem)
-    return None
+            return _reject(cause, ValueError(f"algorithm {algorithm!r} needs every rank of the group on one "
+                                             f"host; this group has {known.describe()}"))
+    group_problem = registry.GROUP_PROBLEM.get(algorithm)
+    problem = group_problem(comm) if group_problem is not None else None
+    return None if problem is None else _reject(cause, problem)
 
 
 def options_fingerprint(comm: Communicator, algorithm: str) -> int:
     """crc32 of the options ``algorithm`` runs with (ranks must agree on them)."""
-    segment_bytes = comm.options(SegmentOptions).segment_bytes
-    if algorithm == "native":
-        parts: tuple = ()
-    elif algorithm == "shm":
-        state = comm.options(shm.ShmState)
-        parts = (state.region_bytes, state.cell_bytes)
-    elif algorithm == "hierarchical":
-        options = comm.options(HierarchicalOptions)
-        try:
-            nodes = zlib.crc32(repr(options.nodes(comm.world_size, comm.locality)).encode())
-        except ValueError:
-            nodes = None
-        parts = (segment_bytes, nodes, options.inter_node_algorithm, options.intra_node_algorithm)
-    else:
-        parts = (segment_bytes,)
+    compared = registry.OPTIONS_COMPARED.get(algorithm)
+    parts = compared(comm) if compared is not None else (comm.options(SegmentOptions).segment_bytes,)
     return zlib.crc32(repr((algorithm, parts)).encode())
 
 
@@ -253,17 +252,32 @@ def _layout_key(tensor: torch.Tensor, algorithm: str, src) -> str:
     return key if src is None else f"{key}, src {src}"
 
 
+@dataclass
+class Started:
+    """A collective call that passed its checks.
+
+    ``algorithm``: the one it runs (``auto`` resolved); ``staged``: what
+    ``prepare(algorithm)`` returned (None without ``prepare``, or with ``plan``);
+    ``plan``: a fast path's plan for this layout (``ONE_HOST``), or
+    None: when set, the layout check was left to the plan's own round, so the
+    caller must run it (``plan.run(tensor, call)``) and may keep it (:mod:`~gradsync.collectives.plans`).
+    """
+
+    call: CollectiveCall
+    algorithm: str
+    staged: object = None
+    plan: Plan | None = None
+
+
 def start_call(comm: Communicator, tensor, what: str, *, op=NO_OP, algorithm: str | None = None,
                src: int | None = None, timeout: float | None, verify: bool,
-               prepare=None, lean: bool = False) -> tuple[CollectiveCall, str, object]:
-    """Check the arguments and the ranks' agreement; return (the call, the resolved algorithm,
-    ``prepare(algorithm)``'s staging buffers).
+               prepare=None, lean: bool = False) -> Started:
+    """Check the arguments and the ranks' agreement; return the started call.
 
     ``op``: ``NO_OP`` for collectives without one. A problem on this rank is
     raised here, after every rank learnt of it (see the module docstring).
-    ``lean`` (AllReduce): when the call resolves to ``shm`` and is small enough for the lean path
-    (:mod:`~gradsync.collectives.shm_lean`), its layout check is left to that path's one round and the
-    third element is its :class:`~gradsync.collectives.shm_lean.LeanPlan` instead.
+    ``lean`` (AllReduce): when the resolved algorithm is a one-host fast path that has a plan for a
+    call this small, the layout check is left to that plan's one round (``Started.plan``).
     """
     problem = argument_problem(tensor, what, op, algorithm, src, timeout, comm.world_size)
     call = comm.new_call(what, str(algorithm), None if problem else timeout)
@@ -285,10 +299,14 @@ def start_call(comm: Communicator, tensor, what: str, *, op=NO_OP, algorithm: st
         problem = problem or _runnable_problem(comm, resolved, device)
         call.refine_tag(_layout_key(tensor, resolved, src))
     staged = None
-    if lean and problem is None and resolved == "shm" and isinstance(tensor, torch.Tensor):
-        plan = _lean_plan(comm, tensor, op, resolved, algorithm, call)
+    fast_path = ONE_HOST.get(resolved) if lean and problem is None else None
+    if fast_path is not None and isinstance(tensor, torch.Tensor):
+        def describe_row() -> torch.Tensor:
+            return describe(tensor, "all_reduce", op, resolved, -1, options=_fingerprint(comm, resolved, algorithm))
+
+        plan = fast_path.plan(comm, tensor, working_dtype(tensor.dtype, resolved), op == "avg", describe_row, call)
         if plan is not None:
-            return call, resolved, plan
+            return Started(call, resolved, plan=plan)
     if problem is None:
         problem, staged = _stage(prepare, resolved)
     if verify:
@@ -299,18 +317,7 @@ def start_call(comm: Communicator, tensor, what: str, *, op=NO_OP, algorithm: st
                       options=_fingerprint(comm, resolved, algorithm) if problem is None else 0)
     if problem is not None:
         raise problem[1]
-    return call, resolved, staged
-
-
-def _lean_plan(comm: Communicator, tensor: torch.Tensor, op, resolved: str, requested,
-               call: CollectiveCall) -> shm_lean.LeanPlan | None:
-    """The lean plan of this AllReduce, or None when it does not take that path."""
-    state = comm.options(shm.ShmState)
-    work_dtype = working_dtype(tensor.dtype, resolved)
-    if not shm_lean.eligible(state, tensor.numel(), work_dtype, comm.world_size):
-        return None
-    row = describe(tensor, "all_reduce", op, resolved, -1, options=_fingerprint(comm, resolved, requested))
-    return shm_lean.LeanPlan(state.segment, tensor, work_dtype, op == "avg", row, call.algorithm, call.layout)
+    return Started(call, resolved, staged)
 
 
 def sequence_problem(sends, receives, world_size: int, timeout) -> Rejection | None:
@@ -338,7 +345,7 @@ def reject_call(comm: Communicator, what: str, error: Exception, cause: str = "a
     """Take part in ``what``'s layout check on ``comm`` as a rank that rejects the call with ``error``;
     return once every rank knows (the caller then raises ``error``; the others raise
     CollectiveMismatchError naming this rank). For an argument found bad before the call's own
-    preflight can run, such as a ``group`` this rank cannot resolve (``cause``: one of ``REJECTIONS``).
+    checks can run, such as a ``group`` this rank cannot resolve (``cause``: one of ``REJECTIONS``).
 
     Collective: the peers are in ``what`` on ``comm`` (the same protocol as :func:`start_call`).
     """
@@ -356,5 +363,6 @@ def nbytes_problem(nbytes, algorithm) -> Rejection | None:
     return _choice_problem("shared_buffer", NO_OP, algorithm)  # no op: only the algorithm is checked
 
 
-__all__ = ["FIXED_ALGORITHM", "NO_OP", "OPS", "argument_problem", "nbytes_problem", "options_fingerprint",
-           "reject_call", "resolve_algorithm", "sequence_problem", "start_call", "working_dtype"]
+__all__ = ["FIXED_ALGORITHM", "NO_OP", "OPS", "Started", "argument_problem", "nbytes_problem", "options_fingerprint",
+           "reject_call", "resolve_algorithm", "sequence_problem", "start_call", "usable_after_all",
+           "working_dtype"]

@@ -1,0 +1,154 @@
+"""The reducer's bucket plan: which parameter's gradient sits in which bucket, and where.
+
+A :class:`BucketPlan` owns the buckets (:class:`~gradsync.parallel.bucketing.Bucket`),
+each gradient's view into its bucket, and the layout the compressors key
+their state by. It starts from the default assignment (reverse registration
+order), is rebuilt once after the first synchronised backward
+(:mod:`~gradsync.parallel.rebuild`) or adopts a saved layout, and copies
+gradients in and averages out. Buckets an algorithm can reduce without
+copying in live in the storage it allocated
+(:func:`~gradsync.collectives.ops.zero_copy_plan`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gradsync.collectives import ops as collectives
+from gradsync.compression.compressor import BucketLayout
+from gradsync.errors import GradsyncError
+from gradsync.parallel import rebuild
+from gradsync.parallel.bucketing import DEFAULT_FIRST_BUCKET_CAP_BYTES, Bucket, assign_buckets, check_assignment
+
+
+class BucketPlan:
+    """Buckets, views and layout of one module's gradients.
+
+    Args:
+        names, params: the trainable parameters, registration order.
+        comm: the group (a Communicator; rebuilds and zero-copy storage are collective on it).
+        algorithm: the AllReduce algorithm name (where zero-copy buckets live).
+        bucket_cap_bytes: cap per bucket (bytes).
+        gradient_as_bucket_view: make ``.grad`` a view of the bucket (no second copy).
+        num_flags: elements after the last bucket's gradients (used flags, status slots).
+        zero_copy: place buckets in the algorithm's own storage where it offers some (False: never,
+            as under compression, which does not reduce the bucket itself).
+    """
+
+    def __init__(self, names: list[str], params: list[torch.Tensor], comm, algorithm: str,
+                 bucket_cap_bytes: int, gradient_as_bucket_view: bool, num_flags: int, zero_copy: bool):
+        self.names, self.params = names, params
+        self.comm = comm
+        self.algorithm = algorithm
+        self.bucket_cap_bytes = bucket_cap_bytes
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.num_flags = num_flags
+        self.zero_copy = zero_copy
+        self.rebuilt = False  # rebuilt after the first synchronised backward, or given a saved layout
+        self._zeros: dict[int, torch.Tensor] = {}
+        self.build(assign_buckets(params, bucket_cap_bytes, DEFAULT_FIRST_BUCKET_CAP_BYTES))
+
+    def build(self, assignment: list[list[int]]) -> None:
+        """Lay the buckets out as ``assignment`` (parameter indices per bucket); ``.grad`` values survive."""
+        self.assignment = assignment
+        last = len(assignment) - 1
+        grads = [None if param.grad is None else param.grad.clone() for param in self.params]
+        storages = self._storages(assignment)
+        self.buckets = [Bucket(b, indices, [self.params[i] for i in indices],
+                               self.num_flags if b == last else 0, storages[b])
+                        for b, indices in enumerate(assignment)]
+        self.bucket_of = [0] * len(self.params)  # parameter index -> bucket index
+        self.views: list[torch.Tensor] = [None] * len(self.params)  # parameter index -> its slice
+        for bucket in self.buckets:
+            for index, view in zip(bucket.param_indices, bucket.views):
+                self.bucket_of[index] = bucket.index
+                self.views[index] = view
+        self.layouts = [BucketLayout(tuple(self.names[i] for i in indices),
+                                     tuple(self.params[i].shape for i in indices)) for indices in assignment]
+        if self.gradient_as_bucket_view:  # from copies: new views may overlap the old ones
+            for index, param in enumerate(self.params):
+                if grads[index] is not None:
+                    self.views[index].copy_(grads[index])
+                    param.grad = self.views[index]
+        self._zeros.clear()
+
+    def _storages(self, assignment: list[list[int]]) -> list[torch.Tensor | None]:
+        """Zero-copy buckets: where the algorithm reduces a bucket in place in its own shared storage, the
+        bucket lives there, so the gradients' copy into the bucket is the only copy (with bucket views,
+        not even that). Each call (construction, a rebuild) takes fresh storage; earlier storage stays
+        reserved until the group is closed (see ``shared_buffer``)."""
+        if not self.zero_copy:
+            return [None] * len(assignment)
+        last = len(assignment) - 1
+        buckets = []
+        for b, indices in enumerate(assignment):
+            first = self.params[indices[0]]
+            numel = sum(self.params[i].numel() for i in indices) + (self.num_flags if b == last else 0)
+            buckets.append((numel, first.dtype, first.device))
+        return collectives.zero_copy_plan(self.comm, buckets, self.algorithm)
+
+    def rebuild(self, observed: list[int], ready_s: list[float]) -> None:
+        """Re-bucket as rank 0 observed backward (``observed``: parameter indices in ready order,
+        ``ready_s``: when each became ready; see :mod:`~gradsync.parallel.rebuild`).
+
+        Collective: every rank calls it once.
+        """
+        self.rebuilt = True
+        plan = rebuild.observed_plan(self.params, observed, ready_s)
+        if self.comm.world_size > 1:
+            collectives.broadcast(plan, self.comm, src=0, verify=False)
+        assignment = rebuild.rebuilt_assignment(self.params, self.bucket_cap_bytes, plan)
+        if assignment != self.assignment:
+            self.build(assignment)
+
+    def adopt(self, assignment: list[list[int]]) -> None:
+        """Use a saved layout and skip the rebuild (every rank must pass the same one).
+
+        Raises:
+            ValueError: ``assignment`` is not a partition of the parameter indices.
+        """
+        check_assignment(self.params, assignment)
+        self.rebuilt = True
+        if assignment != self.assignment:
+            self.build(assignment)
+
+    def copy_in(self, index: int) -> bool:
+        """Put parameter ``index``'s gradient into its bucket slice (zeros if none); return whether it had one."""
+        param, view = self.params[index], self.views[index]
+        grad = param.grad
+        if grad is None:
+            view.zero_()
+            return False
+        if grad.is_sparse:
+            raise GradsyncError(f"DataParallel: parameter {self.names[index]!r} has a sparse gradient; "
+                                f"only dense gradients are supported")
+        if grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
+            if self.gradient_as_bucket_view:
+                param.grad = view
+        return True
+
+    def copy_out(self, index: int) -> None:
+        """Make parameter ``index``'s ``.grad`` hold its bucket slice (the average)."""
+        param, view = self.params[index], self.views[index]
+        if param.grad is None:
+            param.grad = view if self.gradient_as_bucket_view else view.clone()
+        elif param.grad.data_ptr() != view.data_ptr():
+            param.grad.copy_(view)
+
+    def zeros(self, bucket: Bucket) -> torch.Tensor:
+        """A zeroed buffer shaped like ``bucket.flat``, for a round this rank joins without data (join).
+        A zero-copy bucket is its own buffer: the algorithm reads the peers' data where it lies."""
+        zeros = bucket.flat if bucket.shared else self._zeros.get(bucket.index)
+        if zeros is None:
+            zeros = self._zeros[bucket.index] = torch.zeros_like(bucket.flat)
+        return zeros.zero_()
+
+    @property
+    def bucket_numels(self) -> list[int]:
+        return [bucket.grad_numel for bucket in self.buckets]
+
+    @property
+    def bucket_nbytes(self) -> list[int]:
+        """Bytes of each bucket's AllReduce (the last one carries the flags)."""
+        return [bucket.flat.numel() * bucket.flat.element_size() for bucket in self.buckets]
