@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 
 from gradsync.bench.allreduce import parse_nbytes
 from gradsync.bench.calibrate import FULL, calibrate, describe
-from gradsync.sim.profile import Profile
+from gradsync.sim import Profile
 
 ALGORITHMS = ("ring", "tree", "halving_doubling", "hierarchical", "shm")
 ONE_HOST_WORLD_SIZES = (2, 3, 4)
@@ -183,8 +183,7 @@ def format_picks(picks: list[Pick]) -> str:
 def predict(rows: list[dict], profile: Profile) -> list[ValidationRow]:
     """A :class:`ValidationRow` per bench row (``gradsync.bench.allreduce.Row`` dicts) of a simulated
     algorithm, predicted on ``profile`` with the row's topology (hosts x ranks per host)."""
-    from gradsync.sim.cluster import Topology
-    from gradsync.sim.engine import SIMULATED, simulate_all_reduce
+    from gradsync.sim import SIMULATED, Topology, simulate_all_reduce
 
     out = []
     for row in rows:

@@ -26,12 +26,13 @@ import statistics
 
 import torch
 
+from gradsync.bench.output import write_json
+from gradsync.bench.simulate_train import parse_list
 from gradsync.bench.train import BENCH_MODELS, DDP_BUCKET_CAP_MB, MODEL_SEED, build_bench_model, make_batch, run_bench
+from gradsync.sim import get_profile
 from gradsync.sim.compute import scaled
 from gradsync.sim.measure import measure_compute
-from gradsync.sim.profiles import get_profile
-from gradsync.bench.output import write_json
-from gradsync.sim.training import parse_list, predict_step, topology_for
+from gradsync.sim.training import predict_step, topology_for
 from gradsync.train.setup import threads_per_worker
 
 VALIDATED = ("ring", "tree", "halving_doubling", "shm")
