@@ -25,9 +25,9 @@ ROWS = (
      "(see docs/elastic.md)"),
     ("parallel/", ("parallel",), "bucketing, the reducer (hooks, overlap), DataParallel and its sharding, "
      "ParameterServer, LocalSGD"),
-    ("api, launch, group", ("api", "forkserver_preload", "launch", "process_group", "rendezvous"),
-     "the public calls over the default group; workers through torch's elastic agent (forked from a "
-     "preloaded forkserver); group set-up; the rendezvous store"),
+    ("api.py, launch.py", ("api", "forkserver_preload", "launch", "process_group", "rendezvous"),
+     "left to right: api (the public calls over the default group), forkserver_preload, launch (workers "
+     "through torch's elastic agent), process_group (group set-up), rendezvous (the store)"),
     ("compression/", ("compression",), "one compressor per module; error feedback; the two-phase exchange"),
     ("fault/", ("fault",), "checkpoints (atomic, checksummed), hang detection, fault injection, events"),
     ("collectives/", ("collectives",), "all_reduce / reduce_scatter / all_gather / broadcast / all_to_all; one "

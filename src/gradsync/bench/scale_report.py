@@ -1,6 +1,8 @@
-"""What the at-scale table shows: the fastest algorithm per point, where the ring stops being the
-fastest (its latency term 2(p-1)α overtakes its bandwidth term 2(p-1)/p·n·β), where hierarchical and
-tree win, and the PNG of time against GPU count (matplotlib, Agg backend).
+"""What the at-scale table shows: the fastest algorithm per point, the crossovers, the PNG.
+
+Where the ring stops being the fastest (its latency term 2(p-1)α overtakes its
+bandwidth term 2(p-1)/p·n·β), where hierarchical and tree win, and the PNG of
+time against GPU count (matplotlib, Agg backend).
 
 Rows are :class:`~gradsync.bench.scale.ScaleRow` (or anything with ``gpus``, ``algorithm``,
 ``nbytes``, ``time_us``).

@@ -1,6 +1,7 @@
-"""``gradsync simulate``, ``gradsync simulate train``, ``gradsync calibrate``, ``gradsync explain``:
-options and entry points (argparse only); ``gradsync.cli`` registers them. Each entry point imports
-what it runs when it runs."""
+"""The options and entry points of ``gradsync simulate [train]``, ``calibrate`` and ``explain`` (argparse only).
+
+``gradsync.cli`` registers them. Each entry point imports what it runs when it runs.
+"""
 
 from __future__ import annotations
 

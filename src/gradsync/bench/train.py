@@ -2,7 +2,7 @@
 
 For each world size, one local world trains each model with every
 implementation on the same initial weights, data, batch and thread count
-(DESIGN.md §5): gradsync ``DataParallel`` once per AllReduce algorithm, torch
+(docs/benchmarks.md): gradsync ``DataParallel`` once per AllReduce algorithm, torch
 DDP (Gloo, ``bucket_cap_mb=25`` as gradsync's default), and a "local"
 compute-only baseline (the plain module, no communication). Implementations
 alternate inside every round so they see the same machine noise; a round's
