@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import re
 
-from gradsync.bench.output import write_json
+from gradsync.bench.output import format_rows as table
+from gradsync.bench.output import optional, write_json
 from gradsync.sim import Profile, get_profile
 from gradsync.sim.compute import (StepCompute, flops_compute, layer_compute, layered_params, memory_per_gpu_bytes,
                                   peak_flops)
@@ -45,17 +46,12 @@ def parse_list(text: str, kind, what: str) -> list:
 
 def format_rows(rows: list[dict]) -> str:
     """An aligned text table of the rows."""
-    header = (f"{'tokens/GPU':>10} {'gpus':>5} {'algorithm':>16} {'bucket_MiB':>10} {'compress':>8} {'buckets':>7} "
-              f"{'step_ms':>9} {'compute_ms':>10} {'comm_ms':>9} {'exposed_ms':>10} {'copy_ms':>8} "
-              f"{'comm %':>6} {'method':>7}")
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        tokens = r.get("tokens_per_gpu")
-        lines.append(f"{'-' if tokens is None else f'{tokens:g}':>10} {r['gpus']:>5} {r['algorithm']:>16} "
-                     f"{r['bucket_mb']:>10g} {r['compression']:>8} {r['buckets']:>7} {r['step_ms']:>9.2f} "
-                     f"{r['compute_ms']:>10.2f} {r['comm_ms']:>9.2f} {r['exposed_comm_ms']:>10.2f} "
-                     f"{r['copy_ms']:>8.2f} {100 * r['comm_fraction']:>6.1f} {r['method']:>7}")
-    return "\n".join(lines)
+    return table(rows, [
+        ("tokens/GPU", 10, optional("tokens_per_gpu", "g")), ("gpus", 5, "{gpus}"), ("algorithm", 16, "{algorithm}"),
+        ("bucket_MiB", 10, "{bucket_mb:g}"), ("compress", 8, "{compression}"), ("buckets", 7, "{buckets}"),
+        ("step_ms", 9, "{step_ms:.2f}"), ("compute_ms", 10, "{compute_ms:.2f}"), ("comm_ms", 9, "{comm_ms:.2f}"),
+        ("exposed_ms", 10, "{exposed_comm_ms:.2f}"), ("copy_ms", 8, "{copy_ms:.2f}"),
+        ("comm %", 6, lambda r: f"{100 * r['comm_fraction']:.1f}"), ("method", 7, "{method}")])
 
 
 def _model_params(args: argparse.Namespace) -> tuple[list, str]:
