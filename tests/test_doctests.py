@@ -17,8 +17,8 @@ from gradsync.train import global_batch, position
 from gradsync.transport import locality, sub, thread
 
 
-@pytest.mark.parametrize("module", [gradsync, auto, bench_allreduce, bench_output, chunking, communicator, bucketing, debug_checks,
-                                    debug_findings, exact_sum, global_batch, local_sgd, micro_shards, ps_ledger,
+@pytest.mark.parametrize("module", [gradsync, auto, bench_allreduce, bench_output, chunking, communicator, bucketing,
+                                    debug_checks, debug_findings, exact_sum, global_batch, local_sgd, micro_shards, ps_ledger,
                                     staleness, position, locality, sub, thread, sim_engine, cost_topology, sim_virtual],
                          ids=lambda m: m.__name__)
 def test_doctests_pass(module):
