@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-report setup clean
+.PHONY: demo test bench bench-report setup clean architecture
 
 setup: $(STAMP)
 
@@ -60,6 +60,11 @@ bench: $(STAMP)
 
 bench-report: $(STAMP)
 	$(PY) -m gradsync bench report --bench-dir $(BENCH_DIR) --out docs/benchmarks.md
+
+# `make architecture`: docs/architecture.md's layer drawing and module list, from tools/layers.py and
+# each module's docstring (tests/test_architecture_doc.py checks that the page is up to date).
+architecture:
+	$(PYTHON) tools/architecture.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -35,10 +35,10 @@ from _strict_transport import MODES, StrictWorld
 from gradsync import CollectiveMismatchError, CollectiveTimeoutError, Communicator
 from gradsync.collectives import ops as collectives_api
 from gradsync.collectives import HierarchicalOptions, SegmentOptions, auto, halving_doubling, shm_setup
-from gradsync.sim.formulas import predict_s
-from gradsync.sim.profile import Link, Profile
-from gradsync.sim.profiles import get_profile
-from gradsync.sim.topology import Topology
+from gradsync.collectives.cost.formulas import predict_s
+from gradsync.collectives.cost.profile import Link, Profile
+from gradsync.collectives.cost.profiles import get_profile
+from gradsync.collectives.cost.topology import Topology
 from gradsync.transport import shm_segment as shm_transport
 from gradsync.transport.thread import ThreadWorld
 

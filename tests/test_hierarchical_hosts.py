@@ -22,12 +22,12 @@ from _reference import assert_bitwise_equal, closed_form_input, closed_form_resu
 from gradsync.collectives import Communicator, HierarchicalOptions, auto
 from gradsync.collectives import ops as collectives_api
 from gradsync.collectives import hierarchical
+from gradsync.collectives.cost.formulas import predict_s
+from gradsync.collectives.cost.profiles import get_profile
+from gradsync.collectives.cost.topology import Topology
 from gradsync.collectives.hierarchical import BackendSubgroups
 from gradsync.collectives.validate import resolve_algorithm
 from gradsync.process_group import default_communicator
-from gradsync.sim.formulas import predict_s
-from gradsync.sim.profiles import get_profile
-from gradsync.sim.topology import Topology
 from gradsync.transport.locality import Locality
 from gradsync.transport.thread import ThreadWorld
 

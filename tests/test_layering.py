@@ -1,4 +1,4 @@
-"""The import graph of ``src/gradsync`` has no cycle.
+"""The import graph of ``src/gradsync`` has no cycle, and every import goes down the layers.
 
 Every module is parsed with ``ast`` (nothing is imported), and every import
 statement anywhere in it counts: module level, inside a function (a
@@ -9,18 +9,25 @@ statement anywhere in it counts: module level, inside a function (a
 ``from . import b`` and ``from ..a import b`` are resolved against the
 importing module's package; ``import gradsync`` -> the package's
 ``__init__``. A cycle is reported as ``a -> b -> a`` with the file and line of
-each import.
+each import. The layers are data in ``tools/layers.py`` (the same rows
+docs/architecture.md draws); an upward import is reported as importer,
+imported and file:line.
 """
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
 PACKAGE = "gradsync"
+sys.path.insert(0, str(ROOT / "tools"))
+
+from layers import ROWS, may_import, unit_of  # noqa: E402
 
 
 def module_name(path: Path, src: Path = SRC) -> str:
@@ -157,6 +164,12 @@ def describe(graph, cycle: list[str], src: Path = SRC) -> str:
     return " -> ".join(cycle) + "\n" + "\n".join(hops)
 
 
+def upward_imports(graph: dict[str, dict[str, int]]) -> list[tuple[str, str, int]]:
+    """(importer, imported, line) for every import of a module in a layer above the importer's."""
+    return [(importer, imported, line) for importer in sorted(graph)
+            for imported, line in sorted(graph[importer].items()) if not may_import(importer, imported)]
+
+
 # ---------------------------------------------------------------- the checker on made-up packages
 
 
@@ -209,6 +222,56 @@ def test_checker_accepts_a_layered_package(tmp_path):
     assert find_cycles(import_graph(src)) == []
 
 
+def test_direction_checker_finds_one_upward_import(tmp_path):
+    """collectives importing sim (a layer above it) inside a function is the one upward edge, with its line."""
+    src = _write_package(tmp_path, {
+        "__init__.py": "from gradsync.collectives import auto\n",
+        "collectives/__init__.py": "",
+        "collectives/auto.py": "import math\n\ndef choose():\n    from gradsync.sim import formulas\n",
+        "sim/__init__.py": "",
+        "sim/formulas.py": "from gradsync.collectives.auto import choose\n",
+    })
+    assert upward_imports(import_graph(src)) == [("gradsync.collectives.auto", "gradsync.sim.formulas", 4)]
+
+
+def test_direction_checker_accepts_a_layered_package(tmp_path):
+    """Down the rows, right along a row, within a unit, and the application (cli) to the root package's
+    public names: no upward edge."""
+    src = _write_package(tmp_path, {
+        "__init__.py": "from gradsync import api\n",
+        "cli.py": "import gradsync\nfrom gradsync.bench import report\n",
+        "bench/__init__.py": "",
+        "bench/report.py": "from gradsync.bench import output\nfrom gradsync.sim import engine\n",
+        "bench/output.py": "from gradsync.errors import GradsyncError\n",
+        "sim/__init__.py": "",
+        "sim/engine.py": "from gradsync.collectives.cost import formulas\n",
+        "collectives/__init__.py": "",
+        "collectives/cost/__init__.py": "",
+        "collectives/cost/formulas.py": "from gradsync.collectives import SegmentOptions\n",
+        "api.py": "from gradsync.process_group import init\n",
+        "process_group.py": "from gradsync.rendezvous import store\n",
+        "rendezvous.py": "",
+        "errors.py": "",
+    })
+    assert upward_imports(import_graph(src)) == []
+
+
+def test_a_row_may_import_rightward_only():
+    """Within the api/launch row, launch may import process_group but process_group not launch."""
+    assert may_import("gradsync.launch", "gradsync.process_group")
+    assert not may_import("gradsync.process_group", "gradsync.launch")
+    assert not may_import("gradsync.sim.engine", "gradsync.bench.output")
+
+
+def test_the_root_package_sits_above_the_library_not_at_the_top():
+    """``import gradsync`` (the public names) is for the application above parallel/, not for the library."""
+    assert may_import("gradsync.train.loop", "gradsync")
+    assert may_import("gradsync.bench.train", "gradsync")
+    assert not may_import("gradsync.parallel.data_parallel", "gradsync")
+    assert not may_import("gradsync.collectives.ops", "gradsync")
+    assert may_import("gradsync", "gradsync.parallel")
+
+
 # ---------------------------------------------------------------- the real package
 
 
@@ -227,3 +290,21 @@ def test_gradsync_has_no_import_cycle():
     if cycles:
         pytest.fail(f"{len(cycles)} import cycle(s) in src/gradsync:\n"
                     + "\n".join(describe(graph, cycle) for cycle in cycles))
+
+
+def test_every_module_is_in_a_layer():
+    """Each module's unit (subpackage or top-level module) is named in a row of tools/layers.py."""
+    named = {unit for _, units, _ in ROWS for unit in units}
+    missing = sorted({unit_of(module) for module in discover()} - named)
+    assert not missing, f"add these to a row of tools/layers.py: {missing}"
+
+
+def test_gradsync_imports_only_downward():
+    """No module imports a module of a layer above its own (tools/layers.py, top to bottom)."""
+    graph = import_graph()
+    upward = upward_imports(graph)
+    if upward:
+        files = discover()
+        pytest.fail(f"{len(upward)} upward import(s) in src/gradsync (layers: tools/layers.py):\n" + "\n".join(
+            f"  {importer} imports {imported} at {files[importer].relative_to(SRC.parent)}:{line}"
+            for importer, imported, line in upward))

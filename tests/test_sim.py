@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from _dist import run_threads
+from gradsync.bench.explain import render
 from gradsync.collectives import Communicator, HierarchicalOptions, SegmentOptions, auto, validate
 from gradsync.collectives import ops as collectives_api
+from gradsync.collectives.cost.formulas import predict_s
+from gradsync.collectives.cost.profile import Link, Profile, load, save
+from gradsync.collectives.cost.profiles import PROFILE_NAMES, get_profile
+from gradsync.collectives.cost.topology import Topology
 from gradsync.sim.cluster import SimulationDeadlock, VirtualCluster
 from gradsync.sim.engine import simulate_all_reduce
-from gradsync.sim.explain import render
-from gradsync.sim.formulas import predict_s
-from gradsync.sim.profile import Link, Profile, load, save
-from gradsync.sim.profiles import PROFILE_NAMES, get_profile
-from gradsync.sim.topology import Topology
 from gradsync.sim.virtual import VirtualTensor
 from gradsync.transport.locality import Locality
 from gradsync.transport.thread import ThreadWorld

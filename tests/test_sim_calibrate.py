@@ -11,9 +11,9 @@ from _dist import run_threads
 from gradsync.bench.calibrate import TINY, calibrate_comm, fit_line
 from gradsync.bench.sim_validation import (LARGE_BYTES, ValidationRow, auto_picks, format_picks, format_rows,
                                            predict, relative_error, summarize)
+from gradsync.collectives.cost.profile import Link, Profile, ShmModel, load, save
 from gradsync.sim.cluster import Topology, VirtualCluster
 from gradsync.sim.engine import simulate_all_reduce
-from gradsync.sim.profile import Link, Profile, ShmModel, load, save
 
 
 def _profile(cpu_bound: bool = True) -> Profile:

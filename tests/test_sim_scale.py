@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from gradsync.sim import reproduce, scale, scale_report
+from gradsync.bench import reproduce, scale, scale_report
+from gradsync.bench.published import CURVES, H100_NODE
+from gradsync.collectives.cost.profiles import get_profile
 from gradsync.sim.cluster import Topology
-from gradsync.sim.profiles import get_profile
-from gradsync.sim.published import CURVES, H100_NODE
 
 H100 = get_profile("h100-ib")
 

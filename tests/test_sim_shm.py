@@ -12,13 +12,13 @@ import json
 
 import pytest
 
+from gradsync.collectives.cost.formulas import call_overhead_s, predict_s
+from gradsync.collectives.cost.profile import Link, Profile, ShmModel
+from gradsync.collectives.cost.profiles import get_profile
+from gradsync.collectives.cost.shm_formulas import SHM_MEMORY_BYTES_PER_PAYLOAD_BYTE, shm_cells, shm_lean
+from gradsync.collectives.cost.topology import Topology
 from gradsync.collectives.shm_setup import DEFAULT_CELL_BYTES, LEAN_MAX_BYTES, ShmState
 from gradsync.sim.engine import simulate_all_reduce
-from gradsync.sim.formulas import call_overhead_s, predict_s
-from gradsync.sim.shm_formulas import SHM_MEMORY_BYTES_PER_PAYLOAD_BYTE, shm_cells, shm_lean
-from gradsync.sim.profile import Link, Profile, ShmModel
-from gradsync.sim.profiles import get_profile
-from gradsync.sim.topology import Topology
 
 COPY, GAMMA, BARRIER, CELL, CALL, LEAN = 1e-10, 2e-10, 1e-6, 5e-6, 30e-6, 10e-6
 
@@ -130,7 +130,7 @@ def test_a_profile_file_without_the_new_shm_terms_still_loads(tmp_path):
         data["shm"].pop(key, None)
     path = tmp_path / "old.json"
     path.write_text(json.dumps(data))
-    from gradsync.sim.profile import load
+    from gradsync.collectives.cost.profile import load
     old = load(path)
     assert old.shm.cell_overhead_s == 0.0 and old.shm.lean_call_overhead_s is None
     assert old.shm.cache_copy_s_per_byte is None and old.shm.cache_gamma_s_per_byte is None

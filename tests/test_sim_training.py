@@ -8,13 +8,14 @@ import torch
 import torch.nn.functional as F
 
 import gradsync
+from gradsync.bench.simulate_train import parse_count
+from gradsync.collectives.cost.profiles import get_profile
 from gradsync.sim.cluster import Topology
 from gradsync.sim.compute import flops_compute, layered_params, memory_per_gpu_bytes
 from gradsync.sim.engine import simulate_all_reduce
 from gradsync.sim.exchange import BucketPricer, encoded_row_nbytes, simulate_two_phase
-from gradsync.sim.profiles import get_profile
 from gradsync.sim.step import dataparallel_buckets, flag_count, overlap, plan_step
-from gradsync.sim.training import parse_count, predict_step, topology_for
+from gradsync.sim.training import predict_step, topology_for
 from gradsync.train.models import MLP
 
 CAP_MB = 0.02  # ~20 KiB: the MLP's 4000-, 10000- and 1000-element weights land in different buckets

@@ -1,6 +1,6 @@
 """Command line: ``gradsync train``, ``gradsync bench ...`` (its subcommands in
 :mod:`gradsync.bench.command_line`), ``gradsync debug``, and the simulator's ``simulate`` / ``calibrate`` / ``explain`` (their options in
-:mod:`gradsync.sim.commands`) (argparse only)."""
+:mod:`gradsync.bench.sim_commands`) (argparse only)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from gradsync.bench.command_line import (_add_allreduce_bench_options, _add_comp
                                          bench_deterministic, bench_faults, bench_modes, bench_replicas,
                                          bench_train)
 from gradsync.bench import report as bench_report
+from gradsync.bench.sim_commands import ENTRY_POINTS as SIM_COMMANDS
+from gradsync.bench.sim_commands import add_parsers as add_sim_parsers
 from gradsync.collectives.ops import ALGORITHMS
 from gradsync.compression import COMPRESSIONS
-from gradsync.sim.commands import ENTRY_POINTS as SIM_COMMANDS
-from gradsync.sim.commands import add_parsers as add_sim_parsers
 from gradsync.errors import CollectiveMismatchError, CollectiveTimeoutError, GradsyncError
 from gradsync.train.config import LR_SCHEDULES, MODES, OPTIMIZERS, TrainConfig
 from gradsync.train.models import MODELS

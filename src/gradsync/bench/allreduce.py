@@ -30,7 +30,7 @@ import torch
 import gradsync
 from gradsync.bench.across_hosts import (LinkMeter, check_host_options, print_rank0_rows, run_bench_on_hosts,
                                         world_layout)
-from gradsync.bench.output import claim_json_path, fmt_optional, write_json
+from gradsync.bench.output import claim_json_path, fmt_optional, format_rows, host_layout, optional, write_json
 from gradsync.bench.auto_rows import auto_rows, format_auto_table
 from gradsync.bench.memory_bound import bound_fraction, bytes_per_payload_byte, measure_bandwidth
 from gradsync.bench.mpi import MPI_COLUMN, MpiAllReduce, free_port, mpi_available, run_with_mpiexec
@@ -229,28 +229,29 @@ def format_table(rows: list[dict]) -> str:
     shaped = any(row.get("link_fraction") is not None for row in rows)
     mpi = {(row["nbytes"], row["world_size"]): row["time_us"] for row in rows if row["algorithm"] == MPI_COLUMN}
     bound = any(row.get("bound_fraction") is not None for row in rows)
-    header = ((f"{'hosts':>6} " if multi else "")
-              + f"{'size [B]':>12} {'algorithm':>17} {'time [us]':>11} {'algbw [GB/s]':>13} "
-              f"{'busbw [GB/s]':>13} {'vs native':>10} {'sent/size':>10}"
-              + (f" {'link [Gb/s]':>12}" if multi else "") + (f" {'link %':>7}" if shaped else "")
-              + (f" {'vs mpi':>8}" if mpi else "") + (f" {'of bound':>9}" if bound else ""))
-    lines = [header, "-" * len(header)]
-    for row in rows:
-        ratio = "-" if row["ratio_to_native"] is None else f"{row['ratio_to_native']:.2f}x"
-        layout = f"{row.get('hosts', 1)}x{row.get('nproc_per_host', row['world_size'])}"
-        fraction = row.get("link_fraction")
+
+    def versus_mpi(row: dict) -> str:
         versus = mpi.get((row["nbytes"], row["world_size"]))
-        versus = "-" if versus is None or row["algorithm"] == MPI_COLUMN else f"{versus / row['time_us']:.2f}x"
-        lines.append((f"{layout:>6} " if multi else "")
-                     + f"{row['nbytes']:>12} {row['algorithm']:>17} {row['time_us']:>11.1f} "
-                     f"{row['algbw_gbps']:>13.3f} {row['busbw_gbps']:>13.3f} {ratio:>10} "
-                     f"{row['bytes_sent_per_call'] / max(row['nbytes'], 1):>10.3f}"
-                     + (f" {fmt_optional(row.get('link_gbps'), '.3f'):>12}" if multi else "")
-                     + (f" {fmt_optional(None if fraction is None else 100 * fraction, '.1f'):>7}"
-                        if shaped else "")
-                     + (f" {versus:>8}" if mpi else "")
-                     + (f" {fmt_optional(row.get('bound_fraction'), '.2f'):>9}" if bound else ""))
-    return "\n".join(lines)
+        return "-" if versus is None or row["algorithm"] == MPI_COLUMN else f"{versus / row['time_us']:.2f}x"
+
+    def link_percent(row: dict) -> str:
+        fraction = row.get("link_fraction")
+        return fmt_optional(None if fraction is None else 100 * fraction, ".1f")
+
+    columns = [("hosts", 6, host_layout)] if multi else []
+    columns += [("size [B]", 12, "{nbytes}"), ("algorithm", 17, "{algorithm}"), ("time [us]", 11, "{time_us:.1f}"),
+                ("algbw [GB/s]", 13, "{algbw_gbps:.3f}"), ("busbw [GB/s]", 13, "{busbw_gbps:.3f}"),
+                ("vs native", 10, _versus_native),
+                ("sent/size", 10, lambda row: f"{row['bytes_sent_per_call'] / max(row['nbytes'], 1):.3f}")]
+    columns += [("link [Gb/s]", 12, optional("link_gbps", ".3f"))] if multi else []
+    columns += [("link %", 7, link_percent)] if shaped else []
+    columns += [("vs mpi", 8, versus_mpi)] if mpi else []
+    columns += [("of bound", 9, optional("bound_fraction", ".2f"))] if bound else []
+    return format_rows(rows, columns)
+
+
+def _versus_native(row: dict) -> str:
+    return "-" if row["ratio_to_native"] is None else f"{row['ratio_to_native']:.2f}x"
 
 
 def _parse_options(nproc: int, sizes: str, algorithms: str | None, repetitions: int,

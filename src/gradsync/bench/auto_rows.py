@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from gradsync.bench.output import format_rows
+
 AUTO_RIVALS = ("ring", "tree", "halving_doubling", "hierarchical", "shm")  # what auto may choose from
 
 
@@ -22,10 +24,7 @@ def auto_rows(rows: list[dict]) -> list[dict]:
 
 def format_auto_table(rows: list[dict]) -> str:
     """``auto`` against the fastest algorithm measured beside it (rows of :func:`auto_rows`)."""
-    header = f"{'hosts':>6} {'size [B]':>12} {'auto [us]':>11} {'best':>17} {'best [us]':>11} {'auto/best':>10}"
-    lines = [header, "-" * len(header)]
-    for row in rows:
-        layout = f"{row['hosts']}x{row['world_size'] // row['hosts']}"
-        lines.append(f"{layout:>6} {row['nbytes']:>12} {row['auto_us']:>11.1f} {row['best']:>17} "
-                     f"{row['best_us']:>11.1f} {row['auto_vs_best']:>9.2f}x")
-    return "\n".join(lines)
+    return format_rows(rows, [
+        ("hosts", 6, lambda row: f"{row['hosts']}x{row['world_size'] // row['hosts']}"),
+        ("size [B]", 12, "{nbytes}"), ("auto [us]", 11, "{auto_us:.1f}"), ("best", 17, "{best}"),
+        ("best [us]", 11, "{best_us:.1f}"), ("auto/best", 10, "{auto_vs_best:.2f}x")])

@@ -64,8 +64,8 @@ import torch
 from gradsync.bench import micro
 from gradsync.bench.output import claim_json_path
 from gradsync.collectives.communicator import Communicator
+from gradsync.collectives.cost.profile import Link, Profile, ShmModel, load, save
 from gradsync.collectives.shm_setup import DEFAULT_CELL_BYTES, LEAN_MAX_BYTES
-from gradsync.sim.profile import Link, Profile, ShmModel, load, save
 
 KIB, MIB = 2**10, 2**20
 # the call whose time less its modelled cost is the call overhead: on one host shm just past its lean
@@ -233,8 +233,7 @@ def calibrate_comm(comm: Communicator, settings: Settings, *, name: str, layout:
 
 def _modelled_time(profile: Profile, algorithm: str, world_size: int, layout: tuple[int, int], nbytes: int) -> float:
     """Simulated seconds of an ``nbytes`` ``algorithm`` all_reduce on ``profile`` (its overheads as set)."""
-    from gradsync.sim.cluster import Topology
-    from gradsync.sim.engine import simulate_all_reduce
+    from gradsync.sim import Topology, simulate_all_reduce
 
     hosts, per_host = layout
     topology = Topology.uniform(hosts, per_host) if hosts > 1 else Topology((world_size,))

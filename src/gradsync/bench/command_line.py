@@ -1,5 +1,8 @@
-"""The ``gradsync bench ...`` subcommands' options and entry points (argparse only); ``gradsync.cli``
-registers them. Each entry point imports its benchmark when it runs, so ``gradsync train`` does not."""
+"""The ``gradsync bench ...`` subcommands' options and entry points (argparse only).
+
+``gradsync.cli`` registers them. Each entry point imports its benchmark when it runs, so ``gradsync
+train`` does not.
+"""
 
 from __future__ import annotations
 

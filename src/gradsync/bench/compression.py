@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 import gradsync
-from gradsync.bench.output import claim_json_path, fmt_optional, write_json
+from gradsync.bench.output import claim_json_path, fmt_optional, format_rows, optional, write_json
 from gradsync.bench.train import BATCH_PER_RANK, LR, MODEL_SEED, build_bench_model, make_batch, train_steps
 from gradsync.compression import COMPRESSIONS, make
 from gradsync.train.config import TrainConfig, validate
@@ -147,26 +147,25 @@ def _break_even_gbit_s(row: dict, base: dict) -> float | None:
 
 
 def format_accuracy_table(rows: list[dict]) -> str:
-    header = (f"{'model':>5} {'compression':>11} {'test acc %':>10} {'vs none pp':>10} {'bytes/step':>11} "
-              f"{'x fewer':>8} {'mean bytes/step':>15} {'samples/s':>9} {'speed vs none':>13}")
-    lines = [header, "-" * len(header)]
-    for row in rows:
-        lines.append(f"{row['model']:>5} {row['compression']:>11} {100 * row['test_accuracy']:>10.2f} "
-                     f"{fmt_optional(row.get('accuracy_delta_pp'), '+.2f'):>10} {row['bytes_per_step']:>11.0f} "
-                     f"{fmt_optional(row['bytes_reduction'], '.1f'):>8} {row['mean_bytes_per_step']:>15.0f} "
-                     f"{row['samples_per_s']:>9.0f} {fmt_optional(row['speedup'], '.2f') + 'x':>13}")
-    return "\n".join(lines)
+    return format_rows(rows, [
+        ("model", 5, "{model}"), ("compression", 11, "{compression}"),
+        ("test acc %", 10, lambda row: f"{100 * row['test_accuracy']:.2f}"),
+        ("vs none pp", 10, optional("accuracy_delta_pp", "+.2f")), ("bytes/step", 11, "{bytes_per_step:.0f}"),
+        ("x fewer", 8, optional("bytes_reduction", ".1f")), ("mean bytes/step", 15, "{mean_bytes_per_step:.0f}"),
+        ("samples/s", 9, "{samples_per_s:.0f}"), ("speed vs none", 13, _speedup)])
+
+
+def _speedup(row: dict) -> str:
+    return fmt_optional(row["speedup"], ".2f") + "x"
 
 
 def format_throughput_table(rows: list[dict]) -> str:
-    header = (f"{'model':>5} {'world_size':>10} {'compression':>11} {'samples/s':>9} {'speed vs none':>13} "
-              f"{'bytes/step':>12} {'x fewer':>8} {'comm_ms/step':>12} {'break-even Gb/s':>15}")
-    lines = [header, "-" * len(header)]
-    for row in rows:
-        lines.append(f"{row['model']:>5} {row['world_size']:>10} {row['compression']:>11} "
-                     f"{row['samples_per_s']:>9.1f} {fmt_optional(row['speedup'], '.2f') + 'x':>13} "
-                     f"{row['bytes_per_step']:>12.0f} {fmt_optional(row['bytes_reduction'], '.1f'):>8} "
-                     f"{1e3 * row['comm_s_per_step']:>12.1f} {fmt_optional(row.get('break_even_gbit_s'), '.2f'):>15}")
+    lines = [format_rows(rows, [
+        ("model", 5, "{model}"), ("world_size", 10, "{world_size}"), ("compression", 11, "{compression}"),
+        ("samples/s", 9, "{samples_per_s:.1f}"), ("speed vs none", 13, _speedup),
+        ("bytes/step", 12, "{bytes_per_step:.0f}"), ("x fewer", 8, optional("bytes_reduction", ".1f")),
+        ("comm_ms/step", 12, lambda row: f"{1e3 * row['comm_s_per_step']:.1f}"),
+        ("break-even Gb/s", 15, optional("break_even_gbit_s", ".2f"))])]
     lines.append("# break-even: the link speed under which the bytes saved would pay for the compressor's extra "
                  "time per step (communication not hidden by compute)")
     return "\n".join(lines)

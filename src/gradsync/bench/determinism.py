@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradsync
-from gradsync.bench.output import claim_json_path, fmt_optional, write_json
+from gradsync.bench.output import claim_json_path, fmt_optional, format_rows, write_json
 from gradsync.bench.train import (BENCH_MODELS, CNN_INPUT_NUMEL, MLP_WIDTHS, NUM_CLASSES, build_bench_model,
                                   current_rss_mib, steps_for)
 from gradsync.train.setup import DETERMINISTIC_THREADS
@@ -151,16 +151,14 @@ def memory_worker(model: str, micro_shards: int, algorithm: str) -> dict | None:
 def format_table(rows: list[dict]) -> str:
     """Throughput rows next to the memory rows of the same (model, world size, mode), as aligned text."""
     memory = {(r["model"], r["world_size"], r["mode"]): r for r in rows if r["kind"] == "memory"}
-    header = (f"{'model':>5} {'world_size':>10} {'mode':>18} {'samples/s':>10} {'vs normal':>9} "
-              f"{'comm_ms/step':>12} {'peak RSS [MiB/rank]':>19} {'RSS after [MiB/rank]':>20}")
-    lines = [header, "-" * len(header)]
-    for row in (r for r in rows if r["kind"] == "throughput"):
-        found = memory.get((row["model"], row["world_size"], row["mode"]), {})
-        lines.append(f"{row['model']:>5} {row['world_size']:>10} {row['mode']:>18} {row['samples_per_s']:>10.0f} "
-                     f"{row['ratio_to_normal']:>8.2f}x {row['comm_s_per_step'] * 1e3:>12.2f} "
-                     f"{fmt_optional(found.get('peak_rss_mib'), '.0f'):>19} "
-                     f"{fmt_optional(found.get('rss_after_mib'), '.0f'):>20}")
-    return "\n".join(lines)
+    throughput = [{**row, "memory": memory.get((row["model"], row["world_size"], row["mode"]), {})}
+                  for row in rows if row["kind"] == "throughput"]
+    return format_rows(throughput, [
+        ("model", 5, "{model}"), ("world_size", 10, "{world_size}"), ("mode", 18, "{mode}"),
+        ("samples/s", 10, "{samples_per_s:.0f}"), ("vs normal", 9, "{ratio_to_normal:.2f}x"),
+        ("comm_ms/step", 12, lambda row: f"{row['comm_s_per_step'] * 1e3:.2f}"),
+        ("peak RSS [MiB/rank]", 19, lambda row: fmt_optional(row["memory"].get("peak_rss_mib"), ".0f")),
+        ("RSS after [MiB/rank]", 20, lambda row: fmt_optional(row["memory"].get("rss_after_mib"), ".0f"))])
 
 
 def _integers(text: str, option: str, low: int) -> list[int]:

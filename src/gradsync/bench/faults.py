@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from gradsync.bench.output import claim_json_path, fmt_optional, write_json
+from gradsync.bench.output import claim_json_path, format_rows, optional, write_json
 from gradsync.fault.events import read_events
 from gradsync.launch import start_forkserver
 from gradsync.train import data
@@ -126,16 +126,12 @@ def run_bench(*, nproc: int = 4, epochs: int = 3, checkpoint_every: int = 25, ti
 
 
 def format_table(rows: list[dict]) -> str:
-    header = (f"{'fault':>5} {'rank:step':>9} {'timeout s':>9} {'detect s':>8} {'recover s':>9} "
-              f"{'recomputed':>10} {'ckpt every':>10} {'params equal':>12} {'job s':>6} {'no-fault s':>10} "
-              f"{'extra s':>7}")
-    lines = [header, "-" * len(header)]
-    for row in rows:
-        lines.append(f"{row['fault']:>5} {str(row['rank']) + ':' + str(row['step']):>9} {row['timeout_s']:>9g} "
-                     f"{fmt_optional(row['detect_s'], '.2f'):>8} {fmt_optional(row['recover_s'], '.2f'):>9} "
-                     f"{fmt_optional(row['steps_recomputed'], 'd'):>10} {row['checkpoint_every']:>10d} "
-                     f"{str(row['params_equal']):>12} {row['job_s']:>6.1f} {row['baseline_job_s']:>10.1f} "
-                     f"{row['extra_s']:>7.1f}")
+    lines = [format_rows(rows, [
+        ("fault", 5, "{fault}"), ("rank:step", 9, "{rank}:{step}"), ("timeout s", 9, "{timeout_s:g}"),
+        ("detect s", 8, optional("detect_s", ".2f")), ("recover s", 9, optional("recover_s", ".2f")),
+        ("recomputed", 10, optional("steps_recomputed", "d")), ("ckpt every", 10, "{checkpoint_every:d}"),
+        ("params equal", 12, "{params_equal!s}"), ("job s", 6, "{job_s:.1f}"),
+        ("no-fault s", 10, "{baseline_job_s:.1f}"), ("extra s", 7, "{extra_s:.1f}")])]
     checkpoint_s = rows[0]["checkpoint_s"] if rows else 0.0
     lines.append(f"# checkpoints cost {checkpoint_s:.2f} s in total in the run without a fault")
     return "\n".join(lines)

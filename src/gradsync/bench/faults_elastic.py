@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from gradsync.bench.faults import params_equal
-from gradsync.bench.output import claim_json_path, fmt_optional, write_json
+from gradsync.bench.output import claim_json_path, fmt_optional, format_rows, optional, write_json
 from gradsync.fault.events import read_events
 from gradsync.train import data
 from gradsync.train.config import TrainConfig, validate
@@ -239,20 +239,18 @@ def _torchft_rows(nproc: int, duration_s: float, kill_every_s: float, seed: int,
 
 
 def format_table(rows: list[dict]) -> str:
-    header = (f"{'system':>8} {'fault':>10} {'n':>2} {'failures':>8} {'detect s':>8} {'recover s':>9} "
-              f"{'after det':>9} {'steps lost':>10} {'joiner s':>8} {'lost':>5} {'dup':>4} {'kept':>6} {'replicas=':>9} "
-              f"{'bitwise=':>8} {'kept*':>6} {'test acc':>8}")
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        lines.append(f"{r.get('system', 'gradsync'):>8} {r['fault']:>10} {r.get('nproc', 0):>2} {r['failures']:>8} "
-                     f"{fmt_optional(r.get('detect_s'), '.3f'):>8} {fmt_optional(r.get('recover_s'), '.3f'):>9} "
-                     f"{fmt_optional(r.get('recover_after_detect_s'), '.3f'):>9} {fmt_optional(r.get('steps_lost_per_fault'), 'd'):>10} "
-                     f"{fmt_optional(r.get('joiner_s') or r.get('joiner_startup_s'), '.2f'):>8} "
-                     f"{fmt_optional(r.get('samples_lost'), 'd'):>5} {fmt_optional(r.get('samples_duplicated'), 'd'):>4} "
-                     f"{fmt_optional(r.get('throughput_kept'), '.3f'):>6} {str(r.get('replicas_equal')):>9} "
-                     f"{str(r.get('bitwise_equal_to_fault_free')):>8} "
-                     f"{fmt_optional(r.get('throughput_kept_within_run'), '.3f'):>6} "
-                     f"{fmt_optional(r.get('final_test_accuracy'), '.4f'):>8}")
+    lines = [format_rows(rows, [
+        ("system", 8, lambda r: r.get("system", "gradsync")), ("fault", 10, "{fault}"),
+        ("n", 2, lambda r: f"{r.get('nproc', 0)}"), ("failures", 8, "{failures}"),
+        ("detect s", 8, optional("detect_s", ".3f")), ("recover s", 9, optional("recover_s", ".3f")),
+        ("after det", 9, optional("recover_after_detect_s", ".3f")),
+        ("steps lost", 10, optional("steps_lost_per_fault", "d")),
+        ("joiner s", 8, lambda r: fmt_optional(r.get("joiner_s") or r.get("joiner_startup_s"), ".2f")),
+        ("lost", 5, optional("samples_lost", "d")), ("dup", 4, optional("samples_duplicated", "d")),
+        ("kept", 6, optional("throughput_kept", ".3f")), ("replicas=", 9, lambda r: str(r.get("replicas_equal"))),
+        ("bitwise=", 8, lambda r: str(r.get("bitwise_equal_to_fault_free"))),
+        ("kept*", 6, optional("throughput_kept_within_run", ".3f")),
+        ("test acc", 8, optional("final_test_accuracy", ".4f"))])]
     lines.append("# detect/recover/joiner: medians over the run's failures, seconds from the fault; after det: the "
                  "longest recover - detect of any failure; steps lost: the "
                  "most committed steps any failure cost; kept: samples/s against the fault-free run of the same length; "

@@ -42,10 +42,10 @@ import time
 import torch
 
 from gradsync.collectives import ops
-from gradsync.collectives.communicator import Communicator
 from gradsync.collectives import shm_pipeline
+from gradsync.collectives.communicator import Communicator
+from gradsync.collectives.cost.shm_formulas import COPY_MEMORY_BYTES
 from gradsync.collectives.shm_setup import ShmState, group_segment
-from gradsync.sim.shm_formulas import COPY_MEMORY_BYTES
 
 _FLOAT = 4
 
@@ -171,7 +171,7 @@ def cache_per_byte(comm: Communicator, nbytes: int, passes: int, repeats: int, w
 def memory_bandwidth(comm: Communicator, nbytes: int, repeats: int, workers: int = 2) -> float:
     """Bytes per second the host's memory moves when ranks 0 .. ``workers``-1 each copy ``nbytes`` at
     once (3 bytes moved per byte copied: the read, the destination's read for ownership and its
-    write-back, as :mod:`gradsync.sim.shm_formulas` counts them)."""
+    write-back, as :mod:`gradsync.collectives.cost.shm_formulas` counts them)."""
     numel = max(nbytes // _FLOAT, 1)
     busy = comm.rank < workers
     source, target = (torch.ones(numel), torch.zeros(numel)) if busy else (None, None)

@@ -21,7 +21,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from gradsync.bench.output import claim_json_path, fmt_optional, write_json
+from gradsync.bench.output import claim_json_path, fmt_optional, format_rows, optional, write_json
 from gradsync.train.config import TrainConfig, validate
 from gradsync.train.metrics import METRICS_FILE
 
@@ -97,17 +97,18 @@ def run_setting(setting: dict, factor: float, out_dir: Path, options: dict, targ
 
 def format_table(rows: list[dict]) -> str:
     target = round(100 * rows[0]["target_accuracy"]) if rows else 85
-    header = (f"{'run':>17} {'straggler':>9} {'samples/s':>9} {'vs sync':>7} {f's to {target}%':>8} "
-              f"{'test acc %':>10} {'best %':>6} {'stale mean':>10} {'stale max':>9} {'wall s':>6}")
-    lines = [header, "-" * len(header)]
     sync = {row["straggler"]: row["samples_per_s"] for row in rows if row["mode"] == "sync"}
-    for row in rows:
+
+    def versus_sync(row: dict) -> str:
         ratio = row["samples_per_s"] / sync[row["straggler"]] if row["straggler"] in sync else None
-        lines.append(f"{row['label']:>17} {row['straggler']:>8g}x {row['samples_per_s']:>9.0f} "
-                     f"{fmt_optional(ratio, '.2f') + 'x':>7} {fmt_optional(row['seconds_to_target'], '.1f'):>8} "
-                     f"{100 * row['test_accuracy']:>10.2f} {100 * row['best_test_accuracy']:>6.2f} "
-                     f"{row['staleness_mean']:>10.2f} {row['staleness_max']:>9d} {row['wall_s']:>6.1f}")
-    return "\n".join(lines)
+        return fmt_optional(ratio, ".2f") + "x"
+
+    return format_rows(rows, [
+        ("run", 17, "{label}"), ("straggler", 9, "{straggler:g}x"), ("samples/s", 9, "{samples_per_s:.0f}"),
+        ("vs sync", 7, versus_sync), (f"s to {target}%", 8, optional("seconds_to_target", ".1f")),
+        ("test acc %", 10, lambda row: f"{100 * row['test_accuracy']:.2f}"),
+        ("best %", 6, lambda row: f"{100 * row['best_test_accuracy']:.2f}"), ("stale mean", 10, "{staleness_mean:.2f}"),
+        ("stale max", 9, "{staleness_max:d}"), ("wall s", 6, "{wall_s:.1f}")])
 
 
 def plot_curves(rows: list[dict], path: Path, target: float) -> Path:

@@ -21,7 +21,7 @@ import time
 import torch
 
 import gradsync
-from gradsync.bench.output import claim_json_path, write_json
+from gradsync.bench.output import claim_json_path, format_rows, write_json
 from gradsync.bench.train import (BENCH_MODELS, BATCH_PER_RANK, LR, MODEL_SEED, _line_up, build_bench_model,
                                   make_batch, steps_for, train_steps)
 from gradsync.train.setup import threads_per_worker
@@ -81,16 +81,13 @@ def run_worker(models: list[str], steps: int, checks: int, rounds: int) -> list[
 
 
 def format_table(rows: list[dict]) -> str:
-    header = (f"{'model':>6} {'world_size':>10} {'parameters':>11} {'step_ms':>9} {'check_ms':>9} "
-              f"{'+optimizer_ms':>13} {'check/step':>10} {'+opt/step':>9} {'every_100':>9} {'GB/s':>6}")
-    lines = [header, "-" * len(header)]
-    for row in rows:
-        lines.append(f"{row['model']:>6} {row['world_size']:>10} {row['parameters']:>11} "
-                     f"{1e3 * row['step_s']:>9.2f} {1e3 * row['check_s']:>9.3f} "
-                     f"{1e3 * row['check_optimizer_s']:>13.3f} {100 * row['check_fraction_of_step']:>9.1f}% "
-                     f"{100 * row['check_optimizer_fraction_of_step']:>8.1f}% "
-                     f"{100 * row['overhead_every_100']:>8.2f}% {row['checksum_gb_per_s']:>6.2f}")
-    return "\n".join(lines)
+    return format_rows(rows, [
+        ("model", 6, "{model}"), ("world_size", 10, "{world_size}"), ("parameters", 11, "{parameters}"),
+        ("step_ms", 9, lambda r: f"{1e3 * r['step_s']:.2f}"), ("check_ms", 9, lambda r: f"{1e3 * r['check_s']:.3f}"),
+        ("+optimizer_ms", 13, lambda r: f"{1e3 * r['check_optimizer_s']:.3f}"),
+        ("check/step", 10, lambda r: f"{100 * r['check_fraction_of_step']:.1f}%"),
+        ("+opt/step", 9, lambda r: f"{100 * r['check_optimizer_fraction_of_step']:.1f}%"),
+        ("every_100", 9, lambda r: f"{100 * r['overhead_every_100']:.2f}%"), ("GB/s", 6, "{checksum_gb_per_s:.2f}")])
 
 
 def run_bench(*, nproc: str, models: str, steps: int, checks: int, rounds: int,

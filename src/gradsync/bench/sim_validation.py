@@ -29,7 +29,8 @@ from dataclasses import asdict, dataclass
 
 from gradsync.bench.allreduce import parse_nbytes
 from gradsync.bench.calibrate import FULL, calibrate, describe
-from gradsync.sim.profile import Profile
+from gradsync.bench.output import format_rows as table
+from gradsync.sim import Profile
 
 ALGORITHMS = ("ring", "tree", "halving_doubling", "hierarchical", "shm")
 ONE_HOST_WORLD_SIZES = (2, 3, 4)
@@ -102,14 +103,10 @@ def summarize(rows: list[ValidationRow]) -> Summary:
 
 
 def format_rows(rows: list[ValidationRow]) -> str:
-    header = (f"{'hosts':>6} {'size [B]':>10} {'algorithm':>17} {'predicted [us]':>15} {'measured [us]':>14} "
-              f"{'error':>8}")
-    lines = [header, "-" * len(header)]
-    for row in rows:
-        layout = f"{row.hosts}x{row.world_size // row.hosts}"
-        lines.append(f"{layout:>6} {row.nbytes:>10} {row.algorithm:>17} {row.predicted_us:>15.1f} "
-                     f"{row.measured_us:>14.1f} {100 * row.error:>+7.1f}%")
-    return "\n".join(lines)
+    return table([{**asdict(row), "error_percent": 100 * row.error} for row in rows], [
+        ("hosts", 6, lambda row: f"{row['hosts']}x{row['world_size'] // row['hosts']}"), ("size [B]", 10, "{nbytes}"),
+        ("algorithm", 17, "{algorithm}"), ("predicted [us]", 15, "{predicted_us:.1f}"),
+        ("measured [us]", 14, "{measured_us:.1f}"), ("error", 8, "{error_percent:+.1f}%")])
 
 
 def format_summary(summary: Summary) -> str:
@@ -183,8 +180,7 @@ def format_picks(picks: list[Pick]) -> str:
 def predict(rows: list[dict], profile: Profile) -> list[ValidationRow]:
     """A :class:`ValidationRow` per bench row (``gradsync.bench.allreduce.Row`` dicts) of a simulated
     algorithm, predicted on ``profile`` with the row's topology (hosts x ranks per host)."""
-    from gradsync.sim.cluster import Topology
-    from gradsync.sim.engine import SIMULATED, simulate_all_reduce
+    from gradsync.sim import SIMULATED, Topology, simulate_all_reduce
 
     out = []
     for row in rows:

@@ -2,7 +2,7 @@
 
 For each world size, one local world trains each model with every
 implementation on the same initial weights, data, batch and thread count
-(DESIGN.md §5): gradsync ``DataParallel`` once per AllReduce algorithm, torch
+(docs/benchmarks.md): gradsync ``DataParallel`` once per AllReduce algorithm, torch
 DDP (Gloo, ``bucket_cap_mb=25`` as gradsync's default), and a "local"
 compute-only baseline (the plain module, no communication). Implementations
 alternate inside every round so they see the same machine noise; a round's
@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import gradsync
 from gradsync.bench.across_hosts import check_host_options, print_rank0_rows, run_bench_on_hosts, world_layout
-from gradsync.bench.output import claim_json_path, fmt_optional, write_json
+from gradsync.bench.output import claim_json_path, fmt_optional, format_rows, host_layout, optional, write_json
 from gradsync.jobs.job import under_torchrun
 from gradsync.train.models import build_model
 from gradsync.train.setup import threads_per_worker
@@ -238,20 +238,14 @@ def current_rss_mib() -> float:
 def format_table(rows: list[dict]) -> str:
     """Render throughput rows as an aligned text table (times per step in ms)."""
     multi = any(row.get("hosts", 1) > 1 for row in rows)
-    header = ((f"{'hosts':>6} " if multi else "")
-              + f"{'model':>6} {'world_size':>10} {'impl':>9} {'algorithm':>17} {'samples/s':>10} "
-              f"{'ratio_to_ddp':>12} {'comm_ms/step':>12} {'exposed_ms/step':>15} {'exposed/comm':>12} "
-              f"{'step overhead %':>15}")
-    lines = [header, "-" * len(header)]
-    for row in rows:
-        comm = None if row["comm_s_per_step"] is None else row["comm_s_per_step"] * 1e3
-        exposed = None if row["exposed_comm_s_per_step"] is None else row["exposed_comm_s_per_step"] * 1e3
-        layout = f"{row.get('hosts', 1)}x{row.get('nproc_per_host', row['world_size'])}"
-        lines.append((f"{layout:>6} " if multi else "")
-                     + f"{row['model']:>6} {row['world_size']:>10} {row['impl']:>9} {row['algorithm']:>17} "
-                     f"{row['samples_per_s']:>10.0f} {row['ratio_to_ddp']:>11.2f}x {fmt_optional(comm, '.2f'):>12} "
-                     f"{fmt_optional(exposed, '.2f'):>15} {fmt_optional(row['exposed_comm_fraction'], '.2f'):>12} "
-                     f"{100 * row['step_overhead_fraction']:>15.1f}")
+    columns = [("hosts", 6, host_layout)] if multi else []
+    columns += [("model", 6, "{model}"), ("world_size", 10, "{world_size}"), ("impl", 9, "{impl}"),
+                ("algorithm", 17, "{algorithm}"), ("samples/s", 10, "{samples_per_s:.0f}"),
+                ("ratio_to_ddp", 12, "{ratio_to_ddp:.2f}x"), ("comm_ms/step", 12, _milliseconds("comm_s_per_step")),
+                ("exposed_ms/step", 15, _milliseconds("exposed_comm_s_per_step")),
+                ("exposed/comm", 12, optional("exposed_comm_fraction", ".2f")),
+                ("step overhead %", 15, lambda row: f"{100 * row['step_overhead_fraction']:.1f}")]
+    lines = [format_rows(rows, columns)]
     baselines = {(row["model"], row["world_size"]): row["local_step_s"] for row in rows}
     lines += [f"# local compute-only step ({model}, world_size {ws}): {seconds * 1e3:.2f} ms"
               for (model, ws), seconds in baselines.items()]
@@ -262,16 +256,20 @@ def format_memory_table(rows: list[dict]) -> str:
     """Render memory rows: peak RSS per rank (max over ranks), the saving against the False row, and the
     resident MiB after the steps (the steady state, without the transient peaks of the first steps)."""
     base = {(r["model"], r["world_size"]): r["peak_rss_mib"] for r in rows if not r["gradient_as_bucket_view"]}
-    header = (f"{'model':>6} {'world_size':>10} {'impl':>9} {'gradient_as_bucket_view':>23} "
-              f"{'peak RSS [MiB/rank]':>19} {'saving vs False [MiB]':>21} {'RSS after [MiB/rank]':>20}")
-    lines = [header, "-" * len(header)]
-    for row in rows:
-        saving = base.get((row["model"], row["world_size"]))
-        saving = None if saving is None else saving - row["peak_rss_mib"]
-        lines.append(f"{row['model']:>6} {row['world_size']:>10} {row['impl']:>9} "
-                     f"{str(row['gradient_as_bucket_view']):>23} {row['peak_rss_mib']:>19.1f} "
-                     f"{fmt_optional(saving, '.1f'):>21} {row['rss_after_mib']:>20.1f}")
-    return "\n".join(lines)
+
+    def saving(row: dict) -> str:
+        peak = base.get((row["model"], row["world_size"]))
+        return fmt_optional(None if peak is None else peak - row["peak_rss_mib"], ".1f")
+
+    return format_rows(rows, [
+        ("model", 6, "{model}"), ("world_size", 10, "{world_size}"), ("impl", 9, "{impl}"),
+        ("gradient_as_bucket_view", 23, "{gradient_as_bucket_view!s}"),
+        ("peak RSS [MiB/rank]", 19, "{peak_rss_mib:.1f}"), ("saving vs False [MiB]", 21, saving),
+        ("RSS after [MiB/rank]", 20, "{rss_after_mib:.1f}")])
+
+
+def _milliseconds(key: str):
+    return lambda row: fmt_optional(None if row[key] is None else row[key] * 1e3, ".2f")
 
 
 def _split(text: str) -> list[str]:

@@ -26,12 +26,13 @@ import statistics
 
 import torch
 
+from gradsync.bench.output import format_rows, write_json
+from gradsync.bench.simulate_train import parse_list
 from gradsync.bench.train import BENCH_MODELS, DDP_BUCKET_CAP_MB, MODEL_SEED, build_bench_model, make_batch, run_bench
+from gradsync.sim import get_profile
 from gradsync.sim.compute import scaled
 from gradsync.sim.measure import measure_compute
-from gradsync.sim.profiles import get_profile
-from gradsync.bench.output import write_json
-from gradsync.sim.training import parse_list, predict_step, topology_for
+from gradsync.sim.training import predict_step, topology_for
 from gradsync.train.setup import threads_per_worker
 
 VALIDATED = ("ring", "tree", "halving_doubling", "shm")
@@ -92,18 +93,15 @@ def compare(predicted: list[dict], measured: list[dict]) -> list[dict]:
 
 
 def format_comparison(rows: list[dict]) -> str:
-    header = (f"{'model':>5} {'ws':>3} {'algorithm':>16} {'buckets':>7} {'pred_ms':>9} {'meas_ms':>9} {'error':>7} "
-              f"{'pred_local':>10} {'error':>7} "
-              f"{'pred_exposed':>12} {'meas_exposed':>12} {'pred_comm':>9} {'meas_comm':>9} "
-              f"{'pred_compute':>12} {'meas_local':>10}")
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        lines.append(f"{r['model']:>5} {r['world_size']:>3} {r['algorithm']:>16} {r['buckets']:>7} "
-                     f"{r['predicted_ms']:>9.2f} {r['measured_ms']:>9.2f} {100 * r['error']:>6.1f}% "
-                     f"{r['predicted_local_ms']:>10.2f} {100 * r['error_local']:>6.1f}% "
-                     f"{r['predicted_exposed_ms']:>12.2f} {r['measured_exposed_ms']:>12.2f} "
-                     f"{r['predicted_comm_ms']:>9.2f} {r['measured_comm_ms']:>9.2f} "
-                     f"{r['predicted_compute_ms']:>12.2f} {r['measured_local_ms']:>10.2f}")
+    lines = [format_rows(rows, [
+        ("model", 5, "{model}"), ("ws", 3, "{world_size}"), ("algorithm", 16, "{algorithm}"),
+        ("buckets", 7, "{buckets}"),
+        ("pred_ms", 9, "{predicted_ms:.2f}"), ("meas_ms", 9, "{measured_ms:.2f}"),
+        ("error", 7, lambda r: f"{100 * r['error']:.1f}%"), ("pred_local", 10, "{predicted_local_ms:.2f}"),
+        ("error", 7, lambda r: f"{100 * r['error_local']:.1f}%"), ("pred_exposed", 12, "{predicted_exposed_ms:.2f}"),
+        ("meas_exposed", 12, "{measured_exposed_ms:.2f}"), ("pred_comm", 9, "{predicted_comm_ms:.2f}"),
+        ("meas_comm", 9, "{measured_comm_ms:.2f}"), ("pred_compute", 12, "{predicted_compute_ms:.2f}"),
+        ("meas_local", 10, "{measured_local_ms:.2f}")])]
     for key, what in (("error", "compute timed on one process"), ("error_local", "compute = bench's local step")):
         errors = [abs(r[key]) for r in rows]
         if errors:

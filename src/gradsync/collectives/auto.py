@@ -1,11 +1,11 @@
 """``algorithm="auto"``: the algorithm the cost model predicts fastest for this message and group.
 
-For every algorithm the group can run, :func:`gradsync.sim.formulas.predict_s`
+For every algorithm the group can run, :func:`gradsync.collectives.cost.formulas.predict_s`
 predicts the call's time on the profile in use and the group's real topology
 (hosts x ranks per host, from its locality); the fastest wins. The formulas
 are the closed forms of the event simulation that runs the algorithms' own
-code (:mod:`gradsync.sim`), priced with a profile measured by
-``gradsync calibrate`` (DESIGN §7). This replaced a table of thresholds
+code (:mod:`gradsync.sim`, see docs/simulator.md), priced with a profile measured by
+``gradsync calibrate``. This replaced a table of thresholds
 measured by hand on one machine.
 
 The profile in use: the file or name in ``GRADSYNC_PROFILE``, else the
@@ -24,7 +24,7 @@ known to be unavailable; ``ring``, ``tree``, ``halving_doubling``; and
 intra-host link, each rank on its own port). The segment size is the group's
 (``SegmentOptions``), not chosen per call.
 
->>> from gradsync.sim.profile import Link, Profile
+>>> from gradsync.collectives.cost.profile import Link, Profile
 >>> slow_start = Profile("example", "", Link(1e-3, 1e9), None, 1e-10, 1e-10, ranks_per_host=8)
 >>> choose(4096, 8, 8, shm_available=False, profile=slow_start)  # latency-bound: 3 exchanges, not 14 ring hops
 'halving_doubling'
@@ -39,10 +39,10 @@ import functools
 import os
 from typing import Sequence
 
-from gradsync.sim import formulas
-from gradsync.sim.profile import Profile
-from gradsync.sim.profiles import get_profile
-from gradsync.sim.topology import Topology
+from gradsync.collectives.cost import formulas
+from gradsync.collectives.cost.profile import Profile
+from gradsync.collectives.cost.profiles import get_profile
+from gradsync.collectives.cost.topology import Topology
 
 PROFILE_ENV = "GRADSYNC_PROFILE"
 FLAT = ("ring", "tree", "halving_doubling")

@@ -1,5 +1,7 @@
-"""Setting up a group's shared memory for :mod:`gradsync.collectives.shm`: the segment, the
-options object that holds it (:class:`ShmState`) and the barrier that names the rank waited for.
+"""Setting up a group's shared memory for :mod:`gradsync.collectives.shm`: segment, state, barrier.
+
+The segment, the options object that holds it (:class:`ShmState`) and the
+barrier that names the rank waited for.
 
 The segment is created at the first shm call of a group, which is
 collective: from the group's locality (or, when it is not known, host ids

@@ -1,34 +1,25 @@
-"""The simulator: gradsync's real AllReduce algorithms on a modelled cluster (DESIGN §1, §7).
+"""The simulator: gradsync's real AllReduce algorithms on a virtual clock over a modelled cluster (docs/simulator.md).
 
 * :func:`simulate_all_reduce` (:mod:`~gradsync.sim.engine`): the event
   simulation, the real algorithm modules on a virtual clock.
-* :mod:`~gradsync.sim.formulas`: closed-form α-β-γ times of the same
-  algorithms, for sizes and world sizes beyond the event simulation.
-* :mod:`~gradsync.sim.profile`, :mod:`~gradsync.sim.profiles`: the hardware profiles.
-* ``gradsync simulate train`` (:mod:`~gradsync.sim.training`): a data-parallel step, from
+* The cost model it prices messages with lives beside the algorithms, in
+  :mod:`gradsync.collectives.cost` (formulas, profiles, topology), where
+  ``auto`` decides from it; its names are exported here too.
+* :mod:`~gradsync.sim.training`: a data-parallel step, from
   :mod:`~gradsync.sim.compute` (6·P·T/(F·MFU), per-layer times; :mod:`~gradsync.sim.measure` times
   one here), :mod:`~gradsync.sim.step` (DataParallel's real buckets, the overlap with backward) and
   :mod:`~gradsync.sim.exchange` (each bucket's AllReduce or compressed two-phase exchange).
 
-The names load on first use: ``collectives.auto`` imports the cost model
-(profiles, formulas) from below the event engine, which itself runs the
-collectives, so this package must not import the engine when it is imported.
+The commands and their reports (``gradsync simulate``, ``explain``,
+``--reproduce``) are in :mod:`gradsync.bench`.
 """
 
-from importlib import import_module
+from gradsync.collectives.cost.formulas import predict_s
+from gradsync.collectives.cost.profile import Link, Profile, ShmModel
+from gradsync.collectives.cost.profiles import PROFILE_NAMES, get_profile
+from gradsync.collectives.cost.topology import Topology
+from gradsync.sim.cluster import SimulationDeadlock
+from gradsync.sim.engine import SIMULATED, SimResult, simulate_all_reduce
 
-_NAMES = {
-    "SimulationDeadlock": "cluster", "Topology": "topology",
-    "SIMULATED": "engine", "SimResult": "engine", "simulate_all_reduce": "engine",
-    "Link": "profile", "Profile": "profile", "ShmModel": "profile",
-    "PROFILE_NAMES": "profiles", "get_profile": "profiles",
-    "predict_s": "formulas",
-}
-
-__all__ = sorted(_NAMES)
-
-
-def __getattr__(name: str):
-    if name not in _NAMES:
-        raise AttributeError(f"module 'gradsync.sim' has no attribute {name!r}")
-    return getattr(import_module(f"gradsync.sim.{_NAMES[name]}"), name)
+__all__ = ["Link", "PROFILE_NAMES", "Profile", "SIMULATED", "ShmModel", "SimResult", "SimulationDeadlock",
+           "Topology", "get_profile", "predict_s", "simulate_all_reduce"]

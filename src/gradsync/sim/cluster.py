@@ -16,7 +16,7 @@ copies every byte on the sender's and the receiver's core, so a rank that
 sends and receives at once takes twice as long as one that only sends,
 as ``gradsync calibrate``'s exchange against its ping-pong shows); each host
 has ``nics_per_host`` NICs with an egress and an ingress port each (see
-:mod:`gradsync.sim.profile`).
+:mod:`gradsync.collectives.cost.profile`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 import greenlet
 
-from gradsync.sim.profile import Profile
-from gradsync.sim.topology import Topology
+from gradsync.collectives.cost.profile import Profile
+from gradsync.collectives.cost.topology import Topology
 
 
 def _reason(blocked_on) -> str:

@@ -33,7 +33,7 @@ from typing import Sequence
 
 import torch
 
-from gradsync.sim.profile import Profile
+from gradsync.collectives.cost.profile import Profile
 
 # Dense BF16 tensor-core peak (no sparsity), TFLOP/s, from the vendors' datasheets.
 PEAK_TFLOPS = {

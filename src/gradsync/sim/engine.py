@@ -7,7 +7,7 @@ The function called is the one ``gradsync.all_reduce`` calls
 :class:`~gradsync.sim.virtual.VirtualTensor` s: the same chunks, segments,
 peers and additions as a real run, priced instead of performed.
 
->>> from gradsync.sim.profiles import get_profile
+>>> from gradsync.collectives.cost.profiles import get_profile
 >>> result = simulate_all_reduce("ring", 2**30, get_profile("h100-ib"), Topology.uniform(1, 8))
 >>> result.world_size, 340 < result.busbw_gbps < 371  # a 1 GiB ring nears the 370.8 GB/s of an NVLink port
 (8, True)
@@ -22,13 +22,13 @@ import torch
 
 from gradsync.collectives.call import CollectiveCall
 from gradsync.collectives.chunking import SegmentOptions
+from gradsync.collectives.cost.formulas import call_overhead_s
+from gradsync.collectives.cost.profile import Profile
+from gradsync.collectives.cost.topology import Topology
 from gradsync.collectives.hierarchical import HierarchicalOptions
 from gradsync.collectives.options import AlgorithmOptions, OptionStore
 from gradsync.collectives.registry import ALL_REDUCE
 from gradsync.sim.cluster import TraceEvent, VirtualCluster
-from gradsync.sim.formulas import call_overhead_s
-from gradsync.sim.topology import Topology
-from gradsync.sim.profile import Profile
 from gradsync.sim.transport import SimWorld
 from gradsync.sim.virtual import VirtualTensor, VirtualWorkspace
 from gradsync.transport.base import TransportStats
@@ -84,7 +84,7 @@ def simulate_all_reduce(algorithm: str, nbytes: int, profile: Profile, topology:
     Args:
         algorithm: one of ``SIMULATED``.
         nbytes: message bytes (>= 0).
-        profile: the hardware (:mod:`gradsync.sim.profiles`).
+        profile: the hardware (:mod:`gradsync.collectives.cost.profiles`).
         topology: ranks on hosts.
         dtype: the element type the algorithm reduces in (float32 by default).
         segment_bytes: the ring and tree's pipelining unit (None: ``SegmentOptions``' default).

@@ -3,7 +3,7 @@
 * No compression: the bucket's AllReduce with ``algorithm``, by the event
   simulation (:func:`~gradsync.sim.engine.simulate_all_reduce`, the real
   algorithm code) up to ``event_max_ranks`` ranks, by
-  :func:`~gradsync.sim.formulas.predict_s` beyond.
+  :func:`~gradsync.collectives.cost.formulas.predict_s` beyond.
 * fp16, bf16, onebit: :mod:`gradsync.compression.two_phase` — whatever the
   algorithm — sends every rank's encoded chunks by ``all_to_all`` then
   ``ring.all_gather`` s the encoded averages: rows of
@@ -34,12 +34,12 @@ from gradsync.collectives import ring
 from gradsync.collectives.all_to_all import all_to_all
 from gradsync.collectives.call import CollectiveCall
 from gradsync.collectives.chunking import DEFAULT_SEGMENT_BYTES, SegmentOptions, chunk_bounds
+from gradsync.collectives.cost.formulas import Step, predict_s, ring_phases_s
+from gradsync.collectives.cost.profile import Profile
 from gradsync.collectives.options import OptionStore
 from gradsync.compression.two_phase import row_nbytes
 from gradsync.sim.cluster import Topology, VirtualCluster
 from gradsync.sim.engine import check_algorithm, simulate_all_reduce
-from gradsync.sim.formulas import Step, predict_s, ring_phases_s
-from gradsync.sim.profile import Profile
 from gradsync.sim.transport import SimWorld
 from gradsync.sim.virtual import VirtualTensor, VirtualWorkspace
 

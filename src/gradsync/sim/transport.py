@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from collections import deque
 
+from gradsync.collectives.cost.shm_formulas import COPY_MEMORY_BYTES, shm_cells, shm_lean, shm_rates, shm_slices
 from gradsync.collectives.shm_setup import ShmState
 from gradsync.sim.cluster import VirtualCluster
-from gradsync.sim.shm_formulas import COPY_MEMORY_BYTES, shm_cells, shm_lean, shm_rates, shm_slices
 from gradsync.transport.base import TransportStats
 from gradsync.transport.locality import Locality, derive
 
@@ -137,21 +137,21 @@ def _members(transport) -> list[int]:
 
 class VirtualSharedMemory:
     """A formula for :mod:`gradsync.collectives.shm` on simulated ranks (the closed form:
-    :func:`gradsync.sim.shm_formulas.shm_s`).
+    :func:`gradsync.collectives.cost.shm_formulas.shm_s`).
 
     AllReduce over p ranks of one host, per rank:
 
-    * the lean path (:func:`~gradsync.sim.shm_formulas.shm_lean`: the group's own call of at most
+    * the lean path (:func:`~gradsync.collectives.cost.shm_formulas.shm_lean`: the group's own call of at most
       ``LEAN_MAX_BYTES``, as ``algorithm="shm"`` runs it): copy n in, one barrier (the layout check
       travels in it), add all p rows ((p-1)·n added); its fixed cost is the call's
       (``ShmModel.lean_call_overhead_s``, set by the engine);
-    * else cells of ``ShmState.cell_bytes`` (:func:`~gradsync.sim.shm_formulas.shm_cells`), each
-      (:func:`~gradsync.sim.shm_formulas.shm_cell_s`): p x ``ShmModel.cell_overhead_s``, stage the peers'
+    * else cells of ``ShmState.cell_bytes`` (:func:`~gradsync.collectives.cost.shm_formulas.shm_cells`), each
+      (:func:`~gradsync.collectives.cost.shm_formulas.shm_cell_s`): p x ``ShmModel.cell_overhead_s``, stage the peers'
       chunks ((p-1)/p·n copied), a barrier, reduce its own chunk ((p-1)/p·n added, n/p copied into
       its region), a barrier, copy the other chunks out ((p-1)/p·n).
 
     Copies and adds of cells and mailboxes run at the in-cache rates while every rank has a core
-    (:func:`~gradsync.sim.shm_formulas.shm_rates`), at the out-of-cache ones slowed by ranks/cores when
+    (:func:`~gradsync.collectives.cost.shm_formulas.shm_rates`), at the out-of-cache ones slowed by ranks/cores when
     they outnumber the cores; the host's memory traffic bounds each phase from
     below at ``ShmModel.memory_bandwidth_bytes_per_s``: 3 DRAM bytes per payload byte and rank
     (the input read in the copy in, the output's read for ownership and write-back where it is

@@ -66,7 +66,7 @@ class Link:
 @dataclass(frozen=True)
 class ShmModel:
     """Costs of the shared-memory collective (``algorithm="shm"``, :mod:`gradsync.collectives.shm`;
-    the model: :mod:`gradsync.sim.shm_formulas`).
+    the model: :mod:`gradsync.collectives.cost.shm_formulas`).
 
     Args:
         barrier_s: one barrier of the host's ranks (seconds), each rank on a core of its own.

@@ -16,11 +16,9 @@ from dataclasses import dataclass, field
 
 from gradsync.bench.allreduce import parse_nbytes
 from gradsync.collectives.chunking import DEFAULT_SEGMENT_BYTES, chunk_bounds
+from gradsync.collectives.cost.formulas import call_overhead_s
+from gradsync.sim import SimResult, Topology, get_profile, simulate_all_reduce
 from gradsync.sim.cluster import TraceEvent
-from gradsync.sim.engine import SimResult, simulate_all_reduce
-from gradsync.sim.formulas import call_overhead_s
-from gradsync.sim.profiles import get_profile
-from gradsync.sim.topology import Topology
 
 _SHOWN_PER_STEP = 8  # transfers listed per step (the rest counted)
 _MAX_STEPS = 64

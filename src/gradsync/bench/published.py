@@ -31,7 +31,7 @@ class PublishedCurve:
         key: short name (``--reproduce`` prints it).
         source: where the numbers are (URL and file).
         system: the hardware and software, as the source states it.
-        profile: the gradsync profile of that hardware (:mod:`gradsync.sim.profiles`).
+        profile: the gradsync profile of that hardware (:mod:`gradsync.collectives.cost.profiles`).
         hosts, ranks_per_host: the topology of the run.
         nvls: whether NCCL used in-switch reduction (True, False, or None: not known).
         note: what the source says about algorithms, channels and doubts.

@@ -1,13 +1,13 @@
-"""``gradsync simulate``, ``gradsync simulate train``, ``gradsync calibrate``, ``gradsync explain``:
-options and entry points (argparse only); ``gradsync.cli`` registers them. Each entry point imports
-what it runs when it runs."""
+"""The options and entry points of ``gradsync simulate [train]``, ``calibrate`` and ``explain`` (argparse only).
+
+``gradsync.cli`` registers them. Each entry point imports what it runs when it runs.
+"""
 
 from __future__ import annotations
 
 import argparse
 
-from gradsync.sim.engine import SIMULATED
-from gradsync.sim.profiles import PROFILE_NAMES
+from gradsync.sim import PROFILE_NAMES, SIMULATED
 
 _ALGORITHMS = ",".join(name for name in SIMULATED if name != "shm")
 
@@ -72,15 +72,15 @@ def simulate(args: argparse.Namespace) -> int:
         from gradsync.bench.train_validation import run as run_train_validation
         return run_train_validation(args)
     if getattr(args, "simulate", None) == "train":
-        from gradsync.sim.training import run as run_train
+        from gradsync.bench.simulate_train import run as run_train
         return run_train(args)
     if args.validate:
         from gradsync.bench.sim_validation import run as run_validation
         return run_validation(args)
     if args.reproduce:
-        from gradsync.sim.reproduce import run as run_reproduce
+        from gradsync.bench.reproduce import run as run_reproduce
         return run_reproduce(args)
-    from gradsync.sim.scale import run as run_scale
+    from gradsync.bench.scale import run as run_scale
     return run_scale(args)
 
 
@@ -156,7 +156,7 @@ def _add_explain_options(parser: argparse.ArgumentParser) -> None:
 
 
 def explain(args: argparse.Namespace) -> int:
-    from gradsync.sim.explain import run as run_explain
+    from gradsync.bench.explain import run as run_explain
     return run_explain(args)
 
 

@@ -5,7 +5,7 @@ For every GPU count, algorithm and message size, one AllReduce is predicted on
 the GPU profiles; fewer GPUs than R: one host of that many): by the event
 simulation (:func:`~gradsync.sim.engine.simulate_all_reduce`, the real
 algorithm code) where it fits the budget, else by the closed form
-(:func:`~gradsync.sim.formulas.predict_s`). Column ``method`` says which.
+(:func:`~gradsync.collectives.cost.formulas.predict_s`). Column ``method`` says which.
 
 The budget: the event simulation runs ring up to ``EVENT_MAX_RANKS["ring"]``
 (512) ranks and the others up to 4096 (issue 19, item 1), and only where its
@@ -31,13 +31,9 @@ from dataclasses import asdict, dataclass
 
 from gradsync.bench.allreduce import parse_nbytes
 from gradsync.bench.output import claim_json_path, write_json
+from gradsync.bench.scale_report import crossover_lines, format_size, plot
 from gradsync.collectives.chunking import DEFAULT_SEGMENT_BYTES
-from gradsync.sim.cluster import Topology
-from gradsync.sim.engine import simulate_all_reduce
-from gradsync.sim.formulas import predict_s
-from gradsync.sim.profile import Profile
-from gradsync.sim.profiles import get_profile
-from gradsync.sim.scale_report import crossover_lines, format_size, plot
+from gradsync.sim import Profile, Topology, get_profile, predict_s, simulate_all_reduce
 
 SCALE_ALGORITHMS = ("ring", "tree", "halving_doubling", "hierarchical")
 EVENT_MAX_RANKS = {"ring": 512, "tree": 4096, "halving_doubling": 4096, "hierarchical": 4096}

@@ -4,7 +4,7 @@ What is compared with what. NCCL picks, per size, an algorithm (ring,
 tree, NVLS, NVLSTree, ...) and a protocol (LL, LL128, Simple), and runs
 several channels (parallel rings or trees). The prediction here is the
 fastest of these candidates, each priced by gradsync's own simulator on the
-curve's profile (:mod:`gradsync.sim.profiles`, numbers from datasheets and
+curve's profile (:mod:`gradsync.collectives.cost.profiles`, numbers from datasheets and
 NCCL's tuning model, none from the curves):
 
 * ``ring/<proto>``: gradsync's ring (the real code, event simulation) as one
@@ -36,14 +36,10 @@ import statistics
 from dataclasses import dataclass
 
 from gradsync.bench.output import claim_json_path, write_json
-from gradsync.sim.cluster import Topology
-from gradsync.sim.engine import simulate_all_reduce
-from gradsync.sim.formulas import predict_s
-from gradsync.sim.profile import Profile
-from gradsync.sim.profiles import get_profile
-from gradsync.sim.published import CURVES, LATENCY_BOUND_BYTES, PublishedCurve
-from gradsync.sim.scale import estimated_wall_s
-from gradsync.sim.scale_report import format_size
+from gradsync.bench.published import CURVES, LATENCY_BOUND_BYTES, PublishedCurve
+from gradsync.bench.scale import estimated_wall_s
+from gradsync.bench.scale_report import format_size
+from gradsync.sim import Profile, Topology, get_profile, predict_s, simulate_all_reduce
 
 # (intra-host step latency, inter-host step latency, per-call base latency), seconds: NCCL tuning.cc
 # hwLatencies[NVLINK|NET][algorithm][protocol] and baseLatencies[algorithm][protocol].

@@ -11,14 +11,14 @@ host's DRAM traffic: 3 bytes per payload byte and rank
 (``SHM_MEMORY_BYTES_PER_PAYLOAD_BYTE``: the input read once, the output
 written once with its read for ownership; the cells stay in cache).
 :class:`~gradsync.sim.transport.VirtualSharedMemory` applies the same terms
-on simulated ranks; :mod:`gradsync.sim.formulas` adds the call's overhead.
+on simulated ranks; :mod:`gradsync.collectives.cost.formulas` adds the call's overhead.
 """
 
 from __future__ import annotations
 
+from gradsync.collectives.cost.profile import Profile
+from gradsync.collectives.cost.topology import Topology
 from gradsync.collectives.shm_setup import DEFAULT_CELL_BYTES, LEAN_MAX_BYTES
-from gradsync.sim.profile import Profile
-from gradsync.sim.topology import Topology
 from gradsync.transport.shm_segment import DEFAULT_REGION_BYTES
 
 

@@ -1,8 +1,10 @@
-"""What the at-scale table shows: the fastest algorithm per point, where the ring stops being the
-fastest (its latency term 2(p-1)α overtakes its bandwidth term 2(p-1)/p·n·β), where hierarchical and
-tree win, and the PNG of time against GPU count (matplotlib, Agg backend).
+"""What the at-scale table shows: the fastest algorithm per point, the crossovers, the PNG.
 
-Rows are :class:`~gradsync.sim.scale.ScaleRow` (or anything with ``gpus``, ``algorithm``,
+Where the ring stops being the fastest (its latency term 2(p-1)α overtakes its
+bandwidth term 2(p-1)/p·n·β), where hierarchical and tree win, and the PNG of
+time against GPU count (matplotlib, Agg backend).
+
+Rows are :class:`~gradsync.bench.scale.ScaleRow` (or anything with ``gpus``, ``algorithm``,
 ``nbytes``, ``time_us``).
 """
 
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gradsync.sim.profile import Profile
+from gradsync.collectives.cost.profile import Profile
 
 
 def fastest(rows) -> dict[tuple[int, int], object]:

@@ -2,11 +2,11 @@
 
 * ``this-machine``: this machine class (2 cores, Gloo over loopback, shared
   memory), calibrated by ``gradsync calibrate`` and shipped in
-  ``sim/data/this-machine.json`` so that a fresh clone has it; a file of
+  ``collectives/cost/data/this-machine.json`` so that a fresh clone has it; a file of
   your own calibration (``--profile PATH``) replaces it.
 * ``test-hosts``: the emulated hosts of ``--hosts H`` (network namespaces on
   a veth bridge, links shaped to 1 Gbit/s by ``tc tbf``, this machine's
-  cores), calibrated the same way (``sim/data/test-hosts.json``).
+  cores), calibrated the same way (``collectives/cost/data/test-hosts.json``).
 * ``h100-ib``, ``h200-ib``, ``a100-ib``: published GPU systems; see each
   builder's docstring for its sources.
 """
@@ -18,7 +18,7 @@ import dataclasses
 from importlib import resources
 from pathlib import Path
 
-from gradsync.sim.profile import Link, Profile, load
+from gradsync.collectives.cost.profile import Link, Profile, load
 
 GB = 1e9
 _CALIBRATED = {"this-machine": "this-machine.json", "test-hosts": "test-hosts.json"}
@@ -121,7 +121,7 @@ PROFILE_NAMES = tuple(_CALIBRATED) + tuple(PUBLISHED)
 
 def shipped_path(name: str) -> Path:
     """Where the package keeps calibrated profile ``name``."""
-    return Path(str(resources.files("gradsync.sim") / "data" / _CALIBRATED[name]))
+    return Path(str(resources.files("gradsync.collectives.cost") / "data" / _CALIBRATED[name]))
 
 
 def get_profile(name: str) -> Profile:

@@ -5,7 +5,7 @@ Where the event simulation (:mod:`gradsync.sim.engine`) would take too long
 in microseconds, these formulas predict the same schedules from the same
 profile: the same chunks and segments, the same links, the same NIC sharing
 and core oversubscription. They agree with the event simulation within 5%
-where both run (``tests/test_sim_formulas.py``).
+where both run (``tests/test_sim.py``).
 
 Notation: p ranks, n message bytes, s segment bytes, k segments per
 chunk; α, β (= 1/bandwidth) of the slowest link a step crosses, γ per byte
@@ -20,10 +20,10 @@ import math
 from dataclasses import dataclass
 
 from gradsync.collectives.chunking import DEFAULT_SEGMENT_BYTES
+from gradsync.collectives.cost.profile import Profile
+from gradsync.collectives.cost.shm_formulas import shm_lean, shm_phase_s, shm_s, shm_slices
+from gradsync.collectives.cost.topology import Topology
 from gradsync.collectives.halving_doubling import SHORT_MESSAGE_BYTES as HD_SHORT_BYTES
-from gradsync.sim.profile import Profile
-from gradsync.sim.shm_formulas import shm_lean, shm_phase_s, shm_s, shm_slices
-from gradsync.sim.topology import Topology
 
 FORMULAS = ("ring", "tree", "halving_doubling", "hierarchical", "shm")
 
