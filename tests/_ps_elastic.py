@@ -27,8 +27,8 @@ from gradsync.elastic.member import ElasticMember
 from gradsync.elastic.service import QuorumService, ServiceSettings
 from gradsync.elastic.run_store import connect
 from gradsync.launch import start_forkserver
-from gradsync.parallel.elastic_async_worker import ElasticAsyncWorker
-from gradsync.parallel.elastic_server import ElasticParameterServer
+from gradsync.elastic.ps_worker import ElasticAsyncWorker
+from gradsync.elastic.ps_server import ElasticParameterServer
 from gradsync.train.elastic_async import serve_elastic, work_elastic
 from _ps_helpers import Vector, one_hot
 

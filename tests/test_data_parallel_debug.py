@@ -21,7 +21,8 @@ import gradsync
 from gradsync.cli import build_parser
 from gradsync.errors import CollectiveMismatchError, DebugCheckError, EpochOrderWarning
 from gradsync.parallel.debug_findings import MASK64, Report, ce_loss_scale, checksum, decide
-from gradsync.train.config import TrainConfig, validate
+from gradsync.train.config import TrainConfig
+from gradsync.train.validation import validate
 from _dist import capture_error, run_threads
 
 NUM_SAMPLES, BATCH_SIZE = 96, 8  # 2 ranks: 6 batches per rank per epoch

@@ -21,7 +21,7 @@ from gradsync.elastic.member import ElasticMember, start_heartbeat
 from gradsync.elastic.quorum import HEARTBEAT_STALE_S, Quorum
 from gradsync.elastic.run_store import EventReader
 from gradsync.fault.checkpoint import CheckpointWarning
-from gradsync.train import elastic_checkpoint
+from gradsync.elastic import checkpoint as elastic_checkpoint
 from gradsync.train.config import TrainConfig
 
 
@@ -31,7 +31,11 @@ from gradsync.train.config import TrainConfig
 def _save(config: TrainConfig, step: int):
     state = {"model": {"w": torch.full((4,), float(step))}, "optimizer": {}, "scheduler": {},
              "progress": {"step": step}, "global_batch": 32}
-    return elastic_checkpoint.save(config, state, world_size=2)
+    return elastic_checkpoint.save(_root(config), state, 2, config.keep_checkpoints, {})
+
+
+def _root(config: TrainConfig):
+    return elastic_checkpoint.folder(config.checkpoint_dir)
 
 
 @pytest.mark.parametrize("damage", ["truncate", "empty", "not_a_checkpoint"])
@@ -47,7 +51,7 @@ def test_a_corrupt_newest_elastic_checkpoint_is_reported_then_the_one_before_res
     else:  # a readable file that is no elastic checkpoint (another program's, a half-migrated one)
         torch.save({"weights": torch.ones(2)}, newest)
     with pytest.warns(CheckpointWarning) as caught:
-        path, state = elastic_checkpoint.latest(config)
+        path, state = elastic_checkpoint.latest(_root(config))
     assert path.name == "step-00000010.pt" and state["progress"]["step"] == 10
     messages = [str(w.message) for w in caught]
     assert len(messages) == 1 and str(newest) in messages[0], messages
@@ -62,7 +66,7 @@ def test_the_skipped_checkpoints_are_returned_for_the_run_to_record(tmp_path):
     newest.write_bytes(b"garbage")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        found, skipped = elastic_checkpoint.scan(config)
+        found, skipped = elastic_checkpoint.scan(_root(config))
     assert found[0].name == "step-00000010.pt"
     assert len(skipped) == 1 and str(newest) in skipped[0]
 
@@ -72,7 +76,7 @@ def test_every_elastic_checkpoint_corrupt_is_reported_and_none_resumes(tmp_path)
     only = _save(config, 10)
     only.write_bytes(b"")
     with pytest.warns(CheckpointWarning, match=str(only)):
-        assert elastic_checkpoint.latest(config) is None
+        assert elastic_checkpoint.latest(_root(config)) is None
 
 
 # ---------------------------------------------------------------- heartbeats

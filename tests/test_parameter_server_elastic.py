@@ -25,11 +25,12 @@ import torch
 
 from _ps_elastic import Plan, run, run_slots, train_slot_main
 from _ps_helpers import Vector, one_hot
-from gradsync.parallel.elastic_server import ElasticParameterServer
+from gradsync.elastic.ps_server import ElasticParameterServer
 from gradsync.parallel.ps_ledger import Ledger, incarnation_seq
 from gradsync.parallel.ps_protocol import PUSH, REPLAY
 from gradsync.train import data, elastic_async
-from gradsync.train.config import TrainConfig, validate
+from gradsync.train.config import TrainConfig
+from gradsync.train.validation import validate
 
 
 def _push(numel: int, step: int, loss: float | None = None) -> torch.Tensor:

@@ -15,7 +15,8 @@ import torch
 
 from gradsync.cli import main
 from gradsync.train import data, resume
-from gradsync.train.config import TrainConfig, validate, validate_against_data
+from gradsync.train.config import TrainConfig
+from gradsync.train.validation import validate, validate_against_data
 from _dist import run_world
 
 pytestmark = pytest.mark.dist

@@ -15,7 +15,8 @@ from gradsync.parallel.sync_round import SLOTS_PER_RANK
 from gradsync.cli import build_parser
 from gradsync.parallel.staleness import StalenessStats
 from gradsync.train import resume
-from gradsync.train.config import TrainConfig, validate
+from gradsync.train.config import TrainConfig
+from gradsync.train.validation import validate
 from gradsync.train.meter import StepTimes
 from gradsync.train.setup import make_optimizer, make_scheduler
 from gradsync.train.state import TrainState

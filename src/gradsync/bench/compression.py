@@ -32,7 +32,8 @@ import gradsync
 from gradsync.bench.output import claim_json_path, fmt_optional, format_rows, optional, write_json
 from gradsync.bench.train import BATCH_PER_RANK, LR, MODEL_SEED, build_bench_model, make_batch, train_steps
 from gradsync.compression import COMPRESSIONS, make
-from gradsync.train.config import TrainConfig, validate
+from gradsync.train.config import TrainConfig
+from gradsync.train.validation import validate
 from gradsync.train.metrics import METRICS_FILE
 from gradsync.train.setup import threads_per_worker
 

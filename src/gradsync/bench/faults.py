@@ -26,7 +26,8 @@ from gradsync.bench.output import claim_json_path, format_rows, optional, write_
 from gradsync.fault.events import read_events
 from gradsync.launch import start_forkserver
 from gradsync.train import data
-from gradsync.train.config import TrainConfig, total_steps, validate, validate_against_data
+from gradsync.train.config import TrainConfig, total_steps
+from gradsync.train.validation import validate, validate_against_data
 from gradsync.train.metrics import MODEL_FILE
 from gradsync.jobs.worker import run_worker
 

@@ -35,8 +35,8 @@ from gradsync.bench.faults import params_equal
 from gradsync.bench.output import claim_json_path, fmt_optional, format_rows, optional, write_json
 from gradsync.fault.events import read_events
 from gradsync.train import data
-from gradsync.train.config import TrainConfig, validate
-from gradsync.train.elastic_options import elastic_global_batch
+from gradsync.train.config import TrainConfig
+from gradsync.train.validation import validate
 from gradsync.elastic.samples import count_samples
 from gradsync.train.global_batch import global_batches
 from gradsync.train.metrics import METRICS_FILE, read_metrics
@@ -122,7 +122,7 @@ def _median(values) -> float | None:
 
 def _row(name: str, config: TrainConfig, summary: dict, folder: Path, failures: list[dict],
          reference: tuple[Path, dict] | None) -> dict:
-    num_train, batch = data.num_train_samples(config.num_samples), elastic_global_batch(config)
+    num_train, batch = data.num_train_samples(config.num_samples), config.elastic_global_batch()
     counts = count_samples(folder, lambda epoch: global_batches(num_train, batch, config.seed, epoch),
                            steps_done=summary.get("steps"))
     row = {"system": "gradsync", "elastic": True, "fault": name, "nproc": config.nproc,

@@ -22,7 +22,8 @@ import tempfile
 from pathlib import Path
 
 from gradsync.bench.output import claim_json_path, fmt_optional, format_rows, optional, write_json
-from gradsync.train.config import TrainConfig, validate
+from gradsync.train.config import TrainConfig
+from gradsync.train.validation import validate
 from gradsync.train.metrics import METRICS_FILE
 
 STRAGGLER_RANK = 1

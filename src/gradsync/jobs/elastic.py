@@ -19,6 +19,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from gradsync.elastic import checkpoint as elastic_checkpoint
 from gradsync.elastic.launcher import Launcher
 from gradsync.elastic.service import QuorumService, ServiceSettings
 from gradsync.elastic.run_store import connect, get_json
@@ -27,9 +28,9 @@ from gradsync.fault.events import EventLog
 from gradsync.launch import start_forkserver
 from gradsync.train import data
 from gradsync.train.config import TrainConfig
-from gradsync.train.elastic_options import elastic_bounds
 from gradsync.jobs.worker import run_elastic_worker
 from gradsync.train.metrics import SUMMARY_FILE
+from gradsync.train import resume
 from gradsync.train.resume import say
 
 RUN_FILE = "elastic.json"
@@ -50,7 +51,7 @@ class ElasticJob:
 
     def __init__(self, config: TrainConfig, data_path: Path, out_dir: Path):
         self.config, self.data_path, self.out_dir = config, Path(data_path), Path(out_dir)
-        low, high = elastic_bounds(config)
+        low, high = config.elastic_bounds()
         extra = 1 if config.mode == "async" else 0  # the server is a member too
         start_forkserver(run_elastic_worker)
         self.service = QuorumService(ServiceSettings(nproc=slots_for(config), min_nproc=low + extra,
@@ -93,7 +94,7 @@ class ElasticJob:
             if not told and self.store.check(["q/waiting"]):
                 told = True
                 waiting = get_json(self.store, "q/waiting")
-                say(f"{waiting['workers']} workers left, fewer than --min-nproc {elastic_bounds(self.config)[0]}: "
+                say(f"{waiting['workers']} workers left, fewer than --min-nproc {self.config.elastic_bounds()[0]}: "
                     f"waiting up to {waiting['rejoin_s']:g} s for a replacement or a joiner (gradsync train "
                     f"--elastic --join {self.out_dir})")
             if not self.service.alive():
@@ -132,6 +133,22 @@ def make_launcher(slot: int, config: TrainConfig, data_path: Path, out_dir: Path
                     lambda: connect(host, port), config.max_relaunches, log=events.write)
 
 
+def check_resumable(config: TrainConfig) -> None:
+    """Refuse, before any worker starts, an elastic checkpoint of another job (another model, lr, seed ...).
+
+    Raises:
+        ValueError: naming every option that differs.
+    """
+    found = elastic_checkpoint.latest(elastic_checkpoint.folder(config.checkpoint_dir))
+    if found is not None:
+        path, state = found
+        saved = dict(state["config"])
+        here = resume.config_fields(config)
+        for name in ("batch_size", "accumulate"):  # the global batch is the checkpoint's, whatever --nproc
+            saved[name] = here[name]
+        resume.check_compatible(saved, config, 0, state["world_size"], path)
+
+
 def run_elastic(config: TrainConfig, data_path: Path, out_dir: Path) -> dict:
     """The whole elastic job on this machine; returns the summary (written by the last rank 0)."""
     if config.mode == "async":
@@ -139,8 +156,6 @@ def run_elastic(config: TrainConfig, data_path: Path, out_dir: Path) -> dict:
 
         check_async_resumable(config, out_dir)
     elif config.checkpoint_dir:
-        from gradsync.train.elastic_checkpoint import check_resumable
-
         check_resumable(config)
     job = ElasticJob(config, data_path, out_dir)
     try:

@@ -26,7 +26,6 @@ from gradsync.errors import GradsyncError
 from gradsync.fault.events import read_events
 from gradsync.train import data
 from gradsync.train.config import TrainConfig
-from gradsync.train.elastic_options import elastic_bounds
 from gradsync.jobs.elastic import RUN_FILE
 from gradsync.jobs.hosts import reached_step
 from gradsync.train.metrics import SUMMARY_FILE
@@ -47,7 +46,7 @@ def run_elastic_on_hosts(config: TrainConfig, out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     data_path = data.prepare(config.data_dir, config.num_samples)
     total = config.hosts * config.nproc
-    low, high = elastic_bounds(config)
+    low, high = config.elastic_bounds()
     (out_dir / RUN_FILE).write_text(json.dumps({"config": asdict(config), "data_path": str(data_path)}))
     kill = config.host_fault("kill_host_at")
     env = host_environment()

@@ -17,7 +17,8 @@ from gradsync.fault import checkpoint
 from gradsync.fault.injection import attempt, check_environment
 from gradsync.launch import WorkerFailedError, launch_local
 from gradsync.train import data, resume
-from gradsync.train.config import TrainConfig, validate, validate_against_data
+from gradsync.train.config import TrainConfig
+from gradsync.train.validation import validate, validate_against_data
 from gradsync.jobs.options import refusal
 from gradsync.jobs.worker import run_worker
 from gradsync.train.metrics import METRICS_FILE, private_files

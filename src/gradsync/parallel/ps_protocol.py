@@ -17,7 +17,7 @@ Server -> worker header: ``[kind, version, step, 0]``; kind is ``PARAMS``
 work; the final parameters follow, sent once every gradient is applied) or
 ``REJECT`` (the worker's model differs; nothing follows).
 
-The elastic server (:mod:`~gradsync.parallel.elastic_server`) adds a
+The elastic server (:mod:`~gradsync.elastic.ps_server`) adds a
 sequence number in field 3 of a push (``[PUSH, version_read, step, seq]``),
 ``REPLAY`` (the same layout: a push the worker sent to an earlier membership
 and keeps until it is durable; no reply), ``CHANGE`` (server -> worker: the

@@ -28,7 +28,8 @@ from tqdm import tqdm
 
 import gradsync
 from gradsync.process_group import MIN_STARTUP_TIMEOUT_S
-from gradsync.train.config import TrainConfig, validate_against_data
+from gradsync.train.config import TrainConfig
+from gradsync.train.validation import validate_against_data
 from gradsync.train.data import Splits, load
 from gradsync.train.metrics import METRICS_FILE, MetricsLog
 from gradsync.train.models import build_model

@@ -9,7 +9,7 @@ memory; the relaunched worker joins the next membership and starts by
 asking for parameters. When the server dies its launcher starts it again:
 it loads its newest checkpoint and the workers replay every push that
 checkpoint does not hold; the server drops those it applied already, by
-``(slot, seq)`` (protocol: :mod:`gradsync.parallel.elastic_server`). So
+``(slot, seq)`` (protocol: :mod:`gradsync.elastic.ps_server`). So
 every step's gradient is applied exactly once; replays are applied in the
 order they were computed, so under ``--max-staleness 0`` a server restart
 leaves the run bitwise unchanged.
@@ -33,8 +33,8 @@ import torch
 from gradsync import process_group
 from gradsync.elastic.member import RECOVERABLE, ElasticMember
 from gradsync.fault import checkpoint as ckpt
-from gradsync.parallel.elastic_async_worker import ElasticAsyncWorker
-from gradsync.parallel.elastic_server import ElasticParameterServer
+from gradsync.elastic.ps_worker import ElasticAsyncWorker
+from gradsync.elastic.ps_server import ElasticParameterServer
 from gradsync.parallel.ps_protocol import MembershipChange
 from gradsync.process_group import MIN_STARTUP_TIMEOUT_S
 from gradsync.train import resume

@@ -1,21 +1,12 @@
 """The one training loop: shard, forward, backward + AllReduce, step, for every run but the parameter server's.
 
-Launch (``gradsync train`` does the first for you)::
-
-    gradsync train                                   # 4 local workers, MNIST-1D CNN
-    torchrun --nproc-per-node=4 -m gradsync train    # the same under torchrun
-    torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d \\
-        --rdzv-endpoint=HOST0:29500 -m gradsync train  # two machines
-
 Each optimizer step consumes ``accumulate`` micro-batches of ``batch_size``
 samples per worker; all but the last run under ``no_sync()`` and the loss is
 scaled by 1/accumulate, so one step equals one batch of
 ``batch_size * accumulate * world_size`` samples. With ``global_batch_size``
-the step's samples are fixed instead (:mod:`~gradsync.train.global_batch`),
-and ``deterministic`` computes them as micro-shards whose exact sum is the same
-at any world size (:class:`~gradsync.parallel.deterministic.DeterministicDataParallel`).
-Timing and byte counts live
-in :class:`~gradsync.train.meter.StepMeter`, progress and counters in
+the step's samples are fixed instead, and ``deterministic`` computes them as
+micro-shards whose exact sum is the same at any world size (:mod:`~gradsync.train.step`).
+Timing lives in :class:`~gradsync.train.meter.StepMeter`, progress in
 :class:`~gradsync.train.state.TrainState`, checkpoints in ``resume.py``.
 
 Who takes part is a membership's answer (:mod:`~gradsync.elastic.membership`):
@@ -31,6 +22,7 @@ the moment; a step interrupted by a failure is redone on the same batch.
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -43,14 +35,15 @@ from gradsync.fault import checkpoint
 from gradsync.fault.events import EventLog
 from gradsync.fault.injection import FaultPlan, attempt
 from gradsync.parallel.timeline import Timeline
-from gradsync.train import elastic_checkpoint, resume
-from gradsync.train.config import TrainConfig, validate_against_data
+from gradsync.elastic import checkpoint as elastic_checkpoint
+from gradsync.train import resume
+from gradsync.train.config import TrainConfig
+from gradsync.train.validation import validate_against_data
 from gradsync.train.data import load
 from gradsync.train.meter import StepMeter
-from gradsync.train.elastic_options import elastic_global_batch
 from gradsync.train.metrics import METRICS_FILE, MODEL_FILE, MetricsLog
 from gradsync.train.models import build_model
-from gradsync.train.position import EpochOrder, order_steps, steps_taken
+from gradsync.train.position import EpochOrder, StepPlan, steps_taken
 from gradsync.train.reshard import world_change
 from gradsync.train.setup import (build_replica, make_optimizer, make_scheduler, seed_everything, set_threads,
                                   straggle, straggler_factor)
@@ -90,26 +83,30 @@ class Trainer:
         self.global_batch = config.global_batch_size
         self.resume_from = None  # elastic: (path, state) of the newest checkpoint, offered when joining
         if self.elastic:
-            self.global_batch = elastic_global_batch(config)
-            self.resume_from = elastic_checkpoint.latest(config)
+            self.global_batch = config.elastic_global_batch()
+            self.resume_from = self._newest_elastic_checkpoint()
             if self.resume_from is not None:  # the global batch the run was configured with, whatever --nproc
                 self.global_batch = int(self.resume_from[1]["global_batch"])
-            self.checkpoint_root = elastic_checkpoint.folder(config)
+            self.checkpoint_root = elastic_checkpoint.folder(config.checkpoint_dir)
         else:
             self.checkpoint_root = Path(config.checkpoint_dir) if config.checkpointing() else None
         self.started = time.perf_counter()
+
+    def _newest_elastic_checkpoint(self) -> tuple[Path, dict] | None:
+        """The newest usable elastic checkpoint; each newer one skipped is said (a warning) and recorded."""
+        found, skipped = elastic_checkpoint.scan(elastic_checkpoint.folder(self.config.checkpoint_dir))
+        for line in skipped:
+            warnings.warn(line, checkpoint.CheckpointWarning, stacklevel=2)
+            self.events.write({"event": "checkpoint_skipped", "line": line})
+        return found
 
     def _start(self, view: View) -> None:
         """Build this membership's replica: rank 0's state handed over (elastic), else restored from the
         newest checkpoint or fresh (collective)."""
         self.rank, self.world_size = view.rank, view.world_size
         self.is_main = self.rank == 0
-        self.samples_per_step = self.global_batch or self.config.samples_per_step(self.world_size)
-        if self.global_batch is not None:
-            self.steps_per_epoch = self.num_train // self.global_batch
-        else:  # DistributedSampler's order (position.py), batches dropped at the end
-            self.steps_per_epoch = order_steps(self.num_train, EpochOrder(), self.world_size,
-                                               self.config.batch_size, self.config.accumulate)
+        self.plan = StepPlan(self.num_train, self.world_size, self.config.epochs, self.config.batch_size,
+                             self.config.accumulate, self.global_batch)
         if self.elastic:
             self._adopt(view)
         else:
@@ -134,7 +131,7 @@ class Trainer:
 
     def _optimizer(self, params) -> None:
         self.optimizer = make_optimizer(params, self.config)
-        self.scheduler = make_scheduler(self.optimizer, self.config, self.steps_per_epoch * self.config.epochs)
+        self.scheduler = make_scheduler(self.optimizer, self.config, self.plan.steps_per_epoch * self.config.epochs)
         self.replica = resume.Replica(self.model, self.optimizer, self.scheduler, self.local_sgd)
 
     def _adopt(self, view: View) -> None:
@@ -162,12 +159,17 @@ class Trainer:
     def _snapshot(self) -> dict:
         """What rank 0 hands over: model, optimizer, schedule and the shared part of :class:`TrainState`."""
         if self.model is None and self.resume_from is not None:  # a whole-job failure: the newest checkpoint
-            return elastic_checkpoint.offer(self.resume_from, self.global_batch, gradsync.world_size(), self.events)
+            handed, line = elastic_checkpoint.offer(self.resume_from, self.global_batch, gradsync.world_size())
+            resume.say(line)
+            self.events.write({"event": "resumed", "from_step": handed["progress"]["step"], "line": line,
+                               "checkpoint": str(self.resume_from[0]), "world_size_to": gradsync.world_size(),
+                               "world_size_from": self.resume_from[1]["world_size"]})
+            return handed
         if self.model is None:  # the first membership: rank 0 builds the seeded model
             torch.manual_seed(self.config.seed)
             module = build_model(self.config.model)
             optimizer = make_optimizer(module.parameters(), self.config)
-            scheduler = make_scheduler(optimizer, self.config, self.steps_per_epoch * self.config.epochs)
+            scheduler = make_scheduler(optimizer, self.config, self.plan.steps_per_epoch * self.config.epochs)
             return {"model": module.state_dict(), "optimizer": optimizer.state_dict(),
                     "scheduler": scheduler.state_dict(), "progress": self.state.shared()}
         self.state.elapsed_before_s = self.elapsed_s()
@@ -186,22 +188,10 @@ class Trainer:
                             state.epoch, self.num_train, left)
 
     def epoch_steps(self) -> int:
-        """Optimizer steps of the epoch in progress: ``steps_per_epoch``, unless it continues at another
-        world size (the steps done before, and the rest of the samples at this one)."""
-        if self.global_batch is not None or self.state.order_start == 0:
-            return self.steps_per_epoch
-        order = EpochOrder(self.state.order_start)
-        before = self.state.steps_in_epoch - steps_taken(self.state.samples_in_epoch, order, self.samples_per_step)
-        return before + order_steps(self.num_train, order, self.world_size, self.config.batch_size,
-                                    self.config.accumulate)
+        return self.plan.epoch_steps(self.state)
 
     def total_steps(self) -> int:
-        """Optimizer steps of the whole run (more or fewer than planned after a resume at another world size)."""
-        state = self.state
-        if state.epoch >= self.config.epochs:
-            return state.step
-        return (state.step - state.steps_in_epoch + self.epoch_steps()
-                + (self.config.epochs - state.epoch - 1) * self.steps_per_epoch)
+        return self.plan.total_steps(self.state)
 
     def elapsed_s(self) -> float:
         """Wall seconds of training so far, attempts before a resume included (their lost work not)."""
@@ -268,7 +258,7 @@ class Trainer:
             done_before = self.state.steps_in_epoch
         else:
             done_before = steps_taken(self.state.samples_in_epoch, EpochOrder(self.state.order_start),
-                                      self.samples_per_step)
+                                      self.plan.samples_per_step)
         local_shards = self.model.local_shards() if self.config.deterministic else None
         batches = epoch_micro_batches(self.config, self.num_train, self.global_batch, self.state.epoch,
                                       self.state.order_start, self.rank, self.world_size, local_shards)
@@ -279,8 +269,8 @@ class Trainer:
             self.membership.before_step(self.state.step, self.state.epoch, torch.cat(micro_batches).tolist())
             self.state.add_step_loss(self._step(micro_batches))
             self.state.steps_in_epoch += 1
-            self.state.samples_in_epoch += self.samples_per_step
-            self.state.samples += self.samples_per_step
+            self.state.samples_in_epoch += self.plan.samples_per_step
+            self.state.samples += self.plan.samples_per_step
             self.membership.committed(self.state.step - 1)
             if self.elastic and getattr(self.model, "compression", None) is not None:
                 self.compression_state = clone(self.model.compression.state_dict())
@@ -377,8 +367,9 @@ class Trainer:
         started = time.perf_counter()
         if self.elastic:  # the replicated state, rank 0 alone: resumable at any world size
             if self.is_main:
-                elastic_checkpoint.save(self.config, {**self._snapshot(), "global_batch": self.global_batch},
-                                        self.world_size)
+                elastic_checkpoint.save(self.checkpoint_root, {**self._snapshot(), "global_batch": self.global_batch},
+                                        self.world_size, self.config.keep_checkpoints,
+                                        resume.config_fields(self.config))
             return
         shared = None
         if self.is_main:

@@ -97,3 +97,47 @@ def reorder(order: EpochOrder, samples: int, old_world_size: int, new_world_size
     if new_world_size == old_world_size:
         return order
     return EpochOrder(samples)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How many optimizer steps a run's epochs hold at one world size.
+
+    ``global_batch``: samples per step over all workers when fixed (``--global-batch-size``, an elastic
+    run), else None: each worker's ``batch_size * accumulate`` of DistributedSampler's order.
+    """
+
+    num_train: int
+    world_size: int
+    epochs: int
+    batch_size: int
+    accumulate: int
+    global_batch: int | None
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.global_batch or self.batch_size * self.accumulate * self.world_size
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """A whole epoch's steps at this world size (the last partial batch dropped)."""
+        if self.global_batch is not None:
+            return self.num_train // self.global_batch
+        return order_steps(self.num_train, EpochOrder(), self.world_size, self.batch_size, self.accumulate)
+
+    def epoch_steps(self, state) -> int:
+        """Optimizer steps of ``state``'s epoch in progress (a :class:`~gradsync.train.state.TrainState`):
+        ``steps_per_epoch``, unless it continues at another world size (the steps done before, and the rest
+        of the samples at this one)."""
+        if self.global_batch is not None or state.order_start == 0:
+            return self.steps_per_epoch
+        order = EpochOrder(state.order_start)
+        before = state.steps_in_epoch - steps_taken(state.samples_in_epoch, order, self.samples_per_step)
+        return before + order_steps(self.num_train, order, self.world_size, self.batch_size, self.accumulate)
+
+    def total_steps(self, state) -> int:
+        """Optimizer steps of the whole run (more or fewer than planned after a resume at another world size)."""
+        if state.epoch >= self.epochs:
+            return state.step
+        return (state.step - state.steps_in_epoch + self.epoch_steps(state)
+                + (self.epochs - state.epoch - 1) * self.steps_per_epoch)

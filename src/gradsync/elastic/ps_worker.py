@@ -1,6 +1,6 @@
 """A worker of an elastic asynchronous run: numbered pushes, kept until durable, replayed after a change.
 
-The counterpart of :class:`~gradsync.parallel.elastic_server.ElasticParameterServer`.
+The counterpart of :class:`~gradsync.elastic.ps_server.ElasticParameterServer`.
 One object lives through every membership the worker takes part in:
 :meth:`ElasticAsyncWorker.connect` enters a membership (it replays the pushes
 the server's newest checkpoint does not hold, then asks for parameters),

@@ -9,7 +9,7 @@ membership must re-form (a worker died, joins, or the quorum asked); the
 caller then serves the next membership with the same object. Workers are
 named by *slot* (stable across relaunches), never by rank.
 
-Protocol (workers: :class:`~gradsync.parallel.elastic_async_worker.ElasticAsyncWorker`):
+Protocol (workers: :class:`~gradsync.elastic.ps_worker.ElasticAsyncWorker`):
 
 * a membership starts with a *barrier*: every worker first replays the
   pushes it keeps (``REPLAY``) and then asks for parameters (``PULL``); the
@@ -31,7 +31,7 @@ Protocol (workers: :class:`~gradsync.parallel.elastic_async_worker.ElasticAsyncW
 * to leave a membership the server answers each live worker's next request
   with ``CHANGE`` (a push is applied first), so no push is left half-sent.
 
-One membership's exchange is :class:`~gradsync.parallel.elastic_session.Session`.
+One membership's exchange is :class:`~gradsync.elastic.ps_session.Session`.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from gradsync.fault import checkpoint as ckpt
-from gradsync.parallel.elastic_session import Session
+from gradsync.elastic.ps_session import Session
 from gradsync.parallel.parameter_server import _check_optimizer, optimizer_step
 from gradsync.parallel.ps_ledger import Ledger
 from gradsync.parallel.ps_protocol import SharedModel, check_transport

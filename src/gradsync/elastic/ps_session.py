@@ -11,7 +11,7 @@ told ``STOP`` or ``CHANGE``, so no receive is left pending on the group when
 the membership ends (except one from a worker that went silent: it ends when
 that worker's connection closes, i.e. when its launcher kills it).
 
-The protocol is described in :mod:`gradsync.parallel.elastic_server`; the
+The protocol is described in :mod:`gradsync.elastic.ps_server`; the
 server object passed in holds the state (``version``, ``ledger``, ``gate``,
 ``shared``, ``durable_seq``, ``apply``, ``checkpoint`` ...).
 """

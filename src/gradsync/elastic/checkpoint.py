@@ -21,25 +21,25 @@ from pathlib import Path
 import torch
 
 from gradsync.fault.checkpoint import CheckpointWarning, write_atomic
-from gradsync.train import resume
-from gradsync.train.config import TrainConfig
 
 FOLDER = "elastic"
 
 
-def folder(config: TrainConfig) -> Path | None:
-    return Path(config.checkpoint_dir) / FOLDER if config.checkpoint_dir else None
+def folder(checkpoint_dir: str | Path | None) -> Path | None:
+    """``<checkpoint dir>/elastic``, or None without a checkpoint folder."""
+    return Path(checkpoint_dir) / FOLDER if checkpoint_dir else None
 
 
-def save(config: TrainConfig, state: dict, world_size: int) -> Path:
-    """Write ``state`` (model, optimizer, scheduler, progress) after ``state["progress"]["step"]`` steps."""
-    root = folder(config)
+def save(root: Path, state: dict, world_size: int, keep: int, config: dict) -> Path:
+    """Write ``state`` (model, optimizer, scheduler, progress, global_batch) after
+    ``state["progress"]["step"]`` steps into ``root``, with the job's ``config`` fields (what a resume
+    compares); the newest ``keep`` are kept."""
     root.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
-    torch.save({**state, "config": resume.config_fields(config), "world_size": world_size}, buffer)
+    torch.save({**state, "config": config, "world_size": world_size}, buffer)
     path = root / f"step-{state['progress']['step']:08d}.pt"
     write_atomic(path, buffer.getvalue())
-    for old in sorted(root.glob("step-*.pt"))[:-max(config.keep_checkpoints, 1)]:
+    for old in sorted(root.glob("step-*.pt"))[:-max(keep, 1)]:
         old.unlink(missing_ok=True)
     return path
 
@@ -48,7 +48,7 @@ def save(config: TrainConfig, state: dict, world_size: int) -> Path:
 REQUIRED_KEYS = ("model", "optimizer", "scheduler", "progress", "global_batch", "config", "world_size")
 
 
-def latest(config: TrainConfig) -> tuple[Path, dict] | None:
+def latest(root: Path | None) -> tuple[Path, dict] | None:
     """The newest readable checkpoint and its state, or None.
 
     Each newer one that cannot be used is skipped with a
@@ -56,16 +56,15 @@ def latest(config: TrainConfig) -> tuple[Path, dict] | None:
     what is wrong with it (the same fallback as torch's and DeepSpeed's: the
     last *valid* checkpoint, said out loud).
     """
-    found, skipped = scan(config)
+    found, skipped = scan(root)
     for line in skipped:
         warnings.warn(line, CheckpointWarning, stacklevel=2)
     return found
 
 
-def scan(config: TrainConfig) -> tuple[tuple[Path, dict] | None, list[str]]:
-    """``(newest usable (path, state) or None, one line per newer checkpoint skipped)``; warns nothing,
-    so that a run can record the lines (its events) as well as show them."""
-    root = folder(config)
+def scan(root: Path | None) -> tuple[tuple[Path, dict] | None, list[str]]:
+    """``(newest usable (path, state) or None, one line per newer checkpoint skipped)`` under ``root``
+    (:func:`folder`); warns nothing, so that a run can record the lines (its events) as well as show them."""
     if root is None or not root.is_dir():
         return None, []
     skipped = []
@@ -89,32 +88,13 @@ def _read(path: Path) -> tuple[dict | None, str | None]:
     return state, None
 
 
-def offer(found: tuple[Path, dict], global_batch: int, world_size: int, events) -> dict:
-    """What rank 0 of a whole job's first membership hands over from the newest checkpoint ``found``;
-    says so on stderr and in ``events``."""
+def offer(found: tuple[Path, dict], global_batch: int, world_size: int) -> tuple[dict, str]:
+    """What rank 0 of a whole job's first membership hands over from the newest checkpoint ``found``, and
+    the line that says so."""
     path, state = found
     progress = state["progress"]
     line = (f"elastic run resuming from step {progress['step']} of {path}, written by {state['world_size']} "
             f"workers, now {world_size}: the same global batch of {global_batch} samples and data position "
             f"(epoch {progress['epoch']}, step {progress['steps_in_epoch']} of it); per-rank RNG streams and "
             f"error-feedback residuals start fresh")
-    resume.say(line)
-    events.write({"event": "resumed", "from_step": progress["step"], "checkpoint": str(path),
-                  "world_size_from": state["world_size"], "world_size_to": world_size, "line": line})
-    return {name: state[name] for name in ("model", "optimizer", "scheduler", "progress")}
-
-
-def check_resumable(config: TrainConfig) -> None:
-    """Refuse, before any worker starts, a checkpoint of another job (another model, lr, seed ...).
-
-    Raises:
-        ValueError: naming every option that differs.
-    """
-    found = latest(config)
-    if found is not None:
-        path, state = found
-        saved = dict(state["config"])
-        here = resume.config_fields(config)
-        for name in ("batch_size", "accumulate"):  # the global batch is the checkpoint's, whatever --nproc
-            saved[name] = here[name]
-        resume.check_compatible(saved, config, 0, state["world_size"], path)
+    return {name: state[name] for name in ("model", "optimizer", "scheduler", "progress")}, line
