@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-report setup clean architecture
+.PHONY: demo test bench bench-report setup clean architecture docs
 
 setup: $(STAMP)
 
@@ -65,6 +65,10 @@ bench-report: $(STAMP)
 # each module's docstring (tests/test_architecture_doc.py checks that the page is up to date).
 architecture:
 	$(PYTHON) tools/architecture.py
+
+# `make docs`: every generated section of docs/ (the architecture map, the option table of training.md)
+docs: $(STAMP) architecture
+	$(PY) tools/options_table.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -27,6 +29,9 @@ from gradsync.train import data
 from gradsync.train.config import TrainConfig
 from gradsync.train.loop import Trainer
 from gradsync.train.metrics import METRICS_FILE, read_metrics
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import options_table  # noqa: E402
 
 AXES = {"mode", "elastic", "hosts"}  # the combination itself
 SAMPLES = {
@@ -104,6 +109,14 @@ def test_every_option_is_honoured_or_refused_in_one_line_naming_it(where):
         elif problem is not None and ("\n" in problem or not any(option(n) in problem for n in involved)):
             failures.append(f"{option(name)}: the refusal does not name it in one line: {problem!r}")
     assert not failures, f"under {where}:\n" + "\n".join(failures)
+
+
+def test_the_table_in_docs_is_the_rules():
+    """docs/training.md's option table is what ``make docs`` renders from RULES, one row per option."""
+    page = options_table.DOC.read_text(encoding="utf-8")
+    assert options_table.rewrite(page) == page, "docs/training.md's option table is out of date: run `make docs`"
+    assert set(options_table.combinations()) == ACCEPTED
+    assert all(f"`{option(name)}`" in page for name in RULES if name not in AXES)
 
 
 def test_an_option_a_mode_cannot_use_names_it_and_the_combination():
