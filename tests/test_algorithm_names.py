@@ -1,4 +1,4 @@
-"""No algorithm names outside their registry (DESIGN §2): the generic collective entry
+"""No algorithm names outside their registry (docs/architecture.md): the generic collective entry
 (``collectives/ops.py``, ``collectives/validate.py``) and every ``parallel/`` module name no algorithm
 in a string literal; what an algorithm needs or offers is data in ``collectives/registry.py`` and
 ``collectives/fast_path.py``, and the algorithm modules may name themselves.

@@ -78,8 +78,10 @@ def test_relative_links_resolve_inside_the_repository(page):
 
 
 def test_docs_cite_nothing_outside_the_repository():
-    """No page points at the team's shared files or absolute paths of a machine."""
-    for page in _pages():
+    """No page, module or test points at the team's shared files or absolute paths of a machine."""
+    code = [path for folder in ("src", "tests", "tools") for path in sorted((ROOT / folder).rglob("*.py"))
+            if path.name != "test_docs.py"]
+    for page in [*_pages(), *code]:
         text = page.read_text(encoding="utf-8")
         for needle in ("DESIGN.md", "STYLE.md", "/work/", "/tmp/gs", "shared files"):
             assert needle not in text, f"{page.relative_to(ROOT)} mentions {needle!r}"

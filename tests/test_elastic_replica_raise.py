@@ -1,9 +1,9 @@
 """An elastic hand-over that leaves the replicas different raises, on every member (issue 36, item 7).
 
 After each membership's state hand-over the trainer compares the members'
-replicas; today it only records ``replicas_equal: false`` in
-``events.jsonl`` and trains on from different weights. Expected (DESIGN.md
-§7, Replicas): :class:`gradsync.ReplicaDivergenceError` on every member,
+replicas; it used to record only ``replicas_equal: false`` in
+``events.jsonl`` and train on from different weights. Expected
+(docs/elastic.md): :class:`gradsync.ReplicaDivergenceError` on every member,
 naming the tensor, the ranks on each side and the step handed over.
 
 Two real processes run one hand-over of the sync elastic trainer with a

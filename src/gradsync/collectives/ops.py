@@ -1,6 +1,6 @@
 """Public collectives over an explicit :class:`Communicator`.
 
-Semantics (DESIGN.md §3): every call works in place on any shape and any
+Semantics (docs/contract.md): every call works in place on any shape and any
 numel (0, 1, fewer than world_size, not divisible by it), contiguous or not,
 for float32/float64/float16/bfloat16 and int8/uint8/int16/int32/int64.
 fp16/bf16 are accumulated in float32 for every algorithm; results are

@@ -15,7 +15,7 @@ LR_SCHEDULES = ("cosine", "constant")
 
 @dataclass
 class TrainConfig:
-    """What ``gradsync train`` runs. Defaults are the main job (DESIGN.md §4)."""
+    """What ``gradsync train`` runs. Defaults are the main job (docs/training.md)."""
 
     nproc: int = 4                  # worker processes on this machine (async adds one server process)
     mode: str = "sync"              # sync (AllReduce every step) | async (parameter server) | local-sgd
