@@ -111,6 +111,7 @@ class Trainer:
             self._adopt(view)
         else:
             self._restore()
+        self._bytes_counted = False  # this membership's communicator counts from 0
         self.straggler_factor = straggler_factor(self.config, self.membership.slot)
         self.model.timeline = self.timeline
         self.meter = StepMeter(self.model, self.timeline, comm_outside=self.local_sgd)
@@ -246,9 +247,10 @@ class Trainer:
         if self.log is not None:
             self.log.close()
             self.log = None
-        if self.model is not None:
+        if self.model is not None and not self._bytes_counted:  # a failed hand-over keeps the last model
             self.state.bytes_sent_offset += self.model.comm.stats.bytes_sent
             self.state.bytes_received_offset += self.model.comm.stats.bytes_received
+            self._bytes_counted = True
         self.membership.leave(self.state.step, exc)
 
     def _train_epoch(self, bar) -> None:
