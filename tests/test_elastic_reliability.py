@@ -21,7 +21,7 @@ from gradsync.elastic.member import ElasticMember, start_heartbeat
 from gradsync.elastic.quorum import HEARTBEAT_STALE_S, Quorum
 from gradsync.elastic.run_store import EventReader
 from gradsync.fault.checkpoint import CheckpointWarning
-from gradsync.elastic import checkpoint as elastic_checkpoint
+from gradsync.elastic import run_checkpoint as elastic_checkpoint
 from gradsync.train.config import TrainConfig
 
 

@@ -4,7 +4,7 @@ The walk sets each :class:`TrainConfig` field to a value other than its
 default (plus what its rule says it needs) under every mode x membership x
 placement that ``gradsync train`` accepts, and runs the job's own checks in
 this process (``jobs.job.check_options``: nothing is launched). Where the
-table (``gradsync.jobs.options.RULES``) says honoured, the checks must pass;
+table (``gradsync.jobs.option_rules.RULES``) says honoured, the checks must pass;
 where it says refused, they must raise one line naming the option. The
 honoured options that a trainer component carries (the tracer, the replica
 checker, the straggler, the bucket views, debug) are then looked for on a
@@ -24,7 +24,7 @@ import pytest
 import gradsync
 from gradsync.elastic.membership import StaticMembership, View
 from gradsync.jobs.job import check_options
-from gradsync.jobs.options import MEMBERSHIPS, MODES, PLACEMENTS, RULES, option
+from gradsync.jobs.option_rules import MEMBERSHIPS, MODES, PLACEMENTS, RULES, option
 from gradsync.train import data
 from gradsync.train.config import TrainConfig
 from gradsync.train.loop import Trainer

@@ -1,4 +1,4 @@
-"""``make docs``: rewrite docs/training.md's option table from ``gradsync.jobs.options.RULES``.
+"""``make docs``: rewrite docs/training.md's option table from ``gradsync.jobs.option_rules.RULES``.
 
 One row per ``gradsync train`` option, one column per combination that
 gradsync runs (mode, membership, placement): ``yes`` where the option is
@@ -15,7 +15,7 @@ import itertools
 import sys
 from pathlib import Path
 
-from gradsync.jobs import options
+from gradsync.jobs import option_rules as options
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "training.md"
 START, END = "<!-- generated: options -->", "<!-- end generated: options -->"

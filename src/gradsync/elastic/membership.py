@@ -15,7 +15,7 @@ membership decides is asked of an object with this interface (a static run's
 - ``finish()`` / ``wait_end()`` at the end; ``before_step`` / ``committed``
   record each step's sample ids (:mod:`~gradsync.elastic.samples`);
   ``handover_fault`` / ``arm`` are the fault-injection points of
-  :mod:`~gradsync.elastic.faults`.
+  :mod:`~gradsync.elastic.fault_points`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gradsync import process_group
-from gradsync.elastic.faults import ElasticFault
+from gradsync.elastic.fault_points import ElasticFault
 from gradsync.elastic.member import FATAL_AFTER, RECOVERABLE, ElasticMember, Evicted, MembershipChanged, transient
 from gradsync.elastic.samples import SAMPLES_FOLDER
 

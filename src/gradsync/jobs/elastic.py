@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from gradsync.elastic import checkpoint as elastic_checkpoint
+from gradsync.elastic import run_checkpoint as elastic_checkpoint
 from gradsync.elastic.launcher import Launcher
 from gradsync.elastic.service import QuorumService, ServiceSettings
 from gradsync.elastic.run_store import connect, get_json

@@ -19,7 +19,7 @@ from gradsync.launch import WorkerFailedError, launch_local
 from gradsync.train import data, resume
 from gradsync.train.config import TrainConfig
 from gradsync.train.validation import validate, validate_against_data
-from gradsync.jobs.options import refusal
+from gradsync.jobs.option_rules import refusal
 from gradsync.jobs.worker import run_worker
 from gradsync.train.metrics import METRICS_FILE, private_files
 
@@ -155,7 +155,7 @@ def placement(config: TrainConfig) -> str:
 
 def check_options(config: TrainConfig, where: str) -> None:
     """Every option's value (:func:`~gradsync.train.config.validate`) and its rule in ``where``'s
-    combination (:mod:`~gradsync.jobs.options`): ValueError with one line naming the option."""
+    combination (:mod:`~gradsync.jobs.option_rules`): ValueError with one line naming the option."""
     validate(config)
     problem = _torchrun_refusal(config, where) or refusal(config, where)
     if problem:

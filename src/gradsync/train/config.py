@@ -66,7 +66,7 @@ class TrainConfig:
     max_nproc: int | None = None    # --elastic: most workers (default --nproc); joiners beyond it wait
     max_relaunches: int = 100       # --elastic: times each worker slot's launcher starts its process again
     join: str | None = None         # --elastic: run folder of a running elastic job to add one worker to
-    elastic_fault: str | None = None  # --elastic: "SLOT:WHERE:STEP" fault injection (gradsync.elastic.faults)
+    elastic_fault: str | None = None  # --elastic: "SLOT:WHERE:STEP" fault injection (gradsync.elastic.fault_points)
 
     def samples_per_step(self, world_size: int) -> int:
         """Samples in one optimizer step over all workers: ``global_batch_size``, else batch x accumulate x workers."""

@@ -5,7 +5,7 @@ samples per worker; all but the last run under ``no_sync()`` and the loss is
 scaled by 1/accumulate, so one step equals one batch of
 ``batch_size * accumulate * world_size`` samples. With ``global_batch_size``
 the step's samples are fixed instead, and ``deterministic`` computes them as
-micro-shards whose exact sum is the same at any world size (:mod:`~gradsync.train.step`).
+micro-shards whose exact sum is the same at any world size (:mod:`~gradsync.train.forward_backward`).
 Timing lives in :class:`~gradsync.train.meter.StepMeter`, progress in
 :class:`~gradsync.train.state.TrainState`, checkpoints in ``resume.py``.
 
@@ -30,12 +30,12 @@ from tqdm import tqdm
 
 import gradsync
 from gradsync.elastic.membership import StaticMembership, View
-from gradsync.elastic.state import broadcast_state, clone
+from gradsync.elastic.handover import broadcast_state, clone
 from gradsync.fault import checkpoint
 from gradsync.fault.events import EventLog
 from gradsync.fault.injection import FaultPlan, attempt
 from gradsync.parallel.timeline import Timeline
-from gradsync.elastic import checkpoint as elastic_checkpoint
+from gradsync.elastic import run_checkpoint as elastic_checkpoint
 from gradsync.train import resume
 from gradsync.train.config import TrainConfig
 from gradsync.train.validation import validate_against_data
@@ -48,7 +48,7 @@ from gradsync.train.reshard import world_change
 from gradsync.train.setup import (build_replica, make_optimizer, make_scheduler, seed_everything, set_threads,
                                   straggle, straggler_factor)
 from gradsync.train.state import TrainState
-from gradsync.train.step import backward, epoch_micro_batches, micro_shard_backward
+from gradsync.train.forward_backward import backward, epoch_micro_batches, micro_shard_backward
 from gradsync.train.evaluate import evaluate, gather_trace
 from gradsync.train.summary import build_summary, gather_totals
 

@@ -1,6 +1,6 @@
 """Which values of :class:`~gradsync.train.config.TrainConfig` are valid, alone and together, before any
 process starts (every message one line naming the option); where each option is honoured at all is
-:mod:`gradsync.jobs.options`'s table."""
+:mod:`gradsync.jobs.option_rules`'s table."""
 
 from __future__ import annotations
 
@@ -248,7 +248,7 @@ def validate_elastic(config) -> None:
                 raise ValueError(f"--{name.replace('_', '-')} needs --elastic")
         return
     if config.elastic_fault is not None:
-        from gradsync.elastic.faults import parse
+        from gradsync.elastic.fault_points import parse
 
         parse(config.elastic_fault)
     low, high = config.elastic_bounds()
