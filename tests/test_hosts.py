@@ -117,6 +117,7 @@ def test_rendezvous_names_how_many_hosts_arrived(hosts, tmp_path):
     assert time.monotonic() - started < 60
 
 
+@pytest.mark.slow
 def test_a_host_whose_workers_hang_is_stopped_once_another_host_gave_up(hosts, tmp_path):
     """Host 1's worker hangs (no restarts): host 0's worker raises naming rank 1 and its agent exits, but
     host 1's agent would watch its frozen worker forever. The harness stops host 1 soon after and the
@@ -143,6 +144,7 @@ def _train(args: list[str], out: Path, timeout_s: float = 240) -> subprocess.Com
                           capture_output=True, text=True, timeout=timeout_s, env=host_environment())
 
 
+@pytest.mark.slow
 def test_train_across_hosts_survives_a_killed_host_bitwise(tmp_path):
     """2 hosts x 1 rank with ring (reduction order set by rank, not placement), host 1 killed at step 8
     and its agent restarted: model.pt is bitwise equal to the uninterrupted 2-rank run on one host."""
