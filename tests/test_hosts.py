@@ -90,6 +90,7 @@ def test_killed_host_is_named_by_the_others(hosts, victim):
     processes[victim].wait(timeout=10)
 
 
+@pytest.mark.slow
 def test_cut_link_is_named_on_both_sides(hosts):
     """Host 1's interface goes down: each side raises naming the other side's rank within timeout + 2 s."""
     timeout_s = 3.0
@@ -107,6 +108,7 @@ def test_cut_link_is_named_on_both_sides(hosts):
         assert row["waited_s"] <= timeout_s + 2.0, row
 
 
+@pytest.mark.slow
 def test_rendezvous_names_how_many_hosts_arrived(hosts, tmp_path):
     """Host 1's torchrun never starts: host 0's agent gives up after the join timeout and the error says
     1 of 2 hosts arrived."""
