@@ -202,20 +202,21 @@ FIRST_WAVE = {
 
 
 def _first_wave_jobs_of(item: pytest.Item) -> list[str]:
-    """The :data:`FIRST_WAVE` jobs a test of this module waits for besides the baseline."""
+    """The :data:`FIRST_WAVE` jobs a test of this module waits for (the baseline: those that compare with it)."""
+    names = ["baseline"] if "baseline" in item.fixturenames else []
     if item.originalname == "test_killed_worker_resumes_and_ends_bitwise_equal_to_an_uninterrupted_run":
-        return ["kill"]
+        names.append("kill")
     if item.originalname == "test_more_failures_than_max_restarts_fail_the_job_naming_rank_and_restarts":
-        return [f"exhausted-{item.callspec.params['max_restarts']}"]
-    return []
+        names.append(f"exhausted-{item.callspec.params['max_restarts']}")
+    return names
 
 
 @pytest.fixture(scope="module")
 def jobs(request, env, tmp_path_factory) -> dict[str, _Job]:
-    """The baseline and the jobs of :data:`FIRST_WAVE` that the selected tests (``-m``, ``-k``) wait for,
-    started together once for the module."""
-    wanted = {"baseline"} | {name for item in request.session.items if item.module is request.module
-                             for name in _first_wave_jobs_of(item)}
+    """The jobs of :data:`FIRST_WAVE` that the selected tests (``-m``, ``-k``) wait for, started together once
+    for the module."""
+    wanted = {name for item in request.session.items if item.module is request.module
+              for name in _first_wave_jobs_of(item)}
     started = {}
     for name, (args, fault_attempts) in FIRST_WAVE.items():
         if name not in wanted:
@@ -286,6 +287,7 @@ def test_corrupt_newest_checkpoint_is_skipped_and_the_previous_one_resumed(corru
     _assert_same_trajectory(job.out, baseline.out, _total_steps(2))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(JOB_TIMEOUT_S)
 def test_checkpoint_size_does_not_grow_with_the_step(baseline):
     """Before (issue 16): every checkpoint embedded metrics.jsonl so far (~350 bytes a step here, writes growing
@@ -299,6 +301,7 @@ def test_checkpoint_size_does_not_grow_with_the_step(baseline):
 # ---------------------------------------------------------------- resuming at another world size
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_checkpoint_of_another_world_size_and_lr_is_refused_naming_the_lr_only(baseline, env, tmp_path, capsys,
                                                                                monkeypatch):
@@ -340,6 +343,7 @@ def test_checkpoint_of_2_workers_resumes_with_3_and_says_so_first(baseline, env,
 # ---------------------------------------------------------------- a killed worker
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(2 * JOB_TIMEOUT_S)
 def test_killed_worker_resumes_and_ends_bitwise_equal_to_an_uninterrupted_run(jobs, baseline):
     """Rank 1 dies mid-epoch: the restarted job resumes from the last checkpoint and ends exactly as if it had not."""

@@ -179,6 +179,7 @@ def test_train_across_hosts_survives_a_killed_host_bitwise(tmp_path):
     assert any(event.get("event") == "resumed" and event.get("attempt") == 1 for event in events), events
 
 
+@pytest.mark.slow
 def test_nothing_left_after_the_harness_is_killed(tmp_path):
     """A harness killed with SIGKILL leaves no namespace holder, process, or interface behind."""
     before = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
