@@ -259,7 +259,6 @@ def test_killed_worker_gives_a_clear_error_within_the_timeout(tmp_path, env):
     assert not _alive(recorded), f"processes outlived the failed job: {_alive(recorded)}"
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_killed_launcher_takes_its_workers_with_it(tmp_path, env):
     """SIGKILL to ``gradsync train`` itself (no agent left to stop anyone): every worker is gone within 10 s."""
