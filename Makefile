@@ -1,13 +1,14 @@
-# gradsync: `make demo` runs the main job, `make test` runs the test suite,
-# `make bench` measures the benchmarks into docs/. All create .venv on first use. torch is pinned to the CPU build that
-# installs offline on the project's machines; see README.md.
+# gradsync: `make demo` runs the main job, `make test` runs the test suite but for its `slow` tests (within
+# 5 minutes on 2 cores), `make test-slow` runs those (the long end-to-end runs), `make bench` measures the benchmarks
+# into docs/. All create .venv on first use. torch is pinned to the CPU build that installs offline on the project's
+# machines; see README.md.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-report setup clean architecture docs
+.PHONY: demo test test-slow bench bench-report setup clean architecture docs
 
 setup: $(STAMP)
 
@@ -21,7 +22,11 @@ demo: $(STAMP)
 	$(VENV)/bin/gradsync train
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow"
+
+# the tests marked `slow` (pyproject.toml): many process launches, test hosts, elastic chaos, long CLI runs
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
 
 # `make bench`: each benchmark once -> docs/bench/<name>.json (its rows with the date, machine,
 # load average before/after, command and versions) -> docs/benchmarks.md (`gradsync bench report`).

@@ -20,7 +20,11 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 @pytest.fixture(scope="session", autouse=True)
 def _early_jobs(request, tmp_path_factory):
-    """Run the early jobs of the collected tests marked ``early_job``, in test order; kill leftovers at the end."""
+    """Run the early jobs of the selected tests marked ``early_job``, in test order; kill leftovers at the end.
+
+    ``session.items`` holds the tests left after ``-m``/``-k`` deselection, so ``make test`` (``-m "not slow"``)
+    starts no early job of a ``slow`` test and ``make test-slow`` none of a fast one.
+    """
     names = []
     for item in request.session.items:
         for marker in item.iter_markers("early_job"):

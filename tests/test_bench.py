@@ -122,6 +122,7 @@ def test_memory_bound_models():
     assert bound_fraction("shm", 2, 10**6, 1e-3, 6e9) == pytest.approx(3 * 2 * 10**6 / 6e9 / 1e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.early_job(SMALL_SWEEP)
 def test_bench_small_sweep_writes_rows_with_nccl_tests_definitions(early):
     """Two ranks, two sizes: one row per (size, algorithm), busbw = algbw·2(p-1)/p, native ratio 1."""

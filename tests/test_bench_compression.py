@@ -65,6 +65,7 @@ SMALL_RUN = early_job("bench-compression", [
     env={"GRADSYNC_DATA_DIR": "{folder}"})
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.early_job(SMALL_RUN)
 @pytest.mark.timeout(240)

@@ -79,6 +79,7 @@ def test_bench_hosts_table_has_hosts_and_link_columns():
     assert line.split()[0] == "2x2" and line.split()[-2:] == ["0.800", "80.0"]
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.timeout(150)
 def test_bench_allreduce_across_two_test_hosts(tmp_path):

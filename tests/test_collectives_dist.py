@@ -422,6 +422,7 @@ def _rank_fail_or_hang():
     raise KeyError("boom from rank 1")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(30)
 def test_run_world_reports_failing_rank_traceback_and_hung_rank():
     """run_world re-raises rank 1's exception with its traceback and names rank 0, which hung and was terminated."""

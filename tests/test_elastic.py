@@ -191,6 +191,7 @@ def test_two_failures_in_a_row_lose_no_sample_and_leave_the_model_bitwise_equal(
     assert len(faults) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_rank0_dies_during_the_state_handover_to_a_joiner(tmp_path, reference):
@@ -229,6 +230,7 @@ def test_a_hung_worker_is_evicted_within_the_timeout_and_replaced(tmp_path):
     assert (counts["samples_lost"], counts["samples_duplicated"]) == (0, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_a_death_inside_a_bucket_allreduce_then_a_joiner_grows_the_world_to_max_nproc(tmp_path):
@@ -319,6 +321,7 @@ def test_samples_of_a_member_killed_after_its_step_count_when_a_peer_committed_i
     assert (counts["samples_lost"], counts["samples_duplicated"]) == (2, 1)
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.timeout(150)
 @pytest.mark.skipif(__import__("gradsync.hosts.netns", fromlist=["x"]).unavailable_reason() is not None,

@@ -201,11 +201,26 @@ FIRST_WAVE = {
 }
 
 
+def _first_wave_jobs_of(item: pytest.Item) -> list[str]:
+    """The :data:`FIRST_WAVE` jobs a test of this module waits for (the baseline: those that compare with it)."""
+    names = ["baseline"] if "baseline" in item.fixturenames else []
+    if item.originalname == "test_killed_worker_resumes_and_ends_bitwise_equal_to_an_uninterrupted_run":
+        names.append("kill")
+    if item.originalname == "test_more_failures_than_max_restarts_fail_the_job_naming_rank_and_restarts":
+        names.append(f"exhausted-{item.callspec.params['max_restarts']}")
+    return names
+
+
 @pytest.fixture(scope="module")
-def jobs(env, tmp_path_factory) -> dict[str, _Job]:
-    """Every job of :data:`FIRST_WAVE`, started together once for the module."""
+def jobs(request, env, tmp_path_factory) -> dict[str, _Job]:
+    """The jobs of :data:`FIRST_WAVE` that the selected tests (``-m``, ``-k``) wait for, started together once
+    for the module."""
+    wanted = {name for item in request.session.items if item.module is request.module
+              for name in _first_wave_jobs_of(item)}
     started = {}
     for name, (args, fault_attempts) in FIRST_WAVE.items():
+        if name not in wanted:
+            continue
         job_env = env if fault_attempts is None else {**env, ATTEMPTS_ENV: str(fault_attempts)}
         started[name] = _Job(tmp_path_factory.mktemp(name), args, job_env,
                              niceness=0 if name == "baseline" else BACKGROUND_NICENESS)
@@ -256,6 +271,7 @@ def corrupt_resumes(baseline, env, tmp_path_factory) -> dict[str, tuple[_Job, Pa
     return jobs
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(2 * JOB_TIMEOUT_S)
 @pytest.mark.parametrize("how", sorted(DAMAGES))
 def test_corrupt_newest_checkpoint_is_skipped_and_the_previous_one_resumed(corrupt_resumes, baseline, how):
@@ -271,6 +287,7 @@ def test_corrupt_newest_checkpoint_is_skipped_and_the_previous_one_resumed(corru
     _assert_same_trajectory(job.out, baseline.out, _total_steps(2))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(JOB_TIMEOUT_S)
 def test_checkpoint_size_does_not_grow_with_the_step(baseline):
     """Before (issue 16): every checkpoint embedded metrics.jsonl so far (~350 bytes a step here, writes growing
@@ -284,6 +301,7 @@ def test_checkpoint_size_does_not_grow_with_the_step(baseline):
 # ---------------------------------------------------------------- resuming at another world size
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_checkpoint_of_another_world_size_and_lr_is_refused_naming_the_lr_only(baseline, env, tmp_path, capsys,
                                                                                monkeypatch):
@@ -305,6 +323,7 @@ def test_checkpoint_of_another_world_size_and_lr_is_refused_naming_the_lr_only(b
     assert after == before, "the checkpoints must be left as they were"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(JOB_TIMEOUT_S)
 def test_checkpoint_of_2_workers_resumes_with_3_and_says_so_first(baseline, env, tmp_path):
     """Step 40 of 2 workers (sample 960 of epoch 1) resumed with --nproc 3: the first line names the change,
@@ -324,6 +343,7 @@ def test_checkpoint_of_2_workers_resumes_with_3_and_says_so_first(baseline, env,
 # ---------------------------------------------------------------- a killed worker
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(2 * JOB_TIMEOUT_S)
 def test_killed_worker_resumes_and_ends_bitwise_equal_to_an_uninterrupted_run(jobs, baseline):
     """Rank 1 dies mid-epoch: the restarted job resumes from the last checkpoint and ends exactly as if it had not."""
@@ -381,6 +401,7 @@ def test_more_failures_than_max_restarts_fail_the_job_naming_rank_and_restarts(j
 HANG_TIMEOUT_S, HANG_STEP = 2.0, 15
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(2 * JOB_TIMEOUT_S)
 def test_hung_worker_is_named_by_the_others_and_the_job_recovers(baseline, env, tmp_path):
     """Rank 1 hangs: rank 0 names it within the timeout (+5 s), and the restarted job ends bitwise as the baseline."""
@@ -413,6 +434,7 @@ def test_hung_worker_is_named_by_the_others_and_the_job_recovers(baseline, env, 
     _assert_same_trajectory(job.out, baseline.out, _total_steps(2))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(JOB_TIMEOUT_S)
 def test_hang_under_the_native_algorithm_ends_the_job_soon_after_detection(env, tmp_path):
     """Gloo's own all_reduce must give up with --timeout: it used to hold the workers ~60 s after detection."""

@@ -90,6 +90,7 @@ def test_killed_host_is_named_by_the_others(hosts, victim):
     processes[victim].wait(timeout=10)
 
 
+@pytest.mark.slow
 def test_cut_link_is_named_on_both_sides(hosts):
     """Host 1's interface goes down: each side raises naming the other side's rank within timeout + 2 s."""
     timeout_s = 3.0
@@ -107,6 +108,7 @@ def test_cut_link_is_named_on_both_sides(hosts):
         assert row["waited_s"] <= timeout_s + 2.0, row
 
 
+@pytest.mark.slow
 def test_rendezvous_names_how_many_hosts_arrived(hosts, tmp_path):
     """Host 1's torchrun never starts: host 0's agent gives up after the join timeout and the error says
     1 of 2 hosts arrived."""
@@ -117,6 +119,7 @@ def test_rendezvous_names_how_many_hosts_arrived(hosts, tmp_path):
     assert time.monotonic() - started < 60
 
 
+@pytest.mark.slow
 def test_a_host_whose_workers_hang_is_stopped_once_another_host_gave_up(hosts, tmp_path):
     """Host 1's worker hangs (no restarts): host 0's worker raises naming rank 1 and its agent exits, but
     host 1's agent would watch its frozen worker forever. The harness stops host 1 soon after and the
@@ -143,6 +146,7 @@ def _train(args: list[str], out: Path, timeout_s: float = 240) -> subprocess.Com
                           capture_output=True, text=True, timeout=timeout_s, env=host_environment())
 
 
+@pytest.mark.slow
 def test_train_across_hosts_survives_a_killed_host_bitwise(tmp_path):
     """2 hosts x 1 rank with ring (reduction order set by rank, not placement), host 1 killed at step 8
     and its agent restarted: model.pt is bitwise equal to the uninterrupted 2-rank run on one host."""
@@ -175,6 +179,7 @@ def test_train_across_hosts_survives_a_killed_host_bitwise(tmp_path):
     assert any(event.get("event") == "resumed" and event.get("attempt") == 1 for event in events), events
 
 
+@pytest.mark.slow
 def test_nothing_left_after_the_harness_is_killed(tmp_path):
     """A harness killed with SIGKILL leaves no namespace holder, process, or interface behind."""
     before = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout

@@ -164,6 +164,7 @@ def _summary(run: Path) -> dict:
 # async
 # --------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_async_run_counts_every_update_and_leaves_no_process(tmp_path, env):
@@ -208,6 +209,7 @@ def test_async_run_counts_every_update_and_leaves_no_process(tmp_path, env):
     assert [r["epoch"] for r in records if r["kind"] == "epoch"] == [0]
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_killed_worker_gives_a_clear_error_within_the_timeout(tmp_path, env):

@@ -1,4 +1,4 @@
-"""Algorithm "shm" (shared memory on one machine) beyond the all_reduce property suite of test_algorithms.
+"""Algorithm "shm" (shared memory on one machine) beyond test_algorithms_properties (all_reduce).
 
 * broadcast / all_gather / reduce_scatter with ``algorithm="shm"`` on thread
   ranks (world sizes 1-5, every dtype, numel 0 / 1 / < p / not divisible /

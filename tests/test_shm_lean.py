@@ -226,7 +226,7 @@ def test_rank_killed_mid_pipeline_is_named_dead_by_every_survivor():
 def test_cell_boundaries_match_reference(world_size):
     """numel one below, at and one above multiples of a 4 KiB cell (1024 float32 / 512 float64 elements), in
     float32, float64, bfloat16 (staged to float32) and int64, equal to the reference on every rank (tiny
-    cells on small messages: the "shm-tiny-cells" variant of test_algorithms' property suite)."""
+    cells on small messages: the "shm-tiny-cells" variant of test_algorithms_properties)."""
     cell_bytes = 4096
     cases = [(dtype, numel) for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int64)
              for numel in (5119, 5120, 5121, 10239, 10241)]  # above LEAN_MAX_BYTES for every dtype once staged
