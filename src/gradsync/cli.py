@@ -215,7 +215,8 @@ def train(args: argparse.Namespace) -> int:
     from gradsync.train.summary import algorithm_line
 
     summary = run_job(_config_from_args(args))
-    if summary is not None and args.hosts is None:  # across hosts, host 0's rank 0 printed it (relayed)
+    # across hosts under torchrun, host 0's rank 0 printed it (relayed); an elastic run's job has the summary
+    if summary is not None and (args.hosts is None or args.elastic):
         print(algorithm_line(summary))
         print(f"test accuracy {100 * summary['final_test_accuracy']:.2f}% | "
               f"{summary['samples_per_s']:.0f} samples/s | {summary['wall_s']:.1f} s | "

@@ -200,7 +200,10 @@ def join_run(run: str, timeout_s: float = 10.0) -> dict:
     config = TrainConfig(**json.loads(store.get("run/config")))
     data_path = data.prepare(config.data_dir, config.num_samples)
     start_forkserver(run_elastic_worker)
-    slot = int(store.add(SLOTS_KEY, 1)) - 1
+    try:
+        slot = int(store.add(SLOTS_KEY, 1)) - 1
+    except (RuntimeError, ConnectionError):  # DistNetworkError: the job ended while this worker got ready
+        raise ValueError(f"--join {run}: that elastic job has already ended") from None
     launcher = make_launcher(slot, config, data_path, Path(run), address["host"], int(address["port"]),
                              EventLog(Path(run)))
     launcher.start()

@@ -172,9 +172,9 @@ def refusal(config: TrainConfig, placement: str) -> str | None:
         return f"--join RUN adds a worker with the running job's options; leave out {extra}"
     for name in chosen:
         rule = RULES[name]
-        if not rule.honoured_in(*where):
-            return f"{option(name)} is not honoured with {describe(*where)}: {rule.why}"
         missing = rule.missing(config)
         if missing:
             return f"{option(name)} needs {missing}: {rule.why}"
+        if not rule.honoured_in(*where):
+            return f"{option(name)} is not honoured with {describe(*where)}: {rule.why}"
     return None

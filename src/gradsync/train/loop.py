@@ -161,6 +161,7 @@ class Trainer:
         """What rank 0 hands over: model, optimizer, schedule and the shared part of :class:`TrainState`."""
         if self.model is None and self.resume_from is not None:  # a whole-job failure: the newest checkpoint
             handed, line = elastic_checkpoint.offer(self.resume_from, self.global_batch, gradsync.world_size())
+            handed["progress"] = {**handed["progress"], "resumed_from_step": handed["progress"]["step"]}
             resume.say(line)
             self.events.write({"event": "resumed", "from_step": handed["progress"]["step"], "line": line,
                                "checkpoint": str(self.resume_from[0]), "world_size_to": gradsync.world_size(),

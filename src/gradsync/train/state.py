@@ -22,7 +22,7 @@ def _histogram_equal(a: StalenessStats, b: StalenessStats) -> bool:
 
 
 SHARED_FIELDS = ("step", "samples", "epoch", "steps_in_epoch", "samples_in_epoch", "order_start", "epoch_loss_sum",
-                 "epoch_loss_steps", "epoch_records", "eval_s", "elapsed_before_s")
+                 "epoch_loss_steps", "epoch_records", "eval_s", "elapsed_before_s", "resumed_from_step")
 
 
 @dataclass(eq=False)
@@ -66,8 +66,9 @@ class TrainState:
 
     def adopt(self, shared: dict) -> None:
         """Take rank 0's :meth:`shared` fields; this rank's own (times, bytes, staleness) stay."""
-        for name in SHARED_FIELDS:
-            setattr(self, name, shared[name])
+        fresh = TrainState()
+        for name in SHARED_FIELDS:  # a checkpoint of an older format lacks some: they start afresh
+            setattr(self, name, shared.get(name, getattr(fresh, name)))
 
     def add_step_loss(self, loss: float) -> None:
         self.epoch_loss_sum += loss

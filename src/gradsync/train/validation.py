@@ -212,6 +212,7 @@ def validate_against_data(config: TrainConfig, world_size: int, num_train: int) 
             raise ValueError(f"{flag} rank {fault[0]} is not a worker: workers are ranks 0..{world_size - 1}")
         if fault is not None and fault[1] > last_step:
             raise ValueError(f"{flag} step {fault[1]} is after the job's last step {last_step}")
+    _validate_elastic_fault(config, last_step)
     for which in ("cut_link_at", "kill_host_at"):
         fault = config.host_fault(which)
         if fault is not None and fault[1] > last_step:
@@ -239,6 +240,20 @@ def _validate_global_batch(config: TrainConfig, world_size: int, num_train: int)
         raise ValueError(f"--global-batch-size {size} does not split evenly over world size {world_size} x "
                          f"--accumulate {config.accumulate} = {parts} micro-batches ({size / parts:.2f} samples "
                          f"each): choose a multiple of {parts}")
+
+
+def _validate_elastic_fault(config: TrainConfig, last_step: int) -> None:
+    """``--elastic-fault``'s slot is one the run can have and its step one it reaches."""
+    if not config.elastic_fault:
+        return
+    from gradsync.elastic.fault_points import parse
+
+    fault = parse(config.elastic_fault)
+    slots = max(config.elastic_bounds()[1], config.elastic_workers())
+    if fault is not None and fault[0] >= slots:
+        raise ValueError(f"--elastic-fault slot {fault[0]} is not a worker slot: slots are 0..{slots - 1}")
+    if fault is not None and fault[2] > last_step:
+        raise ValueError(f"--elastic-fault step {fault[2]} is after the job's last step {last_step}")
 
 
 def validate_elastic(config) -> None:
