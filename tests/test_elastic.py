@@ -271,6 +271,11 @@ def test_a_death_inside_a_bucket_allreduce_then_a_joiner_grows_the_world_to_max_
     (["--max-nproc", "3"], "--max-nproc needs --elastic"),
     (["--elastic", "--elastic-fault", "1:nowhere:3"], "--elastic-fault"),
     (["--elastic", "--join", "/nonexistent-run"], "no running elastic job there"),
+    (["--elastic", "--nproc", "2", "--num-samples", "2000", "--epochs", "1", "--elastic-fault", "5:allreduce:3"],
+     "--elastic-fault slot 5 is not a worker slot: slots are 0..1"),
+    (["--elastic", "--nproc", "2", "--num-samples", "2000", "--epochs", "1", "--elastic-fault", "1:allreduce:999"],
+     "--elastic-fault step 999 is after the job's last step 25"),
+    (["--max-relaunches", "3"], "--max-relaunches needs --elastic"),
 ])
 def test_bad_elastic_options_are_one_line_errors(args, message, capsys):
     _assert_one_line_error(_main(["train", *args], capsys), message)
