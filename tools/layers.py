@@ -18,10 +18,12 @@ ROWS = (
     ("sim/", ("sim",), "the event engine: the same algorithm code on a virtual clock over a modelled cluster; "
      "a training step's prediction (see docs/simulator.md)"),
     ("integrations/", ("integrations",), "Lightning strategy, Ray Train, SLURM (optional extras)"),
-    ("jobs/", ("jobs",), "how a job starts: validation, {local, torchrun, test hosts} x {static, elastic}"),
-    ("train/", ("train",), "the training loop, TrainState, data (MNIST-1D), models, optimizers, metrics, plots, "
-     "resume"),
-    ("elastic/", ("elastic",), "membership within an elastic run: quorum, member, launcher, run store "
+    ("jobs/", ("jobs",), "how a job starts: the option rules, then {local, torchrun, test hosts} x "
+     "{static, elastic} -> launcher, and the one worker entry"),
+    ("train/", ("train",), "the one Trainer (it asks a membership at step boundaries) and the parameter "
+     "server's loop, TrainState, data (MNIST-1D), models, config and its validation, metrics, plots, resume"),
+    ("elastic/", ("elastic",), "membership: quorum, member, launcher, service, run store, the membership "
+     "the Trainer asks, hand-over, checkpoints, samples, fault points, the parameter server's elastic parts "
      "(see docs/elastic.md)"),
     ("__init__.py", ("__init__",), "``import gradsync``: the library's public names, for the application "
      "above and for users"),
