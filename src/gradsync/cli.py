@@ -132,7 +132,8 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         "worker's launcher starts it again after it dies (default %(default)s)")
     add("--elastic-fault", default=None, metavar="SLOT:WHERE:STEP", help="--elastic fault injection: worker "
         "SLOT dies at optimizer step STEP inside a bucket's AllReduce (WHERE=allreduce) or, as rank 0, inside "
-        "the state hand-over to a joiner (WHERE=broadcast); once per run")
+        "the state hand-over to a joiner (WHERE=broadcast); once per run. For tests, ',WORLD:hold:STEP' may "
+        "follow: from STEP, a membership of fewer than WORLD members waits for a joiner before its hand-over")
     add("--join", default=None, metavar="RUN", help="--elastic: add one worker to the running elastic job "
         "whose run folder is RUN")
     add("--join-timeout", type=float, default=d.join_timeout, metavar="S", help="--hosts: seconds the "
