@@ -23,8 +23,9 @@ import pytest
 
 import gradsync
 from gradsync.elastic.membership import StaticMembership, View
+from gradsync.cli import main
 from gradsync.jobs.job import check_options
-from gradsync.jobs.option_rules import MEMBERSHIPS, MODES, PLACEMENTS, RULES, option
+from gradsync.jobs.option_rules import MEMBERSHIPS, MODES, PLACEMENTS, RULES, option, refusal
 from gradsync.train import data
 from gradsync.train.config import TrainConfig
 from gradsync.train.loop import Trainer
@@ -125,6 +126,16 @@ def test_an_option_a_mode_cannot_use_names_it_and_the_combination():
     assert _outcome({"topk_ratio": 0.05}, "local") == "--topk-ratio needs --compression topk: it sets topk's share"
     assert _outcome({"nproc": 2}, "torchrun").startswith("--nproc is not honoured with --mode sync under torchrun")
     assert "leave out --lr" in _outcome({"elastic": True, "join": "runs/x", "lr": 0.5}, "local")
+
+
+def test_an_option_named_at_its_default_value_is_checked_too(capsys):
+    """``--nproc 4`` under torchrun, ``--topk-ratio 0.01`` without topk: named, so refused, though default."""
+    assert refusal(TrainConfig(), "torchrun", {"nproc"}).startswith("--nproc is not honoured with --mode sync "
+                                                                     "under torchrun")
+    assert refusal(TrainConfig(), "torchrun") is None
+    assert main(["train", "--topk-ratio", "0.01"]) == 2
+    assert capsys.readouterr().err.strip() == ("gradsync train: error: --topk-ratio needs --compression topk: "
+                                               "it sets topk's share")
 
 
 # ---------------------------------------------------------------- honoured options reach the trainer

@@ -211,11 +211,22 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**fields)
 
 
-def train(args: argparse.Namespace) -> int:
+def _given(argv: list[str] | None) -> set[str]:
+    """The TrainConfig fields named on the command line, even with their default value (``--no-x`` names x)."""
+    names = set()
+    for token in sys.argv[1:] if argv is None else argv:
+        if token.startswith("--"):
+            name = token[2:].split("=", 1)[0].replace("-", "_")
+            names.add(name[3:] if name.startswith("no_") else name)
+    return names
+
+
+def train(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     from gradsync.jobs.job import run_job
     from gradsync.train.summary import algorithm_line
 
-    summary = run_job(_config_from_args(args))
+    config = _config_from_args(args)
+    summary = run_job(config, given={name for name in _given(argv) if hasattr(config, name)})
     # across hosts under torchrun, host 0's rank 0 printed it (relayed); an elastic run's job has the summary
     if summary is not None and (args.hosts is None or args.elastic):
         print(algorithm_line(summary))
@@ -274,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
             return debug(args)
         if args.command in SIM_COMMANDS:
             return SIM_COMMANDS[args.command](args)
-        return train(args)
+        return train(args, argv)
     except (ValueError, TypeError) as exc:
         print(f"gradsync {args.command}: error: {exc}", file=sys.stderr)
         return 2

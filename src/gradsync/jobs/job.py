@@ -133,8 +133,11 @@ def check_resumable(config: TrainConfig, world_size: int) -> None:
         resume.check_compatible(saved.get("config", {}), config, world_size, found.world_size, found.folder)
 
 
-def run_job(config: TrainConfig) -> dict | None:
+def run_job(config: TrainConfig, given: set[str] | frozenset = frozenset()) -> dict | None:
     """Run the whole job; returns rank 0's summary (None on other torchrun ranks).
+
+    ``given``: the fields the user named (the command line's options), checked against the option
+    rules even where their value is the default.
 
     The folders and files it creates are private to the user (0700 / 0600, see ``private_files``).
 
@@ -143,7 +146,7 @@ def run_job(config: TrainConfig) -> dict | None:
         WorkerFailedError: a worker failed.
     """
     with private_files():
-        return _run_job(config)
+        return _run_job(config, given)
 
 
 def placement(config: TrainConfig) -> str:
@@ -153,18 +156,19 @@ def placement(config: TrainConfig) -> str:
     return "test hosts" if config.hosts is not None else "local"
 
 
-def check_options(config: TrainConfig, where: str) -> None:
-    """Every option's value (:func:`~gradsync.train.config.validate`) and its rule in ``where``'s
-    combination (:mod:`~gradsync.jobs.option_rules`): ValueError with one line naming the option."""
+def check_options(config: TrainConfig, where: str, given=frozenset()) -> None:
+    """Every option's value (:func:`~gradsync.train.validation.validate`) and its rule in ``where``'s
+    combination (:mod:`~gradsync.jobs.option_rules`; ``given``: fields named even at their default):
+    ValueError with one line naming the option."""
     validate(config)
-    problem = _torchrun_refusal(config, where) or refusal(config, where)
+    problem = _torchrun_refusal(config, where) or refusal(config, where, given)
     if problem:
         raise ValueError(problem)
 
 
-def _run_job(config: TrainConfig) -> dict | None:
+def _run_job(config: TrainConfig, given) -> dict | None:
     where, membership = placement(config), "elastic" if config.elastic else "static"
-    check_options(config, where)
+    check_options(config, where, given)
     check_environment()
     if config.join is not None:
         from gradsync.jobs.elastic import join_run

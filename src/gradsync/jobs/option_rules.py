@@ -154,19 +154,20 @@ def describe(mode: str, membership: str, placement: str) -> str:
     return " ".join(words) + {"local": "", "torchrun": " under torchrun", "test hosts": " with --hosts"}[placement]
 
 
-def set_options(config: TrainConfig) -> list[str]:
-    """The fields of ``config`` that differ from their default."""
+def set_options(config: TrainConfig, given=frozenset()) -> list[str]:
+    """The fields of ``config`` that differ from their default, or that the user named (``given``)."""
     return [item.name for item in dataclasses.fields(TrainConfig)
-            if getattr(config, item.name) != getattr(_DEFAULTS, item.name)]
+            if item.name in given or getattr(config, item.name) != getattr(_DEFAULTS, item.name)]
 
 
-def refusal(config: TrainConfig, placement: str) -> str | None:
-    """The one-line reason ``config`` is refused in ``placement`` (None: every option it sets is honoured)."""
+def refusal(config: TrainConfig, placement: str, given=frozenset()) -> str | None:
+    """The one-line reason ``config`` is refused in ``placement`` (None: every option it sets is honoured);
+    ``given``: fields the user named even at their default value (``--nproc 4`` under torchrun)."""
     where = combination(config, placement)
     for pattern, why in REFUSED_COMBINATIONS.items():
         if _matches(pattern, where):
             return why
-    chosen = set_options(config)
+    chosen = set_options(config, given)
     if config.join is not None and set(chosen) - _JOIN_TAKES:
         extra = ", ".join(option(name) for name in chosen if name not in _JOIN_TAKES)
         return f"--join RUN adds a worker with the running job's options; leave out {extra}"
