@@ -345,3 +345,32 @@ def test_ce_loss_scale_reads_the_scale_and_refuses_other_losses(divide_by):
             assert scale == pytest.approx(1 / divide_by, rel=1e-5), name
         else:
             assert scale is None, (name, scale)
+
+
+def test_a_debug_model_collected_during_an_optimizer_step_does_not_break_it():
+    """CI: a parameter-server thread's ``optimizer.step()`` raised "OrderedDict mutated during iteration":
+    a debug DataParallel of an earlier test was garbage-collected (in another thread, at any moment)
+    while torch iterated its global step pre-hooks, and its finalizer removed its hook from that dict.
+    Here the collection happens inside the iteration, deterministically."""
+    import gc
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    def body(comm):
+        models = [gradsync.DataParallel(_net(), group=comm, debug=True)]
+
+        def drop_and_collect(*args) -> None:
+            models.clear()
+            gc.collect()
+
+        collect = register_optimizer_step_pre_hook(drop_and_collect)
+        models.append(gradsync.DataParallel(_net(), group=comm, debug=True))  # its hook after `collect`
+        param = nn.Parameter(torch.zeros(2))
+        param.grad = torch.ones(2)
+        try:
+            torch.optim.SGD([param], lr=1.0).step()
+        finally:
+            collect.remove()
+        return param.detach().tolist()
+
+    assert run_threads(1, body) == [[-1.0, -1.0]]

@@ -58,6 +58,7 @@ copied to the host first).
 from __future__ import annotations
 
 import os
+import threading
 import time
 import warnings
 import weakref
@@ -133,6 +134,26 @@ def _weak_call(owner: object, name: str) -> Callable:
     return call
 
 
+# The debug checks of every live model, told of each optimizer step by ONE global pre-hook that is never
+# removed: removing a model's own global hook from its finalizer mutated torch's hook dict whenever the
+# garbage collector ran it during another step's iteration over that dict (any thread, any moment).
+_STEP_WATCHERS: "weakref.WeakSet[DebugChecks]" = weakref.WeakSet()
+_STEP_HOOK: list = []
+_STEP_HOOK_LOCK = threading.Lock()
+
+
+def _watch_optimizer_steps(checks: "DebugChecks") -> None:
+    with _STEP_HOOK_LOCK:
+        _STEP_WATCHERS.add(checks)
+        if not _STEP_HOOK:
+            _STEP_HOOK.append(register_optimizer_step_pre_hook(_on_any_optimizer_step))
+
+
+def _on_any_optimizer_step(optimizer, args, kwargs) -> None:
+    for checks in list(_STEP_WATCHERS):
+        checks._on_optimizer_step(optimizer, args, kwargs)
+
+
 def _remove(handles) -> None:
     for handle in handles:
         handle.remove()
@@ -193,8 +214,8 @@ class DebugChecks:
         self._warned = False
         hooks = [param.register_post_accumulate_grad_hook(_weak_call(self, "_on_grad_accumulated"))
                  for param in self.params]
-        hooks.append(register_optimizer_step_pre_hook(_weak_call(self, "_on_optimizer_step")))
         weakref.finalize(self, _remove, hooks)
+        _watch_optimizer_steps(self)
         reducer.after_sync = self.after_sync
 
     def forward(self, module: torch.nn.Module, args: tuple, kwargs: dict):
