@@ -5,9 +5,8 @@ samples per worker; all but the last run under ``no_sync()`` and the loss is
 scaled by 1/accumulate, so one step equals one batch of
 ``batch_size * accumulate * world_size`` samples. With ``global_batch_size``
 the step's samples are fixed instead, and ``deterministic`` computes them as
-micro-shards whose exact sum is the same at any world size (:mod:`~gradsync.train.forward_backward`).
-Timing lives in :class:`~gradsync.train.meter.StepMeter`, progress in
-:class:`~gradsync.train.state.TrainState`, checkpoints in ``resume.py``.
+micro-shards whose exact sum is the same at any world size (:mod:`~gradsync.train.forward_backward`);
+timing in :class:`~gradsync.train.meter.StepMeter`, progress in :class:`~gradsync.train.state.TrainState`.
 
 Who takes part is a membership's answer (:mod:`~gradsync.elastic.membership`):
 a static run's never changes; an elastic run's is asked at every step
