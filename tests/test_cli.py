@@ -258,3 +258,15 @@ def test_cli_small_run_writes_metrics_summary_and_plots(early):
     # the cached arrays are what the generator makes, so the second run does not regenerate
     cached = np.load(data.cache_path(tmp_path, 2000, data.DEFAULT_DATA_SEED))
     assert cached["x_train"].shape == (1600, 40) and cached["x_test"].shape == (400, 40)
+
+
+@pytest.mark.timeout(60)
+def test_a_reader_that_goes_away_is_not_an_error():
+    """``gradsync explain ring | head -1``: the pipe's reader closes early; nothing on stderr (it used to
+    print "error: [Errno 32] Broken pipe")."""
+    process = subprocess.Popen([sys.executable, "-m", "gradsync", "explain", "ring"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    process.stdout.close()
+    stderr = process.stderr.read().decode()
+    assert process.wait(timeout=50) == 1
+    assert stderr == ""

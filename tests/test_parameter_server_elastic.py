@@ -279,5 +279,7 @@ def test_run_elastic_async_survives_its_server_and_keeps_the_trajectory(tmp_path
         return {r["step"]: r["loss"] for r in rows if r["kind"] == "step"}
     assert sorted(losses(records)) == list(range(1, total + 1))
     assert losses(records) == losses(clean_records)
+    final, clean_final = (torch.load(tmp_path / name / "model.pt", weights_only=True) for name in ("killed", "clean"))
+    assert final.keys() == clean_final.keys() and all(torch.equal(final[k], clean_final[k]) for k in final)
     for key in ("final_test_loss", "final_test_accuracy", "final_train_loss", "staleness_histogram"):
         assert summary[key] == clean[key], key

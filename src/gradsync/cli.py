@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from gradsync import __version__
@@ -275,17 +276,26 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _dispatch(args: argparse.Namespace, argv: list[str] | None) -> int:
+    if args.command == "bench":
+        return _BENCHES[args.bench](args)
+    if args.command == "debug":
+        return debug(args)
+    if args.command in SIM_COMMANDS:
+        return SIM_COMMANDS[args.command](args)
+    return train(args, argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``gradsync`` console script; returns the exit code."""
     args = _parse(argv)
     try:
-        if args.command == "bench":
-            return _BENCHES[args.bench](args)
-        if args.command == "debug":
-            return debug(args)
-        if args.command in SIM_COMMANDS:
-            return SIM_COMMANDS[args.command](args)
-        return train(args, argv)
+        code = _dispatch(args, argv)
+        sys.stdout.flush()  # here, so that a reader gone away is a BrokenPipeError below, not at exit
+        return code
+    except BrokenPipeError:  # the reader went away (`gradsync explain ring | head -1`): nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's recipe: no error at exit
+        return 1
     except (ValueError, TypeError) as exc:
         print(f"gradsync {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -27,11 +27,12 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import gradsync
+from gradsync.fault import checkpoint
 from gradsync.process_group import MIN_STARTUP_TIMEOUT_S
 from gradsync.train.config import TrainConfig
 from gradsync.train.validation import validate_against_data
 from gradsync.train.data import Splits, load
-from gradsync.train.metrics import METRICS_FILE, MetricsLog
+from gradsync.train.metrics import METRICS_FILE, MODEL_FILE, MetricsLog
 from gradsync.train.models import build_model
 from gradsync.train.setup import (make_optimizer, make_scheduler, seed_everything, set_threads, straggle,
                                   straggler_factor)
@@ -134,6 +135,7 @@ class ServerRole:
                    "scheduler": make_scheduler(optimizer, config, total_steps), "timeout": config.timeout}
         fresh = {"epochs": [], "eval_s": 0.0}  # what a restarted elastic server must get back
         self.server, self.state = group.open_server(model, optimizer, total_steps, options, fresh)
+        self.out_dir = out_dir
         self.log = MetricsLog(out_dir / METRICS_FILE)
         restart = group.restart_record(self.server)
         if restart is not None:
@@ -148,6 +150,8 @@ class ServerRole:
         finally:
             self.bar.close()
             self.log.close()
+        # the final parameters, as a sync run's folder holds them
+        checkpoint.write_atomic(self.out_dir / MODEL_FILE, checkpoint.serialize(self.model.state_dict()))
         return self._summary(time.perf_counter() - self.started)
 
     def _on_update(self, worker: int, version: int, loss: float, staleness: int) -> None:
