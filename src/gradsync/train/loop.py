@@ -75,10 +75,9 @@ class Trainer:
         self.state = TrainState()
         self.membership.attach(self.events, lambda: self.state.step + 1)
         self.timeline = Timeline(self.membership.slot) if config.trace else None
-        self.model = self.log = None
+        self.model = self.log = self.world_change = self.resumed_from = None
         self.compression_state = None  # elastic: this rank's residuals as of its last committed step
         self._replica_check_due = False  # --check-replicas-every in local SGD: waiting for the next average
-        self.world_change = self.resumed_from = None
         self.global_batch = config.global_batch_size
         self.resume_from = None  # elastic: (path, state) of the newest checkpoint, offered when joining
         if self.elastic:
@@ -110,7 +109,6 @@ class Trainer:
             self._adopt(view)
         else:
             self._restore()
-        self._bytes_counted = False  # this membership's communicator counts from 0
         self.straggler_factor = straggler_factor(self.config, self.membership.slot)
         self.model.timeline = self.timeline
         self.meter = StepMeter(self.model, self.timeline, comm_outside=self.local_sgd)
@@ -130,6 +128,8 @@ class Trainer:
                             self.events, self.world_change)
 
     def _optimizer(self, params) -> None:
+        """The optimizer and schedule of a replica just built (its communicator counts bytes from 0)."""
+        self._bytes_counted = False
         self.optimizer = make_optimizer(params, self.config)
         self.scheduler = make_scheduler(self.optimizer, self.config, self.plan.steps_per_epoch * self.config.epochs)
         self.replica = resume.Replica(self.model, self.optimizer, self.scheduler, self.local_sgd)
