@@ -24,6 +24,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from gradsync import process_group
 from gradsync.elastic.fault_points import ElasticFault
 from gradsync.elastic.member import FATAL_AFTER, RECOVERABLE, ElasticMember, Evicted, MembershipChanged, transient
@@ -33,12 +35,13 @@ from gradsync.elastic.samples import SAMPLES_FOLDER
 @dataclass(frozen=True)
 class View:
     """One membership as a member sees it: its ``rank`` among ``world_size`` members, the membership's
-    number ``epoch`` (0 for a static run), and the quorum's record (None for a static run)."""
+    number ``epoch`` (0 for a static run), and the quorum's :class:`~gradsync.elastic.member.Membership`
+    (None for a static run)."""
 
     rank: int
     world_size: int
     epoch: int = 0
-    record: object = None
+    quorum: object = None
 
 
 class ElasticMembership:
@@ -83,13 +86,14 @@ class ElasticMembership:
             raise MembershipChanged("the quorum closed this membership")
 
     def handover_fault(self, view: View):
-        return self.fault.broadcast_hook(view.record)
+        return self.fault.broadcast_hook(view.quorum)
 
     def arm(self, module) -> None:
         self.fault.arm_allreduce(module)
 
-    def before_step(self, step: int, epoch: int, ids: list[int]) -> None:
+    def before_step(self, step: int, epoch: int, micro_batches: list) -> None:
         """Record the sample ids this member computes ``step`` on (before the step's collectives)."""
+        ids = torch.cat(micro_batches).tolist() if micro_batches else []
         self._record({"m": self.member.membership.epoch, "step": step, "epoch": epoch, "ids": ids})
 
     def committed(self, step: int) -> None:
@@ -154,7 +158,7 @@ class StaticMembership:
     def at_step_boundary(self) -> None:
         pass
 
-    def before_step(self, step: int, epoch: int, ids: list[int]) -> None:
+    def before_step(self, step: int, epoch: int, micro_batches: list) -> None:
         pass
 
     def committed(self, step: int) -> None:

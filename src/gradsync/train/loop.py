@@ -151,10 +151,10 @@ class Trainer:
         self.log = MetricsLog(self.out_dir / METRICS_FILE) if self.is_main else None
         if self.is_main:
             self.events.write({"event": "resumed_training", "epoch": view.epoch, "world_size": view.world_size,
-                               "step": self.state.step, "reason": view.record.reason,
+                               "step": self.state.step, "reason": view.quorum.reason,
                                "handover_s": time.perf_counter() - started,
-                               "members": [m["slot"] for m in view.record.members],
-                               "joined": view.record.record.get("joined", []), "replicas_equal": True})
+                               "members": [m["slot"] for m in view.quorum.members],
+                               "joined": view.quorum.record.get("joined", []), "replicas_equal": True})
 
     def _snapshot(self) -> dict:
         """What rank 0 hands over: model, optimizer, schedule and the shared part of :class:`TrainState`."""
@@ -268,7 +268,7 @@ class Trainer:
             if number <= done_before:
                 continue
             self.membership.at_step_boundary()
-            self.membership.before_step(self.state.step, self.state.epoch, torch.cat(micro_batches).tolist())
+            self.membership.before_step(self.state.step, self.state.epoch, micro_batches)  # ids: elastic only
             self.state.add_step_loss(self._step(micro_batches))
             self.state.steps_in_epoch += 1
             self.state.samples_in_epoch += self.plan.samples_per_step
