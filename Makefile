@@ -45,7 +45,7 @@ BENCH_SHM := --sizes 4,4K,64K,1M,16M,64M,256M --algorithms shm,shm_zero_copy,nat
 BENCH_allreduce_shm2 ?= --nproc 2 $(BENCH_SHM) --shm-cells 256K,1M,2M,4M
 BENCH_allreduce_shm4 ?= --nproc 4 $(BENCH_SHM)
 # across 2 test hosts (network namespaces: needs root, as `make test` does for its host tests)
-BENCH_HOSTS := --hosts 2 --nproc 2 --sizes 64K,256K,512K,1M,4M,16M,64M --repetitions 9
+BENCH_HOSTS := --hosts 2 --nproc 2 --sizes 64K,256K,512K,1M,4M,16M,64M --repeat 9
 BENCH_allreduce_hosts_1g ?= $(BENCH_HOSTS) --inter-host-gbit 1
 BENCH_allreduce_hosts_10g ?= $(BENCH_HOSTS) --inter-host-gbit 10
 BENCH_train ?= --nproc 2 --model cnn,mlp --algorithms auto,shm,ring,native --steps 50 --rounds 3

@@ -35,7 +35,11 @@ def _main(argv, capsys):
     (["--ranks-per-node", "0"], "--ranks-per-node 0"),
     (["--ranks-per-node", "3"], "--ranks-per-node 3"),
     (["--segment-bytes", "0"], "--segment-bytes"),
-    (["--repetitions", "0"], "--repetitions"),
+    (["--repeat", "0"], "--repeat must be an integer >= 1"),
+    (["--repeat", "-2"], "--repeat must be an integer >= 1"),
+    (["--repeat", "two"], "--repeat"),
+    (["--repeat", "1.5"], "--repeat"),
+    (["--repetitions", "3"], "--repetitions"),  # the option --repeat replaced
     (["--shm-cells", "0"], "--shm-cells: '0'"),
     (["--shm-cells", "1Q"], "--shm-cells: '1Q'"),
     (["--shm-cells", "-5"], "--shm-cells: '-5'"),
@@ -71,7 +75,7 @@ def test_bench_mpi_column_runs_under_mpiexec_with_shm(tmp_path, capsys):
         pytest.skip("mpi4py / mpiexec not installed (pip install 'gradsync[mpi]')")
     out = tmp_path / "rows.json"
     result = _main(["bench", "allreduce", "--nproc", "2", "--sizes", "4K", "--algorithms", "shm,mpi",
-                    "--repetitions", "1", "--json", str(out)], capsys)
+                    "--repeat", "1", "--json", str(out)], capsys)
     assert result.returncode == 0, result.stderr
     rows = json.loads(out.read_text())
     assert [r["algorithm"] for r in rows] == ["shm", "mpi", "native"]
@@ -80,10 +84,10 @@ def test_bench_mpi_column_runs_under_mpiexec_with_shm(tmp_path, capsys):
 
 # Runs of the benches: early jobs (``_early.py``), started with the session and waited for by their tests.
 SHM_ROWS = early_job("bench-shm-rows", ["bench", "allreduce", "--nproc", "2", "--sizes", "4K,256K", "--algorithms",
-                                        "shm,shm_zero_copy", "--shm-cells", "64K", "--repetitions", "1",
+                                        "shm,shm_zero_copy", "--shm-cells", "64K", "--repeat", "1",
                                         "--json", "{folder}/rows.json"])
 SMALL_SWEEP = early_job("bench-small-sweep", ["bench", "allreduce", "--nproc", "2", "--sizes", "4K,64K",
-                                              "--algorithms", "ring,tree", "--repetitions", "2",
+                                              "--algorithms", "ring,tree,auto", "--repeat", "2",
                                               "--json", "{folder}/rows.json"])
 TRAIN_RUN = early_job("bench-train", ["bench", "train", "--nproc", "2", "--model", "cnn", "--algorithms", "ring",
                                       "--steps", "2", "--warmup", "1", "--rounds", "1", "--no-memory",
@@ -125,19 +129,27 @@ def test_memory_bound_models():
 @pytest.mark.slow
 @pytest.mark.early_job(SMALL_SWEEP)
 def test_bench_small_sweep_writes_rows_with_nccl_tests_definitions(early):
-    """Two ranks, two sizes: one row per (size, algorithm), busbw = algbw·2(p-1)/p, native ratio 1."""
+    """Two ranks, two sizes: one row per (size, algorithm), busbw = algbw·2(p-1)/p, native ratio 1; each
+    repetition's time kept, the ratios paired per repetition; auto set against the faster of ring and tree."""
     result = early.wait(110)
     out = early.folder / "rows.json"
     assert result.returncode == 0, result.stderr
     rows = json.loads(out.read_text())
     assert [(r["nbytes"], r["algorithm"]) for r in rows] == [
-        (4096, "ring"), (4096, "tree"), (4096, "native"), (65536, "ring"), (65536, "tree"), (65536, "native")]
+        (n, a) for n in (4096, 65536) for a in ("ring", "tree", "auto", "native")]
+    native = {row["nbytes"]: row["time_us_reps"] for row in rows if row["algorithm"] == "native"}
     for row in rows:
-        assert row["world_size"] == 2 and row["time_us"] > 0
+        assert row["world_size"] == 2 and row["time_us"] > 0 and row["repeat"] == 2 and len(row["time_us_reps"]) == 2
+        assert row["time_us_min"] == min(row["time_us_reps"]) and row["time_us_max"] == max(row["time_us_reps"])
+        ratios = sorted(n / t for n, t in zip(native[row["nbytes"]], row["time_us_reps"]))
+        assert [row["ratio_to_native_min"], row["ratio_to_native_max"]] == pytest.approx(ratios)
         assert row["algbw_gbps"] == pytest.approx(row["nbytes"] / (row["time_us"] * 1e-6) / 1e9)
         assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * 2 * (2 - 1) / 2)
-    native = [row for row in rows if row["algorithm"] == "native"]
-    assert all(row["ratio_to_native"] == pytest.approx(1.0) for row in native)
+    assert all(row["ratio_to_native"] == pytest.approx(1.0) for row in rows if row["algorithm"] == "native")
+    for auto in (row for row in rows if row["algorithm"] == "auto"):
+        rivals = [row for row in rows if row["nbytes"] == auto["nbytes"] and row["algorithm"] in ("ring", "tree")]
+        assert auto["fastest"] == min(rivals, key=lambda row: row["time_us"])["algorithm"]
+    assert "auto / fastest" in result.stdout
     ring = [row for row in rows if row["algorithm"] == "ring"]
     assert all(row["bytes_sent_per_call"] == row["nbytes"] for row in ring)  # 2(p-1)/p·N at p = 2
     assert format_table(rows).splitlines()[0] in result.stdout

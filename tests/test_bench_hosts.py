@@ -55,7 +55,7 @@ def test_bench_hosts_worker_argv_leaves_out_the_launch_options():
     """The workers' command has no --hosts/--join-timeout and no --nproc (torchrun's parser: ambiguous prefix)."""
     argv = _worker_argv("4K,1M", ["ring", "native"], 3, None, 1.0)
     assert argv == ["bench", "allreduce", "--sizes", "4K,1M", "--algorithms", "ring,native",
-                    "--repetitions", "3", "--inter-host-gbit", "1"]
+                    "--repeat", "3", "--inter-host-gbit", "1"]
 
 
 def test_bench_hosts_tx_bytes_reads_field_9_of_the_device(tmp_path, monkeypatch):
@@ -72,7 +72,7 @@ def test_bench_hosts_tx_bytes_reads_field_9_of_the_device(tmp_path, monkeypatch)
 def test_bench_hosts_table_has_hosts_and_link_columns():
     """A 2x2 shaped row shows "2x2", its link Gbit/s and the percent of the shaped rate."""
     row = dict(algorithm="ring", world_size=4, nbytes=1024, time_us=10.0, algbw_gbps=0.1, busbw_gbps=0.15,
-               ratio_to_native=1.0, bytes_sent_per_call=1536.0, repetitions=1, iterations=1, hosts=2,
+               ratio_to_native=1.0, bytes_sent_per_call=1536.0, repeat=1, iterations=1, hosts=2,
                nproc_per_host=2, link_gbps=0.8, link_fraction=0.8)
     header, _, line = format_table([row]).splitlines()
     assert "hosts" in header and "link [Gb/s]" in header and "link %" in header
@@ -92,7 +92,7 @@ def test_bench_allreduce_across_two_test_hosts(tmp_path):
     for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
         env.pop(name, None)
     result = subprocess.run([sys.executable, "-m", "gradsync", "bench", "allreduce", "--hosts", "2", "--nproc", "1",
-                             "--sizes", "4K,64K", "--algorithms", "ring,hierarchical", "--repetitions", "1",
+                             "--sizes", "4K,64K", "--algorithms", "ring,hierarchical", "--repeat", "1",
                              "--json", str(out)], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = json.loads(out.read_text())

@@ -131,7 +131,7 @@ def test_record_wraps_the_rows_with_metadata_and_render_uses_the_bench_formatter
     assert calls and calls[0][:6] == ["bench", "allreduce", "--nproc", "2", "--sizes", "4K"]
     document = json.loads(path.read_text())
     assert document["command"] == "gradsync bench allreduce --nproc 2 --sizes 4K"
-    assert document["options"]["nproc"] == 2 and document["options"]["repetitions"] == 5  # defaults recorded
+    assert document["options"]["nproc"] == 2 and document["options"]["repeat"] == 5  # defaults recorded
     assert "run_folder" not in document["rows"][0]
     page = report.render(tmp_path)
     from gradsync.bench.allreduce import format_table

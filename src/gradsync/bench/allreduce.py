@@ -4,10 +4,13 @@ Definitions (nccl-tests, doc/PERFORMANCE.md): for a message of ``nbytes``
 bytes taking ``t`` seconds, algbw = nbytes / t and busbw = algbw · 2(p-1)/p,
 the per-link bandwidth a ring would need, comparable across world sizes.
 ``ratio_to_native`` = native time / algorithm time (above 1: faster than the
-backend's own call). Algorithms are interleaved inside every repetition so
-they see the same machine noise; the time of a repetition is the slowest
-rank's, and the reported time is the median over repetitions (OSU-style
-warm-up first, fewer iterations for large messages).
+backend's own call). Algorithms are interleaved inside every one of the
+``--repeat R`` repetitions so they see the same machine noise; the time of a
+repetition is the slowest rank's, a ratio is formed within each repetition,
+and every figure is reported as the median with its min and max over the
+repetitions (:mod:`gradsync.bench.allreduce_rows`; OSU-style warm-up first,
+fewer iterations for large messages). ``auto`` rows are also set against the
+fastest algorithm auto may choose (:mod:`gradsync.bench.auto_rows`).
 
 With ``--hosts H`` the sweep runs on H test hosts (:mod:`gradsync.bench.across_hosts`);
 rows then also give ``link_gbps``: the bytes host 0's interface sent during a
@@ -19,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -30,10 +32,12 @@ import torch
 import gradsync
 from gradsync.bench.across_hosts import (LinkMeter, check_host_options, print_rank0_rows, run_bench_on_hosts,
                                         world_layout)
-from gradsync.bench.output import claim_json_path, fmt_optional, format_rows, host_layout, optional, write_json
-from gradsync.bench.auto_rows import auto_rows, format_auto_table
+from gradsync.bench.allreduce_rows import format_table, row_figures
+from gradsync.bench.auto_rows import annotate_auto_rows, auto_rows, format_auto_table
+from gradsync.bench.output import claim_json_path, write_json
 from gradsync.bench.memory_bound import bound_fraction, bytes_per_payload_byte, measure_bandwidth
 from gradsync.bench.mpi import MPI_COLUMN, MpiAllReduce, free_port, mpi_available, run_with_mpiexec
+from gradsync.bench.spread import check_repeat
 from gradsync.collectives import HierarchicalOptions, SegmentOptions, ShmState, ops
 from gradsync.collectives.communicator import Communicator
 from gradsync.process_group import default_communicator
@@ -67,15 +71,14 @@ def parse_nbytes(text: str) -> int:
 
 @dataclass
 class Row:
+    """A row's setting and traffic; its times, bandwidths and ratios come from
+    :func:`gradsync.bench.allreduce_rows.row_figures`."""
+
     algorithm: str
     world_size: int
     nbytes: int
-    time_us: float
-    algbw_gbps: float
-    busbw_gbps: float
-    ratio_to_native: float | None
     bytes_sent_per_call: float   # payload bytes this rank sent per call (rank 0)
-    repetitions: int
+    repeat: int
     iterations: int
     hosts: int = 1
     nproc_per_host: int = 1
@@ -147,9 +150,11 @@ def _slowest_rank(comm: Communicator, seconds: float) -> float:
     return max(float(t) for t in ops.all_gather(torch.tensor([seconds], dtype=torch.float64), comm))
 
 
-def sweep(comm: Communicator, sizes: list[int], algorithms: list[str], repetitions: int,
-          layout: tuple[int, int] | None = None, link_gbit: float | None = None) -> list[Row]:
-    """Measure every (size, algorithm); collective: every rank calls it with the same arguments.
+def sweep(comm: Communicator, sizes: list[int], algorithms: list[str], repeat: int,
+          layout: tuple[int, int] | None = None, link_gbit: float | None = None) -> list[dict]:
+    """Measure every (size, algorithm) ``repeat`` times, interleaved; returns the rows (every rank the same).
+
+    Collective: every rank calls it with the same arguments.
 
     ``"mpi"`` among ``algorithms`` times MPI_Allreduce (the processes must run under mpiexec).
     ``layout``: (hosts, ranks per host), default (1, world size); with hosts > 1 rank 0 also
@@ -176,28 +181,25 @@ def sweep(comm: Communicator, sizes: list[int], algorithms: list[str], repetitio
         meter = LinkMeter() if hosts > 1 and comm.rank == 0 else None
         for name in algorithms:  # warm-up: buffers, connections, caches
             _time_once(comm, tensor, name, 1, mpi_all_reduce, shared, cells=cells)
-        for _ in range(repetitions):
+        for _ in range(repeat):
             for name in algorithms:
                 before = comm.stats.bytes_sent
                 seconds = _time_once(comm, tensor, name, iterations, mpi_all_reduce, shared, meter, cells)
                 sent[name] = (comm.stats.bytes_sent - before) / iterations
                 times[name].append(_slowest_rank(comm, seconds))
-        median = {name: statistics.median(values) for name, values in times.items()}
+        figures = row_figures(times, tensor.numel() * 4, world_size)
         for name in algorithms:
-            algbw = tensor.numel() * 4 / median[name] / 1e9
-            ratio = median["native"] / median[name] if "native" in median else None
             link = meter.gbps(name) if meter is not None else None
             fraction = link / link_gbit if link is not None and link_gbit else None
-            bound = bound_fraction(name, world_size, tensor.numel() * 4, median[name], bandwidth) \
-                if bandwidth and world_size > 1 else None  # alone, nothing moves
-            rows.append(Row(name, world_size, tensor.numel() * 4, median[name] * 1e6, algbw,
-                            algbw * 2 * (world_size - 1) / world_size, ratio, sent[name],
-                            repetitions, iterations, hosts, per_host, link, fraction, bound,
-                            bandwidth / 1e9 if bound is not None else None))
-    return rows
+            bound = bound_fraction(name, world_size, tensor.numel() * 4, figures[name]["time_us"] * 1e-6,
+                                   bandwidth) if bandwidth and world_size > 1 else None  # alone, nothing moves
+            row = Row(name, world_size, tensor.numel() * 4, sent[name], repeat, iterations, hosts, per_host, link,
+                      fraction, bound, bandwidth / 1e9 if bound is not None else None)
+            rows.append({**asdict(row), **figures[name]})
+    return annotate_auto_rows(rows)
 
 
-def run_worker(sizes: list[int], algorithms: list[str], repetitions: int, ranks_per_node: int | None,
+def run_worker(sizes: list[int], algorithms: list[str], repeat: int, ranks_per_node: int | None,
                segment_bytes: int | None, layout: tuple[int, int] | None = None,
                link_gbit: float | None = None) -> list[dict] | None:
     """Entry point of one benchmark process; rank 0 returns the rows.
@@ -211,50 +213,19 @@ def run_worker(sizes: list[int], algorithms: list[str], repetitions: int, ranks_
         segments = SegmentOptions(segment_bytes) if segment_bytes else base.options(SegmentOptions)
         comm = Communicator(base.transport, base.timeout_s,
                             options=[segments, HierarchicalOptions(ranks_per_node=ranks_per_node)])
-        rows = sweep(comm, sizes, algorithms, repetitions, layout, link_gbit)
-        return [asdict(row) for row in rows] if comm.rank == 0 else None
+        rows = sweep(comm, sizes, algorithms, repeat, layout, link_gbit)
+        return rows if comm.rank == 0 else None
     finally:
         gradsync.shutdown()
 
 
-def format_table(rows: list[dict]) -> str:
-    """Render rows as an aligned text table with units in the header.
-
-    With hosts > 1 also "hosts" (HxL) and "link [Gb/s]"; "link %" of the shaped rate when shaped.
-    With an mpi row, "vs mpi" (MPI_Allreduce's time / this time at the same size); with shm rows
-    measured against the memory bound, "of bound" (:mod:`gradsync.bench.memory_bound`).
-    (One-host tables keep their columns: docs/benchmarks.md renders committed rows.)
-    """
-    multi = any(row.get("hosts", 1) > 1 for row in rows)
-    shaped = any(row.get("link_fraction") is not None for row in rows)
-    mpi = {(row["nbytes"], row["world_size"]): row["time_us"] for row in rows if row["algorithm"] == MPI_COLUMN}
-    bound = any(row.get("bound_fraction") is not None for row in rows)
-
-    def versus_mpi(row: dict) -> str:
-        versus = mpi.get((row["nbytes"], row["world_size"]))
-        return "-" if versus is None or row["algorithm"] == MPI_COLUMN else f"{versus / row['time_us']:.2f}x"
-
-    def link_percent(row: dict) -> str:
-        fraction = row.get("link_fraction")
-        return fmt_optional(None if fraction is None else 100 * fraction, ".1f")
-
-    columns = [("hosts", 6, host_layout)] if multi else []
-    columns += [("size [B]", 12, "{nbytes}"), ("algorithm", 17, "{algorithm}"), ("time [us]", 11, "{time_us:.1f}"),
-                ("algbw [GB/s]", 13, "{algbw_gbps:.3f}"), ("busbw [GB/s]", 13, "{busbw_gbps:.3f}"),
-                ("vs native", 10, _versus_native),
-                ("sent/size", 10, lambda row: f"{row['bytes_sent_per_call'] / max(row['nbytes'], 1):.3f}")]
-    columns += [("link [Gb/s]", 12, optional("link_gbps", ".3f"))] if multi else []
-    columns += [("link %", 7, link_percent)] if shaped else []
-    columns += [("vs mpi", 8, versus_mpi)] if mpi else []
-    columns += [("of bound", 9, optional("bound_fraction", ".2f"))] if bound else []
-    return format_rows(rows, columns)
+def tables_text(rows: list[dict]) -> str:
+    """What the bench prints for ``rows``: the sweep's table, then auto against the fastest when auto ran."""
+    judged = auto_rows(rows)
+    return format_table(rows) + ("\n\n" + format_auto_table(judged) if judged else "")
 
 
-def _versus_native(row: dict) -> str:
-    return "-" if row["ratio_to_native"] is None else f"{row['ratio_to_native']:.2f}x"
-
-
-def _parse_options(nproc: int, sizes: str, algorithms: str | None, repetitions: int,
+def _parse_options(nproc: int, sizes: str, algorithms: str | None, repeat: int,
                    ranks_per_node: int | None, segment_bytes: int | None,
                    hosts: int | None = None, shm_cells: str | None = None) -> tuple[list[int], list[str], int | None]:
     """Checked sizes, algorithm names (native added) and ranks per pretend node (None across hosts).
@@ -265,8 +236,7 @@ def _parse_options(nproc: int, sizes: str, algorithms: str | None, repetitions: 
     """
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
-    if repetitions < 1:
-        raise ValueError(f"--repetitions must be >= 1, got {repetitions}")
+    check_repeat(repeat)
     size_list = [parse_nbytes(text) for text in sizes.split(",")]
     for nbytes in size_list:
         if not MIN_NBYTES <= nbytes <= MAX_NBYTES:
@@ -308,14 +278,14 @@ def _parse_options(nproc: int, sizes: str, algorithms: str | None, repetitions: 
     return size_list, names, ranks_per_node
 
 
-def _worker_argv(sizes: str, names: list[str], repetitions: int, segment_bytes: int | None,
+def _worker_argv(sizes: str, names: list[str], repeat: int, segment_bytes: int | None,
                  inter_host_gbit: float | None) -> list[str]:
     """The bench command each torchrun worker runs (without --hosts; the rate only labels link %).
 
     No --nproc: torchrun's own parser would take it for a prefix of its --nproc-per-node (ambiguous).
     """
     argv = ["bench", "allreduce", "--sizes", sizes, "--algorithms", ",".join(names),
-            "--repetitions", str(repetitions)]
+            "--repeat", str(repeat)]
     if segment_bytes:
         argv += ["--segment-bytes", str(segment_bytes)]
     if inter_host_gbit is not None:
@@ -323,7 +293,7 @@ def _worker_argv(sizes: str, names: list[str], repetitions: int, segment_bytes: 
     return argv
 
 
-def run_sweep(*, nproc: int, sizes: str, algorithms: str | None, repetitions: int, ranks_per_node: int | None,
+def run_sweep(*, nproc: int, sizes: str, algorithms: str | None, repeat: int, ranks_per_node: int | None,
               segment_bytes: int | None, json_path: str | None, hosts: int | None = None,
               inter_host_gbit: float | None = None, join_timeout_s: float = 30.0,
               shm_cells: str | None = None) -> list[dict]:
@@ -334,50 +304,49 @@ def run_sweep(*, nproc: int, sizes: str, algorithms: str | None, repetitions: in
     run, or of the user's own): this process is one rank of the sweep.
     """
     if under_torchrun():
-        return _run_as_torchrun_worker(nproc, sizes, algorithms, repetitions, ranks_per_node, segment_bytes,
+        return _run_as_torchrun_worker(nproc, sizes, algorithms, repeat, ranks_per_node, segment_bytes,
                                        json_path, hosts, inter_host_gbit)
     check_host_options(hosts, inter_host_gbit, join_timeout_s)
-    size_list, names, ranks_per_node = _parse_options(nproc, sizes, algorithms, repetitions,
+    size_list, names, ranks_per_node = _parse_options(nproc, sizes, algorithms, repeat,
                                                       ranks_per_node, segment_bytes, hosts, shm_cells)
     claim_json_path(json_path)
     if hosts:
         shaping = f"{inter_host_gbit:g} Gbit/s per host link" if inter_host_gbit else "unshaped links"
         print(f"# gradsync bench allreduce: {hosts} test hosts x {nproc} ranks, {shaping}", flush=True)
-        return run_bench_on_hosts(hosts, nproc, _worker_argv(sizes, names, repetitions, segment_bytes,
-                                                             inter_host_gbit),
+        return run_bench_on_hosts(hosts, nproc, _worker_argv(sizes, names, repeat, segment_bytes, inter_host_gbit),
                                   inter_host_gbit=inter_host_gbit, join_timeout_s=join_timeout_s,
                                   json_path=json_path)
     print(f"# gradsync bench allreduce: world_size={nproc} ranks_per_node={ranks_per_node} float32, "
-          f"1 thread per rank, median of {repetitions} interleaved repetitions", flush=True)
+          f"1 thread per rank, {_repeat_text(repeat)}", flush=True)
     from gradsync.launch import launch_local
 
     if MPI_COLUMN in names:  # MPI_COMM_WORLD needs processes started by mpiexec
-        rows = run_with_mpiexec(nproc, dict(sizes=size_list, algorithms=names, repetitions=repetitions,
+        rows = run_with_mpiexec(nproc, dict(sizes=size_list, algorithms=names, repeat=repeat,
                                             ranks_per_node=ranks_per_node, segment_bytes=segment_bytes))
     else:
-        rows = launch_local(nproc, run_worker, size_list, names, repetitions, ranks_per_node,
-                            segment_bytes)[0]
-    print(format_table(rows))
-    if auto_rows(rows):
-        print("\n# auto against the fastest algorithm measured in the same run\n" + format_auto_table(auto_rows(rows)))
+        rows = launch_local(nproc, run_worker, size_list, names, repeat, ranks_per_node, segment_bytes)[0]
+    print(tables_text(rows))
     if json_path:
         write_json(json_path, rows)
     return rows
 
 
-def _run_as_torchrun_worker(nproc, sizes, algorithms, repetitions, ranks_per_node, segment_bytes,
+def _repeat_text(repeat: int) -> str:
+    return f"median (min-max) of {repeat} interleaved repetitions"
+
+
+def _run_as_torchrun_worker(nproc, sizes, algorithms, repeat, ranks_per_node, segment_bytes,
                             json_path, hosts, inter_host_gbit) -> list[dict]:
     """One rank started by torchrun: hosts and ranks per host come from its environment."""
     if hosts:
         raise ValueError("--hosts starts torchrun on test hosts; this process already runs under torchrun")
     layout = world_layout()  # torchrun's --nproc-per-node decides; --nproc only counts for a local run
-    size_list, names, _ = _parse_options(layout[1], sizes, algorithms, repetitions, None, segment_bytes,
+    size_list, names, _ = _parse_options(layout[1], sizes, algorithms, repeat, None, segment_bytes,
                                          hosts=layout[0])
-    rows = run_worker(size_list, names, repetitions, ranks_per_node, segment_bytes, layout, inter_host_gbit)
+    rows = run_worker(size_list, names, repeat, ranks_per_node, segment_bytes, layout, inter_host_gbit)
     if rows is not None:
         print_rank0_rows(f"# gradsync bench allreduce: {layout[0]} hosts x {layout[1]} ranks, float32, 1 thread "
-                         f"per rank, median of {repetitions} interleaved repetitions", format_table(rows), rows,
-                         json_path)
+                         f"per rank, {_repeat_text(repeat)}", tables_text(rows), rows, json_path)
     return rows or []
 
 

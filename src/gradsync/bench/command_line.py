@@ -110,6 +110,8 @@ def _add_compression_bench_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_allreduce_bench_options(parser: argparse.ArgumentParser) -> None:
+    from gradsync.bench.spread import add_repeat_option
+
     add = parser.add_argument
     add("--nproc", type=int, default=4, help="processes (default %(default)s)")
     add("--sizes", default="4K,64K,1M,16M,64M", help="message sizes in bytes, K/M/G suffixes "
@@ -119,8 +121,7 @@ def _add_allreduce_bench_options(parser: argparse.ArgumentParser) -> None:
         "measured in the same processes (needs pip install -e '.[mpi]' in the clone, or 'gradsync[mpi]') (default "
         "ring,tree,halving_doubling,hierarchical,shm,shm_zero_copy,native, plus mpi when mpi4py is "
         "installed; shm_zero_copy: shm on data already in shared memory, as zero-copy buckets)")
-    add("--repetitions", type=int, default=5, help="timed repetitions per point; the median is "
-        "reported (default %(default)s)")
+    add_repeat_option(parser, what="timed repetitions per point, every algorithm once in each (interleaved)")
     add("--ranks-per-node", type=int, default=None, help="pretend nodes of this many ranks for "
         "hierarchical (default: 2 when --nproc is even and >= 4, else --nproc)")
     add("--segment-bytes", type=int, default=None, help="pipelining segment of ring and tree "
@@ -166,7 +167,7 @@ def bench_allreduce(args: argparse.Namespace) -> int:
     from gradsync.bench.allreduce import run_sweep
 
     run_sweep(nproc=args.nproc, sizes=args.sizes, algorithms=args.algorithms,
-              repetitions=args.repetitions, ranks_per_node=args.ranks_per_node,
+              repeat=args.repeat, ranks_per_node=args.ranks_per_node,
               segment_bytes=args.segment_bytes, json_path=args.json, hosts=args.hosts,
               inter_host_gbit=args.inter_host_gbit, join_timeout_s=args.join_timeout, shm_cells=args.shm_cells)
     return 0
