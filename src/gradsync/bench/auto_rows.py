@@ -71,8 +71,8 @@ def annotate_auto_rows(rows: list[dict]) -> list[dict]:
 
 def format_auto_table(rows: list[dict]) -> str:
     """``auto`` against the fastest candidate measured beside it (rows of :func:`auto_rows`), goal stated first."""
-    header = (f"# auto / fastest algorithm it may choose, measured in the same run: median (min-max) of the "
-              f"paired repetitions; goal <= {AUTO_GOAL:.2f}x (by the median)")
+    header = (f"# auto / the fastest algorithm auto may choose, same run, median (min-max) over the repetitions; "
+              f"goal: median <= {AUTO_GOAL:.2f}x")
     ratio = spread_cell("auto_vs_fastest", ".2f", "x")
     return header + "\n" + format_rows(rows, [
         ("hosts", 6, lambda row: f"{row['hosts']}x{row['world_size'] // row['hosts']}"),

@@ -106,7 +106,9 @@ def tables(name: str, rows: list[dict]) -> list[str]:
     name = bench_of(name)
     if name == "allreduce":
         from gradsync.bench.allreduce import format_table
-        return [format_table(rows)]
+        from gradsync.bench.auto_rows import auto_rows, format_auto_table
+        judged = auto_rows(rows)
+        return [format_table(rows)] + ([format_auto_table(judged)] if judged else [])
     if name == "train":
         from gradsync.bench.train import format_memory_table, format_table
         throughput = [row for row in rows if row.get("kind", "throughput") == "throughput"]

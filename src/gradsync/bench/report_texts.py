@@ -7,17 +7,25 @@ ABOUT = {
     "allreduce": """\
 An nccl-tests-style sweep: every algorithm at every message size across local
 processes (Gloo over loopback TCP, float32, one thread per rank), interleaved
-with the backend's native `all_reduce` inside every repetition. Columns: the
-median time per call of the slowest rank; algbw = bytes / time and busbw =
-algbw · 2(p−1)/p (the nccl-tests definitions); `vs native` = native time /
-time (above 1: faster than Gloo's own call); `sent/size` = payload bytes this
-rank sent per call over the message size (`native` is the backend's own call,
-whose traffic gradsync cannot count). `shm_zero_copy` is `shm` on data that
-already lies in the shared arena, as `DataParallel`'s zero-copy buckets do.
-`hierarchical` runs on pretend nodes (`--ranks-per-node`, 2 by default at an
-even world size of 4 or more); `auto` decides from the real hosts (one here),
-and the table under the sweep sets it against the fastest row. With `pip install -e '.[mpi]'` an `mpi` column
-(MPI_Allreduce in the same processes) is added.""",
+with the backend's native `all_reduce` inside every one of `--repeat`
+repetitions. Columns: the time per call of the slowest rank, median (min–max)
+over the repetitions; algbw = bytes / median time and busbw = algbw · 2(p−1)/p
+(the nccl-tests definitions); `vs native` = native's time / the row's time
+within each repetition, median (min–max) (above 1: faster than Gloo's own
+call); `sent/size` = payload bytes this rank sent per call over the message
+size (`native` is the backend's own call, whose traffic gradsync cannot count).
+Every repetition's time is in the JSON (`time_us_reps`). `shm_zero_copy` is
+`shm` on data that already lies in the shared arena, as `DataParallel`'s
+zero-copy buckets do. `hierarchical` runs on pretend nodes
+(`--ranks-per-node`, 2 by default at an even world size of 4 or more); `auto`
+decides from the real hosts (one here), and the table under the sweep judges
+it by its time: `auto/fastest` = auto's time / the time of the algorithm with
+the least median among those auto may choose from (ring, tree,
+halving_doubling and shm on one host; hierarchical instead of shm across
+hosts), paired per repetition; the goal is a median of at most 1.10, and a
+row whose min–max contains 1.10 says it straddles. With `pip install -e
+'.[mpi]'` an `mpi` column (MPI_Allreduce in the same processes) is added,
+with `vs mpi` paired the same way.""",
     "allreduce_after": """\
 How to read it. For small messages every hop of a gradsync algorithm is a
 Python round trip plus the wake-up of the Gloo thread that completes it, and
