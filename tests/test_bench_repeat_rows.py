@@ -79,7 +79,7 @@ def test_replica_figures_pair_each_check_with_the_step_of_its_repetition():
         pytest.approx((0.5, 1 / 3, 1.0))
     assert (row["step_s"], row["step_s_max"], row["repeat"]) == (0.010, 0.020, 3)
     table = replica_checks.format_table([row])
-    assert "25.0% (10.0-30.0)" in table and "3.000 (1.000-5.000)" in table
+    assert "25.0% (10.0-30.0)" in table and "3.00 (1.00-5.00)" in table and "10.0 (10.0-20.0)" in table
     assert "missed, straddles" in table and table.count("straddles") == 2
 
 

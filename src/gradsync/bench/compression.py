@@ -202,7 +202,7 @@ def format_accuracy_table(rows: list[dict]) -> str:
         ("model", 5, "{model}"), ("compression", 11, "{compression}"),
         ("test acc %", 20, scaled_cell("test_accuracy", 100, ".2f")),
         ("vs none pp", 21, spread_cell("accuracy_delta_pp", "+.2f")), ("bytes/step", 10, "{bytes_per_step:.0f}"),
-        ("x fewer", 17, spread_cell("bytes_reduction", ".1f")),
+        ("x fewer", 19, spread_cell("bytes_reduction", ".1f")),
         ("mean bytes/step", 15, "{mean_bytes_per_step:.0f}"), ("samples/s", 17, spread_cell("samples_per_s", ".0f")),
         ("speed vs none", 18, spread_cell("speedup", ".2f", "x"))])
 
@@ -213,8 +213,8 @@ def format_throughput_table(rows: list[dict]) -> str:
         ("model", 5, "{model}"), ("world_size", 10, "{world_size}"), ("compression", 11, "{compression}"),
         ("samples/s", 19, spread_cell("samples_per_s", ".1f")),
         ("speed vs none", 18, spread_cell("speedup", ".2f", "x")), ("bytes/step", 10, "{bytes_per_step:.0f}"),
-        ("x fewer", 17, spread_cell("bytes_reduction", ".1f")),
-        ("comm_ms/step", 18, scaled_cell("comm_s_per_step", 1e3, ".1f")),
+        ("x fewer", 19, spread_cell("bytes_reduction", ".1f")),
+        ("comm_ms/step", 22, scaled_cell("comm_s_per_step", 1e3, ".1f")),
         ("break-even Gb/s", 15, optional("break_even_gbit_s", ".2f"))])]
     lines.append("# break-even: the link speed under which the bytes saved would pay for the compressor's extra "
                  "time per step (communication not hidden by compute), from the medians")

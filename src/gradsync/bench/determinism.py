@@ -167,7 +167,7 @@ def format_table(rows: list[dict]) -> str:
         ("model", 5, "{model}"), ("world_size", 10, "{world_size}"), ("mode", 18, "{mode}"),
         ("samples/s", 19, spread_cell("samples_per_s", ".0f")),
         ("vs normal", 18, spread_cell("ratio_to_normal", ".2f", "x")),
-        ("comm_ms/step", 18, scaled_cell("comm_s_per_step", 1e3, ".2f")),
+        ("comm_ms/step", 23, scaled_cell("comm_s_per_step", 1e3, ".2f")),
         ("peak RSS [MiB/rank]", 19, lambda row: fmt_optional(row["memory"].get("peak_rss_mib"), ".0f")),
         ("RSS after [MiB/rank]", 20, lambda row: fmt_optional(row["memory"].get("rss_after_mib"), ".0f"))])
 

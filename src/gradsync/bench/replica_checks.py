@@ -101,8 +101,8 @@ def format_table(rows: list[dict]) -> str:
     goal = f"<={100 * GOAL_FRACTION:.0f}%"
     return format_rows(rows, [
         ("model", 5, "{model}"), ("world_size", 10, "{world_size}"), ("parameters", 10, "{parameters}"),
-        ("step_ms", 19, scaled_cell("step_s", 1e3, ".2f")), ("check_ms", 19, scaled_cell("check_s", 1e3, ".3f")),
-        ("+optimizer_ms", 19, scaled_cell("check_optimizer_s", 1e3, ".3f")),
+        ("step_ms", 22, scaled_cell("step_s", 1e3, ".1f")), ("check_ms", 22, scaled_cell("check_s", 1e3, ".2f")),
+        ("+optimizer_ms", 22, scaled_cell("check_optimizer_s", 1e3, ".2f")),
         ("check/step", 17, scaled_cell("check_fraction_of_step", 100, ".1f", "%")),
         (f"check {goal}", 18, lambda row: verdict(row, "check_fraction_of_step", GOAL_FRACTION)),
         ("+opt/step", 17, scaled_cell("check_optimizer_fraction_of_step", 100, ".1f", "%")),
