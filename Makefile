@@ -50,11 +50,11 @@ BENCH_allreduce_hosts_1g ?= $(BENCH_HOSTS) --inter-host-gbit 1
 BENCH_allreduce_hosts_10g ?= $(BENCH_HOSTS) --inter-host-gbit 10
 BENCH_train ?= --nproc 2 --model cnn,mlp --algorithms auto,shm,ring,native --steps 50 --rounds 3
 BENCH_compression ?= --compressions none,fp16,onebit,topk,powersgd --epochs 5 --compression-warmup-steps 125 \
-	--throughput-steps 2 --rounds 2
-BENCH_modes ?= --epochs 5 --staleness-bounds none+lr --sync-every 16
+	--throughput-steps 2 --repeat 2
+BENCH_modes ?= --epochs 5 --staleness-bounds none+lr --sync-every 16 --repeat 3
 BENCH_faults ?= --epochs 3
 BENCH_faults_elastic ?= --elastic --epochs 3 --chaos-s 150 --kill-every 15
-BENCH_deterministic ?= --nproc 2,4 --model cnn,mlp --micro-shards 4,12 --steps 20 --rounds 3
+BENCH_deterministic ?= --nproc 2,4 --model cnn,mlp --micro-shards 4,12 --steps 20 --repeat 3
 BENCH_replicas ?= --nproc 2,4 --model cnn,mlp
 RECORD := $(PY) -m gradsync bench record --bench-dir $(BENCH_DIR)
 

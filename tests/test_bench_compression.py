@@ -19,7 +19,7 @@ from test_bench import _main
     (["--compression-warmup-steps", "-1"], "--compression-warmup-steps"),
     (["--throughput-nproc", "0"], "--throughput-nproc"),
     (["--throughput-steps", "0"], "--throughput-steps"),
-    (["--rounds", "0"], "--rounds"),
+    (["--repeat", "0"], "--repeat"),
     (["--num-samples", "5"], "--num-samples"),
     (["--no-accuracy", "--no-throughput"], "nothing to run"),
 ])
@@ -40,28 +40,27 @@ def test_bench_compression_out_must_be_a_folder(tmp_path, capsys):
 
 
 def test_ratios_against_the_uncompressed_row():
-    """x fewer bytes, speed and the break-even link speed follow from the rows' own numbers."""
-    rows = compression_bench.add_ratios([
-        {"compression": "none", "bytes_per_step": 1000.0, "samples_per_s": 100.0, "test_accuracy": 0.9,
-         "samples_per_step": 10},
-        {"compression": "onebit", "bytes_per_step": 40.0, "samples_per_s": 50.0, "test_accuracy": 0.88,
-         "samples_per_step": 10},
-        {"compression": "fp16", "bytes_per_step": 500.0, "samples_per_s": 200.0, "test_accuracy": None,
-         "samples_per_step": 10},
-    ])
-    none, onebit, fp16 = rows
+    """x fewer bytes, speed and the break-even link speed follow from the figures (one repetition each)."""
+    fields = compression_bench.compare_to_none({
+        "none": {"bytes_per_step": [1000.0], "samples_per_s": [100.0], "test_accuracy": [0.9]},
+        "onebit": {"bytes_per_step": [40.0], "samples_per_s": [50.0], "test_accuracy": [0.88]},
+        "fp16": {"bytes_per_step": [500.0], "samples_per_s": [200.0], "test_accuracy": [0.9]},
+    }, samples_per_step=10)
+    none, onebit, fp16 = fields["none"], fields["onebit"], fields["fp16"]
     assert none["bytes_reduction"] == 1 and none["speedup"] == 1 and none["break_even_gbit_s"] is None
     assert onebit["bytes_reduction"] == pytest.approx(25.0) and onebit["speedup"] == pytest.approx(0.5)
     assert onebit["accuracy_delta_pp"] == pytest.approx(-2.0)
     # 960 bytes saved per step for 0.1 s more per step (0.2 s against 0.1 s)
     assert onebit["break_even_gbit_s"] == pytest.approx(8 * 960 / 0.1 / 1e9)
-    assert fp16["break_even_gbit_s"] is None and "accuracy_delta_pp" not in fp16  # faster: no break-even
+    assert fp16["break_even_gbit_s"] is None  # faster: no break-even
+    without_none = compression_bench.compare_to_none({"fp16": {"bytes_per_step": [5.0], "samples_per_s": [2.0]}}, 1)
+    assert without_none["fp16"]["speedup"] is None and without_none["fp16"]["break_even_gbit_s"] is None
 
 
 SMALL_RUN = early_job("bench-compression", [
     "bench", "compression", "--compressions", "none,onebit", "--nproc", "2", "--epochs", "1",
     "--num-samples", "400", "--compression-warmup-steps", "0", "--throughput-nproc", "2",
-    "--throughput-steps", "1", "--rounds", "1", "--out", "{folder}/bench", "--json", "{folder}/rows.json"],
+    "--throughput-steps", "1", "--repeat", "1", "--out", "{folder}/bench", "--json", "{folder}/rows.json"],
     env={"GRADSYNC_DATA_DIR": "{folder}"})
 
 

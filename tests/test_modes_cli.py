@@ -402,6 +402,7 @@ def test_bench_modes_parse_settings():
     (["--nproc", "1", "--straggler-factor", "2"], "--nproc"),
     (["--epochs", "0"], "--epochs"),
     (["--target", "1.5"], "--target"),
+    (["--repeat", "0"], "--repeat"),
 ])
 @pytest.mark.timeout(60)
 def test_bench_modes_rejects_bad_options(args, needle, tmp_path, capsys):
@@ -416,7 +417,8 @@ def test_bench_modes_rejects_bad_options(args, needle, tmp_path, capsys):
 
 BENCH_MODES = early_job("bench-modes", [
     "bench", "modes", "--nproc", "2", "--epochs", "1", "--num-samples", "400", "--staleness-bounds", "none",
-    "--sync-every", "2", "--straggler-factor", "1", "--out", "{folder}/bench", "--json", "{folder}/rows.json"],
+    "--sync-every", "2", "--straggler-factor", "1", "--repeat", "1", "--out", "{folder}/bench", "--json",
+    "{folder}/rows.json"],
     env={"GRADSYNC_DATA_DIR": "{folder}"})
 
 

@@ -213,7 +213,7 @@ def test_without_a_group_on_one_process_it_compares_nothing_and_passes():
 def _bench_row():
     from gradsync.bench.replica_checks import bench_model
 
-    return bench_model("cnn", steps=2, checks=2, rounds=1)
+    return bench_model("cnn", steps=2, checks=2, repeat=1)
 
 
 @pytest.mark.timeout(90)
@@ -229,8 +229,8 @@ def test_bench_replicas_times_a_step_and_both_checks(capsys):
     assert format_table([row]).splitlines()[2].split()[:3] == ["cnn", "2", "5210"]
     for options, needle in (({"nproc": "1"}, "--nproc"), ({"nproc": "abc"}, "--nproc must list"),
                             ({"models": "resnet"}, "resnet"),
-                            ({"checks": 0}, "--checks")):
-        arguments = {"nproc": "2", "models": "cnn", "steps": 1, "checks": 1, "rounds": 1, "json_path": None}
+                            ({"checks": 0}, "--checks"), ({"repeat": 0}, "--repeat")):
+        arguments = {"nproc": "2", "models": "cnn", "steps": 1, "checks": 1, "repeat": 1, "json_path": None}
         with pytest.raises(ValueError, match=needle):
             run_bench(**{**arguments, **options})
 

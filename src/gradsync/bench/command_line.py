@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from gradsync.bench.spread import add_repeat_option
 from gradsync.compression import COMPRESSIONS
 from gradsync.train.config import TrainConfig
 
@@ -18,17 +19,17 @@ def _add_replicas_bench_options(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--nproc", default="2", help="comma-separated world sizes, one local world each (default %(default)s)")
     add("--model", default="cnn,mlp", help="comma-separated bench models: cnn, mlp (default %(default)s)")
-    add("--steps", type=int, default=50, help="timed steps per round for cnn; mlp runs steps // 5 "
+    add("--steps", type=int, default=50, help="timed steps per repetition for cnn; mlp runs steps // 5 "
         "(default %(default)s)")
-    add("--checks", type=int, default=10, help="timed checks of each kind per round (default %(default)s)")
-    add("--rounds", type=int, default=5, help="alternating rounds; the median is reported (default %(default)s)")
+    add("--checks", type=int, default=10, help="timed checks of each kind per repetition (default %(default)s)")
+    add_repeat_option(parser, what="repetitions, each alternating a step and both checks")
     add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
 
 
 def bench_replicas(args: argparse.Namespace) -> int:
     from gradsync.bench.replica_checks import run_bench
 
-    run_bench(nproc=args.nproc, models=args.model, steps=args.steps, checks=args.checks, rounds=args.rounds,
+    run_bench(nproc=args.nproc, models=args.model, steps=args.steps, checks=args.checks, repeat=args.repeat,
               json_path=args.json)
     return 0
 
@@ -40,8 +41,9 @@ def _add_deterministic_bench_options(parser: argparse.ArgumentParser) -> None:
         add(option, default=default, help=f"comma-separated {meaning} (default %(default)s)")
     add("--algorithm", default="auto", help="AllReduce algorithm of both modes (default %(default)s)")
     for option, default, meaning in (("--steps", 30, "timed steps for cnn; mlp runs steps // 5"),
-                                     ("--warmup", 2, "untimed steps first"), ("--rounds", 3, "alternating rounds")):
+                                     ("--warmup", 2, "untimed steps first")):
         add(option, type=int, default=default, help=f"{meaning} (default %(default)s)")
+    add_repeat_option(parser, what="repetitions, each alternating the modes")
     add("--no-memory", dest="memory", action="store_false", help="skip the peak-memory worlds")
     add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
 
@@ -84,6 +86,7 @@ def _add_modes_bench_options(parser: argparse.ArgumentParser) -> None:
     add("--num-samples", type=int, default=None, help="MNIST-1D samples (default: the main job's)")
     add("--target", type=float, default=0.85, help="test accuracy whose first crossing is timed "
         "(default %(default)s)")
+    add_repeat_option(parser, what="repetitions, each training every setting in turn (repetition k with seed k)")
     add("--out", default=None, help="folder for the run folders and the plot (default: a new temporary folder)")
     add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
 
@@ -100,9 +103,9 @@ def _add_compression_bench_options(parser: argparse.ArgumentParser) -> None:
     add("--compression-warmup-steps", dest="warmup_steps", type=int, default=DEFAULT_WARMUP_STEPS,
         help="exact steps before compression starts, accuracy runs (default %(default)s)")
     add("--throughput-nproc", type=int, default=4, help="workers of the MLP throughput part (default %(default)s)")
-    add("--throughput-steps", type=int, default=5, help="timed MLP steps per round (default %(default)s)")
-    add("--rounds", type=int, default=3, help="alternating MLP rounds; the median is reported "
-        "(default %(default)s)")
+    add("--throughput-steps", type=int, default=5, help="timed MLP steps per repetition (default %(default)s)")
+    add_repeat_option(parser, what="repetitions of both parts, each training (accuracy, seed k in repetition k) or "
+                      "timing (throughput) every compressor in turn")
     add("--no-accuracy", dest="accuracy", action="store_false", help="skip the accuracy runs")
     add("--no-throughput", dest="throughput", action="store_false", help="skip the MLP throughput part")
     add("--out", default=None, help="folder for the run folders and the plot (default: a new temporary folder)")
@@ -186,7 +189,7 @@ def bench_deterministic(args: argparse.Namespace) -> int:
     from gradsync.bench.determinism import run_bench
 
     run_bench(nproc=args.nproc, models=args.model, micro_shards=args.micro_shards, algorithm=args.algorithm,
-              steps=args.steps, warmup=args.warmup, rounds=args.rounds, json_path=args.json, memory=args.memory)
+              steps=args.steps, warmup=args.warmup, repeat=args.repeat, json_path=args.json, memory=args.memory)
     return 0
 
 
@@ -194,7 +197,7 @@ def bench_compression(args: argparse.Namespace) -> int:
     from gradsync.bench.compression import run_bench
 
     run_bench(compressions=args.compressions, nproc=args.nproc, epochs=args.epochs, warmup_steps=args.warmup_steps,
-              throughput_nproc=args.throughput_nproc, throughput_steps=args.throughput_steps, rounds=args.rounds,
+              throughput_nproc=args.throughput_nproc, throughput_steps=args.throughput_steps, repeat=args.repeat,
               out=args.out, json_path=args.json, num_samples=args.num_samples, accuracy=args.accuracy,
               throughput=args.throughput)
     return 0
@@ -206,7 +209,7 @@ def bench_modes(args: argparse.Namespace) -> int:
     run_bench(staleness_bounds=args.staleness_bounds, sync_every=args.sync_every,
               straggler_factor=args.straggler_factor, nproc=args.nproc, epochs=args.epochs,
               num_samples=args.num_samples, lr=args.lr, staleness_lr=args.staleness_lr, target=args.target,
-              out=args.out, json_path=args.json)
+              repeat=args.repeat, out=args.out, json_path=args.json)
     return 0
 
 

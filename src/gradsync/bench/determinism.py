@@ -7,8 +7,10 @@ forward and backward) and with DeterministicDataParallel for each ``M``
 one forward and backward each, then the exact int64 sum), from the same
 initial weights, with the same SGD, AllReduce algorithm and one torch thread
 per rank (what ``--deterministic`` uses). The settings alternate inside every
-round; a round's time is the slowest rank's, and samples/s = steps · B /
-time, the median over rounds. Inputs and labels are a fixed seeded random
+one of ``--repeat`` repetitions; a repetition's time is the slowest rank's,
+samples/s = steps · B / time, and ``ratio_to_normal`` is formed within each
+repetition; every figure is the median with its min and max
+(:mod:`gradsync.bench.spread`). Inputs and labels are a fixed seeded random
 global batch. Peak memory: one fresh world per setting runs a few steps and
 reports ``ru_maxrss`` (max over ranks) and the resident MiB after them.
 """
@@ -18,7 +20,6 @@ from __future__ import annotations
 import copy
 import gc
 import resource
-import statistics
 import time
 
 import torch
@@ -27,6 +28,7 @@ from torch import nn
 
 import gradsync
 from gradsync.bench.output import claim_json_path, fmt_optional, format_rows, write_json
+from gradsync.bench.spread import check_repeat, paired_ratios, scaled_cell, spread_cell, with_spread
 from gradsync.bench.train import (BENCH_MODELS, CNN_INPUT_NUMEL, MLP_WIDTHS, NUM_CLASSES, build_bench_model,
                                   current_rss_mib, steps_for)
 from gradsync.train.setup import DETERMINISTIC_THREADS
@@ -94,7 +96,7 @@ def measure(micro_shards: int, initial: nn.Module, inputs, labels, steps: int, w
     return {"elapsed_s": float(gathered[:, 0].max()), "comm_s": float(gathered[:, 1].mean())}
 
 
-def throughput_worker(models: list[str], modes: list[int], steps: int, warmup: int, rounds: int,
+def throughput_worker(models: list[str], modes: list[int], steps: int, warmup: int, repeat: int,
                       algorithm: str) -> list[dict] | None:
     """Entry point of one throughput world; rank 0 returns one row per (model, mode)."""
     gradsync.init()
@@ -106,24 +108,32 @@ def throughput_worker(models: list[str], modes: list[int], steps: int, warmup: i
             initial, (inputs, labels) = build_bench_model(model), make_global_batch(model)
             timed = steps_for(model, steps)
             runs: dict[int, list[dict]] = {mode: [] for mode in modes}
-            for round_index in range(rounds):
-                shift = round_index % len(modes)
+            for repetition in range(repeat):
+                shift = repetition % len(modes)
                 for mode in modes[shift:] + modes[:shift]:
                     runs[mode].append(measure(mode, initial, inputs, labels, timed, warmup, algorithm))
-            rows += _rows(model, runs, timed, algorithm)
+            setting = {"model": model, "world_size": gradsync.world_size(), "algorithm": algorithm,
+                       "threads_per_rank": torch.get_num_threads()}
+            rows += throughput_rows(setting, runs, timed)
         return rows if gradsync.rank() == 0 else None
     finally:
         gradsync.shutdown()
 
 
-def _rows(model: str, runs: dict[int, list[dict]], steps: int, algorithm: str) -> list[dict]:
-    samples = GLOBAL_BATCH[model] * steps
-    speed = {mode: statistics.median(samples / r["elapsed_s"] for r in found) for mode, found in runs.items()}
-    return [{"kind": "throughput", "model": model, "world_size": gradsync.world_size(), "mode": mode_name(mode),
-             "micro_shards": mode or None, "algorithm": algorithm, "global_batch_size": GLOBAL_BATCH[model],
-             "samples_per_s": speed[mode], "ratio_to_normal": speed[mode] / speed[NORMAL],
-             "comm_s_per_step": statistics.median(r["comm_s"] for r in found) / steps, "steps": steps,
-             "rounds": len(found), "threads_per_rank": torch.get_num_threads()} for mode, found in runs.items()]
+def throughput_rows(setting: dict, runs: dict[int, list[dict]], steps: int) -> list[dict]:
+    """One row per mode from its repetitions' measurements (``elapsed_s``, ``comm_s`` of ``steps`` steps).
+
+    ``setting`` carries ``model``, ``world_size``, ``algorithm`` and ``threads_per_rank``. samples/s and
+    comm seconds per step are the median over repetitions with their min and max; ``ratio_to_normal`` is
+    the mode's samples/s over normal's in the same repetition, then summarised the same way.
+    """
+    samples = GLOBAL_BATCH[setting["model"]] * steps
+    speeds = {mode: [samples / run["elapsed_s"] for run in found] for mode, found in runs.items()}
+    return [{"kind": "throughput", **setting, "mode": mode_name(mode), "micro_shards": mode or None,
+             "global_batch_size": GLOBAL_BATCH[setting["model"]], **with_spread("samples_per_s", speeds[mode]),
+             **with_spread("ratio_to_normal", paired_ratios(speeds[mode], speeds[NORMAL])),
+             **with_spread("comm_s_per_step", [run["comm_s"] / steps for run in found]), "steps": steps,
+             "repeat": len(found)} for mode, found in runs.items()]
 
 
 def memory_worker(model: str, micro_shards: int, algorithm: str) -> dict | None:
@@ -155,8 +165,9 @@ def format_table(rows: list[dict]) -> str:
                   for row in rows if row["kind"] == "throughput"]
     return format_rows(throughput, [
         ("model", 5, "{model}"), ("world_size", 10, "{world_size}"), ("mode", 18, "{mode}"),
-        ("samples/s", 10, "{samples_per_s:.0f}"), ("vs normal", 9, "{ratio_to_normal:.2f}x"),
-        ("comm_ms/step", 12, lambda row: f"{row['comm_s_per_step'] * 1e3:.2f}"),
+        ("samples/s", 19, spread_cell("samples_per_s", ".0f")),
+        ("vs normal", 18, spread_cell("ratio_to_normal", ".2f", "x")),
+        ("comm_ms/step", 23, scaled_cell("comm_s_per_step", 1e3, ".2f")),
         ("peak RSS [MiB/rank]", 19, lambda row: fmt_optional(row["memory"].get("peak_rss_mib"), ".0f")),
         ("RSS after [MiB/rank]", 20, lambda row: fmt_optional(row["memory"].get("rss_after_mib"), ".0f"))])
 
@@ -173,7 +184,7 @@ def _integers(text: str, option: str, low: int) -> list[int]:
 
 
 def parse_options(nproc: str, models: str, micro_shards: str, algorithm: str, steps: int, warmup: int,
-                  rounds: int) -> tuple[list[int], list[str], list[int]]:
+                  repeat: int) -> tuple[list[int], list[str], list[int]]:
     """Checked world sizes, models and micro-shard counts. Raises ValueError naming the bad option."""
     world_sizes = _integers(nproc, "--nproc", 1)
     names = list(dict.fromkeys(item.strip() for item in models.split(",")))
@@ -190,27 +201,28 @@ def parse_options(nproc: str, models: str, micro_shards: str, algorithm: str, st
                 raise ValueError(f"--micro-shards {count} is more than {name}'s global batch {GLOBAL_BATCH[name]}")
     if algorithm not in gradsync.ALGORITHMS:
         raise ValueError(f"unknown --algorithm {algorithm!r}; choose from {', '.join(gradsync.ALGORITHMS)}")
-    for option, value, low in (("--steps", steps, 1), ("--warmup", warmup, 0), ("--rounds", rounds, 1)):
+    for option, value, low in (("--steps", steps, 1), ("--warmup", warmup, 0)):
         if value < low:
             raise ValueError(f"{option} must be >= {low}, got {value}")
+    check_repeat(repeat)
     return world_sizes, names, counts
 
 
 def run_bench(*, nproc: str, models: str, micro_shards: str, algorithm: str, steps: int, warmup: int,
-              rounds: int, json_path: str | None, memory: bool = True) -> list[dict]:
+              repeat: int, json_path: str | None, memory: bool = True) -> list[dict]:
     """Validate, run a throughput world per world size and a memory world per setting, print, write JSON."""
     from gradsync.launch import launch_local
 
-    world_sizes, names, counts = parse_options(nproc, models, micro_shards, algorithm, steps, warmup, rounds)
+    world_sizes, names, counts = parse_options(nproc, models, micro_shards, algorithm, steps, warmup, repeat)
     claim_json_path(json_path)
     modes = [NORMAL] + counts
     print(f"# gradsync bench deterministic: global batch {', '.join(f'{m} {GLOBAL_BATCH[m]}' for m in names)}; "
-          f"steps {', '.join(f'{m} {steps_for(m, steps)}' for m in names)} after {warmup} warm-up; median of "
-          f"{rounds} alternating rounds; SGD lr {LR}; algorithm {algorithm}; {DETERMINISTIC_THREADS} torch thread "
-          f"per rank; fixed random data", flush=True)
+          f"steps {', '.join(f'{m} {steps_for(m, steps)}' for m in names)} after {warmup} warm-up; median (min-max) "
+          f"of {repeat} repetitions, the modes alternating in each; SGD lr {LR}; algorithm {algorithm}; "
+          f"{DETERMINISTIC_THREADS} torch thread per rank; fixed random data", flush=True)
     rows: list[dict] = []
     for world_size in world_sizes:
-        rows += launch_local(world_size, throughput_worker, names, modes, steps, warmup, rounds, algorithm)[0]
+        rows += launch_local(world_size, throughput_worker, names, modes, steps, warmup, repeat, algorithm)[0]
     if memory:
         for world_size in world_sizes:
             for name in names:

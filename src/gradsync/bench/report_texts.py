@@ -117,14 +117,19 @@ compute and one small AllReduce, so per-call overhead decides: `native`
 and `shm` pay one call, `ring` pays Python-driven point-to-point hops through
 Gloo.""",
     "compression": """\
-Two parts. Accuracy: the main job (MNIST-1D CNN, AdamW lr 1e-2 cosine) once
-per compressor, each after the exact warm-up steps shown in the command
-(1-bit Adam's warm-up stage); `bytes/step` is the median over steps of the
-bytes rank 0's transport sent (the compressed steady state), `mean bytes/step`
-includes the warm-up. Throughput: every compressor on the ~25M-parameter MLP
-of `bench train`, alternating over rounds. `break-even Gb/s` is the link speed
-under which the bytes saved would pay for the compressor's extra work per step
-(communication not hidden by compute).""",
+Two parts, each repeated `--repeat` times (5 by default; `make bench` runs 2
+to stay affordable). Accuracy: the main job (MNIST-1D CNN, AdamW lr 1e-2
+cosine) once per compressor in every repetition, the compressors one after
+the other, repetition k with seed k, each after the exact warm-up steps shown
+in the command (1-bit Adam's warm-up stage); `bytes/step` is the median over
+steps of the bytes rank 0's transport sent (the compressed steady state),
+`mean bytes/step` includes the warm-up. Throughput: every compressor on the
+~25M-parameter MLP of `bench train`, alternating inside every repetition.
+`x fewer`, `speed vs none` and `vs none pp` are formed against the `none`
+run of the same repetition; every cell shows the median over the repetitions
+and, in brackets, their min–max. `break-even Gb/s` is the link speed under
+which the bytes saved would pay for the compressor's extra work per step
+(communication not hidden by compute), from the medians.""",
     "compression_after": """\
 How to read it. On one machine "the network" is a memory copy, so the work of
 compressing usually costs more than the bytes it saves; the break-even
@@ -136,10 +141,18 @@ constant that large buckets amortise.""",
 The main job (MNIST-1D CNN, AdamW lr 1e-2 cosine) in sync mode, async mode
 (parameter server, one more process) per staleness bound (`s<=S`; `lr/s`
 divides the lr by the staleness), and local SGD per H, each without and with
-worker rank 1 slowed down (`straggler`). `s to 85%` is the wall time at the
-first evaluation at or above the target accuracy; staleness is 0 for sync,
-the server versions a gradient missed for async, and the local steps since the
-last average for local SGD.""",
+worker rank 1 slowed down (`straggler`). Every setting trains once in each of
+`--repeat` repetitions, the whole runs alternating, repetition k with seed k
+(5 repetitions of 15 epochs by default; `make bench` runs 3 of 5 epochs to
+stay affordable). `vs sync` is samples/s over sync's with the same straggler
+in the same repetition, `t vs sync` the seconds to the target over sync's
+(below 1: sooner); every cell shows the median over the repetitions and, in
+brackets, their min–max. `s to 85%` is the wall time at the first evaluation
+at or above the target accuracy, over the repetitions that reached it (`in
+2/3` when not all did); staleness is 0 for sync, the server versions a
+gradient missed for async, and the local steps since the last average for
+local SGD (`stale mean` the median, `stale max` the largest). The plot shows
+the first repetition.""",
     "modes_after": """\
 How to read it. With a straggler, fast async workers take the straggler's
 share of the batches while sync and local SGD wait for it (local SGD only at
@@ -192,10 +205,13 @@ group and loads the checkpoint.""",
 `DeterministicDataParallel` (what `gradsync train --deterministic` runs) next
 to `DataParallel` on one fixed global batch (256 samples for the CNN, 128 for
 the ~25.2M-parameter MLP of `bench train`), SGD, `auto`, one torch thread per
-rank in both, alternating over rounds. `normal`: each rank one forward and
+rank in both, alternating inside every repetition (`--repeat`, 5 by default;
+`make bench` runs 3). `normal`: each rank one forward and
 backward of its B / world_size samples; `deterministic M=…`: each rank one
 forward and backward per micro-shard of B / M samples, then the exact int64
-sum ([deterministic.md](deterministic.md)). `comm_ms/step` is the time in the
+sum ([deterministic.md](deterministic.md)). `vs normal` is samples/s over
+normal's in the same repetition; every cell shows the median over the
+repetitions and, in brackets, their min–max. `comm_ms/step` is the time in the
 collectives (for `deterministic` it includes waiting for the slowest rank's
 micro-shards); peak RSS is `ru_maxrss` after a few steps in a fresh world per
 setting (max over ranks), `RSS after` the resident MiB then.""",
@@ -216,10 +232,15 @@ at 1, 2, 3, 4, 6 and 12 workers.""",
 `DataParallel(algorithm="auto")` with SGD and momentum on the models of
 `bench train` (the MNIST-1D CNN, batch 128 per rank, and the ~25.2M-parameter
 MLP, batch 64 per rank): one training step, `check_replicas()` (parameters)
-and `check_replicas(optimizer)` (parameters and momentum), alternating over
-rounds, each the slowest rank's time ([correctness.md](correctness.md)).
-`every_100` is what a parameter + optimizer check every 100 steps adds to
-training; `GB/s` the bytes checksummed per second of that check.""",
+and `check_replicas(optimizer)` (parameters and momentum), alternating inside
+each of 5 repetitions, each the slowest rank's time
+([correctness.md](correctness.md)). `check/step` and `+opt/step` divide a
+check by the step of the same repetition; `every_100` is what a parameter +
+optimizer check every 100 steps adds to training; `GB/s` the bytes
+checksummed per second of that check. Every cell shows the median over the
+repetitions and, in brackets, their min–max. The goal (issue 18) is one check
+at most 20% of a step: the `<=20%` columns say `met` or `missed` by the
+median, with `straddles` when the min–max range contains 20%.""",
     "replicas_after": """\
 How to read it. A check is the checksum of every tensor's bits (column and
 row sums of its 64-bit words, twice: memory speed, one core per rank) and one

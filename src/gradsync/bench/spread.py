@@ -139,3 +139,16 @@ def add_repeat_option(parser: argparse.ArgumentParser, default: int = DEFAULT_RE
     parser.add_argument("--repeat", type=int, default=default,
                         help=f"{what}; every time and ratio is reported as the median with its min-max "
                         f"(default %(default)s)")
+
+
+def scaled_cell(name: str, scale: float, spec: str, suffix: str = "") -> Callable[[dict], str]:
+    """A :func:`spread_cell` of ``name`` with its median, min and max multiplied by ``scale`` first
+    (a figure recorded in seconds shown in milliseconds: ``1e3``).
+
+    >>> scaled_cell("t_s", 1e3, ".1f")({"t_s": 0.002, "t_s_min": 0.001, "t_s_max": 0.004})
+    '2.0 (1.0-4.0)'
+    """
+    def cell(row: dict) -> str:
+        keys = (name, f"{name}_min", f"{name}_max")
+        return fmt_spread({key: row[key] * scale for key in keys if row.get(key) is not None}, name, spec, suffix)
+    return cell
