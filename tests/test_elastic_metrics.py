@@ -68,7 +68,8 @@ def _torchft_records():
     records = [r for step in range(7) for r in commit(step, (0, 1, 2), 1)]
     records += [record(0, 7, 10.4, committed=False), record(2, 7, 10.45, committed=False)]
     records += [r for step in (7, 8, 9) for r in commit(step, (0, 2), 2)]
-    records += commit(10, (0, 1, 2), 3, healing=(1,)) + [r for step in range(11, 25) for r in commit(step, (0, 1, 2), 3)]
+    records += commit(10, (0, 1, 2), 3, healing=(1,))
+    records += [r for step in range(11, 25) for r in commit(step, (0, 1, 2), 3)]
     records += [record(r, 25, t, committed=False, quorum=3) for r, t in ((0, 30.5), (1, 30.55), (0, 31.0), (1, 31.02))]
     records += commit(25, (0, 1), 4) + commit(26, (0, 1, 2), 5, healing=(2,))
     return sorted(records, key=lambda r: r["t_end"])
