@@ -145,6 +145,17 @@ class Run:
         return self.summary["samples"] / self.summary["wall_s"]
 
 
+def epochs_for(run: Run, epochs: int, seconds: float) -> int:
+    """Epochs of a run of about ``seconds`` wall seconds, by ``run`` (of ``epochs`` epochs): its start-up,
+    then its epoch time from its first to its last step record (the start-up is not an epoch's)."""
+    times = [r["time"] for r in read_metrics(run.folder / METRICS_FILE) if r.get("kind") == "step"]
+    if len(times) < 2:
+        return max(round(seconds / (run.summary["wall_s"] / epochs)), 1)
+    train_s = (times[-1] - times[0]) * len(times) / (len(times) - 1)
+    startup_s = max(run.summary["wall_s"] - train_s, 0.0)
+    return max(round((seconds - startup_s) / (train_s / epochs)), 1)
+
+
 def _base_row(name: str, runs: list[Run], nproc: int) -> dict:
     return {"system": "gradsync", "elastic": True, "fault": name, "nproc": nproc, "runs": len(runs),
             "replicas_equal": all(run.replicas_equal for run in runs),
@@ -217,7 +228,7 @@ def run_bench(*, nproc: int = 4, epochs: int = 3, timeout: float = 5.0, fault_ra
         run = _measure(_config(fields, out_dir / name, **option), victim=fault_rank)
         rows.append(fault_row(name, [run], [none], nproc))
         print(f"# done: {name}", flush=True)
-    chaos_epochs = max(int(round(chaos_s / (none.summary["wall_s"] / epochs))), 1)
+    chaos_epochs = epochs_for(none, epochs, chaos_s)
     rows += _repetitions(fields, out_dir, chaos_epochs, chaos_s, kill_every_s, seed, repeat, torchft, nproc)
     print(format_table(rows))
     if json_path:
