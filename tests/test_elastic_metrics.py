@@ -10,7 +10,7 @@ import torch
 
 from gradsync.bench import elastic_table
 from gradsync.bench.elastic_metrics import RunEvents, all_failures, failure_figures, pooled
-from gradsync.bench.faults_elastic import epochs_for, fault_row, reference_row, run_events
+from gradsync.bench.faults_elastic import epochs_for, fault_row, reference_row, run_events, training_samples_per_s
 from gradsync.bench.torchft_metrics import summarize
 from gradsync.bench.torchft_rows import build_rows
 
@@ -176,10 +176,11 @@ def test_rows_recorded_before_the_common_definitions_render_dashes_not_their_old
     assert lines[6][3:5] == ["6428", "0.983"]
 
 
-def test_chaos_runs_last_about_chaos_s_leaving_out_the_reference_runs_start_up(tmp_path):
+def test_chaos_runs_last_about_chaos_s_and_throughput_leaves_out_the_start_up(tmp_path):
     # 2 epochs of 11 steps, one every 0.5 s (5.5 s of training) in a run of 9.5 s wall: 4 s start-up
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"kind": "step", "step": i + 1, "time": 100.0 + 0.5 * i})
                                                     + "\n" for i in range(11)))
     run = SimpleNamespace(folder=tmp_path, summary={"wall_s": 9.5})
     assert epochs_for(run, epochs=2, seconds=60.0) == 20  # (60 - 4) / 2.75 = 20.4
     assert epochs_for(run, epochs=2, seconds=1.0) == 1
+    assert training_samples_per_s(tmp_path, global_batch_size=128) == pytest.approx(10 * 128 / 5.0)

@@ -30,7 +30,9 @@ the next failure at ``until``), :func:`failure_figures` gives:
 :func:`pooled` summarises the failures of every repetition (median, min and
 max of each figure over all of them) and :func:`paired_kept` forms the
 throughput kept within each repetition (chaos samples/s over the same
-repetition's fault-free samples/s).
+repetition's fault-free samples/s). Samples/s, for both: the samples of the
+steps committed from the run's first committed step (gradsync) or first
+full quorum (torchft) on, per second of that window: start-up is left out.
 """
 
 from __future__ import annotations

@@ -52,7 +52,8 @@ def format_table(rows: list[dict]) -> str:
              "committed after that; joiner: the relaunched worker's first committed step; steps redone: committed "
              "steps lost + the step in flight, once per failed try. none / chaos-none: the fault-free references "
              "(nothing to compare, '-').\n"
-             "# kept: chaos samples/s over the fault-free samples/s of the same repetition, median (min-max) over "
+             "# samples/s: committed from the first committed step (torchft: first full quorum) on, start-up left "
+             "out, median (min-max) over the runs; kept: chaos samples/s over the fault-free samples/s of the same repetition, median (min-max) over "
              "the repetitions; lost/dup: samples per id over all runs; bitwise=: final model against the "
              "fault-free run's")
     return "\n".join([failures, "", throughput, notes])

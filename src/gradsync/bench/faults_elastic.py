@@ -129,7 +129,8 @@ def _measure(config: TrainConfig, chaos: tuple[float, int] | None = None, victim
 
 
 class Run:
-    """One finished gradsync run: its folder, summary, kills and (from its records) failures and samples."""
+    """One finished gradsync run: its folder, summary, kills and (from its records) failures, samples counted
+    per id and samples/s (:func:`training_samples_per_s`)."""
 
     def __init__(self, config: TrainConfig, summary: dict, faults: list[dict]):
         self.folder, self.summary, self.faults = Path(config.out), summary, faults
@@ -139,10 +140,17 @@ class Run:
                                      steps_done=summary.get("steps"))
         handed = [e.get("replicas_equal", False) for e in read_events(self.folder) if e["event"] == "resumed_training"]
         self.replicas_equal = bool(summary.get("replicas_equal")) and all(handed)
+        self.samples_per_s = training_samples_per_s(self.folder, config.global_batch_size)
 
-    @property
-    def samples_per_s(self) -> float:
-        return self.summary["samples"] / self.summary["wall_s"]
+
+def training_samples_per_s(folder: Path, global_batch_size: int) -> float:
+    """Samples of the steps committed after the run's first, per second from its first to its last step
+    record: the start-up left out, as torchft's rows leave it out (their window opens at the first full
+    quorum). Raises ValueError when the run committed fewer than 2 steps."""
+    times = [r["time"] for r in read_metrics(Path(folder) / METRICS_FILE) if r.get("kind") == "step"]
+    if len(times) < 2 or times[-1] <= times[0]:
+        raise ValueError(f"{folder}: fewer than 2 committed steps, no throughput to measure")
+    return (len(times) - 1) * global_batch_size / (times[-1] - times[0])
 
 
 def epochs_for(run: Run, epochs: int, seconds: float) -> int:

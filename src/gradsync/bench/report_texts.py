@@ -165,8 +165,10 @@ kill (or hang): `detect` → the first survivor step that failed or saw a
 changed membership (quorum), `recover` → the first step committed after
 that, `joiner` → the relaunched worker's first committed step; `steps redone`
 counts the committed steps lost and the step in flight, once per failed try.
-Each is the median (min–max) over every failure of every repetition. `kept`
-is chaos samples/s over the fault-free samples/s of the same repetition,
+Each is the median (min–max) over every failure of every repetition.
+`samples/s` counts from the first committed step on (torchft: its first
+full quorum), start-up left out; `kept` is chaos samples/s over the
+fault-free samples/s of the same repetition,
 median (min–max) over the repetitions; `lost`/`dup` count samples per id over
 all runs; `bitwise=` compares the final model with the fault-free run's. The
 fault-free rows are the references: nothing is compared with them, so their
