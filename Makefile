@@ -53,7 +53,8 @@ BENCH_compression ?= --compressions none,fp16,onebit,topk,powersgd --epochs 5 --
 	--throughput-steps 2 --repeat 2
 BENCH_modes ?= --epochs 5 --staleness-bounds none+lr --sync-every 16 --repeat 3
 BENCH_faults ?= --epochs 3
-BENCH_faults_elastic ?= --elastic --epochs 3 --chaos-s 150 --kill-every 15
+# faults_elastic: 60 s chaos runs, 3 repetitions (the defaults: 150 s, 5)
+BENCH_faults_elastic ?= --elastic --epochs 3 --chaos-s 60 --kill-every 15 --repeat 3
 BENCH_deterministic ?= --nproc 2,4 --model cnn,mlp --micro-shards 4,12 --steps 20 --repeat 3
 BENCH_replicas ?= --nproc 2,4 --model cnn,mlp
 RECORD := $(PY) -m gradsync bench record --bench-dir $(BENCH_DIR)

@@ -63,6 +63,9 @@ def test_format_table_prints_one_line_per_fault_and_dashes_for_missing_values():
     (["--fault-step", "100000"], "--fault-step must be in [1, 375]"),
     (["--nproc", "0"], "--nproc"),
     (["--nproc", "1"], "--nproc must be >= 2"),
+    (["--repeat", "3"], "--repeat and --no-torchft need --elastic"),
+    (["--elastic", "--repeat", "0"], "--repeat must be an integer >= 1"),
+    (["--elastic", "--chaos-s", "0"], "--chaos-s and --kill-every must be > 0"),
 ])
 @pytest.mark.timeout(60)
 def test_bench_faults_rejects_bad_options_before_any_run(args, needle, tmp_path, capsys):

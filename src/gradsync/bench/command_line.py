@@ -49,6 +49,8 @@ def _add_deterministic_bench_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_faults_bench_options(parser: argparse.ArgumentParser) -> None:
+    from gradsync.bench.spread import add_repeat_option
+
     add = parser.add_argument
     add("--nproc", type=int, default=4, help="workers (default %(default)s)")
     add("--epochs", type=int, default=3, help="(default %(default)s)")
@@ -64,12 +66,14 @@ def _add_faults_bench_options(parser: argparse.ArgumentParser) -> None:
     add("--elastic", action="store_true", help="gradsync train --elastic instead of restarts: a kill and a hang "
         "(shrink, then grow back), a chaos run killing a random worker every --kill-every s, and torchft's "
         "fault-tolerant DDP on the same chaos schedule")
-    add("--chaos-s", type=float, default=150.0, help="--elastic: length of the chaos run, seconds "
-        "(default %(default)s)")
+    add("--chaos-s", type=float, default=150.0, help="--elastic: length of each chaos run (and of its "
+        "fault-free twin), seconds (default %(default)s)")
     add("--kill-every", type=float, default=15.0, help="--elastic: seconds between kills in the chaos run "
         "(default %(default)s)")
     add("--seed", type=int, default=0, help="--elastic: seed of the chaos schedule (default %(default)s)")
     add("--no-torchft", dest="torchft", action="store_false", help="--elastic: skip torchft's row")
+    add_repeat_option(parser, what="--elastic: fault-free and chaos runs alternated this many times (each "
+                      "library's), throughput kept paired within each; failures pooled over all")
 
 
 def _add_modes_bench_options(parser: argparse.ArgumentParser) -> None:
@@ -215,17 +219,19 @@ def bench_modes(args: argparse.Namespace) -> int:
 
 def bench_faults(args: argparse.Namespace) -> int:
     from gradsync.bench.faults import run_bench
+    from gradsync.bench.spread import DEFAULT_REPEAT
 
     if args.elastic:
         from gradsync.bench.faults_elastic import run_bench as run_elastic_bench
 
         run_elastic_bench(nproc=args.nproc, epochs=args.epochs, timeout=args.timeout, fault_rank=args.fault_rank,
                           fault_step=args.fault_step, num_samples=args.num_samples, chaos_s=args.chaos_s,
-                          kill_every_s=args.kill_every, seed=args.seed, torchft=args.torchft, out=args.out,
-                          json_path=args.json)
+                          kill_every_s=args.kill_every, seed=args.seed, repeat=args.repeat, torchft=args.torchft,
+                          out=args.out, json_path=args.json)
         return 0
-    if args.chaos_s != 150.0 or args.kill_every != 15.0 or not args.torchft:
-        raise ValueError("--chaos-s, --kill-every and --no-torchft need --elastic")
+    if args.chaos_s != 150.0 or args.kill_every != 15.0 or not args.torchft or args.repeat != DEFAULT_REPEAT:
+        # the restart-based bench compares no ratio: one run of each fault
+        raise ValueError("--chaos-s, --kill-every, --repeat and --no-torchft need --elastic")
     run_bench(nproc=args.nproc, epochs=args.epochs, checkpoint_every=args.checkpoint_every, timeout=args.timeout,
               fault_rank=args.fault_rank, fault_step=args.fault_step, num_samples=args.num_samples, out=args.out,
               json_path=args.json)

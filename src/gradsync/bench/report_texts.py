@@ -169,31 +169,45 @@ at the step before a checkpoint so the most work is lost. From the workers'
 raised for it, `recover s` fault → the restarted workers have loaded the
 checkpoint and start the next step; `recomputed` is the steps lost with the
 failed attempt; `params equal` compares the final parameters with the run
-without a fault, bit for bit.""",
+without a fault, bit for bit. Each run once: the table reports no ratio
+(`extra s` is the difference in job time), so this bench has no `--repeat`.""",
     "faults_elastic": """\
-`gradsync train --elastic` with `--deterministic` on 4 workers: without a fault,
-a worker killed and one hung mid-run (the survivors shrink, the replacement
-grows the world back), then a chaos run killing a random worker every ~15 s
-against a fault-free run of the same length, and torchft's fault-tolerant DDP
-(its Lighthouse and Manager) on the same model, data and schedule. Per
-failure, from the run folder's events (wall clock): `detect s` fault → the
-first survivor or launcher that saw it, `recover s` fault → the survivors
-train again in a new membership, `after det` the longest recover − detect,
-`joiner s` fault → the replacement trains; `lost`/`dup` count samples per id;
-`kept` is samples/s against the fault-free run; `bitwise=` compares the final
-model with the fault-free run's.""",
+`gradsync train --elastic` with `--deterministic` on 4 workers: a worker killed
+and one hung mid-run (the survivors shrink, the replacement grows the world
+back), each against a fault-free run (`none`); then, `--repeat` times
+alternated, a fault-free run (`chaos-none`) and a chaos run killing a random
+worker every ~`--kill-every` s, and torchft's fault-tolerant DDP (its
+Lighthouse and Manager) on the same model, data and schedule, its own
+fault-free and chaos runs alternated in the same repetitions. `make bench`
+runs `--chaos-s 60 --repeat 3`, shorter than the defaults (150 s, 5
+repetitions). Both libraries' failures are measured by one definition
+(`gradsync.bench.elastic_metrics`), from their own logs, in seconds from the
+kill (or hang): `detect` → the first survivor step that failed or saw a
+changed membership (quorum), `recover` → the first step committed after
+that, `joiner` → the relaunched worker's first committed step; `steps redone`
+counts the committed steps lost and the step in flight, once per failed try.
+Each is the median (min–max) over every failure of every repetition.
+`samples/s` counts from the first committed step on (torchft: its first
+full quorum), start-up left out; `kept` is chaos samples/s over the
+fault-free samples/s of the same repetition,
+median (min–max) over the repetitions; `lost`/`dup` count samples per id over
+all runs; `bitwise=` compares the final model with the fault-free run's. The
+fault-free rows are the references: nothing is compared with them, so their
+comparative columns show "-".""",
     "faults_elastic_after": """\
-How to read it. A kill is seen within milliseconds (the launcher reaps its
-worker, the peers' sockets close) and the survivors train again about a
-tenth of a second later: the new membership is a fresh Gloo group plus one
-broadcast of rank 0's state, in the same processes. A hang costs the
-timeout first. The replacement is forked from the forkserver and joins at a
-step boundary a few tenths of a second after the kill. `kept` under chaos
-counts every membership change twice (the shrink and the grow), each with
-its rebuilt buckets and groups; on these 2 oversubscribed cores the joiner's
-start-up also competes with the survivors for the CPU. torchft's row heals
-its joiner from a live peer too; its survivors wait for the Lighthouse's
-heartbeat timeout (300 ms here) before the next quorum.""",
+How to read it. gradsync's launcher sees a kill at once and the survivors'
+collectives fail as the dead peer's sockets close; torchft's survivors see
+it when their AllReduce fails or the Lighthouse drops the replica after its
+heartbeat timeout (300 ms here). A hang costs the timeout first. Recovery
+ends at a committed step, not at the new membership: in gradsync it holds
+the hand-over and the shrunk membership's first step (fresh groups and
+buckets), and when the replacement, forked from the forkserver, asks to
+join before that step, the joiner's membership as well. A step in flight
+at the kill is tried again, never lost with its samples. `kept`
+under chaos pays for every membership change twice (the shrink and the
+grow), each with its rebuilt buckets and groups; on these 2 oversubscribed
+cores the joiner's start-up also competes with the survivors for the CPU.
+torchft's joiner heals from a live peer.""",
     "faults_after": """\
 How to read it. A killed worker is noticed at once (its peers' sockets
 close); a hang costs the timeout plus the 1.5 s in which the live ranks

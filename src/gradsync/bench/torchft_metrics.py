@@ -1,25 +1,15 @@
-"""From the torchft replicas' step logs to the chaos row: detect, recover, steps and samples lost, throughput.
+"""From the torchft replicas' step logs to the chaos row: failures, samples lost, throughput.
 
 Inputs are the records :mod:`gradsync.bench.torchft_worker` appends (one per
 attempted step, wall-clock ``time.time()`` seconds) and the driver's kills
-``[{"victim": replica, "pid": int, "time": s}]``. Per failure (kill at ``t``):
-
-- ``detect_s``: ``t`` -> the first survivor attempt that shows the loss: its
-  AllReduce failed (not committed), or its quorum changed (another quorum id,
-  or fewer participants, than its last step before ``t``: the Lighthouse
-  dropped the dead replica); timed at its ``t_backward`` (the AllReduce
-  returned, which for a quorum change is after the quorum);
-- ``recover_s``: ``t`` -> the first step a survivor commits after that;
-- ``steps_lost``: attempts a survivor did not commit in ``[t, recover]`` (the
-  most over survivors; torchft retries the same step, so no step index is
-  skipped); ``steps_lost_at_rejoin``: the same from recovery to the next kill
-  (a joiner's quorum change can fail a step too);
-- ``steps_replicas_unequal``: committed steps after which the replicas'
-  parameter digests differ (every replica that committed the step, a healed
-  joiner included), i.e. the replicas are checked after every recovery;
-- ``joiner_startup_s``: ``t`` -> the relaunched victim's first committed step
-  (healing from a peer, or taking part); ``rejoin_stall_s``: the survivors' longest step in the
-  joiner's first second in the quorum (reconfigure + checkpoint send).
+``[{"victim": replica, "pid": int, "time": s}]``. Per failure, the figures of
+:mod:`gradsync.bench.elastic_metrics` (``detect_s``, ``recover_s``,
+``steps_redone``, ``joiner_s``: one definition for both libraries, the
+records mapped by :func:`run_events`), and torchft's own ``rejoin_stall_s``:
+the survivors' longest step within a second of the joiner's first commit
+(reconfigure + checkpoint send). ``steps_replicas_unequal``: committed steps
+after which the replicas' parameter digests differ (every replica that
+committed the step, a healed joiner included).
 
 Samples are counted per sample id: step ``s`` of the run has global batch
 ``batches(s)``; each replica that took part in the commit of ``s`` trained its
@@ -32,13 +22,13 @@ missing or healing replica's piece under the ``fixed`` split);
 from __future__ import annotations
 
 import json
-import statistics
 from collections import defaultdict
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from gradsync.bench.elastic_metrics import RunEvents, all_failures
 from gradsync.train.global_batch import global_batches, split_contiguous
 
 
@@ -129,44 +119,39 @@ def totals(counts: dict, start: float, end: float) -> tuple[int, int, int, int]:
     return len(rows), sum(c[1] for c in rows), sum(c[2] for c in rows), sum(c[3] for c in rows)
 
 
-def failure(kill: dict, next_time: float, by_replica: dict[int, list[dict]], counts: dict) -> dict:
-    """One kill's figures (None where the logs never show the event)."""
-    t, victim = kill["time"], kill["victim"]
-    survivors = {rep: recs for rep, recs in by_replica.items() if rep != victim}
-    detect = None
-    for recs in survivors.values():
-        before = [r for r in recs if r["t_end"] <= t]
-        if not before:
-            continue
-        last = before[-1]
-        for r in recs:
-            if t < r["t_end"] < next_time and (not r["committed"] or r["participants"] < last["participants"]
-                                               or r["quorum_id"] != last["quorum_id"]):
-                detect = r["t_backward"] if detect is None else min(detect, r["t_backward"])
-                break
-    recover = None
-    if detect is not None:
-        ends = [r["t_end"] for recs in survivors.values() for r in recs if r["committed"] and r["t_end"] >= detect]
-        recover = min(ends) if ends else None
-    lost = lost_rejoin = 0
-    stop = recover if recover is not None else next_time
-    for recs in survivors.values():
-        lost = max(lost, sum(1 for r in recs if t <= r["t_end"] <= stop and not r["committed"]))
-        lost_rejoin = max(lost_rejoin, sum(1 for r in recs if stop < r["t_end"] < next_time and not r["committed"]))
-    joined = [r["t_end"] for r in by_replica.get(victim, []) if r["t_end"] > t and r["committed"]]
-    joined_at = min(joined) if joined else None
-    stall = None
-    if joined_at is not None:
-        spans = [r["t_end"] - r["t_start"] for recs in survivors.values() for r in recs
-                 if joined_at - 1.0 <= r["t_end"] <= joined_at + 1.0]
-        stall = max(spans) if spans else None
-    _, _, samples_lost, samples_dup = totals(counts, t, next_time)
-    return {"victim": victim, "kill_time": t,
-            "detect_s": None if detect is None else detect - t,
-            "recover_s": None if recover is None else recover - t,
-            "steps_lost": lost, "steps_lost_at_rejoin": lost_rejoin,
-            "joiner_startup_s": None if joined_at is None else joined_at - t,
-            "rejoin_stall_s": stall, "samples_lost": samples_lost, "samples_duplicated": samples_dup}
+def run_events(steps: list[dict]) -> RunEvents:
+    """The replicas' step records in the common form of :mod:`gradsync.bench.elastic_metrics`.
+
+    Commits: each committed step index at the earliest ``t_end`` a replica logged it (every replica of
+    the commit logs it, a healing joiner included). A record not committed is a failed attempt, timed at
+    its ``t_backward`` (its AllReduce returned or failed); a committed one with another quorum id, or
+    fewer participants, than the same replica's previous record saw a changed quorum (timed the same
+    way: the quorum is known by then). Every committed record is a committed step of its replica.
+    """
+    first_commit, previous, run = {}, {}, RunEvents()
+    for record in steps:
+        replica, last = record["replica"], previous.get(record["replica"])
+        if record["committed"]:
+            first_commit[record["step"]] = min(first_commit.get(record["step"], record["t_end"]), record["t_end"])
+            run.joined.append((record["t_end"], replica))
+            if last is not None and (record["quorum_id"] != last["quorum_id"]
+                                     or record["participants"] < last["participants"]):
+                run.changed.append((record["t_backward"], replica))
+        else:
+            run.failed.append((record["t_backward"], replica, record["step"]))
+        previous[replica] = record
+    run.commits = [(time, step) for step, time in first_commit.items()]
+    return run
+
+
+def rejoin_stall(failure: dict, by_replica: dict[int, list[dict]]) -> float | None:
+    """The survivors' longest step within a second of the joiner's first commit (reconfigure + state sent)."""
+    if failure["joiner_s"] is None:
+        return None
+    joined_at = failure["kill_time"] + failure["joiner_s"]
+    spans = [r["t_end"] - r["t_start"] for replica, recs in by_replica.items() if replica != failure["victim"]
+             for r in recs if joined_at - 1.0 <= r["t_end"] <= joined_at + 1.0]
+    return max(spans) if spans else None
 
 
 def unequal_steps(steps: list[dict]) -> tuple[int, int]:
@@ -178,57 +163,21 @@ def unequal_steps(steps: list[dict]) -> tuple[int, int]:
     return sum(1 for digests in hashes.values() if len(digests) > 1), len(hashes)
 
 
-def kept_within_run(counts: dict, kills: list[dict], start: float, end: float, settle_s: float = 3.0) -> float | None:
-    """Committed samples of ``[start, end)`` / what the run's own steady rate would have committed.
-
-    The steady rate is the median of the samples committed per whole second
-    over the seconds that hold no kill and start ``settle_s`` or more after
-    one. Unlike ``throughput_kept`` (against another run) it does not move
-    with the load of the shared machine between the two runs.
-    """
-    seconds = int(end - start)
-    if seconds < 1:
-        return None
-    per_second = [0] * seconds
-    for time, trained, _, _ in counts.values():
-        if start <= time < start + seconds:
-            per_second[int(time - start)] += trained
-    kill_times = [k["time"] - start for k in kills]
-    steady = [n for i, n in enumerate(per_second)
-              if not any(t - 1 < i < t + settle_s for t in kill_times)]
-    rate = statistics.median(steady) if steady else 0
-    return sum(per_second) / (rate * seconds) if rate else None
-
-
-def median(values: list) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
-
-
 def summarize(kills: list[dict], steps: list[dict], batches, start: float, end: float) -> dict:
-    """The row's measured keys from the kills and every replica's step records in ``[start, end]``."""
+    """The run's measured keys from the kills and every replica's step records in ``[start, end]``."""
     by_replica = defaultdict(list)
     for record in steps:
         by_replica[record["replica"]].append(record)
     counts = count_samples(commits(steps), batches)
     committed, samples, lost, dup = totals(counts, start, end)
+    failures = all_failures(run_events(steps), kills, end)
     times = [k["time"] for k in kills] + [end]
-    failures = [failure(kill, times[i + 1], by_replica, counts) for i, kill in enumerate(kills)]
+    for index, failure in enumerate(failures):
+        failure["rejoin_stall_s"] = rejoin_stall(failure, by_replica)
+        failure["samples_lost"] = totals(counts, times[index], times[index + 1])[2]
     unequal, compared = unequal_steps(steps)
     return {"failures": len(kills), "per_failure": failures,
             "steps_replicas_unequal": unequal, "steps_replicas_compared": compared,
-            "detect_s": median([f["detect_s"] for f in failures]),
-            "detect_s_list": [f["detect_s"] for f in failures],
-            "recover_s": median([f["recover_s"] for f in failures]),
-            "recover_s_list": [f["recover_s"] for f in failures],
-            "steps_lost_per_fault": median([f["steps_lost"] for f in failures]),
-            "steps_lost_list": [f["steps_lost"] for f in failures],
-            "steps_lost_at_rejoin_list": [f["steps_lost_at_rejoin"] for f in failures],
-            "joiner_startup_s": median([f["joiner_startup_s"] for f in failures]),
-            "joiner_startup_s_list": [f["joiner_startup_s"] for f in failures],
-            "rejoin_stall_s_list": [f["rejoin_stall_s"] for f in failures],
             "samples_lost": lost, "samples_duplicated": dup,
-            "throughput_kept_within_run": kept_within_run(counts, kills, start, end),
-            "samples_per_s": samples / max(end - start, 1e-9),
-            "committed_steps": committed,
+            "samples_per_s": samples / max(end - start, 1e-9), "committed_steps": committed,
             "attempts_uncommitted": sum(1 for r in steps if start <= r["t_end"] <= end and not r["committed"])}

@@ -12,7 +12,8 @@ first step committed by all ``nproc`` replicas and lasts ``duration_s``; then
 every replica is let back in, a common stop step is written and each replica
 saves its parameters, which are compared. Figures: :mod:`torchft_metrics`.
 
-    python -m gradsync.bench.torchft_peer --duration 60            # chaos and fault-free, 4 replicas
+    python -m gradsync.bench.torchft_peer --duration 60            # fault-free then chaos, 4 replicas
+    python -m gradsync.bench.torchft_peer --duration 60 --repeat 3 # three such pairs, alternated
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from gradsync.bench.spread import add_repeat_option, check_repeat
 from gradsync.bench.torchft_metrics import Batches, read_log, steps_of, summarize, window_start
 from gradsync.bench.torchft_replicas import Progress, Replicas, start_forkserver
+from gradsync.bench.torchft_rows import build_rows, format_table, settings
 from gradsync.train import data as data_module
 from gradsync.train.models import build_model
 
@@ -112,8 +115,9 @@ def final_checks(out_dir: Path, nproc: int, model_name: str, splits) -> dict:
 
 def run_once(*, nproc: int, model: str, duration_s: float, kill_every_s: float, seed: int, global_batch_size: int,
              split: str, chaos: bool, data_path: Path, out_dir: Path, launcher: str, lighthouse: dict,
-             heartbeat_ms: int) -> dict:
-    """One run (chaos or fault-free) in ``out_dir``: its measured keys (see torchft_metrics.summarize)."""
+             heartbeat_ms: int, schedule_seed: int | None = None) -> dict:
+    """One run (chaos or fault-free) in ``out_dir``: its measured keys (see torchft_metrics.summarize);
+    ``seed`` seeds the training, ``schedule_seed`` (default ``seed``) the kills."""
     from torchft._torchft import LighthouseServer
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -128,7 +132,7 @@ def run_once(*, nproc: int, model: str, duration_s: float, kill_every_s: float, 
     progress = Progress(replicas)
     try:
         start, kills = run_phase(replicas, progress, duration_s=duration_s, kill_every_s=kill_every_s, chaos=chaos,
-                                 rng=random.Random(seed))
+                                 rng=random.Random(seed if schedule_seed is None else schedule_seed))
         stop_all(replicas, progress, stop_file)
     finally:
         replicas.close()
@@ -151,28 +155,60 @@ def analyze(out_dir: Path, *, nproc: int, model: str, global_batch_size: int, se
             "relaunches": len(driver["launches"]) - nproc}
 
 
-def run_torchft_chaos(nproc: int = 4, model: str = "cnn", duration_s: float = 150.0, kill_every_s: float = 15.0,
-                      seed: int = 0, global_batch_size: int = 128, split: str = "fixed",
-                      out_dir: str | Path | None = None, chaos: bool = True, fault_free: bool = True,
-                      num_samples: int = data_module.DEFAULT_NUM_SAMPLES, data_dir: str | None = None,
-                      launcher: str = "forkserver", lighthouse: dict | None = None,
-                      heartbeat_ms: int = MANAGER["heartbeat_ms"]) -> dict:
-    """The torchft row: a chaos run and (``fault_free``) a fault-free run of the same length; returns the row.
+class TorchftPeer:
+    """torchft's runs of the bench, all on one set of options: :meth:`run` one, :meth:`rows` the rows.
 
     Args: ``nproc`` replica groups of one process; ``duration_s`` the measured window (s), a kill every
-    ``kill_every_s`` s of it (none in its last ``kill_every_s / 2`` s); ``split`` "fixed" (torchft's
-    DistributedSampler rule) or "quorum" (see torchft_worker); ``launcher`` "forkserver" or "exec"
-    (see :class:`Replicas`); ``lighthouse`` overrides :data:`LIGHTHOUSE`'s settings; ``heartbeat_ms`` the
-    Managers' heartbeat interval. Raises ValueError on bad options,
-    ImportError without torchft, TimeoutError when replicas do not start or stop in time.
+    ``kill_every_s`` s of it (none in its last ``kill_every_s / 2`` s); ``seed`` the training's seed,
+    and ``seed + repetition`` the kills'; ``split`` "fixed" (torchft's DistributedSampler rule) or
+    "quorum" (see torchft_worker); ``launcher`` "forkserver" or "exec" (see :class:`Replicas`);
+    ``lighthouse`` overrides :data:`LIGHTHOUSE`'s settings; ``heartbeat_ms`` the Managers' heartbeat
+    interval. Raises ValueError on bad options, ImportError without torchft (both before any process
+    starts); :meth:`run` raises TimeoutError when replicas do not start or stop in time.
     """
+
+    def __init__(self, nproc: int = 4, model: str = "cnn", duration_s: float = 150.0, kill_every_s: float = 15.0,
+                 seed: int = 0, global_batch_size: int = 128, split: str = "fixed",
+                 out_dir: str | Path | None = None, num_samples: int = data_module.DEFAULT_NUM_SAMPLES,
+                 data_dir: str | None = None, launcher: str = "forkserver", lighthouse: dict | None = None,
+                 heartbeat_ms: int = MANAGER["heartbeat_ms"]):
+        lighthouse = {**LIGHTHOUSE, **(lighthouse or {})}
+        check_options(nproc, duration_s, kill_every_s, split, lighthouse, heartbeat_ms, launcher, global_batch_size)
+        os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust log level, read once when torchft is imported
+        importlib.import_module("torchft")  # ImportError here, before any process starts
+        self.out = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="gradsync-torchft-"))
+        self.seed = seed
+        self.common = dict(nproc=nproc, model=model, duration_s=duration_s, kill_every_s=kill_every_s, seed=seed,
+                           global_batch_size=global_batch_size, split=split, launcher=launcher,
+                           lighthouse=lighthouse, heartbeat_ms=heartbeat_ms,
+                           data_path=data_module.prepare(data_dir, num_samples=num_samples))
+        if launcher == "forkserver":
+            start_forkserver()
+
+    def run(self, chaos: bool, repetition: int = 0) -> dict:
+        """One run in ``<out>/chaos-<repetition>`` or ``<out>/fault-free-<repetition>``: its measured keys."""
+        before = os.getloadavg()
+        folder = self.out / f"{'chaos' if chaos else 'fault-free'}-{repetition}"
+        run = run_once(**self.common, chaos=chaos, out_dir=folder, schedule_seed=self.seed + repetition)
+        return {**run, "repetition": repetition, "run_folder": str(folder),
+                "load_average": {"before": list(before), "after": list(os.getloadavg())}}
+
+    def rows(self, chaos_runs: list[dict], baselines: list[dict]) -> list[dict]:
+        """The rows of these runs (:func:`~gradsync.bench.torchft_rows.build_rows`)."""
+        c = self.common
+        options = settings(c["lighthouse"], c["heartbeat_ms"], c["split"], c["launcher"], MANAGER)
+        return build_rows(chaos_runs, baselines, nproc=c["nproc"], duration_s=c["duration_s"],
+                          kill_every_s=c["kill_every_s"], settings=options)
+
+
+def check_options(nproc, duration_s, kill_every_s, split, lighthouse, heartbeat_ms, launcher, global_batch_size):
+    """ValueError naming the first bad option of :class:`TorchftPeer`."""
     if nproc < 2:
         raise ValueError(f"nproc must be >= 2 (a kill needs a survivor), got {nproc}")
     if duration_s <= 0 or kill_every_s <= 0:
         raise ValueError(f"duration_s and kill_every_s must be > 0, got {duration_s} and {kill_every_s}")
     if split not in ("fixed", "quorum"):
         raise ValueError(f"split must be 'fixed' or 'quorum', got {split!r}")
-    lighthouse = {**LIGHTHOUSE, **(lighthouse or {})}
     if set(lighthouse) != set(LIGHTHOUSE) or not all(isinstance(v, int) and v > 0 for v in lighthouse.values()):
         raise ValueError(f"lighthouse settings must be positive integers for {', '.join(LIGHTHOUSE)}, got {lighthouse}")
     if not isinstance(heartbeat_ms, int) or heartbeat_ms <= 0:
@@ -181,80 +217,25 @@ def run_torchft_chaos(nproc: int = 4, model: str = "cnn", duration_s: float = 15
         raise ValueError(f"launcher must be 'forkserver' or 'exec', got {launcher!r}")
     if global_batch_size < nproc:
         raise ValueError(f"global_batch_size {global_batch_size} is smaller than nproc {nproc}")
-    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust log level, read once when torchft is imported
-    importlib.import_module("torchft")  # ImportError here, before any process starts
-
-    out = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="gradsync-torchft-"))
-    data_path = data_module.prepare(data_dir, num_samples=num_samples)
-    common = dict(nproc=nproc, model=model, duration_s=duration_s, kill_every_s=kill_every_s, seed=seed,
-                  global_batch_size=global_batch_size, split=split, data_path=data_path, launcher=launcher,
-                  lighthouse=lighthouse, heartbeat_ms=heartbeat_ms)
-    if launcher == "forkserver":
-        start_forkserver()
-    load_before = os.getloadavg()
-    run = run_once(**common, chaos=chaos, out_dir=out / ("chaos" if chaos else "none"))
-    baseline = run_once(**common, chaos=False, out_dir=out / "fault-free") if fault_free and chaos else None
-    return build_row(run, baseline, nproc=nproc, duration_s=duration_s, kill_every_s=kill_every_s, split=split,
-                     chaos=chaos, load=(load_before, os.getloadavg()), out=out, launcher=launcher,
-                     lighthouse=lighthouse, heartbeat_ms=heartbeat_ms)
 
 
-def build_row(run: dict, baseline: dict | None, *, nproc, duration_s, kill_every_s, split, chaos, load, out,
-              launcher, lighthouse, heartbeat_ms=MANAGER["heartbeat_ms"]) -> dict:
-    kept = run["samples_per_s"] / baseline["samples_per_s"] if baseline else None
-    samples_reason = ("counted per sample id: ids of a committed global batch that no replica in the commit "
-                      "trained (lost) or that two trained (duplicated)")
-    return {"system": "torchft", "elastic": True, "fault": "chaos" if chaos else "none", "nproc": nproc,
-            **{k: v for k, v in run.items() if k != "per_failure"},
-            "samples_reason": samples_reason, "throughput_kept": kept,
-            "replicas_equal_every_step": (run["steps_replicas_unequal"] == 0 if run["steps_replicas_compared"]
-                                          else None),
-            "bitwise_equal_to_fault_free": None,  # torchft has no deterministic mode: nothing to compare
-            "fault_free_samples_per_s": baseline["samples_per_s"] if baseline else None,
-            "fault_free_replicas_equal": baseline["replicas_equal"] if baseline else None,
-            "fault_free_final_test_accuracy": baseline["final_test_accuracy"] if baseline else None,
-            "per_failure": run["per_failure"], "duration_s": duration_s, "kill_every_s": kill_every_s,
-            "load_average": {"before": list(load[0]), "after": list(load[1])}, "run_folder": str(out),
-            "settings": settings(lighthouse, heartbeat_ms, split, launcher)}
+def run_torchft_chaos(repeat: int = 1, chaos: bool = True, fault_free: bool = True, **options) -> list[dict]:
+    """``repeat`` repetitions, each a fault-free run (``fault_free``) then a chaos run (``chaos``; else
+    fault-free runs only); returns the rows (:func:`~gradsync.bench.torchft_rows.build_rows`).
+    ``options``: :class:`TorchftPeer`'s.
 
-
-def settings(lighthouse: dict, heartbeat_ms: int, split: str, launcher: str) -> dict:
-    """The row's ``settings``: the Lighthouse's and the Managers' options, the split, launcher and versions."""
-    manager = {**MANAGER, "heartbeat_ms": heartbeat_ms, "min_replica_size": 1, "use_async_quorum": split == "fixed",
-               "world_size_mode": "DYNAMIC", "checkpoint_transport": "PGTransport", "init_sync": True}
-    return {"lighthouse": lighthouse, "manager": manager, "split": split, "launcher": launcher,
-            "torchft": _version("torchft"), "torch": torch.__version__}
-
-
-def _version(name: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return None
-
-
-def format_table(row: dict) -> str:
-    def fmt(value, spec=".2f"):
-        return "-" if value is None else format(value, spec)
-
-    lines = [f"# torchft peer: {row['nproc']} replicas, {row['duration_s']:g} s, kill every "
-             f"{row['kill_every_s']:g} s, split {row['settings']['split']}, launcher {row['settings']['launcher']}",
-             f"{'#':>2} {'victim':>6} {'detect s':>8} {'recover s':>9} {'lost steps':>10} {'rejoin lost':>11} "
-             f"{'joiner s':>8} {'stall s':>7} {'samples lost':>12}"]
-    for i, f in enumerate(row["per_failure"], 1):
-        lines.append(f"{i:>2} {f['victim']:>6} {fmt(f['detect_s']):>8} {fmt(f['recover_s']):>9} "
-                     f"{f['steps_lost']:>10} {f['steps_lost_at_rejoin']:>11} {fmt(f['joiner_startup_s']):>8} "
-                     f"{fmt(f['rejoin_stall_s']):>7} {f['samples_lost']:>12}")
-    lines.append(f"failures {row['failures']}, detect median {fmt(row['detect_s'])} s, recover median "
-                 f"{fmt(row['recover_s'])} s, joiner median {fmt(row['joiner_startup_s'])} s, samples lost "
-                 f"{row['samples_lost']}, duplicated {row['samples_duplicated']}, throughput kept "
-                 f"{fmt(row['throughput_kept'], '.3f')} ({fmt(row['samples_per_s'], '.0f')} vs "
-                 f"{fmt(row['fault_free_samples_per_s'], '.0f')} samples/s; within the run "
-                 f"{fmt(row['throughput_kept_within_run'], '.3f')}), replicas equal {row['replicas_equal']}, "
-                 f"test accuracy {fmt(row['final_test_accuracy'], '.4f')}, load {row['load_average']}")
-    return "\n".join(lines)
+    Raises:
+        ValueError: a bad option (``--repeat`` included); ImportError without torchft; TimeoutError.
+    """
+    check_repeat(repeat)
+    peer = TorchftPeer(**options)
+    chaos_runs, baselines = [], []
+    for k in range(repeat):
+        if fault_free or not chaos:
+            baselines.append(peer.run(chaos=False, repetition=k))
+        if chaos:
+            chaos_runs.append(peer.run(chaos=True, repetition=k))
+    return peer.rows(chaos_runs, baselines)
 
 
 def main(argv=None) -> None:
@@ -267,7 +248,8 @@ def main(argv=None) -> None:
     parser.add_argument("--global-batch-size", type=int, default=128)
     parser.add_argument("--split", choices=("fixed", "quorum"), default="fixed")
     parser.add_argument("--launcher", choices=("forkserver", "exec"), default="forkserver")
-    parser.add_argument("--no-chaos", action="store_true")
+    parser.add_argument("--no-chaos", action="store_true", help="fault-free runs only")
+    add_repeat_option(parser, default=1, what="repetitions, each a fault-free run then a chaos run")
     parser.add_argument("--no-fault-free", action="store_true", help="the chaos run only (no throughput_kept)")
     parser.add_argument("--heartbeat-timeout-ms", type=int, default=LIGHTHOUSE["heartbeat_timeout_ms"])
     parser.add_argument("--join-timeout-ms", type=int, default=LIGHTHOUSE["join_timeout_ms"])
@@ -276,17 +258,17 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    row = run_torchft_chaos(nproc=args.nproc, model=args.model, duration_s=args.duration,
-                            kill_every_s=args.kill_every, seed=args.seed, global_batch_size=args.global_batch_size,
-                            split=args.split, out_dir=args.out, chaos=not args.no_chaos, launcher=args.launcher,
-                            fault_free=not args.no_fault_free,
-                            lighthouse={"heartbeat_timeout_ms": args.heartbeat_timeout_ms,
-                                        "join_timeout_ms": args.join_timeout_ms,
-                                        "quorum_tick_ms": args.quorum_tick_ms},
-                            heartbeat_ms=args.heartbeat_ms)
-    print(format_table(row))
+    rows = run_torchft_chaos(repeat=args.repeat, nproc=args.nproc, model=args.model, duration_s=args.duration,
+                             kill_every_s=args.kill_every, seed=args.seed, global_batch_size=args.global_batch_size,
+                             split=args.split, out_dir=args.out, chaos=not args.no_chaos, launcher=args.launcher,
+                             fault_free=not args.no_fault_free,
+                             lighthouse={"heartbeat_timeout_ms": args.heartbeat_timeout_ms,
+                                         "join_timeout_ms": args.join_timeout_ms,
+                                         "quorum_tick_ms": args.quorum_tick_ms},
+                             heartbeat_ms=args.heartbeat_ms)
+    print(format_table(rows))
     if args.json:
-        Path(args.json).write_text(json.dumps(row, indent=1))
+        Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
