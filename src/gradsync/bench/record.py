@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from gradsync.bench.report import PLOTS, BENCHES, DEFAULT_BENCH_DIR, FORMAT_VERSION, command_of
-from gradsync.bench.sim_report import SIM_CHOSEN
+from gradsync.bench.sim_report import SIM_CHOSEN, SIM_COMMANDS, SIM_REPEATED
 
 Parse = Callable[[list[str]], argparse.Namespace]
 Run = Callable[[list[str]], int]
@@ -141,7 +141,8 @@ def record(name: str, bench_args: list[str], bench_dir: str | Path, *, parse: Pa
     rows = [{key: value for key, value in row.items() if key not in _DROPPED_KEYS} for row in rows]
     document = {"format": FORMAT_VERSION, "bench": name,
                 "command": shlex.join(["gradsync", *command, *bench_args]), "options": options,
-                "repeat": options.get("repeat"), "date": date, "duration_s": round(duration_s, 1),
+                "repeat": options.get("repeat") if name not in SIM_COMMANDS or name in SIM_REPEATED else None,
+                "date": date, "duration_s": round(duration_s, 1),
                 "load_before": load_before, "load_after": load_after, "machine": where, "versions": what,
                 "rows": rows}
     path = bench_dir / f"{name}.json"

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from gradsync.bench.report_texts import ABOUT as _ABOUT
 from gradsync.bench.report_texts import TITLES as _TITLES
-from gradsync.bench.sim_report import SIM_COMMANDS, SIM_PLOTS
+from gradsync.bench.sim_report import SIM_COMMANDS, SIM_PLOTS, SIM_REPEATED
 from gradsync.bench.sim_report import tables as sim_tables
 
 # Record names: a bench, or "<bench>_<label>" for a second setting of one (the test-host sweeps).
@@ -171,11 +171,14 @@ def _fmt_load(load_avg: list[float] | None) -> str:
 
 
 def repetitions(document: dict) -> tuple[int, str]:
-    """(count, text) of a record's repetitions: ``--repeat R`` (median and min-max), an older record's
-    ``--repetitions`` / ``--rounds`` (median only), else 1 run."""
+    """(count, text) of a record's repetitions: ``--repeat R`` (median and min-max; the record's ``repeat``,
+    None for a command that has none), an older record's ``--repetitions`` / ``--rounds`` (median only),
+    else 1 run."""
     options = document.get("options") or {}
-    if options.get("repeat"):
-        count = options["repeat"]
+    count = document["repeat"] if "repeat" in document else options.get("repeat")
+    if document.get("bench") in SIM_COMMANDS and document.get("bench") not in SIM_REPEATED:
+        return 1, "1 run"
+    if count:
         return count, f"{count} (`--repeat {count}`: each figure the median, with min-max)"
     for option in ("repetitions", "rounds"):
         if options.get(option):

@@ -18,6 +18,7 @@ SIM_COMMANDS = {"sim_calibrate": ("calibrate",), "sim_validate": ("simulate", "-
 SIM_CHOSEN = {"sim_calibrate": ("--json", "--out"), "sim_validate": ("--json",), "sim_reproduce": ("--json",),
               "sim_scale": ("--json", "--plot")}
 SIM_PLOTS = {"sim_scale": "simulate_scale.png"}
+SIM_REPEATED = ("sim_validate",)  # the records whose --repeat counts (simulate's other forms ignore it)
 
 
 def _link_figures(label: str, link) -> list[tuple[str, str, float, str]]:
