@@ -300,8 +300,8 @@ time.""",
     "sim_scale_after": """\
 How to read it. The flat ring takes 2(p−1) steps one after the other, so
 its latency term grows with the GPU count and it keeps up only where the
-bandwidth term dominates: the largest sizes on few GPUs. Schemes of log2 p
-steps (halving-doubling, the tree) take the small sizes; across hosts the
+bandwidth term dominates: the largest sizes on few GPUs. Halving-doubling,
+in log2 p steps, takes the small sizes; across hosts the
 hierarchical scheme (inside each host over NVLink, then across the hosts,
 then inside again) sends over the network only what a host holds, which
 decides the large sizes. A time marked `*` is the closed form, which agrees
