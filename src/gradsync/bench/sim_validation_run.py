@@ -40,7 +40,8 @@ def _sweeps_worker(sizes: list[int], algorithms: list[str], repeat: int) -> list
         base = default_communicator()
         comm = Communicator(base.transport, base.timeout_s,
                             options=[base.options(SegmentOptions), HierarchicalOptions(ranks_per_node=None)])
-        runs = [[asdict(row) for row in sweep(comm, sizes, algorithms, 1)] for _ in range(repeat)]
+        runs = [[row if isinstance(row, dict) else asdict(row) for row in sweep(comm, sizes, algorithms, 1)]
+                for _ in range(repeat)]
         return runs if comm.rank == 0 else None
     finally:
         gradsync.shutdown()
