@@ -28,17 +28,21 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
-# `make bench`: each benchmark once -> docs/bench/<name>.json (its rows with the date, machine,
-# load average before/after, command and versions) -> docs/benchmarks.md (`gradsync bench report`).
-# allreduce and faults run their defaults; train, compression and modes run smaller options
-# (fewer steps, rounds and epochs; compression without bf16, fp16's twin; modes: sync, async as
-# `gradsync train --mode async` runs it, and local SGD H=16, each with and without a straggler) so that the whole
-# set takes minutes on 2 cores instead of the better part of an hour; docs/benchmarks.md
-# says so and shows each command.
-# One bench: `make bench BENCHES=faults`; other options: `make bench BENCH_modes="--epochs 15"`.
+# `make bench`: every record of BENCHES once -> docs/bench/<name>.json (its rows with the date, commit,
+# machine, load average before/after, command, options with the repetitions, and versions) -> docs/benchmarks.md
+# and the generated section of docs/simulator.md (`gradsync bench report`). Benches that compare run
+# `--repeat` repetitions (default 5) and report median and min-max. The benchmarks run smaller options than
+# their defaults (fewer sizes, steps and epochs; compression without bf16, fp16's twin; modes: sync, async as
+# `gradsync train --mode async` runs it, and local SGD H=16, each with and without a straggler); the
+# simulator's records (sim_*: `gradsync calibrate`, `gradsync simulate --validate` on one host and 2 test
+# hosts with --repeat 5, `--reproduce`, the scale sweep 8-4096 GPUs) run their defaults; the whole set is
+# meant to end within 90 minutes on this 2-core machine (docs/benchmarks.md sums the records' times).
+# Some records only: `make bench BENCHES="faults sim_validate"`; other options: `make bench BENCH_modes="--epochs
+# 15"`; a bench's full-length defaults: `gradsync bench NAME` (`gradsync bench record NAME` keeps it).
 BENCH_DIR := docs/bench
 BENCHES ?= allreduce allreduce_shm2 allreduce_shm4 allreduce_hosts_1g allreduce_hosts_10g train compression modes faults \
-	faults_elastic deterministic replicas
+	faults_elastic deterministic replicas \
+	sim_calibrate sim_validate sim_reproduce sim_scale
 BENCH_allreduce ?= --nproc 4 --sizes 4K,64K,1M,16M,64M --algorithms ring,tree,halving_doubling,hierarchical,shm,shm_zero_copy,native,auto
 # shared memory against MPICH (the mpi extra: mpi4py and the mpich wheel, installed by `make bench`)
 BENCH_SHM := --sizes 4,4K,64K,1M,16M,64M,256M --algorithms shm,shm_zero_copy,native,mpi
@@ -57,6 +61,12 @@ BENCH_faults ?= --epochs 3
 BENCH_faults_elastic ?= --elastic --epochs 3 --chaos-s 60 --kill-every 15 --repeat 3
 BENCH_deterministic ?= --nproc 2,4 --model cnn,mlp --micro-shards 4,12 --steps 20 --repeat 3
 BENCH_replicas ?= --nproc 2,4 --model cnn,mlp
+# the simulator: this machine's profile, predicted against measured here (calibrates itself; test hosts need
+# root), against published nccl-tests curves, and the at-scale table (the command docs/simulator.md shows)
+BENCH_sim_calibrate ?= --settings full
+BENCH_sim_validate ?= --repeat 5
+BENCH_sim_reproduce ?=
+BENCH_sim_scale ?= --profile h100-ib --gpus 8,64,512,4096 --sizes 4K-1G
 RECORD := $(PY) -m gradsync bench record --bench-dir $(BENCH_DIR)
 
 bench: $(STAMP)
@@ -65,7 +75,7 @@ bench: $(STAMP)
 	$(MAKE) bench-report
 
 bench-report: $(STAMP)
-	$(PY) -m gradsync bench report --bench-dir $(BENCH_DIR) --out docs/benchmarks.md
+	$(PY) -m gradsync bench report --bench-dir $(BENCH_DIR) --out docs/benchmarks.md --simulator-page docs/simulator.md
 
 # `make architecture`: docs/architecture.md's layer drawing and module list, from tools/layers.py and
 # each module's docstring (tests/test_architecture_doc.py checks that the page is up to date).

@@ -1,9 +1,10 @@
 """The docs: README.md stays a front door, every relative link resolves, benchmarks.md is generated.
 
-``docs/benchmarks.md`` must equal what ``gradsync bench report`` renders from
-the committed ``docs/bench/*.json`` (so its numbers come from ``make bench``,
-never from a paste); after changing a bench's table formatting, run
-``gradsync bench report`` and commit the page.
+``docs/benchmarks.md`` and the generated section of ``docs/simulator.md`` must
+equal what ``gradsync bench report`` renders from the committed
+``docs/bench/*.json`` (so their numbers come from ``make bench``, never from a
+paste); after changing a bench's table formatting, run ``gradsync bench
+report`` and commit the pages.
 """
 
 from __future__ import annotations
@@ -95,13 +96,21 @@ def test_benchmarks_md_is_the_rendering_of_the_committed_json():
         "(or `make bench` to measure again) and commit both")
 
 
+def test_simulator_md_figures_are_the_rendering_of_the_committed_json():
+    """docs/simulator.md's generated section == the rendering of docs/bench/sim_*.json (regenerate, never paste)."""
+    page = (DOCS / "simulator.md").read_text(encoding="utf-8")
+    assert page == report.splice_simulator_page(page, DOCS / "bench", "docs/simulator.md"), (
+        "docs/simulator.md's generated section differs from the rendering of docs/bench/sim_*.json: run "
+        "`gradsync bench report` (or `make bench` to measure again) and commit both")
+
+
 def test_committed_bench_json_carries_its_metadata():
     """Every committed bench file says when, where, under which load and with which command it was measured."""
     documents = report.load(DOCS / "bench")
     assert set(documents) == set(report.BENCHES), f"missing: {set(report.BENCHES) - set(documents)}"
     for name, document in documents.items():
         assert document["bench"] == name, name
-        assert document["command"].startswith(f"gradsync bench {report.bench_of(name)} "), name
+        assert (document["command"] + " ").startswith(f"gradsync {' '.join(report.command_of(name))} "), name
         assert document["rows"], name
         assert {"platform", "cpu_model", "cpu_count", "memory_gib"} <= set(document["machine"]), name
         assert len(document["load_before"]) == 3 and len(document["load_after"]) == 3, name

@@ -62,7 +62,7 @@ from pathlib import Path
 import torch
 
 from gradsync.bench import micro
-from gradsync.bench.output import claim_json_path
+from gradsync.bench.output import claim_json_path, write_json
 from gradsync.collectives.communicator import Communicator
 from gradsync.collectives.cost.profile import Link, Profile, ShmModel, load, save
 from gradsync.collectives.shm_setup import DEFAULT_CELL_BYTES, LEAN_MAX_BYTES
@@ -252,7 +252,9 @@ def _host_text() -> str:
 
 # -- the command ---------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
-    """``gradsync calibrate``: measure, write the profile to ``--out``, print it."""
+    """``gradsync calibrate``: measure, write the profile to ``--out``, print it (``--json``: its figures as rows)."""
+    json_path = getattr(args, "json", None)
+    claim_json_path(json_path)
     profile = calibrate(hosts=getattr(args, "hosts", None), nproc=getattr(args, "nproc", 2),
                         inter_host_gbit=getattr(args, "inter_host_gbit", None),
                         settings=SETTINGS[getattr(args, "settings", "full")], out=args.out,
@@ -260,6 +262,9 @@ def run(args: argparse.Namespace) -> int:
     if profile is not None:
         print(describe(profile))
         print(f"# wrote {args.out}")
+        if json_path:
+            from gradsync.bench.sim_report import profile_figures
+            write_json(json_path, profile_figures(profile))
     return 0
 
 

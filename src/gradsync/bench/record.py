@@ -1,10 +1,13 @@
 """``gradsync bench record NAME [OPTIONS...]``: run one benchmark and keep its rows with when, where and how.
 
 Writes ``docs/bench/NAME.json``: the rows ``gradsync bench NAME OPTIONS
---json FILE`` wrote, with the date, the machine, the load average before and
-after, the command and every option (defaults included), the gradsync, torch
-and Python versions, the git commit and the seconds taken. ``make bench``
-runs it once per benchmark; :mod:`~gradsync.bench.report` renders the page.
+--json FILE`` wrote (for the simulator's records, ``gradsync calibrate``,
+``gradsync simulate --validate``, ``--reproduce`` or the scale sweep with
+``--json FILE``), with the date, the machine, the load average before and
+after, the command and every option (defaults included), the repetitions
+(``--repeat``), the gradsync, torch and Python versions, the git commit and
+the seconds taken. ``make bench`` runs it once per record;
+:mod:`~gradsync.bench.report` renders the pages.
 """
 
 from __future__ import annotations
@@ -22,12 +25,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from gradsync.bench.report import PLOTS, BENCHES, DEFAULT_BENCH_DIR, FORMAT_VERSION, bench_of
+from gradsync.bench.report import PLOTS, BENCHES, DEFAULT_BENCH_DIR, FORMAT_VERSION, command_of
+from gradsync.bench.sim_report import SIM_CHOSEN, SIM_COMMANDS, SIM_REPEATED
 
 Parse = Callable[[list[str]], argparse.Namespace]
 Run = Callable[[list[str]], int]
 _WITH_OUT = ("compression", "modes", "faults")   # benches whose run folders go to --out
 _DROPPED_KEYS = ("run_folder",)   # paths of run folders that are deleted after recording
+_NOT_OPTIONS = ("command", "bench", "simulate", "json", "out", "plot")  # parser keys that are no options of the run
 
 
 def machine() -> dict:
@@ -80,25 +85,40 @@ def versions() -> dict:
             "git_commit": _git_commit()}
 
 
+def _files(name: str, scratch: Path) -> list[str]:
+    """The options record chooses for ``name``: ``--json`` (the rows), and where a run writes more
+    (run folders, a profile, a plot) a place in ``scratch``."""
+    extra = ["--json", str(scratch / "rows.json")]
+    if command_of(name)[0] == "bench" and command_of(name)[1] in _WITH_OUT:
+        extra += ["--out", str(scratch / "out")]
+    elif name == "sim_calibrate":
+        extra += ["--out", str(scratch / "profile.json")]
+    elif PLOTS.get(name) and name in SIM_CHOSEN:
+        extra += ["--plot", str(scratch / "out" / PLOTS[name])]
+    return extra
+
+
 def record(name: str, bench_args: list[str], bench_dir: str | Path, *, parse: Parse, run: Run) -> Path:
-    """Run ``gradsync bench NAME *bench_args`` and write ``bench_dir/NAME.json`` (rows + metadata).
+    """Run ``gradsync bench NAME *bench_args`` (or the simulator command of ``NAME``,
+    :data:`gradsync.bench.sim_report.SIM_COMMANDS`) and write ``bench_dir/NAME.json`` (rows + metadata).
 
     ``parse`` and ``run`` are the command line's parser and entry point
     (``gradsync.cli`` hands in its own: this module sits below it). Plots the
-    benchmark writes (compression, modes) are copied beside the JSON.
+    command writes (compression, modes, the scale sweep) are copied beside the JSON.
 
     Raises:
-        ValueError: unknown bench, or ``--json`` / ``--out`` among the options (record chooses them).
-        RuntimeError: the benchmark exited with an error (nothing is written).
+        ValueError: unknown record name, or an option record chooses itself among the options
+            (``--json``; ``--out`` of the benches and calibrate; ``--plot`` of the scale sweep).
+        RuntimeError: the command exited with an error (nothing is written).
     """
     if name not in BENCHES:
         raise ValueError(f"unknown bench {name!r}; choose from {', '.join(BENCHES)}")
-    for option in ("--json", "--out"):
+    for option in SIM_CHOSEN.get(name, ("--json", "--out")):
         if any(arg == option or arg.startswith(option + "=") for arg in bench_args):
             raise ValueError(f"{option} is chosen by record; leave it out of the options")
-    bench = bench_of(name)
-    parsed = vars(parse(["bench", bench, *bench_args]))
-    options = {key: value for key, value in parsed.items() if key not in ("command", "bench", "json", "out")}
+    command = command_of(name)
+    parsed = vars(parse([*command, *bench_args]))
+    options = {key: value for key, value in parsed.items() if key not in _NOT_OPTIONS}
     bench_dir = Path(bench_dir)
     try:
         bench_dir.mkdir(parents=True, exist_ok=True)
@@ -107,22 +127,24 @@ def record(name: str, bench_args: list[str], bench_dir: str | Path, *, parse: Pa
     where, what = machine(), versions()  # before the run: the code that ran
     with tempfile.TemporaryDirectory(prefix=f"gradsync-bench-{name}-") as scratch:
         json_path = Path(scratch) / "rows.json"
-        extra = ["--json", str(json_path)] + (["--out", str(Path(scratch) / "out")] if bench in _WITH_OUT else [])
         date = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         load_before, started = _load(), time.perf_counter()
-        code = run(["bench", bench, *bench_args, *extra])
+        code = run([*command, *bench_args, *_files(name, Path(scratch))])
         duration_s, load_after = time.perf_counter() - started, _load()
         if code != 0:
-            raise RuntimeError(f"gradsync bench {bench} exited with code {code}; {bench_dir / name}.json not written")
+            raise RuntimeError(f"gradsync {' '.join(command)} exited with code {code}; "
+                               f"{bench_dir / name}.json not written")
         rows = json.loads(json_path.read_text())
         plot = PLOTS.get(name)
         if plot and (Path(scratch) / "out" / plot).exists():
             shutil.copyfile(Path(scratch) / "out" / plot, bench_dir / plot)
     rows = [{key: value for key, value in row.items() if key not in _DROPPED_KEYS} for row in rows]
     document = {"format": FORMAT_VERSION, "bench": name,
-                "command": shlex.join(["gradsync", "bench", bench, *bench_args]), "options": options,
-                "date": date, "duration_s": round(duration_s, 1), "load_before": load_before,
-                "load_after": load_after, "machine": where, "versions": what, "rows": rows}
+                "command": shlex.join(["gradsync", *command, *bench_args]), "options": options,
+                "repeat": options.get("repeat") if name not in SIM_COMMANDS or name in SIM_REPEATED else None,
+                "date": date, "duration_s": round(duration_s, 1),
+                "load_before": load_before, "load_after": load_after, "machine": where, "versions": what,
+                "rows": rows}
     path = bench_dir / f"{name}.json"
     path.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
     print(f"# wrote {path} ({duration_s:.0f} s)", flush=True)
@@ -131,10 +153,13 @@ def record(name: str, bench_args: list[str], bench_dir: str | Path, *, parse: Pa
 
 def add_parser(benches: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``gradsync bench record`` to the ``bench`` sub-commands."""
-    parser = benches.add_parser("record", help="run `gradsync bench NAME OPTIONS` and write DIR/NAME.json "
-                                "with date, machine, load and versions (what `make bench` runs)")
+    parser = benches.add_parser("record", help="run `gradsync bench NAME OPTIONS` (sim_*: the simulator's "
+                                "command) and write DIR/NAME.json with date, machine, load and versions (what "
+                                "`make bench` runs)")
     parser.add_argument("--bench-dir", default=DEFAULT_BENCH_DIR, help="folder of the JSON files, given before "
                         "NAME (everything after NAME goes to the bench) (default %(default)s)")
     parser.add_argument("name", choices=BENCHES)
-    parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="options of gradsync bench NAME")
+    parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="options of gradsync bench NAME (of "
+                        "gradsync calibrate, simulate --validate, simulate --reproduce, simulate for sim_calibrate, "
+                        "sim_validate, sim_reproduce, sim_scale)")
     return parser

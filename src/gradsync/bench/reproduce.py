@@ -152,6 +152,26 @@ def summary_lines(rows: list[ReproduceRow]) -> list[str]:
     return lines
 
 
+def format_curve(rows: list[ReproduceRow | dict]) -> str:
+    """The table of one curve's rows (published against predicted busbw, GB/s) and its summary lines."""
+    rows = [row if isinstance(row, ReproduceRow) else ReproduceRow(**row) for row in rows]
+    lines = [f"{'size':>6} {'published':>10} {'predicted':>10} {'error':>8}  candidate"]
+    for row in rows:
+        lines.append(f"{format_size(row.nbytes):>6} {row.published_busbw_gbps:>10.2f} {row.predicted_busbw_gbps:>10.2f} "
+                     f"{row.error_pct:>+7.1f}%  {row.candidate} ({row.method})")
+    return "\n".join(lines + summary_lines(rows))
+
+
+def format_table(rows: list[dict]) -> str:
+    """Every curve of the JSON rows of ``gradsync simulate --reproduce --json``: its name and system, then
+    :func:`format_curve`."""
+    parts = []
+    for key in dict.fromkeys(row["source"] for row in rows):
+        curve = [row for row in rows if row["source"] == key]
+        parts.append(f"# {key}: {curve[0]['system']}\n" + format_curve(curve))
+    return "\n".join(parts)
+
+
 def run(args: argparse.Namespace) -> int:
     """The ``gradsync simulate --reproduce`` entry point."""
     claim_json_path(args.json)
@@ -159,13 +179,8 @@ def run(args: argparse.Namespace) -> int:
     for curve in CURVES:
         print(f"# {curve.key}: {curve.system}\n#   source: {curve.source}\n#   NVLS: "
               f"{ {True: 'on', False: 'off', None: 'not stated'}[curve.nvls] }; {curve.note}")
-        print(f"{'size':>6} {'published':>10} {'predicted':>10} {'error':>8}  candidate")
         rows = compare(curve)
-        for row in rows:
-            print(f"{format_size(row.nbytes):>6} {row.published_busbw_gbps:>10.2f} {row.predicted_busbw_gbps:>10.2f} "
-                  f"{row.error_pct:>+7.1f}%  {row.candidate} ({row.method})")
-        for line in summary_lines(rows):
-            print(line)
+        print(format_curve(rows))
         every.extend(rows)
     if args.json:
         write_json(args.json, [dataclasses.asdict(row) for row in every])

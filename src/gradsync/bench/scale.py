@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 
 from gradsync.bench.allreduce import parse_nbytes
 from gradsync.bench.output import claim_json_path, write_json
-from gradsync.bench.scale_report import crossover_lines, format_size, plot
+from gradsync.bench.scale_report import crossover_lines, format_fastest, format_size, plot
 from gradsync.collectives.chunking import DEFAULT_SEGMENT_BYTES
 from gradsync.sim import Profile, Topology, get_profile, predict_s, simulate_all_reduce
 
@@ -246,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
         if row.method == "formula":
             print(f"# formula: {row.gpus} {row.algorithm} {format_size(row.nbytes)}: "
                   f"{formula_reason(row, profile, budget)}")
+    print(format_fastest(rows))
     for line in crossover_lines(rows, profile):
         print(line)
     if args.json:

@@ -11,7 +11,9 @@ Rows are :class:`~gradsync.bench.scale.ScaleRow` (or anything with ``gpus``, ``a
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
+from gradsync.bench.output import format_rows
 from gradsync.collectives.cost.profile import Profile
 
 
@@ -77,8 +79,9 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / 2**20:.2f}M" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f}K"
 
 
-def crossover_lines(rows, profile: Profile) -> list[str]:
-    """The printed summary: ring's crossover per size and per GPU count, and the wins of the others."""
+def crossover_lines(rows, profile: Profile | None = None) -> list[str]:
+    """The printed summary: ring's crossover per size, the latency term per GPU count (from ``profile``;
+    left out without one), and the wins of the others."""
     lines = ["# where the ring stops being the fastest (from this table):"]
     for nbytes, count, ring, winner in ring_overtaken(rows):
         if count is None:
@@ -87,11 +90,8 @@ def crossover_lines(rows, profile: Profile) -> list[str]:
             lines.append(f"#   {_size(nbytes):>6}: from {count} GPUs on: ring {ring.time_us:.1f} us "
                          f"({ring.method}) vs {winner.algorithm} {winner.time_us:.1f} us "
                          f"({ring.time_us / winner.time_us:.1f}x)")
-    lines.append("# the ring's latency term 2(p-1)a exceeds its bandwidth term 2(p-1)/p*n/bw below n* = p*a*bw:")
-    for count in sorted({row.gpus for row in rows}):
-        link = profile.intra if count <= profile.ranks_per_host or profile.inter is None else profile.inter
-        lines.append(f"#   {count:>5} GPUs: latency term {2 * (count - 1) * link.alpha_s * 1e6:.0f} us, "
-                     f"n* = {_size(ring_latency_crossover_bytes(profile, count))}")
+    if profile is not None:
+        lines += latency_term_lines(rows, profile)
     present = {row.algorithm for row in rows}
     for algorithm in (name for name in ("hierarchical", "tree", "halving_doubling", "ring") if name in present):
         wins = win_ranges(rows, algorithm)
@@ -102,6 +102,45 @@ def crossover_lines(rows, profile: Profile) -> list[str]:
                                       else f"{_size(sizes[0])}") for count, sizes in wins.items()]
         lines.append(f"# {algorithm} is the fastest at " + "; ".join(parts))
     return lines
+
+
+def latency_term_lines(rows, profile: Profile) -> list[str]:
+    """Per GPU count of ``rows``: the ring's latency term on ``profile`` and the size n* below which it dominates."""
+    lines = ["# the ring's latency term 2(p-1)a exceeds its bandwidth term 2(p-1)/p*n/bw below n* = p*a*bw:"]
+    for count in sorted({row.gpus for row in rows}):
+        link = profile.intra if count <= profile.ranks_per_host or profile.inter is None else profile.inter
+        lines.append(f"#   {count:>5} GPUs: latency term {2 * (count - 1) * link.alpha_s * 1e6:.0f} us, "
+                     f"n* = {_size(ring_latency_crossover_bytes(profile, count))}")
+    return lines
+
+
+def rows_of(dicts: list[dict]) -> list[SimpleNamespace]:
+    """Rows with attributes from the JSON rows of ``gradsync simulate --json`` (what these functions read)."""
+    return [SimpleNamespace(**row) for row in dicts]
+
+
+def format_fastest(rows) -> str:
+    """One line per (GPU count, size): every algorithm's time (us; ``*``: the closed form, else the event
+    simulation) and the fastest."""
+    algorithms = [name for name in ("ring", "tree", "halving_doubling", "hierarchical")
+                  if any(row.algorithm == name for row in rows)]
+    by_point: dict[tuple[int, int], dict[str, object]] = {}
+    for row in rows:
+        by_point.setdefault((row.gpus, row.nbytes), {})[row.algorithm] = row
+    best = fastest(rows)
+
+    def cell(name: str):
+        def text(point: dict) -> str:
+            row = point["rows"].get(name)
+            return "-" if row is None else f"{row.time_us:.1f}" + ("*" if row.method == "formula" else " ")
+        return text
+
+    points = [{"gpus": gpus, "size": _size(nbytes), "rows": by_point[(gpus, nbytes)],
+               "fastest": best[(gpus, nbytes)].algorithm} for gpus, nbytes in sorted(by_point)]
+    columns = [("gpus", 5, "{gpus}"), ("size", 6, "{size}")] + [(f"{name} [us]", max(len(name) + 5, 12), cell(name))
+                                                                 for name in algorithms]
+    return (format_rows(points, columns + [("fastest", 17, "{fastest}")])
+            + "\n# time of one all_reduce in us; *: the closed form (beyond the event simulation's budget)")
 
 
 def plot_sizes(sizes: list[int], panels: int = 3) -> list[int]:

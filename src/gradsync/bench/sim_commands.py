@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 
+from gradsync.bench.spread import add_repeat_option
 from gradsync.sim import PROFILE_NAMES, SIMULATED
 
 _ALGORITHMS = ",".join(name for name in SIMULATED if name != "shm")
@@ -60,11 +61,11 @@ def _add_scale_options(parser: argparse.ArgumentParser) -> None:
     add("--reproduce", action="store_true", help="compare predictions with published nccl-tests curves")
     add("--validate-sizes", default="4K,64K,1M,16M,64M", help="--validate: message sizes of the measured "
         "sweep (default %(default)s)")
-    add("--repetitions", type=int, default=5, help="--validate: interleaved repetitions per row "
-        "(default %(default)s)")
     add("--inter-host-gbit", type=float, default=1.0, help="--validate: the test hosts' link rate "
         "(Gbit/s, default %(default)s)")
     add("--no-hosts", action="store_true", help="--validate: one host only (no test hosts)")
+    add_repeat_option(parser, what="--validate: repetitions of the measured sweep (each interleaves every size "
+                      "and algorithm)")
 
 
 def simulate(args: argparse.Namespace) -> int:
@@ -75,7 +76,7 @@ def simulate(args: argparse.Namespace) -> int:
         from gradsync.bench.simulate_train import run as run_train
         return run_train(args)
     if args.validate:
-        from gradsync.bench.sim_validation import run as run_validation
+        from gradsync.bench.sim_validation_run import run as run_validation
         return run_validation(args)
     if args.reproduce:
         from gradsync.bench.reproduce import run as run_reproduce
@@ -121,7 +122,7 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
     add("--nproc", default="2,4", help="--validate: world sizes (default %(default)s)")
     add("--steps", type=int, default=30, help="--validate: timed CNN steps per measurement, MLP steps // 5 "
         "(default %(default)s)")
-    add("--rounds", type=int, default=3, help="--validate: alternating rounds (default %(default)s)")
+    add_repeat_option(parser, what="--validate: alternating rounds of the measured `gradsync bench train` run")
 
 
 # -- gradsync calibrate --------------------------------------------------------------------------------
@@ -136,6 +137,8 @@ def _add_calibrate_options(parser: argparse.ArgumentParser) -> None:
     add("--settings", choices=("full", "quick", "tiny"), default="full", help="how long the micro-benchmarks "
         "run: full (about a minute), quick (the one --validate uses), tiny (seconds; rough numbers)")
     add("--name", default=None, help="the profile's name (default: this-machine, or test-hosts with --hosts)")
+    add("--json", default=None, metavar="FILE", help="also write the profile's figures (alpha, bandwidth, gamma, "
+        "...) as a JSON list of rows")
 
 
 def calibrate(args: argparse.Namespace) -> int:

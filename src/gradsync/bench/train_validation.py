@@ -28,6 +28,7 @@ import torch
 
 from gradsync.bench.output import format_rows, write_json
 from gradsync.bench.simulate_train import parse_list
+from gradsync.bench.spread import check_repeat
 from gradsync.bench.train import BENCH_MODELS, DDP_BUCKET_CAP_MB, MODEL_SEED, build_bench_model, make_batch, run_bench
 from gradsync.sim import get_profile
 from gradsync.sim.compute import scaled
@@ -117,11 +118,12 @@ def run(args: argparse.Namespace) -> int:
     algorithms = parse_list(args.algorithms, str, "--algorithms") if args.algorithms else list(VALIDATED)
     if min(world_sizes) < 2:
         raise ValueError(f"--nproc: validation needs world sizes >= 2, got {args.nproc!r}")
+    check_repeat(args.repeat)
     print(f"# gradsync simulate train --validate: profile {profile.name} ({profile.description}); compute "
           f"timed on one process here, then gradsync bench train in the same run", flush=True)
     predicted, computes = predicted_rows(profile, world_sizes, algorithms, steps=max(5, args.steps // 3))
     measured = run_bench(nproc=",".join(map(str, world_sizes)), models=",".join(BENCH_MODELS),
-                         algorithms=",".join(algorithms), steps=args.steps, warmup=3, rounds=args.rounds,
+                         algorithms=",".join(algorithms), steps=args.steps, warmup=3, rounds=args.repeat,
                          json_path=None, memory=False)
     rows = compare(predicted, measured)
     with_bench_compute(rows, computes, profile)

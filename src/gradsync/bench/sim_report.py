@@ -1,0 +1,85 @@
+"""The simulator's records: which command each runs, calibrate's figures as rows, and their tables for the pages.
+
+``make bench`` records ``gradsync calibrate``, ``gradsync simulate --validate``,
+``--reproduce`` and the scale sweep like the benchmarks (:mod:`gradsync.bench.record`);
+:func:`tables` formats a record's rows with the commands' own formatters for
+``docs/benchmarks.md`` and the generated section of ``docs/simulator.md``
+(:mod:`gradsync.bench.report`).
+"""
+
+from __future__ import annotations
+
+from gradsync.bench.output import format_rows
+
+# record name -> the gradsync command line it runs (before the options)
+SIM_COMMANDS = {"sim_calibrate": ("calibrate",), "sim_validate": ("simulate", "--validate"),
+                "sim_reproduce": ("simulate", "--reproduce"), "sim_scale": ("simulate",)}
+# options of a recorded command that record chooses itself (the files it writes)
+SIM_CHOSEN = {"sim_calibrate": ("--json", "--out"), "sim_validate": ("--json",), "sim_reproduce": ("--json",),
+              "sim_scale": ("--json", "--plot")}
+SIM_PLOTS = {"sim_scale": "simulate_scale.png"}
+SIM_REPEATED = ("sim_validate",)  # the records whose --repeat counts (simulate's other forms ignore it)
+
+
+def _link_figures(label: str, link) -> list[tuple[str, str, float, str]]:
+    return [(f"{label} alpha", f"{label}.alpha_s", link.alpha_s * 1e6, "us"),
+            (f"{label} bandwidth", f"{label}.bandwidth_bytes_per_s", link.bandwidth_bytes_per_s / 1e9, "GB/s")]
+
+
+def profile_figures(profile) -> list[dict]:
+    """The measured figures of a :class:`~gradsync.collectives.cost.profile.Profile`, one row each:
+    ``figure`` (what it is), ``field`` (the profile's field), ``value`` in ``unit`` (us, GB/s, ns/B,
+    or a count); figures the profile does not have are left out."""
+    figures = _link_figures("intra", profile.intra) + (_link_figures("inter", profile.inter)
+                                                       if profile.inter is not None else [])
+    figures += [("gamma (add)", "gamma_s_per_byte", profile.gamma_s_per_byte * 1e9, "ns/B"),
+                ("copy", "copy_s_per_byte", profile.copy_s_per_byte * 1e9, "ns/B"),
+                ("call overhead", "call_overhead_s", profile.call_overhead_s * 1e6, "us"),
+                ("cores per host", "cores_per_host", profile.cores_per_host, "cores"),
+                ("ranks per host", "ranks_per_host", profile.ranks_per_host, "ranks")]
+    shm = profile.shm
+    if shm is not None:
+        figures += [("shm barrier", "shm.barrier_s", shm.barrier_s * 1e6, "us"),
+                    ("shm barrier, ranks > cores", "shm.oversubscribed_barrier_s",
+                     None if shm.oversubscribed_barrier_s is None else shm.oversubscribed_barrier_s * 1e6, "us"),
+                    ("shm cell overhead", "shm.cell_overhead_s", shm.cell_overhead_s * 1e6, "us"),
+                    ("shm lean call overhead", "shm.lean_call_overhead_s",
+                     None if shm.lean_call_overhead_s is None else shm.lean_call_overhead_s * 1e6, "us"),
+                    ("shm add in cache", "shm.cache_gamma_s_per_byte",
+                     None if shm.cache_gamma_s_per_byte is None else shm.cache_gamma_s_per_byte * 1e9, "ns/B"),
+                    ("shm copy in cache", "shm.cache_copy_s_per_byte",
+                     None if shm.cache_copy_s_per_byte is None else shm.cache_copy_s_per_byte * 1e9, "ns/B"),
+                    ("memory bandwidth", "shm.memory_bandwidth_bytes_per_s",
+                     shm.memory_bandwidth_bytes_per_s / 1e9, "GB/s")]
+    return [{"profile": profile.name, "figure": figure, "field": name, "value": value, "unit": unit}
+            for figure, name, value, unit in figures if value is not None]
+
+
+def format_figures(rows: list[dict]) -> str:
+    """The table of :func:`profile_figures` rows."""
+    return format_rows(rows, [("figure", 28, "{figure}"), ("value", 10, lambda row: f"{row['value']:.4g}"),
+                              ("unit", 6, "{unit}"), ("profile field", 34, "{field}")])
+
+
+def tables(name: str, rows: list[dict]) -> list[str]:
+    """The text tables of the simulator record ``name`` (a key of :data:`SIM_COMMANDS`) for ``rows``.
+
+    Raises:
+        ValueError: ``name`` is not a simulator record.
+    """
+    if name == "sim_calibrate":
+        return [format_figures(rows)]
+    if name == "sim_validate":
+        from gradsync.bench.sim_validation import (ValidationRow, auto_picks, format_picks, format_rows as
+                                                   format_validation, format_summary, summarize)
+        validation = [ValidationRow.from_dict(row) for row in rows]
+        return [format_validation(validation) + "\n" + format_summary(summarize(validation)),
+                format_picks(auto_picks(validation))]
+    if name == "sim_reproduce":
+        from gradsync.bench.reproduce import format_table
+        return [format_table(rows)]
+    if name == "sim_scale":
+        from gradsync.bench.scale_report import crossover_lines, format_fastest, rows_of
+        scale = rows_of(rows)
+        return [format_fastest(scale), "\n".join(crossover_lines(scale))]
+    raise ValueError(f"{name!r} is not a simulator record; choose from {', '.join(SIM_COMMANDS)}")
