@@ -131,8 +131,9 @@ def measure(key: Key, initial: nn.Module, inputs: torch.Tensor, labels: torch.Te
     Collective: every rank calls it with the same arguments (except its batch).
 
     Returns:
-        ``elapsed_s``: seconds of the timed steps, slowest rank; ``comm_s`` and
-        ``exposed_comm_s``: gradsync communication seconds over the timed steps,
+        ``elapsed_s``: seconds of the timed steps, slowest rank; ``cpu_s``: CPU seconds this
+        process spent in them (every thread: compute, communication, Gloo's), mean over ranks;
+        ``comm_s`` and ``exposed_comm_s``: gradsync communication seconds over the timed steps,
         mean over ranks (0 for compute-only and ddp).
     """
     impl, algorithm, gradient_as_bucket_view = key
@@ -141,18 +142,19 @@ def measure(key: Key, initial: nn.Module, inputs: torch.Tensor, labels: torch.Te
     train_steps(model, optimizer, inputs, labels, warmup)
     comm_before, exposed_before = _comm_seconds(model)
     _line_up()
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     train_steps(model, optimizer, inputs, labels, steps)
+    cpu_s = time.process_time() - cpu_started
     _line_up()
     elapsed_s = time.perf_counter() - started
     comm_after, exposed_after = _comm_seconds(model)
-    mine = torch.tensor([elapsed_s, comm_after - comm_before, exposed_after - exposed_before],
+    mine = torch.tensor([elapsed_s, comm_after - comm_before, exposed_after - exposed_before, cpu_s],
                         dtype=torch.float64)
-    gathered = torch.stack(gradsync.all_gather(mine))  # (world_size, 3)
+    gathered = torch.stack(gradsync.all_gather(mine))  # (world_size, 4)
     del model, optimizer
     gc.collect()  # the wrappers hold hooks in reference cycles: free this copy before the next
     return {"elapsed_s": float(gathered[:, 0].max()), "comm_s": float(gathered[:, 1].mean()),
-            "exposed_comm_s": float(gathered[:, 2].mean())}
+            "exposed_comm_s": float(gathered[:, 2].mean()), "cpu_s": float(gathered[:, 3].mean())}
 
 
 def bench_model(model: str, algorithms: list[str], steps: int, warmup: int, repeat: int) -> list[dict]:

@@ -13,6 +13,12 @@ as its median with min and max. Two ratios per row:
   whose gradients are views of its buckets (``shm_zero_copy``), plain DDP
   otherwise (and for the compute-only row: how far DDP is from the limit).
   DDP rows are not compared with themselves (None).
+
+``cpu_vs_compute_only`` pairs the CPU seconds of the processes the same way:
+what a step costs the machine's cores, less sensitive than the wall clock to
+other programs sharing them; with every core busy computing (one rank per
+core), the communication's CPU time cannot hide behind compute, so a step's
+wall time is at least about its CPU time.
 """
 
 from __future__ import annotations
@@ -67,10 +73,21 @@ def _comm_fields(runs: list[dict], steps: int) -> dict:
             **_spread_or_none("exposed_comm_fraction", fractions)}
 
 
+def _cpu_fields(results: dict[Key, list[dict]], key: Key, steps: int) -> dict:
+    """CPU seconds per step and rank, and their multiple of compute-only's (paired; None without ``cpu_s``)."""
+    if any("cpu_s" not in run for runs in results.values() for run in runs):
+        return {"cpu_s_per_step": None, "cpu_vs_compute_only": None}
+    cpu = [run["cpu_s"] / steps for run in results[key]]
+    compute = [run["cpu_s"] / steps for run in results[(COMPUTE_ONLY, "none", False)]]
+    return {**with_spread("cpu_s_per_step", cpu),
+            **_spread_or_none("cpu_vs_compute_only", None if key[0] == COMPUTE_ONLY else paired_ratios(cpu, compute))}
+
+
 def throughput_rows(results: dict[Key, list[dict]], steps: int, samples_per_step: int, base: dict,
                     ddp_settings: dict[bool, dict] | None = None) -> list[dict]:
     """One row per measured key from its repetitions (``results[key][k]``: repetition k's ``elapsed_s``,
-    slowest rank, of ``steps`` steps; ``comm_s`` and ``exposed_comm_s``, gradsync's seconds over them).
+    slowest rank, of ``steps`` steps; ``comm_s`` and ``exposed_comm_s``, gradsync's seconds over them;
+    ``cpu_s``, optional, the CPU seconds of a rank's process over them, mean over ranks).
 
     ``base``: fields every row gets (model, world size, batch...); ``ddp_settings``: DDP's constructor
     settings by ``gradient_as_bucket_view``, written on the DDP rows. Times are seconds.
@@ -96,7 +113,8 @@ def throughput_rows(results: dict[Key, list[dict]], steps: int, samples_per_step
                **_spread_or_none("step_vs_compute_only",
                                  None if impl == COMPUTE_ONLY else paired_ratios(steps_s, compute)),
                **_spread_or_none("ratio_to_ddp", None if peer is None else paired_ratios(step_times[peer], steps_s)),
-               "ddp_peer": None if peer is None else f"ddp, gradient_as_bucket_view={peer[2]}"}
+               "ddp_peer": None if peer is None else f"ddp, gradient_as_bucket_view={peer[2]}",
+               **_cpu_fields(results, key, steps)}
         if impl == "gradsync":
             row.update(_comm_fields(results[key], steps))
         else:
@@ -180,7 +198,9 @@ def format_table(rows: list[dict]) -> str:
     columns += [("model", 5, "{model}"), ("ws", 3, "{world_size}"), ("impl", 12, "{impl}"),
                 ("algorithm", 13, "{algorithm}"), ("view", 4, _view),
                 ("samples/s", 19, spread_cell("samples_per_s", ".0f")), ("step ms", 23, _ms("step_s")),
-                ("x compute-only", 17, _vs_compute_only), ("ratio_to_ddp", 17, spread_cell("ratio_to_ddp", ".2f", "x")),
+                ("x compute-only", 17, _vs_compute_only),
+                ("cpu x compute-only", 18, spread_cell("cpu_vs_compute_only", ".2f", "x")),
+                ("ratio_to_ddp", 17, spread_cell("ratio_to_ddp", ".2f", "x")),
                 ("comm ms/step", 20, _ms("comm_s_per_step")), ("exposed ms/step", 20, _ms("exposed_comm_s_per_step")),
                 ("exposed/comm", 16, spread_cell("exposed_comm_fraction", ".2f"))]
     lines = [format_rows(rows, columns)]
@@ -189,7 +209,8 @@ def format_table(rows: list[dict]) -> str:
               for (model, ws), seconds in old.items()]
     if any("repeat" in row for row in rows):
         lines.append("# view: gradient_as_bucket_view; x compute-only: step / the compute-only step of the same "
-                     "repetition; ratio_to_ddp: samples/s / those of the ddp row with the same view, same repetition")
+                     "repetition (cpu: the processes' CPU seconds, mean over ranks); ratio_to_ddp: samples/s / those of the "
+                     "ddp row with the same view, same repetition")
     return "\n".join(lines + ddp_lines(rows) + goal_lines(rows))
 
 
