@@ -115,8 +115,9 @@ overlaps backward, so a step is at least `cpu x compute-only` times the
 compute-only step. On the MLP that time is memory traffic: `DataParallel`
 without bucket views moves each gradient byte three times per step (into its
 bucket, which lives in the shared-memory arena; the shm reduction in place;
-back into `.grad`, divided by the ranks on the way), about 10 ms per pass of
-96 MiB per rank here, against a compute-only step of about 200 ms; bucket
+back into `.grad`, divided by the ranks on the way), about 10 ms of CPU per
+pass of 96 MiB per rank here, some 5% of the compute-only step of an idle
+machine (about 200 ms; this recording's, on a loaded one, is longer); bucket
 views remove the last pass but add the in-place division, and free autograd's
 gradient in the hook instead of in `zero_grad`. That makes `auto` (shm for
 every bucket here) about 1.15-1.2x compute-only on this machine, where DDP's
