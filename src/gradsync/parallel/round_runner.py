@@ -63,9 +63,10 @@ class RoundRunner:
 
     def _divides_on_copy_out(self) -> bool:
         """Whether this round's buckets are summed and the division by the ranks is done while copying the
-        sums into ``.grad`` (``torch.div(out=)``: the bits of dividing the bucket first, one pass over every
-        gradient less). Only where ``.grad`` is a copy (not a bucket view), there is no compressor, and
-        every rank contributes (the ``avg`` case: the sum first, then the division, as ``op="avg"``)."""
+        sums into ``.grad`` (``torch.div(out=)``: the same bits as ``op="avg"``, which sums, then divides
+        the bucket in place; one pass over every gradient less). Only where ``.grad`` is a copy (not a
+        bucket view), there is no compressor, and every rank contributes (under join the bucket is divided
+        before the sum, as :func:`~gradsync.collectives.ops.average` does)."""
         return (self.compression is None and not self.plan.gradient_as_bucket_view
                 and self.comm.world_size > 1 and self.divisor == self.comm.world_size)
 
