@@ -52,7 +52,7 @@ BENCH_allreduce_shm4 ?= --nproc 4 $(BENCH_SHM)
 BENCH_HOSTS := --hosts 2 --nproc 2 --sizes 64K,256K,512K,1M,4M,16M,64M --repeat 9
 BENCH_allreduce_hosts_1g ?= $(BENCH_HOSTS) --inter-host-gbit 1
 BENCH_allreduce_hosts_10g ?= $(BENCH_HOSTS) --inter-host-gbit 10
-BENCH_train ?= --nproc 2 --model cnn,mlp --algorithms auto,shm,ring,native --steps 50 --rounds 3
+BENCH_train ?= --nproc 2 --model cnn,mlp --algorithms auto,shm,shm_zero_copy,ring,native --steps 50 --repeat 3
 BENCH_compression ?= --compressions none,fp16,onebit,topk,powersgd --epochs 5 --compression-warmup-steps 125 \
 	--throughput-steps 2 --repeat 2
 BENCH_modes ?= --epochs 5 --staleness-bounds none+lr --sync-every 16 --repeat 3

@@ -90,7 +90,7 @@ SMALL_SWEEP = early_job("bench-small-sweep", ["bench", "allreduce", "--nproc", "
                                               "--algorithms", "ring,tree,auto", "--repeat", "2",
                                               "--json", "{folder}/rows.json"])
 TRAIN_RUN = early_job("bench-train", ["bench", "train", "--nproc", "2", "--model", "cnn", "--algorithms", "ring",
-                                      "--steps", "2", "--warmup", "1", "--rounds", "1", "--no-memory",
+                                      "--steps", "2", "--warmup", "1", "--repeat", "1", "--no-memory",
                                       "--json", "{folder}/rows.json"])
 
 
@@ -163,7 +163,7 @@ def test_bench_small_sweep_writes_rows_with_nccl_tests_definitions(early):
     (["--algorithms", "bogus"], "bogus"),
     (["--steps", "0"], "--steps"),
     (["--warmup", "-1"], "--warmup"),
-    (["--rounds", "0"], "--rounds"),
+    (["--repeat", "0"], "--repeat"),
 ])
 def test_bench_train_rejects_bad_options_with_one_line(args, needle, capsys):
     """Each bad option of bench train: exit 2 and one error line naming it, before any process starts."""
@@ -186,19 +186,22 @@ def test_bench_train_mlp_is_comm_heavy():
 @pytest.mark.early_job(TRAIN_RUN)
 @pytest.mark.timeout(90)
 def test_bench_train_small_run_writes_rows_with_ratio_to_ddp(early):
-    """Two ranks, cnn: a gradsync ring row and a ddp row; ratio_to_ddp is the samples/s ratio, 1 for ddp."""
+    """Two ranks, cnn, one repetition: compute-only, gradsync ring and ddp rows; ratio_to_ddp is the samples/s
+    ratio (none for ddp itself), step_vs_compute_only the step time ratio."""
     result = early.wait(85)
     out = early.folder / "rows.json"
     assert result.returncode == 0, result.stderr
     rows = json.loads(out.read_text())
     by_impl = {(row["impl"], row["algorithm"]): row for row in rows}
-    assert sorted(by_impl) == [("ddp", "native"), ("gradsync", "ring")]
+    assert sorted(by_impl) == [("compute-only", "none"), ("ddp", "native"), ("gradsync", "ring")]
     for row in rows:
-        assert {"model", "world_size", "impl", "algorithm", "samples_per_s", "ratio_to_ddp",
-                "exposed_comm_fraction"} <= set(row), row
-        assert row["model"] == "cnn" and row["world_size"] == 2 and row["samples_per_s"] > 0
-    ddp, ring = by_impl[("ddp", "native")], by_impl[("gradsync", "ring")]
-    assert ddp["ratio_to_ddp"] == pytest.approx(1.0) and ddp["exposed_comm_fraction"] is None
+        assert {"model", "world_size", "impl", "algorithm", "samples_per_s", "samples_per_s_min", "ratio_to_ddp",
+                "step_vs_compute_only", "exposed_comm_fraction"} <= set(row), row
+        assert row["model"] == "cnn" and row["world_size"] == 2 and row["samples_per_s"] > 0 and row["repeat"] == 1
+    ddp, ring, compute = by_impl[("ddp", "native")], by_impl[("gradsync", "ring")], by_impl[("compute-only", "none")]
+    assert ddp["ratio_to_ddp"] is None and ddp["exposed_comm_fraction"] is None
+    assert ddp["ddp_settings"]["gradient_as_bucket_view"] is False and ddp["ddp_settings"]["backend"] == "gloo"
     assert ring["ratio_to_ddp"] == pytest.approx(ring["samples_per_s"] / ddp["samples_per_s"])
+    assert ring["step_vs_compute_only"] == pytest.approx(ring["step_s"] / compute["step_s"])
     assert ring["comm_s_per_step"] > 0 and ring["exposed_comm_fraction"] is not None
     assert train_bench.format_table(rows).splitlines()[0] in result.stdout

@@ -161,11 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "interleaved with the backend's native all_reduce."))
     _add_train_bench_options(benches.add_parser(
         "train", help="training samples/s of gradsync DataParallel next to torch DDP",
-        description="Train the same models with gradsync DataParallel (one row per algorithm) and "
-                    "torch DistributedDataParallel on the same data, world size and thread count, "
-                    "alternating them over rounds; report samples/s, the ratio to DDP, gradsync's "
-                    "communication and exposed-communication time per step, the step overhead against "
-                    "a compute-only run, and peak memory with gradient_as_bucket_view off and on."))
+        description="Train the same models compute-only (no gradient sync), with gradsync DataParallel "
+                    "(one row per algorithm) and with torch DistributedDataParallel on the same data, world "
+                    "size and thread count, alternating them in each of --repeat repetitions; report "
+                    "samples/s, the step as a multiple of compute-only's (wall and CPU), the ratio to DDP, "
+                    "gradsync's communication and exposed-communication time per step, each as the median "
+                    "(min-max), and peak memory with gradient_as_bucket_view off and on."))
     _add_compression_bench_options(benches.add_parser(
         "compression", help="accuracy, bytes per step and speed of every gradient compressor",
         description="Train the main job (MNIST-1D CNN, 4 workers) once per compressor and print test "

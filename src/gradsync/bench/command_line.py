@@ -140,18 +140,20 @@ def _add_allreduce_bench_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_train_bench_options(parser: argparse.ArgumentParser) -> None:
+    from gradsync.bench.spread import add_repeat_option
+
     add = parser.add_argument
     add("--nproc", default="2", help="comma-separated world sizes, one local world each (default %(default)s)")
     add("--model", default="cnn,mlp", help="comma-separated: cnn (MNIST-1D CNN, batch 128 per rank), "
         "mlp (1024-4096-4096-1024-10, ~25.2M parameters, batch 64 per rank) (default %(default)s)")
-    add("--algorithms", default="ring,native", help="gradsync AllReduce algorithms, one row each; torch "
-        "DDP is always measured; shm_zero_copy = shm with gradient_as_bucket_view (buckets in shared "
-        "memory) (default %(default)s)")
+    add("--algorithms", default="ring,native", help="gradsync AllReduce algorithms, one row each; "
+        "compute-only (no gradient sync) and torch DDP are always measured; shm_zero_copy = shm with "
+        "gradient_as_bucket_view (buckets in shared memory), measured against DDP with "
+        "gradient_as_bucket_view=True too (default %(default)s)")
     add("--steps", type=int, default=100, help="timed steps per measurement for cnn; mlp runs steps // 5 "
         "(default %(default)s)")
     add("--warmup", type=int, default=3, help="untimed steps before each measurement (default %(default)s)")
-    add("--rounds", type=int, default=5, help="alternating rounds; the median is reported "
-        "(default %(default)s)")
+    add_repeat_option(parser, what="repetitions, each measuring compute-only, every algorithm and DDP in turn")
     add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
     add("--no-memory", dest="memory", action="store_false", help="skip the peak-memory comparison of "
         "gradient_as_bucket_view False/True (largest model, world size 2)")
@@ -184,7 +186,7 @@ def bench_train(args: argparse.Namespace) -> int:
     from gradsync.bench.train import run_bench
 
     run_bench(nproc=args.nproc, models=args.model, algorithms=args.algorithms, steps=args.steps,
-              warmup=args.warmup, rounds=args.rounds, json_path=args.json, memory=args.memory,
+              warmup=args.warmup, repeat=args.repeat, json_path=args.json, memory=args.memory,
               hosts=args.hosts, inter_host_gbit=args.inter_host_gbit, join_timeout_s=args.join_timeout)
     return 0
 

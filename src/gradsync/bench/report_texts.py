@@ -96,26 +96,44 @@ shared-memory copies that `hierarchical` adds cost as much as the bytes it
 saves; Gloo's native call, all in C++, leads at most sizes. The byte counts
 per link are those of the 1 Gbit/s table.""",
     "train": """\
-gradsync `DataParallel` (one row per algorithm), torch
-`DistributedDataParallel` (Gloo, the same 25 MiB buckets) and a compute-only
-baseline train each model on the same initial weights, fixed random batches,
-world size and thread count, alternating in every round; samples/s is the
-median over rounds. `cnn` is the MNIST-1D CNN of `gradsync train` (batch 128
-per rank), `mlp` a 1024-4096-4096-1024-10 MLP (~25.2M parameters, batch 64 per
-rank). `comm_ms/step` is gradsync's AllReduce time (overlapped or not),
-`exposed_ms/step` the part backward waited for, `step overhead %` = 1 −
-compute-only step / step (comparable across implementations; DDP does not
-report its communication time, so its comm columns are empty). The second
-table is the peak resident memory per rank with `gradient_as_bucket_view` off
-and on, each in a fresh world of 2.""",
+Each model trains with every implementation on the same initial weights,
+fixed random batches, world size, processes and thread count: `compute-only`
+(the plain module; every rank runs its forward, backward and SGD step at the
+same time as the others with the gradient synchronisation skipped, so the
+cores are as contended: the limit), gradsync `DataParallel` (one row per
+algorithm; `shm_zero_copy` is shm with `gradient_as_bucket_view`) and torch
+`DistributedDataParallel` (settings under the table), measured again with
+`gradient_as_bucket_view=True` beside a zero-copy row, as a DDP user would set
+it. Every repetition measures each implementation once, in a rotated order;
+each figure is the median over the repetitions with its min-max, and each
+ratio is formed inside one repetition. `x compute-only` is a step's time over
+the compute-only step's, `cpu x compute-only` the same for the CPU seconds of
+the ranks' processes (every thread), `ratio_to_ddp` samples/s over those of
+the DDP row with the same `view`. `cnn` is the MNIST-1D CNN of `gradsync
+train` (batch 128 per rank), `mlp` a 1024-4096-4096-1024-10 MLP (~25.2M
+parameters, 96 MiB of gradients, batch 64 per rank). `comm ms/step` is
+gradsync's AllReduce time (overlapped or not), `exposed ms/step` the part
+backward waited for (DDP does not report its own). The second table is the
+peak resident memory per rank with `gradient_as_bucket_view` off and on, each
+in a fresh world of 2.""",
     "train_after": """\
-How to read it. On the MLP most gradient bytes (the 4096×4096 layer and the
-first layer) become ready at the very end of backward, so much of the
-communication is exposed whatever the engine; only a faster transport or
-compression shrinks it. On the small CNN a step is a few milliseconds of
-compute and one small AllReduce, so per-call overhead decides: `native`
-and `shm` pay one call, `ring` pays Python-driven point-to-point hops through
-Gloo.""",
+How to read it. Two ranks on two cores leave no idle core: whatever CPU time
+the gradient synchronisation takes is added to the step, however well it
+overlaps backward, so a step is at least `cpu x compute-only` times the
+compute-only step. On the MLP that time is memory traffic: `DataParallel`
+without bucket views moves each gradient byte three times per step (into its
+bucket, which lives in the shared-memory arena; the shm reduction in place;
+back into `.grad`, divided by the ranks on the way), about 10 ms of CPU per
+pass of 96 MiB per rank here, some 5% of the compute-only step of an idle
+machine (about 200 ms; this recording's, on a loaded one, is longer); bucket
+views remove the last pass but add the in-place division, and free autograd's
+gradient in the hook instead of in `zero_grad`. That makes `auto` (shm for
+every bucket here) about 1.15-1.2x compute-only on this machine, where DDP's
+Gloo AllReduce costs more CPU. The wall-clock columns of a machine shared with
+other programs spread widely; the CPU ratios move less. On the small CNN a
+step is a few milliseconds of compute and one small AllReduce, so per-call
+overhead decides: `native` and `shm` pay one call, `ring` pays Python-driven
+point-to-point hops through Gloo.""",
     "compression": """\
 Two parts, each repeated `--repeat` times (5 by default; `make bench` runs 2
 to stay affordable). Accuracy: the main job (MNIST-1D CNN, AdamW lr 1e-2

@@ -89,7 +89,7 @@ def compare(predicted: list[dict], measured: list[dict]) -> list[dict]:
         rows.append({**row, "measured_ms": measured_ms, "error": row["predicted_ms"] / measured_ms - 1,
                      "measured_exposed_ms": None if exposed is None else exposed * 1e3,
                      "measured_comm_ms": None if bench["comm_s_per_step"] is None else bench["comm_s_per_step"] * 1e3,
-                     "measured_local_ms": bench["local_step_s"] * 1e3})
+                     "measured_local_ms": bench["compute_only_step_s"] * 1e3})
     return rows
 
 
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
           f"timed on one process here, then gradsync bench train in the same run", flush=True)
     predicted, computes = predicted_rows(profile, world_sizes, algorithms, steps=max(5, args.steps // 3))
     measured = run_bench(nproc=",".join(map(str, world_sizes)), models=",".join(BENCH_MODELS),
-                         algorithms=",".join(algorithms), steps=args.steps, warmup=3, rounds=args.repeat,
+                         algorithms=",".join(algorithms), steps=args.steps, warmup=3, repeat=args.repeat,
                          json_path=None, memory=False)
     rows = compare(predicted, measured)
     with_bench_compute(rows, computes, profile)

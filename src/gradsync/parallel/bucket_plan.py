@@ -128,13 +128,20 @@ class BucketPlan:
                 param.grad = view
         return True
 
-    def copy_out(self, index: int) -> None:
-        """Make parameter ``index``'s ``.grad`` hold its bucket slice (the average)."""
+    def copy_out(self, index: int, divisor: int = 1) -> None:
+        """Make parameter ``index``'s ``.grad`` hold its bucket slice divided by ``divisor`` (the average:
+        1 where the bucket holds it already; a copy's divisor only, never a bucket view's)."""
         param, view = self.params[index], self.views[index]
+        if divisor != 1 and self.gradient_as_bucket_view:
+            raise ValueError("a bucket view's gradient is averaged in its bucket, not divided on copy-out")
         if param.grad is None:
-            param.grad = view if self.gradient_as_bucket_view else view.clone()
+            param.grad = view if self.gradient_as_bucket_view else (
+                view.clone() if divisor == 1 else torch.div(view, divisor))
         elif param.grad.data_ptr() != view.data_ptr():
-            param.grad.copy_(view)
+            if divisor == 1:
+                param.grad.copy_(view)
+            else:
+                torch.div(view, divisor, out=param.grad)
 
     def zeros(self, bucket: Bucket) -> torch.Tensor:
         """A zeroed buffer shaped like ``bucket.flat``, for a round this rank joins without data (join).

@@ -57,7 +57,18 @@ class RoundRunner:
     def begin(self) -> Round:
         """Start a round (the caller fills in this rank's status and hold)."""
         self.current = Round(self.plan.buckets, len(self.plan.params))
+        if self._divides_on_copy_out():
+            self.current.divide_out = self.divisor
         return self.current
+
+    def _divides_on_copy_out(self) -> bool:
+        """Whether this round's buckets are summed and the division by the ranks is done while copying the
+        sums into ``.grad`` (``torch.div(out=)``: the same bits as ``op="avg"``, which sums, then divides
+        the bucket in place; one pass over every gradient less). Only where ``.grad`` is a copy (not a
+        bucket view), there is no compressor, and every rank contributes (under join the bucket is divided
+        before the sum, as :func:`~gradsync.collectives.ops.average` does)."""
+        return (self.compression is None and not self.plan.gradient_as_bucket_view
+                and self.comm.world_size > 1 and self.divisor == self.comm.world_size)
 
     def launch_ready(self, state: Round) -> None:
         """Hand every ready bucket, in index order, to the communication thread (the last one excepted)."""
@@ -86,6 +97,8 @@ class RoundRunner:
         try:
             if self.compression is not None:
                 self._reduce_compressed(flat, bucket_index, divisor)
+            elif state.divide_out > 1:  # divided while copied out
+                collectives.all_reduce(flat, self.comm, op="sum", algorithm=self.algorithm, verify=False)
             else:  # under join, ranks without data send zeros
                 collectives.average(flat, self.comm, divisor, self.algorithm)
         except BaseException:
@@ -158,7 +171,8 @@ class RoundRunner:
         bucket, num_params = self.plan.buckets[-1], len(self.plan.params)
         bucket.flags.copy_(encode_flags(state.used, state, self.comm.rank, self.comm.world_size))
         span = self._reduce(bucket.flat, bucket.index, self.divisor, state, thread="main")
-        scale = 1 if self.compression is not None else self.divisor  # compressors sum the flags exactly
+        # compressors sum the flags exactly; so does a round divided on copy-out
+        scale = 1 if self.compression is not None or state.divide_out > 1 else self.divisor
         state.statuses, state.counts, state.name_codes = decode_statuses(bucket.flags[num_params:], scale)
         if copy_out:
             self._copy_out_used(bucket, state)
@@ -167,14 +181,14 @@ class RoundRunner:
     def _copy_out_used(self, bucket, state: Round) -> None:
         for index in bucket.param_indices:
             if state.used[index]:
-                self.plan.copy_out(index)
+                self.plan.copy_out(index, state.divide_out)
 
     def _copy_out_unused(self, state: Round) -> None:
         """Parameters without a local gradient take the average if any rank had one; else .grad stays None."""
         used_anywhere = (self.plan.buckets[-1].flags > 0).tolist()
         for index, used in enumerate(state.used):
             if used_anywhere[index] and not used:
-                self.plan.copy_out(index)
+                self.plan.copy_out(index, state.divide_out)
 
     def complete_failed(self, state: Round, detail: str) -> None:
         """Finish a round this rank cannot use, so that no peer waits for its buckets or pairs them with

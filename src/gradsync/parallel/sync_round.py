@@ -81,6 +81,7 @@ class Round:
         self.counts: list[int | None] = []  # every rank's forward count then (None: did not report)
         self.name_codes: list[int] = []     # every rank's name_code then
         self.hold: int | None = None   # the lane hold while the round is in flight
+        self.divide_out = 1   # > 1: buckets hold sums, divided by this while copied into .grad
 
     def fail(self, detail: str) -> None:
         """Mark this rank's part failed (``BACKWARD_FAILED``): every bucket goes out now, gradients or not."""
