@@ -116,11 +116,18 @@ def cell_name(cell_bytes: int) -> str:
 
 def _row_communicators(comm: Communicator, algorithms: list[str]) -> dict[str, Communicator]:
     """Rows that run on a communicator of their own: ``shm@<cells>`` (``ShmState(cell_bytes=...)``) and
-    ``auto``, which decides from the group's real hosts, not from the pretend nodes of ``hierarchical``."""
+    ``auto``, which decides from the group's real hosts, not from the pretend nodes of ``hierarchical``.
+
+    ``auto`` runs as a user's call does, on the group the other rows run on: ``comm`` itself unless its
+    pretend nodes split the group, else a communicator sharing ``comm``'s segment settings and shared
+    memory (the shm row's segment and cells, not a second segment of its own).
+    """
     rows = {name: Communicator(comm.transport, comm.timeout_s, options=[ShmState(cell_bytes=parse_nbytes(name[4:]))])
             for name in algorithms if name.startswith("shm@")}
     if "auto" in algorithms:
-        rows["auto"] = Communicator(comm.transport, comm.timeout_s, options=[comm.options(SegmentOptions)])
+        pretend = comm.options(HierarchicalOptions).ranks_per_node
+        rows["auto"] = comm if pretend is None or pretend >= comm.world_size else Communicator(
+            comm.transport, comm.timeout_s, options=[comm.options(SegmentOptions), comm.options(ShmState)])
     return rows
 
 

@@ -93,6 +93,7 @@ class Communicator:
         self.flight = FlightRecorder(transport.rank, transport.world_size)
         self.lane = Lane()  # the communication thread that keeps collectives in issue order
         self.plans: dict = {}  # checked layouts -> their plans (collectives.plans)
+        self.decisions: dict = {}  # auto's picks by message (collectives.validate.resolve_algorithm)
         self.closed = False
         self.locality: Locality | None = getattr(transport, "locality", None)
         if self.locality is None and transport.world_size == 1:
@@ -174,5 +175,6 @@ class Communicator:
         the communication thread; later calls raise GroupClosedError."""
         self.closed = True
         self.plans.clear()
+        self.decisions.clear()
         self.lane.close()
         self._options.close()

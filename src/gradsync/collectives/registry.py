@@ -34,7 +34,7 @@ ALL_REDUCE: dict[str, AllReduce] = {
     "shm": shm.all_reduce,
     "native": native.all_reduce,
 }
-AUTO = "auto"  # resolved per call by collectives.auto.choose
+AUTO = "auto"  # resolved by collectives.auto.choose, once per message size (validate.resolve_algorithm)
 ALGORITHMS = tuple(ALL_REDUCE) + (AUTO,)
 DEFAULT_ALGORITHM = "ring"  # all_reduce's, DataParallel's and LocalSGD's default
 

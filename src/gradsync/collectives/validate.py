@@ -28,12 +28,13 @@ What an algorithm needs beyond the generic checks is data in
 
 from __future__ import annotations
 
+import os
 import zlib
 from dataclasses import dataclass
 
 import torch
 
-from gradsync.collectives import auto
+from gradsync.collectives import auto, plans
 from gradsync.collectives.call import CollectiveCall
 from gradsync.collectives.check import describe, rejection_code, verify_layout
 from gradsync.collectives.chunking import SegmentOptions
@@ -172,9 +173,30 @@ def resolve_algorithm(comm: Communicator, nbytes: int, algorithm: str, device: s
     """The AllReduce algorithm that ``algorithm`` means for ``nbytes`` bytes on ``comm`` now: itself, or
     for ``auto`` :func:`~gradsync.collectives.auto.choose`'s pick from the group's locality (explicit
     ``HierarchicalOptions.ranks_per_node`` wins over the hosts: pretend nodes of that size; else the
-    hosts' rank counts, equal or not)."""
+    hosts' rank counts, equal or not).
+
+    ``auto``'s pick is kept per (bytes, device, ``GRADSYNC_PROFILE``) in ``comm.decisions`` once what it
+    depends on is settled (the locality known, whether the one-host fast path works found out), so a
+    repeated call looks it up instead of reading the locality and the cost model again.
+
+    Raises:
+        ValueError: ``GRADSYNC_PROFILE`` names no profile.
+    """
     if algorithm != AUTO:
         return algorithm
+    key = (nbytes, device, os.environ.get(auto.PROFILE_ENV))
+    known = comm.locality
+    kept = comm.decisions.get(key)
+    if kept is not None and kept[0] is known:  # the locality a pick was made for (tests replace it)
+        return kept[1]
+    chosen = _choose(comm, nbytes, device)
+    if known is not None and _one_host_available(comm, device) is not None:
+        plans.keep(comm.decisions, key, (known, chosen))
+    return chosen
+
+
+def _choose(comm: Communicator, nbytes: int, device: str) -> str:
+    """:func:`resolve_algorithm`'s ``auto`` pick, from the group's locality and options now."""
     explicit = comm.options(HierarchicalOptions).ranks_per_node
     known = comm.locality
     host_sizes = None
