@@ -18,7 +18,6 @@ link_gbps / the shaped rate (``--inter-host-gbit``).
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import time
@@ -33,7 +32,8 @@ from gradsync.bench.across_hosts import (LinkMeter, check_host_options, print_ra
 from gradsync.bench.output import claim_json_path, fmt_optional, format_rows, host_layout, optional, write_json
 from gradsync.bench.auto_rows import auto_rows, format_auto_table
 from gradsync.bench.memory_bound import bound_fraction, bytes_per_payload_byte, measure_bandwidth
-from gradsync.bench.mpi import MPI_COLUMN, MpiAllReduce, free_port, mpi_available, run_with_mpiexec
+from gradsync.bench.mpi import (MPI_COLUMN, MpiAllReduce, check_mpi_options, join_from_mpi, mpi_available,
+                                mpi_tables, run_under_each_mpi, write_mpi_rows)
 from gradsync.collectives import HierarchicalOptions, SegmentOptions, ShmState, ops
 from gradsync.collectives.communicator import Communicator
 from gradsync.process_group import default_communicator
@@ -326,12 +326,14 @@ def _worker_argv(sizes: str, names: list[str], repetitions: int, segment_bytes: 
 def run_sweep(*, nproc: int, sizes: str, algorithms: str | None, repetitions: int, ranks_per_node: int | None,
               segment_bytes: int | None, json_path: str | None, hosts: int | None = None,
               inter_host_gbit: float | None = None, join_timeout_s: float = 30.0,
-              shm_cells: str | None = None) -> list[dict]:
+              shm_cells: str | None = None, mpi: str | None = None, mpi_settings: str = "auto") -> list[dict]:
     """Validate the options, run the sweep, print the table, write JSON; returns the rows.
 
     Local: ``nproc`` processes on this machine. ``hosts``: ``nproc`` ranks on each of
     ``hosts`` test hosts (rank 0 prints and writes). Under torchrun (a worker of such a
-    run, or of the user's own): this process is one rank of the sweep.
+    run, or of the user's own): this process is one rank of the sweep. With the ``mpi`` column:
+    one run under each MPI library of ``mpi`` ("mpich,openmpi"; None: every installed one), given
+    ``mpi_settings`` ("auto": yield settings when ranks outnumber cores; "defaults"), one table each.
     """
     if under_torchrun():
         return _run_as_torchrun_worker(nproc, sizes, algorithms, repetitions, ranks_per_node, segment_bytes,
@@ -339,6 +341,7 @@ def run_sweep(*, nproc: int, sizes: str, algorithms: str | None, repetitions: in
     check_host_options(hosts, inter_host_gbit, join_timeout_s)
     size_list, names, ranks_per_node = _parse_options(nproc, sizes, algorithms, repetitions,
                                                       ranks_per_node, segment_bytes, hosts, shm_cells)
+    check_mpi_options(mpi, mpi_settings, MPI_COLUMN in names)
     claim_json_path(json_path)
     if hosts:
         shaping = f"{inter_host_gbit:g} Gbit/s per host link" if inter_host_gbit else "unshaped links"
@@ -351,13 +354,14 @@ def run_sweep(*, nproc: int, sizes: str, algorithms: str | None, repetitions: in
           f"1 thread per rank, median of {repetitions} interleaved repetitions", flush=True)
     from gradsync.launch import launch_local
 
-    if MPI_COLUMN in names:  # MPI_COMM_WORLD needs processes started by mpiexec
-        rows = run_with_mpiexec(nproc, dict(sizes=size_list, algorithms=names, repetitions=repetitions,
-                                            ranks_per_node=ranks_per_node, segment_bytes=segment_bytes))
+    if MPI_COLUMN in names:  # MPI_COMM_WORLD needs processes started by mpiexec: one run per MPI library
+        rows = run_under_each_mpi(nproc, mpi, mpi_settings, dict(
+            sizes=size_list, algorithms=names, repetitions=repetitions, ranks_per_node=ranks_per_node,
+            segment_bytes=segment_bytes))
     else:
         rows = launch_local(nproc, run_worker, size_list, names, repetitions, ranks_per_node,
                             segment_bytes)[0]
-    print(format_table(rows))
+    print("\n\n".join(mpi_tables(rows, format_table)))
     if auto_rows(rows):
         print("\n# auto against the fastest algorithm measured in the same run\n" + format_auto_table(auto_rows(rows)))
     if json_path:
@@ -383,17 +387,10 @@ def _run_as_torchrun_worker(nproc, sizes, algorithms, repetitions, ranks_per_nod
 
 def _main_under_mpiexec(options_path: str, rows_path: str) -> None:
     """One process under mpiexec: set up the gradsync group from MPI, run the sweep, rank 0 writes rows."""
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD
-    port = comm.bcast(free_port() if comm.Get_rank() == 0 else None, root=0)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(comm.Get_rank()),
-                      WORLD_SIZE=str(comm.Get_size()), LOCAL_RANK=str(comm.Get_rank()),
-                      LOCAL_WORLD_SIZE=str(comm.Get_size()))
-    options = json.loads(Path(options_path).read_text())
-    rows = run_worker(**options)
+    cores_per_rank = join_from_mpi()
+    rows = run_worker(**json.loads(Path(options_path).read_text()))
     if rows is not None:
-        Path(rows_path).write_text(json.dumps(rows))
+        write_mpi_rows(rows_path, rows, cores_per_rank)
 
 
 if __name__ == "__main__":

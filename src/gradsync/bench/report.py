@@ -106,7 +106,8 @@ def tables(name: str, rows: list[dict]) -> list[str]:
     name = bench_of(name)
     if name == "allreduce":
         from gradsync.bench.allreduce import format_table
-        return [format_table(rows)]
+        from gradsync.bench.mpi import mpi_tables
+        return mpi_tables(rows, format_table)  # one table per MPI run
     if name == "train":
         from gradsync.bench.train import format_memory_table, format_table
         throughput = [row for row in rows if row.get("kind", "throughput") == "throughput"]
