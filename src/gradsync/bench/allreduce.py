@@ -32,8 +32,8 @@ from gradsync.bench.across_hosts import (LinkMeter, check_host_options, print_ra
 from gradsync.bench.output import claim_json_path, fmt_optional, format_rows, host_layout, optional, write_json
 from gradsync.bench.auto_rows import auto_rows, format_auto_table
 from gradsync.bench.memory_bound import bound_fraction, bytes_per_payload_byte, measure_bandwidth
-from gradsync.bench.mpi import (MPI_COLUMN, MpiAllReduce, check_mpi_options, join_from_mpi, mpi_available,
-                                mpi_tables, run_under_each_mpi, write_mpi_rows)
+from gradsync.bench.mpi import (MPI_COLUMN, MpiAllReduce, check_mpi_options, check_mpi_sums, join_from_mpi,
+                                mpi_available, mpi_tables, run_under_each_mpi, write_mpi_rows)
 from gradsync.collectives import HierarchicalOptions, SegmentOptions, ShmState, ops
 from gradsync.collectives.communicator import Communicator
 from gradsync.process_group import default_communicator
@@ -386,11 +386,12 @@ def _run_as_torchrun_worker(nproc, sizes, algorithms, repetitions, ranks_per_nod
 
 
 def _main_under_mpiexec(options_path: str, rows_path: str) -> None:
-    """One process under mpiexec: set up the gradsync group from MPI, run the sweep, rank 0 writes rows."""
-    cores_per_rank = join_from_mpi()
+    """One process under mpiexec: set up the gradsync group from MPI, check MPI's sums, run the sweep, rank 0
+    writes rows."""
+    cores_per_rank, sum_error = join_from_mpi(), check_mpi_sums()
     rows = run_worker(**json.loads(Path(options_path).read_text()))
     if rows is not None:
-        write_mpi_rows(rows_path, rows, cores_per_rank)
+        write_mpi_rows(rows_path, rows, cores_per_rank, sum_error)
 
 
 if __name__ == "__main__":

@@ -55,6 +55,43 @@ class MpiAllReduce:
         self._comm.Allreduce(self._mpi.IN_PLACE, tensor.numpy(), op=self._mpi.SUM)
 
 
+SUM_CHECK_SIZES = (3, 100_000)  # floats: MPICH's eager shared-memory cells, and above its 8 KiB single copy
+
+
+def sum_check_error(all_reduce: Callable, rank: int, world_size: int, numel: int) -> float:
+    """The largest deviation of ``all_reduce`` (in place, summing over ranks) from the closed form.
+
+    Rank r holds x_i = i·(r+1) + r (float32, i < ``numel``); the sum over p ranks is
+    i·p(p+1)/2 + p(p-1)/2, exact in float32 while it stays below 2**24. Collective: every rank calls it.
+    """
+    import torch
+
+    index = torch.arange(numel, dtype=torch.float32)
+    tensor = index * (rank + 1) + rank
+    all_reduce(tensor)
+    expected = index * (world_size * (world_size + 1) // 2) + world_size * (world_size - 1) // 2
+    return float((tensor - expected).abs().max())
+
+
+def check_mpi_sums() -> float:
+    """Under mpiexec, before timing: MPI_Allreduce of :data:`SUM_CHECK_SIZES` floats against the closed form.
+
+    Returns the largest deviation over both sizes (0.0: exact), the same on every rank.
+
+    Raises:
+        RuntimeError: on every rank, when MPI's sums are not exact.
+    """
+    from mpi4py import MPI
+
+    comm, all_reduce = MPI.COMM_WORLD, MpiAllReduce()
+    error = max(sum_check_error(all_reduce, comm.Get_rank(), comm.Get_size(), numel) for numel in SUM_CHECK_SIZES)
+    error = comm.allreduce(error, op=MPI.MAX)
+    if error != 0.0:
+        raise RuntimeError(f"MPI_Allreduce's sums differ from the closed form by up to {error}: "
+                           f"the mpi column would time a wrong reduction")
+    return error
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -75,12 +112,13 @@ def join_from_mpi() -> list[int] | None:
     return comm.gather(usable_cores(), root=0)
 
 
-def write_mpi_rows(rows_path: str, rows: list[dict], cores_per_rank: list[int]) -> None:
-    """Rank 0 under mpiexec: the rows, the MPI library's own version text and how the ranks were bound."""
+def write_mpi_rows(rows_path: str, rows: list[dict], cores_per_rank: list[int], sum_error: float) -> None:
+    """Rank 0 under mpiexec: the rows, the MPI library's own version text, how the ranks were bound and
+    the deviation of MPI's sums from the closed form (:func:`check_mpi_sums`)."""
     from mpi4py import MPI
 
     Path(rows_path).write_text(json.dumps({"rows": rows, "library_version": MPI.Get_library_version(),
-                                           "cores_per_rank": cores_per_rank}))
+                                           "cores_per_rank": cores_per_rank, "sum_error": sum_error}))
 
 
 def check_mpi_options(mpi: str | None, mode: str, measured: bool) -> list[str]:
@@ -116,7 +154,7 @@ def run_under_each_mpi(nproc: int, mpi: str | None, mode: str, options: dict) ->
 def run_with_mpiexec(nproc: int, options: dict, start: Launch | None = None, timeout_s: float = 3600) -> list[dict]:
     """Run the sweep in ``nproc`` processes started by one MPI's mpiexec (default: MPICH, its settings for
     this host); return rank 0's rows, every one with ``mpi_run``, the MPI row also with ``mpi_library``,
-    ``mpi_transport`` and ``mpi_settings``.
+    ``mpi_transport``, ``mpi_settings`` and ``mpi_sum_error`` (0.0: MPI's sums were exact).
 
     Raises:
         RuntimeError: the processes failed (their output is included).
@@ -134,8 +172,12 @@ def run_with_mpiexec(nproc: int, options: dict, start: Launch | None = None, tim
                                f"{result.stdout[-2000:]}{result.stderr[-4000:]}")
         document = json.loads(rows_path.read_text())
     output = result.stdout + result.stderr
-    return label_rows(document["rows"], start, document["library_version"], output, nproc,
+    rows = label_rows(document["rows"], start, document["library_version"], output, nproc,
                       document["cores_per_rank"])
+    for row in rows:
+        if row["algorithm"] == MPI_COLUMN:
+            row["mpi_sum_error"] = document["sum_error"]
+    return rows
 
 
 def label_rows(rows: list[dict], start: Launch, version: str, output: str, nproc: int,
