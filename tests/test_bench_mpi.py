@@ -9,7 +9,7 @@ import json
 import pytest
 
 from gradsync.bench.allreduce import run_sweep
-from gradsync.bench.mpi import binding_text, check_mpi_options, mpi_tables, settings_text, sum_check_error
+from gradsync.bench.mpi import check_mpi_options, mpi_tables, placement_text, settings_text, sum_check_error
 from gradsync.bench.mpi_libraries import (MPICH, MPICH_OVERSUBSCRIBED, OPENMPI, Launch, choose_settings,
                                           installed_libraries, parse_mpi_option)
 from gradsync.bench.mpi_transport import (mpich_cvars, mpich_transport, openmpi_params, openmpi_transport,
@@ -95,15 +95,19 @@ def test_settings_text_says_whether_the_library_read_each_setting():
     start = Launch(MPICH, ["mpiexec"], {}, {"MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1",
                                            "MPIR_CVAR_POLLS_BEFORE_YIELD": "1"}, "4 ranks on 2 cores")
     both = "\tMPIR_CVAR_CH4_PROGRESS_THROTTLE =1\tX\n\tMPIR_CVAR_POLLS_BEFORE_YIELD    =1\tX\n"
-    assert settings_text(start, "", mpivars=lambda env: both).endswith("(4 ranks on 2 cores; read)")
+    assert settings_text(start, "", mpivars=lambda env: both) == (
+        "mpiexec, MPIR_CVAR_CH4_PROGRESS_THROTTLE=1 MPIR_CVAR_POLLS_BEFORE_YIELD=1 (4 ranks on 2 cores; read)")
     one = "\tMPIR_CVAR_CH4_PROGRESS_THROTTLE =0\tX\n\tMPIR_CVAR_POLLS_BEFORE_YIELD    =1\tX\n"
     assert settings_text(start, "", mpivars=lambda env: one).endswith("NOT read: MPIR_CVAR_CH4_PROGRESS_THROTTLE)")
     ompi = Launch(OPENMPI, ["mpiexec"], {}, {"OMPI_MCA_mpi_yield_when_idle": "1"}, "4 ranks on 2 cores")
     assert settings_text(ompi, OPENMPI_VERBOSE).endswith("; read)")
     assert "NOT read" in settings_text(ompi, "")
-    assert settings_text(Launch(MPICH, [], {}, {}, "2 ranks on 2 cores"), "") == "library defaults (2 ranks on 2 cores)"
-    assert binding_text([1, 1], cores=2) == "ranks bound to 1 core each"
-    assert binding_text([2, 2, 2, 2], cores=2) == "ranks not bound (2 cores each)"
+    gforker = Launch(MPICH, ["/venv/bin/mpiexec.gforker"], {}, {}, "2 ranks on 2 cores")
+    assert settings_text(gforker, "") == "mpiexec.gforker, library defaults (2 ranks on 2 cores)"
+    bound = [{"cores": 1, "session": 40}, {"cores": 1, "session": 40}]
+    assert placement_text(bound, cores=2) == "ranks bound to 1 core each, in one session"
+    hydra = [{"cores": 2, "session": 50 + rank} for rank in range(4)]  # hydra: setsid() for every rank
+    assert placement_text(hydra, cores=2) == "ranks not bound (2 cores each), in 4 sessions"
 
 
 def test_mpi_options_are_checked_by_name():
@@ -181,5 +185,5 @@ def test_run_sweep_under_every_installed_mpi(tmp_path):
         mpi_row = run[1]
         expected = {MPICH: ("MPICH ", "posix shm (2 of 2 ranks)"), OPENMPI: ("Open MPI ", "btl sm")}[library]
         assert mpi_row["mpi_library"].startswith(expected[0]) and expected[1] in mpi_row["mpi_transport"], mpi_row
-        assert "(2 ranks on" in mpi_row["mpi_settings"], mpi_row
+        assert "(2 ranks on" in mpi_row["mpi_settings"] and "in one session" in mpi_row["mpi_settings"], mpi_row
         assert mpi_row["mpi_sum_error"] == 0.0, mpi_row

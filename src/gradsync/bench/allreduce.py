@@ -388,10 +388,10 @@ def _run_as_torchrun_worker(nproc, sizes, algorithms, repetitions, ranks_per_nod
 def _main_under_mpiexec(options_path: str, rows_path: str) -> None:
     """One process under mpiexec: set up the gradsync group from MPI, check MPI's sums, run the sweep, rank 0
     writes rows."""
-    cores_per_rank, sum_error = join_from_mpi(), check_mpi_sums()
+    placements, sum_error = join_from_mpi(), check_mpi_sums()
     rows = run_worker(**json.loads(Path(options_path).read_text()))
     if rows is not None:
-        write_mpi_rows(rows_path, rows, cores_per_rank, sum_error)
+        write_mpi_rows(rows_path, rows, placements, sum_error)
 
 
 if __name__ == "__main__":

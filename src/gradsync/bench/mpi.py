@@ -98,9 +98,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def join_from_mpi() -> list[int] | None:
+def join_from_mpi() -> list[dict] | None:
     """Under mpiexec: set torch's rendezvous variables from MPI_COMM_WORLD (rank 0 picks and broadcasts a
-    port); returns, on rank 0, the number of cores each rank may run on (how mpiexec bound them), else None."""
+    port); returns, on rank 0, every rank's :func:`rank_placement` (how mpiexec placed them), else None."""
     from mpi4py import MPI
 
     ctypes.CDLL(None).fflush(None)  # what MPI_Init printed (the transport report) leaves C's stdio buffer now
@@ -109,16 +109,22 @@ def join_from_mpi() -> list[int] | None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(comm.Get_rank()),
                       WORLD_SIZE=str(comm.Get_size()), LOCAL_RANK=str(comm.Get_rank()),
                       LOCAL_WORLD_SIZE=str(comm.Get_size()))
-    return comm.gather(usable_cores(), root=0)
+    return comm.gather(rank_placement(), root=0)
 
 
-def write_mpi_rows(rows_path: str, rows: list[dict], cores_per_rank: list[int], sum_error: float) -> None:
-    """Rank 0 under mpiexec: the rows, the MPI library's own version text, how the ranks were bound and
-    the deviation of MPI's sums from the closed form (:func:`check_mpi_sums`)."""
+def rank_placement() -> dict:
+    """This process's placement: ``cores`` it may run on (its binding) and its ``session`` id (with the
+    kernel's autogroups, ranks in separate sessions are scheduled as separate groups)."""
+    return {"cores": usable_cores(), "session": os.getsid(0)}
+
+
+def write_mpi_rows(rows_path: str, rows: list[dict], placements: list[dict], sum_error: float) -> None:
+    """Rank 0 under mpiexec: the rows, the MPI library's own version text, the ranks' placements and the
+    deviation of MPI's sums from the closed form (:func:`check_mpi_sums`)."""
     from mpi4py import MPI
 
     Path(rows_path).write_text(json.dumps({"rows": rows, "library_version": MPI.Get_library_version(),
-                                           "cores_per_rank": cores_per_rank, "sum_error": sum_error}))
+                                           "placements": placements, "sum_error": sum_error}))
 
 
 def check_mpi_options(mpi: str | None, mode: str, measured: bool) -> list[str]:
@@ -173,7 +179,7 @@ def run_with_mpiexec(nproc: int, options: dict, start: Launch | None = None, tim
         document = json.loads(rows_path.read_text())
     output = result.stdout + result.stderr
     rows = label_rows(document["rows"], start, document["library_version"], output, nproc,
-                      document["cores_per_rank"])
+                      document["placements"])
     for row in rows:
         if row["algorithm"] == MPI_COLUMN:
             row["mpi_sum_error"] = document["sum_error"]
@@ -181,11 +187,11 @@ def run_with_mpiexec(nproc: int, options: dict, start: Launch | None = None, tim
 
 
 def label_rows(rows: list[dict], start: Launch, version: str, output: str, nproc: int,
-               cores_per_rank: list[int]) -> list[dict]:
+               placements: list[dict]) -> list[dict]:
     """``rows`` of one MPI run with ``mpi_run`` on each and the library, transport and settings on the MPI row.
 
     The transport is parsed from the run's ``output`` by the library that ran (its version text), not by
-    the one asked for; ``cores_per_rank`` (each rank's CPU affinity) says how mpiexec bound the ranks.
+    the one asked for; ``placements`` (:func:`rank_placement` of each rank) say how mpiexec placed them.
     """
     library = short_library(version)
     if library.startswith("MPICH"):
@@ -194,7 +200,7 @@ def label_rows(rows: list[dict], start: Launch, version: str, output: str, nproc
         transport = openmpi_transport(output)
     else:
         transport = "not reported"
-    settings = f"{settings_text(start, output)}; {binding_text(cores_per_rank)}"
+    settings = f"{settings_text(start, output)}; {placement_text(placements)}"
     for row in rows:
         row["mpi_run"] = start.library
         if row["algorithm"] == MPI_COLUMN:
@@ -205,31 +211,36 @@ def label_rows(rows: list[dict], start: Launch, version: str, output: str, nproc
 def settings_text(start: Launch, output: str, mpivars: Callable[[dict], str] | None = None) -> str:
     """The settings of a run as shown beside its table, with whether the library read them.
 
-    "library defaults (2 ranks on 2 cores)"; otherwise "K=V ... (4 ranks on 2 cores; read)", where
+    "mpiexec.gforker, library defaults (2 ranks on 2 cores)"; otherwise "<mpiexec>, K=V ... (4 ranks on
+    2 cores; read)", where
     "read" means MPICH's ``mpivars`` (run with the same environment) or Open MPI's own echo of its MCA
     parameters listed each value; "NOT read: K" names those it did not list.
     """
+    launcher = Path(start.command[0]).name
     if not start.settings:
-        text = f"library defaults ({start.why})"
-    else:
-        shown = " ".join(f"{key}={value}" for key, value in start.settings.items())
-        unread = _unread(start, output, mpivars or _run_mpivars)
-        text = f"{shown} ({start.why}; {'NOT read: ' + ', '.join(unread) if unread else 'read'})"
-    return text
+        return f"{launcher}, library defaults ({start.why})"
+    shown = " ".join(f"{key}={value}" for key, value in start.settings.items())
+    unread = _unread(start, output, mpivars or _run_mpivars)
+    return f"{launcher}, {shown} ({start.why}; {'NOT read: ' + ', '.join(unread) if unread else 'read'})"
 
 
-def binding_text(cores_per_rank: list[int], cores: int | None = None) -> str:
-    """How mpiexec bound the ranks, from each rank's CPU affinity against the ``cores`` usable here
-    (default: this process's): "ranks bound to 1 core each", "ranks not bound (2 cores each)".
+def placement_text(placements: list[dict], cores: int | None = None) -> str:
+    """How mpiexec placed the ranks, against the ``cores`` usable here (default: this process's):
+    "ranks not bound (2 cores each), in one session"; "ranks bound to 1 core each, in 4 sessions".
 
-    >>> binding_text([1, 1], cores=2), binding_text([2, 2], cores=2), binding_text([1, 2], cores=2)
-    ('ranks bound to 1 core each', 'ranks not bound (2 cores each)', 'ranks bound to 1/2 cores')
+    >>> placement_text([{"cores": 1, "session": 7}] * 2, cores=2)
+    'ranks bound to 1 core each, in one session'
+    >>> placement_text([{"cores": 2, "session": 7}, {"cores": 2, "session": 8}], cores=2)
+    'ranks not bound (2 cores each), in 2 sessions'
     """
     cores = cores or usable_cores()
-    if len(set(cores_per_rank)) != 1:
-        return f"ranks bound to {'/'.join(map(str, cores_per_rank))} cores"
-    each = f"{cores_per_rank[0]} core{'s' if cores_per_rank[0] > 1 else ''} each"
-    return f"ranks not bound ({each})" if cores_per_rank[0] >= cores else f"ranks bound to {each}"
+    counts = sorted({placement["cores"] for placement in placements})
+    sessions = len({placement["session"] for placement in placements})
+    where = "one session" if sessions == 1 else f"{sessions} sessions"
+    if len(counts) > 1:
+        return f"ranks bound to {'/'.join(map(str, counts))} cores, in {where}"
+    each = f"{counts[0]} core{'s' if counts[0] > 1 else ''} each"
+    return f"ranks {'not bound (' + each + ')' if counts[0] >= cores else 'bound to ' + each}, in {where}"
 
 
 def _unread(start: Launch, output: str, mpivars: Callable[[dict], str]) -> list[str]:

