@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from gradsync.bench.allreduce import run_sweep
+from _early import early_job
 from gradsync.bench.mpi import check_mpi_options, mpi_tables, placement_text, settings_text, sum_check_error
 from gradsync.bench.mpi_libraries import (MPICH, MPICH_OVERSUBSCRIBED, OPENMPI, Launch, choose_settings,
                                           installed_libraries, parse_mpi_option)
@@ -164,19 +164,24 @@ def test_sum_check_catches_a_reduction_that_is_not_the_sum():
     assert sum_check_error(lambda tensor: None, rank=0, world_size=1, numel=5) == 0.0
 
 
+# A tiny sweep (ws 2, 4 KiB, one repetition) under every installed MPI, started with the session (tests/_early.py).
+MPI_SWEEP = early_job("bench-mpi-sweep", ["bench", "allreduce", "--nproc", "2", "--sizes", "4K", "--algorithms",
+                                          "shm,mpi", "--repetitions", "1", "--json", "{folder}/rows.json"])
+
+
 @pytest.mark.dist
+@pytest.mark.early_job(MPI_SWEEP)
 @pytest.mark.timeout(180)
-def test_run_sweep_under_every_installed_mpi(tmp_path):
-    """A tiny sweep (ws 2, 4 KiB, one repetition) under each installed MPI: one run each, every row timed,
-    each MPI row naming its library and the shared-memory transport that library reported, and MPI's sums
-    of rank-dependent data (3 and 100000 floats) equal to the closed form in the real processes."""
+def test_sweep_runs_under_every_installed_mpi(early):
+    """One run and table per installed MPI, every row timed, each MPI row naming its library and the
+    shared-memory transport that library reported, and MPI's sums of rank-dependent data (3 and 100000
+    floats) equal to the closed form in the real processes."""
     libraries = installed_libraries()
+    result = early.wait(170)
     if not libraries:
         pytest.skip("no MPI installed (pip install -e '.[mpi]')")
-    out = tmp_path / "rows.json"
-    rows = run_sweep(nproc=2, sizes="4K", algorithms="shm,mpi", repetitions=1, ranks_per_node=None,
-                     segment_bytes=None, json_path=str(out), mpi=",".join(libraries))
-    assert json.loads(out.read_text()) == rows
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads((early.folder / "rows.json").read_text())
     assert [row["mpi_run"] for row in rows] == [library for library in libraries for _ in range(3)]
     for library in libraries:
         run = [row for row in rows if row["mpi_run"] == library]
@@ -187,3 +192,4 @@ def test_run_sweep_under_every_installed_mpi(tmp_path):
         assert mpi_row["mpi_library"].startswith(expected[0]) and expected[1] in mpi_row["mpi_transport"], mpi_row
         assert "(2 ranks on" in mpi_row["mpi_settings"] and "in one session" in mpi_row["mpi_settings"], mpi_row
         assert mpi_row["mpi_sum_error"] == 0.0, mpi_row
+        assert f"# mpi = {mpi_row['mpi_library']} over {mpi_row['mpi_transport']}" in result.stdout
