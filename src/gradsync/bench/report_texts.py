@@ -251,8 +251,8 @@ message round trip costs what it costs when the other rank has to be
 scheduled first.""",
 }
 
-TITLES = {"allreduce": "AllReduce sweep", "allreduce_shm2": "Shared memory against MPICH, 2 ranks",
-           "allreduce_shm4": "Shared memory against MPICH, 4 ranks on 2 cores", "allreduce_hosts_1g": "AllReduce across 2 test hosts, 1 Gbit/s links",
+TITLES = {"allreduce": "AllReduce sweep", "allreduce_shm2": "Shared memory against MPICH and Open MPI, 2 ranks",
+           "allreduce_shm4": "Shared memory against MPICH and Open MPI, 4 ranks on 2 cores", "allreduce_hosts_1g": "AllReduce across 2 test hosts, 1 Gbit/s links",
            "allreduce_hosts_10g": "AllReduce across 2 test hosts, 10 Gbit/s links", "train": "Training: gradsync DataParallel against torch DDP",
            "compression": "Gradient compression", "modes": "Sync, async and local SGD",
            "faults": "Faults: a killed and a hung worker",
