@@ -63,11 +63,11 @@ How to read it. Below 64 KiB a call is latency: one barrier plus about
 10 µs of Python per call (`python -m gradsync.bench.latency` breaks it
 down), against the MPIs' compiled paths. From 1 MiB the cells bound
 gradsync's copies to the caches, while both MPIs copy a peer's data straight
-out of its memory (CMA); `shm_zero_copy` saves the copy in. MPICH's time at
-64 MiB is more than 4 x its time at 16 MiB for another reason than its
+out of its memory (CMA); `shm_zero_copy` saves the copy in. Both MPIs take
+far more than 4 x their 16 MiB time at 64 MiB for another reason than their
 transport: each call maps a fresh 32 MiB temporary buffer (8193 minor page
-faults per call and rank, none at 16 MiB: glibc returns blocks above 32 MiB
-to the kernel when they are freed).""",
+faults per call and rank in either, none at 16 MiB: glibc returns blocks
+above 32 MiB to the kernel when they are freed).""",
     "allreduce_shm4": """\
 As above at world size 4: four ranks on two cores, where every wait has to
 yield the core to the rank it waits for. gradsync's barrier yields at once
