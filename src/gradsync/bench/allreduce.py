@@ -21,7 +21,6 @@ link_gbps / the shaped rate (``--inter-host-gbit``).
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -36,7 +35,8 @@ from gradsync.bench.allreduce_rows import format_table, row_figures
 from gradsync.bench.auto_rows import annotate_auto_rows, auto_rows, format_auto_table
 from gradsync.bench.output import claim_json_path, write_json
 from gradsync.bench.memory_bound import bound_fraction, bytes_per_payload_byte, measure_bandwidth
-from gradsync.bench.mpi import MPI_COLUMN, MpiAllReduce, free_port, mpi_available, run_with_mpiexec
+from gradsync.bench.mpi import (MPI_COLUMN, MpiAllReduce, check_mpi_options, check_mpi_sums, join_from_mpi,
+                                mpi_available, mpi_tables, run_under_each_mpi, write_mpi_rows)
 from gradsync.bench.spread import check_repeat
 from gradsync.collectives import HierarchicalOptions, SegmentOptions, ShmState, ops
 from gradsync.collectives.communicator import Communicator
@@ -303,12 +303,14 @@ def _worker_argv(sizes: str, names: list[str], repeat: int, segment_bytes: int |
 def run_sweep(*, nproc: int, sizes: str, algorithms: str | None, repeat: int, ranks_per_node: int | None,
               segment_bytes: int | None, json_path: str | None, hosts: int | None = None,
               inter_host_gbit: float | None = None, join_timeout_s: float = 30.0,
-              shm_cells: str | None = None) -> list[dict]:
+              shm_cells: str | None = None, mpi: str | None = None, mpi_settings: str = "auto") -> list[dict]:
     """Validate the options, run the sweep, print the table, write JSON; returns the rows.
 
     Local: ``nproc`` processes on this machine. ``hosts``: ``nproc`` ranks on each of
     ``hosts`` test hosts (rank 0 prints and writes). Under torchrun (a worker of such a
-    run, or of the user's own): this process is one rank of the sweep.
+    run, or of the user's own): this process is one rank of the sweep. With the ``mpi`` column:
+    one run under each MPI library of ``mpi`` ("mpich,openmpi"; None: every installed one), given
+    ``mpi_settings`` ("auto": yield settings when ranks outnumber cores; "defaults"), one table each.
     """
     if under_torchrun():
         return _run_as_torchrun_worker(nproc, sizes, algorithms, repeat, ranks_per_node, segment_bytes,
@@ -316,6 +318,7 @@ def run_sweep(*, nproc: int, sizes: str, algorithms: str | None, repeat: int, ra
     check_host_options(hosts, inter_host_gbit, join_timeout_s)
     size_list, names, ranks_per_node = _parse_options(nproc, sizes, algorithms, repeat,
                                                       ranks_per_node, segment_bytes, hosts, shm_cells)
+    check_mpi_options(mpi, mpi_settings, MPI_COLUMN in names)
     claim_json_path(json_path)
     if hosts:
         shaping = f"{inter_host_gbit:g} Gbit/s per host link" if inter_host_gbit else "unshaped links"
@@ -327,12 +330,13 @@ def run_sweep(*, nproc: int, sizes: str, algorithms: str | None, repeat: int, ra
           f"1 thread per rank, {_repeat_text(repeat)}", flush=True)
     from gradsync.launch import launch_local
 
-    if MPI_COLUMN in names:  # MPI_COMM_WORLD needs processes started by mpiexec
-        rows = run_with_mpiexec(nproc, dict(sizes=size_list, algorithms=names, repeat=repeat,
-                                            ranks_per_node=ranks_per_node, segment_bytes=segment_bytes))
+    if MPI_COLUMN in names:  # MPI_COMM_WORLD needs processes started by mpiexec: one run per MPI library
+        rows = run_under_each_mpi(nproc, mpi, mpi_settings, dict(
+            sizes=size_list, algorithms=names, repeat=repeat, ranks_per_node=ranks_per_node,
+            segment_bytes=segment_bytes))
     else:
         rows = launch_local(nproc, run_worker, size_list, names, repeat, ranks_per_node, segment_bytes)[0]
-    print(tables_text(rows))
+    print("\n\n".join(mpi_tables(rows, tables_text)))
     if json_path:
         write_json(json_path, rows)
     return rows
@@ -358,18 +362,12 @@ def _run_as_torchrun_worker(nproc, sizes, algorithms, repeat, ranks_per_node, se
 
 
 def _main_under_mpiexec(options_path: str, rows_path: str) -> None:
-    """One process under mpiexec: set up the gradsync group from MPI, run the sweep, rank 0 writes rows."""
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD
-    port = comm.bcast(free_port() if comm.Get_rank() == 0 else None, root=0)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(comm.Get_rank()),
-                      WORLD_SIZE=str(comm.Get_size()), LOCAL_RANK=str(comm.Get_rank()),
-                      LOCAL_WORLD_SIZE=str(comm.Get_size()))
-    options = json.loads(Path(options_path).read_text())
-    rows = run_worker(**options)
+    """One process under mpiexec: set up the gradsync group from MPI, check MPI's sums, run the sweep, rank 0
+    writes rows."""
+    placements, sum_error = join_from_mpi(), check_mpi_sums()
+    rows = run_worker(**json.loads(Path(options_path).read_text()))
     if rows is not None:
-        Path(rows_path).write_text(json.dumps(rows))
+        write_mpi_rows(rows_path, rows, placements, sum_error)
 
 
 if __name__ == "__main__":

