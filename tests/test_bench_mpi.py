@@ -165,7 +165,7 @@ def test_sum_check_catches_a_reduction_that_is_not_the_sum():
 
 # A tiny sweep (ws 2, 4 KiB, one repetition) under every installed MPI, started with the session (tests/_early.py).
 MPI_SWEEP = early_job("bench-mpi-sweep", ["bench", "allreduce", "--nproc", "2", "--sizes", "4K", "--algorithms",
-                                          "shm,mpi", "--repetitions", "1", "--json", "{folder}/rows.json"])
+                                          "shm,mpi", "--repeat", "1", "--json", "{folder}/rows.json"])
 
 
 @pytest.mark.dist
