@@ -22,7 +22,9 @@
   through ``MPI4PY_LIBMPI`` (one process cannot load both MPIs). As root it
   needs ``OMPI_ALLOW_RUN_AS_ROOT{,_CONFIRM}=1``; with more ranks than cores,
   ``--map-by :OVERSUBSCRIBE`` (its environment form below) and
-  ``mpi_yield_when_idle=1``, as Open MPI's docs say for oversubscribed nodes.
+  ``mpi_yield_when_idle=1`` (``ompi_info``: "Yield the processor when waiting
+  for MPI communication (... will default to 1 when oversubscribing nodes)";
+  set here explicitly, and echoed back by ``mpi_show_mca_params``).
 """
 
 from __future__ import annotations

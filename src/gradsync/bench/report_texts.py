@@ -79,8 +79,8 @@ what MPICH's own CI sets for more processes than cores
 (`MPIR_CVAR_CH4_PROGRESS_THROTTLE=1`,
 `MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT=1`,
 `MPIR_CVAR_POLLS_BEFORE_YIELD=1`; `mpivars` lists them as read), and Open
-MPI's run what its docs say for an oversubscribed node (`--map-by
-:OVERSUBSCRIBE`, `mpi_yield_when_idle=1`, echoed by its
+MPI's run `--map-by :OVERSUBSCRIBE` and `mpi_yield_when_idle=1` (its own
+default on an oversubscribed node, set explicitly and echoed by its
 `mpi_show_mca_params`). `--mpi-settings defaults` measures without them.""",
     "allreduce_shm4_after": """\
 How to read it. Every barrier now costs a context switch, so the latency
