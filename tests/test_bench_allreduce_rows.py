@@ -133,3 +133,14 @@ def test_tables_text_adds_the_auto_table_with_its_goal():
     assert text.startswith(format_table(rows)) and "goal <= 1.10x" in text
     assert "1.05x (1.00-1.20)" in text and "met, straddles" in text  # 10.5/10, 12/10, 10/10
     assert "goal" not in tables_text(rows[:1])
+
+
+def test_each_algorithm_takes_every_place_of_the_order_over_as_many_repetitions():
+    from gradsync.bench.allreduce import rotated
+
+    names = ["ring", "shm", "native", "auto"]
+    orders = [rotated(names, k) for k in range(len(names))]
+    assert all(sorted(order) == sorted(names) for order in orders)
+    for place in range(len(names)):
+        assert sorted(order[place] for order in orders) == sorted(names)
+    assert rotated(names, len(names)) == names

@@ -5,7 +5,8 @@ bytes taking ``t`` seconds, algbw = nbytes / t and busbw = algbw · 2(p-1)/p,
 the per-link bandwidth a ring would need, comparable across world sizes.
 ``ratio_to_native`` = native time / algorithm time (above 1: faster than the
 backend's own call). Algorithms are interleaved inside every one of the
-``--repeat R`` repetitions so they see the same machine noise; the time of a
+``--repeat R`` repetitions so they see the same machine noise (in an order
+rotated by one each repetition, so that none always follows the same one); the time of a
 repetition is the slowest rank's, a ratio is formed within each repetition,
 and every figure is reported as the median with its min and max over the
 repetitions (:mod:`gradsync.bench.allreduce_rows`; OSU-style warm-up first,
@@ -153,6 +154,16 @@ def _time_once(comm: Communicator, tensor: torch.Tensor, algorithm: str, iterati
     return seconds / iterations
 
 
+def rotated(names: list[str], repetition: int) -> list[str]:
+    """The order of ``names`` in repetition k: rotated by k, so no algorithm always follows the same one.
+
+    >>> rotated(["ring", "shm", "native"], 1)
+    ['shm', 'native', 'ring']
+    """
+    shift = repetition % len(names)
+    return names[shift:] + names[:shift]
+
+
 def _slowest_rank(comm: Communicator, seconds: float) -> float:
     return max(float(t) for t in ops.all_gather(torch.tensor([seconds], dtype=torch.float64), comm))
 
@@ -188,8 +199,8 @@ def sweep(comm: Communicator, sizes: list[int], algorithms: list[str], repeat: i
         meter = LinkMeter() if hosts > 1 and comm.rank == 0 else None
         for name in algorithms:  # warm-up: buffers, connections, caches
             _time_once(comm, tensor, name, 1, mpi_all_reduce, shared, cells=cells)
-        for _ in range(repeat):
-            for name in algorithms:
+        for repetition in range(repeat):
+            for name in rotated(algorithms, repetition):
                 before = comm.stats.bytes_sent
                 seconds = _time_once(comm, tensor, name, iterations, mpi_all_reduce, shared, meter, cells)
                 sent[name] = (comm.stats.bytes_sent - before) / iterations
