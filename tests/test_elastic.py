@@ -186,7 +186,10 @@ def test_two_failures_in_a_row_lose_no_sample_and_leave_the_model_bitwise_equal(
     assert counts["samples_lost"] == 0 and counts["samples_duplicated"] == 0
     assert counts["samples_used"] == summary["steps"] * GLOBAL_BATCH
     sizes = [len(m["members"]) for m in _memberships(run)]
-    assert sizes[0] == 3 and sizes.count(2) >= 2 and sizes[-1] == 3  # shrank twice, grew back
+    shrinks = sum(after < before for before, after in zip(sizes, sizes[1:]))
+    # shrank at each failure; whether a replacement is back before the next failure or the end is the
+    # machine's timing (3 -> 2 -> 3 -> 2 -> 3, or 3 -> 2 -> 1 -> ... under load), not the contract
+    assert sizes[0] == 3 and shrinks == 2 and max(sizes) == 3
     faults = [e for e in read_events(run) if e["event"] == "fault"]
     assert len(faults) == 2
 
