@@ -71,7 +71,7 @@ SHM_ROWS = early_job("bench-shm-rows", ["bench", "allreduce", "--nproc", "2", "-
                                         "shm,shm_zero_copy", "--shm-cells", "64K", "--repeat", "1",
                                         "--json", "{folder}/rows.json"])
 SMALL_SWEEP = early_job("bench-small-sweep", ["bench", "allreduce", "--nproc", "2", "--sizes", "4K,64K",
-                                              "--algorithms", "ring,tree,auto", "--repeat", "2",
+                                              "--algorithms", "ring,tree,halving_doubling,shm,auto", "--repeat", "2",
                                               "--json", "{folder}/rows.json"])
 TRAIN_RUN = early_job("bench-train", ["bench", "train", "--nproc", "2", "--model", "cnn", "--algorithms", "ring",
                                       "--steps", "2", "--warmup", "1", "--repeat", "1", "--no-memory",
@@ -114,13 +114,13 @@ def test_memory_bound_models():
 @pytest.mark.early_job(SMALL_SWEEP)
 def test_bench_small_sweep_writes_rows_with_nccl_tests_definitions(early):
     """Two ranks, two sizes: one row per (size, algorithm), busbw = algbw·2(p-1)/p, native ratio 1; each
-    repetition's time kept, the ratios paired per repetition; auto set against the faster of ring and tree."""
+    repetition's time kept, the ratios paired per repetition; auto set against the fastest of its candidates."""
     result = early.wait(110)
     out = early.folder / "rows.json"
     assert result.returncode == 0, result.stderr
     rows = json.loads(out.read_text())
     assert [(r["nbytes"], r["algorithm"]) for r in rows] == [
-        (n, a) for n in (4096, 65536) for a in ("ring", "tree", "auto", "native")]
+        (n, a) for n in (4096, 65536) for a in ("ring", "tree", "halving_doubling", "shm", "auto", "native")]
     native = {row["nbytes"]: row["time_us_reps"] for row in rows if row["algorithm"] == "native"}
     for row in rows:
         assert row["world_size"] == 2 and row["time_us"] > 0 and row["repeat"] == 2 and len(row["time_us_reps"]) == 2
@@ -131,9 +131,10 @@ def test_bench_small_sweep_writes_rows_with_nccl_tests_definitions(early):
         assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * 2 * (2 - 1) / 2)
     assert all(row["ratio_to_native"] == pytest.approx(1.0) for row in rows if row["algorithm"] == "native")
     for auto in (row for row in rows if row["algorithm"] == "auto"):
-        rivals = [row for row in rows if row["nbytes"] == auto["nbytes"] and row["algorithm"] in ("ring", "tree")]
+        rivals = [row for row in rows if row["nbytes"] == auto["nbytes"] and row["algorithm"] in
+                  ("ring", "tree", "halving_doubling", "shm")]
         assert auto["fastest"] == min(rivals, key=lambda row: row["time_us"])["algorithm"]
-    assert "auto / fastest" in result.stdout
+    assert "auto / the fastest" in result.stdout and "incomplete" not in result.stdout
     ring = [row for row in rows if row["algorithm"] == "ring"]
     assert all(row["bytes_sent_per_call"] == row["nbytes"] for row in ring)  # 2(p-1)/p·N at p = 2
     assert format_table(rows).splitlines()[0] in result.stdout

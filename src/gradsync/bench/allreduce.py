@@ -32,7 +32,7 @@ import torch
 import gradsync
 from gradsync.bench.across_hosts import (LinkMeter, check_host_options, print_rank0_rows, run_bench_on_hosts,
                                         world_layout)
-from gradsync.bench.allreduce_rows import format_table, row_figures
+from gradsync.bench.allreduce_rows import bound_spread, format_table, row_figures
 from gradsync.bench.auto_rows import annotate_auto_rows, auto_rows, format_auto_table
 from gradsync.bench.output import claim_json_path, write_json
 from gradsync.bench.memory_bound import bound_fraction, bytes_per_payload_byte, measure_bandwidth
@@ -213,8 +213,9 @@ def sweep(comm: Communicator, sizes: list[int], algorithms: list[str], repeat: i
                                    bandwidth) if bandwidth and world_size > 1 else None  # alone, nothing moves
             row = Row(name, world_size, tensor.numel() * 4, sent[name], repeat, iterations, hosts, per_host, link,
                       fraction, bound, bandwidth / 1e9 if bound is not None else None)
-            rows.append({**asdict(row), **figures[name]})
+            rows.append({**asdict(row), **figures[name], **bound_spread(bound, figures[name])})
     return annotate_auto_rows(rows)
+
 
 
 def run_worker(sizes: list[int], algorithms: list[str], repeat: int, ranks_per_node: int | None,
@@ -240,6 +241,8 @@ def run_worker(sizes: list[int], algorithms: list[str], repeat: int, ranks_per_n
 def tables_text(rows: list[dict]) -> str:
     """What the bench prints for ``rows``: the sweep's table, then auto against the fastest when auto ran."""
     judged = auto_rows(rows)
+    if not judged and any(row["algorithm"] == "auto" for row in rows):
+        return format_table(rows) + "\n\n# auto not judged: no algorithm it may choose was measured beside it"
     return format_table(rows) + ("\n\n" + format_auto_table(judged) if judged else "")
 
 
@@ -265,6 +268,8 @@ def _parse_options(nproc: int, sizes: str, algorithms: str | None, repeat: int,
             DEFAULT_ALGORITHMS + (f",{MPI_COLUMN}" if mpi_available() else ""))
     names = [name.strip() for name in algorithms.split(",")]
     names += [cell_name(_cell_bytes(text, hosts)) for text in shm_cells.split(",")] if shm_cells else []
+    _refuse_repeats("--sizes", size_list)
+    _refuse_repeats("--algorithms/--shm-cells", names)
     for name in names:
         if name == MPI_COLUMN and hosts:
             raise ValueError("--algorithms mpi does not run across --hosts (mpiexec starts the processes)")
@@ -294,6 +299,13 @@ def _parse_options(nproc: int, sizes: str, algorithms: str | None, repeat: int,
     if ranks_per_node < 1 or nproc % ranks_per_node:
         raise ValueError(f"--ranks-per-node {ranks_per_node} must be >= 1 and divide --nproc {nproc}")
     return size_list, names, ranks_per_node
+
+
+def _refuse_repeats(option: str, values: list) -> None:
+    """Raises ValueError naming ``option`` when a value appears twice (a row would be measured twice)."""
+    twice = sorted({str(value) for value in values if values.count(value) > 1})
+    if twice:
+        raise ValueError(f"{option}: {', '.join(twice)} given more than once")
 
 
 def _worker_argv(sizes: str, names: list[str], repeat: int, segment_bytes: int | None,
@@ -327,6 +339,8 @@ def run_sweep(*, nproc: int, sizes: str, algorithms: str | None, repeat: int, ra
         return _run_as_torchrun_worker(nproc, sizes, algorithms, repeat, ranks_per_node, segment_bytes,
                                        json_path, hosts, inter_host_gbit)
     check_host_options(hosts, inter_host_gbit, join_timeout_s)
+    if hosts and (mpi is not None or mpi_settings != "auto"):
+        raise ValueError("--mpi/--mpi-settings: MPI does not run across --hosts (mpiexec starts one host's ranks)")
     size_list, names, ranks_per_node = _parse_options(nproc, sizes, algorithms, repeat,
                                                       ranks_per_node, segment_bytes, hosts, shm_cells)
     check_mpi_options(mpi, mpi_settings, MPI_COLUMN in names)

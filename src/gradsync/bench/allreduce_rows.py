@@ -104,3 +104,12 @@ def format_table(rows: list[dict]) -> str:
 def width(rows: list[dict], cell, least: int) -> int:
     """A column's width: ``least``, or its longest cell's length plus one space."""
     return max([least] + [len(cell(row)) + 1 for row in rows])
+
+
+def bound_spread(bound: float | None, figures: dict) -> dict:
+    """``bound_fraction_median/_min/_max``: the bound's time over the median, slowest and fastest repetition."""
+    if bound is None:
+        return {}
+    median_s = figures["time_us"]
+    return {"bound_fraction_median": bound, "bound_fraction_min": bound * median_s / figures["time_us_max"],
+            "bound_fraction_max": bound * median_s / figures["time_us_min"]}

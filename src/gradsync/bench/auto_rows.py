@@ -30,7 +30,8 @@ def auto_candidates(hosts: int) -> tuple[str, ...]:
 def auto_rows(rows: list[dict]) -> list[dict]:
     """One row per ``auto`` row of ``rows`` that has a candidate measured beside it (same size and layout):
     ``fastest`` (its name), ``fastest_us``, ``auto_us`` (median times), ``auto_vs_fastest`` with
-    ``_median``/``_min``/``_max`` (paired per repetition), and ``verdict`` against :data:`AUTO_GOAL`.
+    ``_median``/``_min``/``_max`` (paired per repetition), and ``verdict`` against :data:`AUTO_GOAL`
+    ("incomplete" when some candidate was not measured: ``missing`` names them).
 
     Raises:
         ValueError: the two rows recorded different numbers of repetitions.
@@ -43,10 +44,12 @@ def auto_rows(rows: list[dict]) -> list[dict]:
         if not same:
             continue
         fastest = min(same, key=lambda row: row["time_us"])
+        missing = [name for name in auto_candidates(hosts) if name not in {row["algorithm"] for row in same}]
         summary = {"hosts": hosts, "world_size": auto["world_size"], "nbytes": auto["nbytes"],
                    "auto_us": auto["time_us"], "fastest": fastest["algorithm"], "fastest_us": fastest["time_us"],
-                   **_ratio(auto, fastest)}
-        summary["verdict"] = verdict(summary, "auto_vs_fastest", AUTO_GOAL)
+                   "missing": missing, **_ratio(auto, fastest)}
+        # against some candidates only, the fastest may be missing: no verdict
+        summary["verdict"] = "incomplete" if missing else verdict(summary, "auto_vs_fastest", AUTO_GOAL)
         out.append(summary)
     return out
 
@@ -73,6 +76,10 @@ def format_auto_table(rows: list[dict]) -> str:
     """``auto`` against the fastest candidate measured beside it (rows of :func:`auto_rows`), goal stated first."""
     header = (f"# auto / the fastest algorithm auto may choose, same run, median (min-max) over the repetitions; "
               f"goal: median <= {AUTO_GOAL:.2f}x")
+    missing = sorted({name for row in rows for name in row.get("missing", [])})
+    if missing:
+        header += (f"\n# incomplete: {', '.join(missing)} not measured (--algorithms), so the fastest candidate "
+                   f"may be absent; no verdict")
     ratio = spread_cell("auto_vs_fastest", ".2f", "x")
     return header + "\n" + format_rows(rows, [
         ("hosts", 6, lambda row: f"{row['hosts']}x{row['world_size'] // row['hosts']}"),

@@ -139,6 +139,8 @@ def check_mpi_options(mpi: str | None, mode: str, measured: bool) -> list[str]:
     if not measured:
         if mpi is not None:
             raise ValueError(f"--mpi {mpi}: the mpi column is not measured (add mpi to --algorithms)")
+        if mode != "auto":
+            raise ValueError(f"--mpi-settings {mode}: the mpi column is not measured (add mpi to --algorithms)")
         return []
     return parse_mpi_option(mpi)
 

@@ -113,6 +113,8 @@ def record(name: str, bench_args: list[str], bench_dir: str | Path, *, parse: Pa
     """
     if name not in BENCHES:
         raise ValueError(f"unknown bench {name!r}; choose from {', '.join(BENCHES)}")
+    if name == "sim_scale" and {"--validate", "--reproduce", "train"} & set(bench_args):
+        raise ValueError("sim_scale records the scale sweep: --validate, --reproduce and train are other records")
     for option in SIM_CHOSEN.get(name, ("--json", "--out")):
         if any(arg == option or arg.startswith(option + "=") for arg in bench_args):
             raise ValueError(f"{option} is chosen by record; leave it out of the options")

@@ -225,7 +225,12 @@ def _summary(documents: dict[str, dict]) -> str:
 
 
 def _tables(name: str, rows: list[dict]) -> list[str]:
-    return sim_tables(name, rows) if name in SIM_COMMANDS else tables(name, rows)
+    """The record's tables. Raises ValueError naming the record when its rows lack what its bench writes."""
+    try:
+        return sim_tables(name, rows) if name in SIM_COMMANDS else tables(name, rows)
+    except (KeyError, TypeError, AttributeError, IndexError) as exc:
+        raise ValueError(f"{name}.json: its rows are not what `gradsync {' '.join(command_of(name))}` writes "
+                         f"({type(exc).__name__}: {exc})") from None
 
 
 def _section(name: str, document: dict | None, bench_dir: Path, heading: str) -> list[str]:

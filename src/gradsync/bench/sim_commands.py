@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from gradsync.bench.spread import add_repeat_option
+from gradsync.bench.spread import DEFAULT_REPEAT, add_repeat_option
 from gradsync.sim import PROFILE_NAMES, SIMULATED
 
 _ALGORITHMS = ",".join(name for name in SIMULATED if name != "shm")
@@ -69,6 +69,10 @@ def _add_scale_options(parser: argparse.ArgumentParser) -> None:
 
 
 def simulate(args: argparse.Namespace) -> int:
+    if args.validate and getattr(args, "reproduce", False):
+        raise ValueError("--validate and --reproduce are two commands: give one")
+    if not args.validate and args.repeat != DEFAULT_REPEAT:
+        raise ValueError(f"--repeat {args.repeat}: only --validate repeats a measurement (the rest is computed)")
     if getattr(args, "simulate", None) == "train" and args.validate:
         from gradsync.bench.train_validation import run as run_train_validation
         return run_train_validation(args)

@@ -1,0 +1,75 @@
+"""What a new user tried against the benches of issue 37: each refused in one line before any process starts,
+and auto never judged against only some of what it may choose."""
+
+import json
+import subprocess
+
+import pytest
+
+from gradsync.bench.allreduce_rows import bound_spread
+from gradsync.bench.auto_rows import auto_rows, format_auto_table
+from gradsync.bench.report import render
+from gradsync.cli import main
+
+
+def _main(argv, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, captured.out, captured.err)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["bench", "allreduce", "--nproc", "2", "--sizes", "4K", "--algorithms", "shm,shm"], "shm given more than once"),
+    (["bench", "allreduce", "--nproc", "2", "--sizes", "4K", "--algorithms", "shm,native,native"], "native given"),
+    (["bench", "allreduce", "--nproc", "2", "--sizes", "4K,4K"], "--sizes: 4096 given more than once"),
+    (["bench", "allreduce", "--nproc", "2", "--sizes", "4K", "--algorithms", "shm", "--shm-cells", "1M,1M"],
+     "shm@1M given more than once"),
+    (["bench", "allreduce", "--nproc", "2", "--sizes", "4K", "--algorithms", "shm", "--mpi-settings", "defaults"],
+     "--mpi-settings defaults: the mpi column is not measured"),
+    (["bench", "allreduce", "--hosts", "2", "--nproc", "2", "--mpi", "mpich"], "MPI does not run across --hosts"),
+    (["simulate", "--repeat", "2", "--gpus", "8", "--sizes", "4K"], "only --validate repeats"),
+    (["simulate", "--validate", "--reproduce"], "give one"),
+    (["bench", "record", "--bench-dir", "{tmp}", "sim_scale", "--validate"], "other records"),
+])
+def test_a_contradictory_or_repeated_option_is_one_line_before_anything_runs(argv, needle, capsys, tmp_path):
+    result = _main([arg.format(tmp=tmp_path) for arg in argv], capsys)
+    assert result.returncode == 2, result
+    assert needle in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def _timed(algorithm, times_us):
+    return {"algorithm": algorithm, "world_size": 2, "nbytes": 4096, "hosts": 1, "time_us": sorted(times_us)[1],
+            "time_us_reps": times_us}
+
+
+def test_auto_against_some_candidates_only_gets_no_verdict():
+    rows = [_timed("auto", [50.0, 60.0, 70.0]), _timed("ring", [1000.0, 1100.0, 1200.0])]
+    (judged,) = auto_rows(rows)
+    assert judged["verdict"] == "incomplete"
+    assert judged["missing"] == ["tree", "halving_doubling", "shm"]
+    assert "incomplete: halving_doubling, shm, tree not measured" in format_auto_table([judged])
+    every = rows + [_timed(name, [55.0, 60.0, 65.0]) for name in ("tree", "halving_doubling", "shm")]
+    (complete,) = auto_rows(every)
+    assert complete["missing"] == [] and complete["verdict"] == "met"  # 1.00 (0.91-1.08) against tree
+
+
+def test_the_memory_bound_fraction_carries_its_spread():
+    figures = {"time_us": 200.0, "time_us_min": 100.0, "time_us_max": 400.0}
+    spread = bound_spread(0.5, figures)  # the bound's time is 100 us
+    assert spread == pytest.approx({"bound_fraction_median": 0.5, "bound_fraction_min": 0.25,
+                                    "bound_fraction_max": 1.0})
+    assert bound_spread(None, figures) == {}
+
+
+def test_a_record_with_rows_its_bench_does_not_write_is_named_not_a_traceback(tmp_path):
+    document = {"format": 1, "bench": "replicas", "command": "gradsync bench replicas", "options": {},
+                "date": "2026-12-07T00:00:00Z", "duration_s": 1.0, "load_before": [1.0, 1.0, 1.0],
+                "load_after": [1.0, 1.0, 1.0], "machine": {"cpu_count": 2}, "versions":
+                {"gradsync": "0", "torch": "0", "python": "3"}, "rows": [{"foo": 1}]}
+    (tmp_path / "replicas.json").write_text(json.dumps(document))
+    with pytest.raises(ValueError, match=r"replicas.json: its rows are not what `gradsync bench replicas` writes"):
+        render(tmp_path)
