@@ -65,7 +65,8 @@ def _add_faults_bench_options(parser: argparse.ArgumentParser) -> None:
     add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
     add("--elastic", action="store_true", help="gradsync train --elastic instead of restarts: a kill and a hang "
         "(shrink, then grow back), a chaos run killing a random worker every --kill-every s, and torchft's "
-        "fault-tolerant DDP on the same chaos schedule")
+        "fault-tolerant DDP killed at the same mean rate (each library's own schedule: gradsync every 0.8-1.2 x "
+        "--kill-every s from its start; torchft every --kill-every s inside its measured window)")
     add("--chaos-s", type=float, default=150.0, help="--elastic: length of each chaos run (and of its "
         "fault-free twin), seconds (default %(default)s)")
     add("--kill-every", type=float, default=15.0, help="--elastic: seconds between kills in the chaos run "
