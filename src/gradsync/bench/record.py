@@ -71,7 +71,9 @@ def _git_commit() -> str | None:
         return None
     if result.returncode != 0 or not result.stdout.strip():
         return None
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+    # the recorded results themselves (docs/) do not make the code that measured them dirty
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":(top)",
+                            ":(top,exclude)docs"], capture_output=True,
                            text=True, timeout=10, cwd=Path(__file__).parent).stdout.strip()
     return result.stdout.strip() + ("-dirty" if dirty else "")
 
