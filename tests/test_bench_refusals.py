@@ -73,3 +73,13 @@ def test_a_record_with_rows_its_bench_does_not_write_is_named_not_a_traceback(tm
     (tmp_path / "replicas.json").write_text(json.dumps(document))
     with pytest.raises(ValueError, match=r"replicas.json: its rows are not what `gradsync bench replicas` writes"):
         render(tmp_path)
+
+
+def test_the_restart_faults_bench_is_one_run_whatever_its_parsed_repeat():
+    from gradsync.bench.record import _repeat_of
+    from gradsync.bench.report import repetitions
+
+    assert _repeat_of("faults", {"elastic": False, "repeat": 5}) is None
+    assert _repeat_of("faults_elastic", {"elastic": True, "repeat": 3}) == 3
+    assert repetitions({"bench": "faults", "repeat": 5, "options": {"elastic": False, "repeat": 5}}) == (1, "1 run")
+    assert repetitions({"bench": "faults_elastic", "repeat": 3, "options": {"elastic": True}})[0] == 3

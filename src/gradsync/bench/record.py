@@ -100,6 +100,14 @@ def _files(name: str, scratch: Path) -> list[str]:
     return extra
 
 
+def _repeat_of(name: str, options: dict) -> int | None:
+    """The record's ``--repeat``, None where the command ignores it (simulate's computations, faults without
+    --elastic)."""
+    if (name in SIM_COMMANDS and name not in SIM_REPEATED) or (name == "faults" and not options.get("elastic")):
+        return None
+    return options.get("repeat")
+
+
 def record(name: str, bench_args: list[str], bench_dir: str | Path, *, parse: Parse, run: Run) -> Path:
     """Run ``gradsync bench NAME *bench_args`` (or the simulator command of ``NAME``,
     :data:`gradsync.bench.sim_report.SIM_COMMANDS`) and write ``bench_dir/NAME.json`` (rows + metadata).
@@ -145,7 +153,7 @@ def record(name: str, bench_args: list[str], bench_dir: str | Path, *, parse: Pa
     rows = [{key: value for key, value in row.items() if key not in _DROPPED_KEYS} for row in rows]
     document = {"format": FORMAT_VERSION, "bench": name,
                 "command": shlex.join(["gradsync", *command, *bench_args]), "options": options,
-                "repeat": options.get("repeat") if name not in SIM_COMMANDS or name in SIM_REPEATED else None,
+                "repeat": _repeat_of(name, options),
                 "date": date, "duration_s": round(duration_s, 1),
                 "load_before": load_before, "load_after": load_after, "machine": where, "versions": what,
                 "rows": rows}

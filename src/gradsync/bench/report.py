@@ -179,6 +179,8 @@ def repetitions(document: dict) -> tuple[int, str]:
     count = document["repeat"] if "repeat" in document else options.get("repeat")
     if document.get("bench") in SIM_COMMANDS and document.get("bench") not in SIM_REPEATED:
         return 1, "1 run"
+    if document.get("bench") == "faults" and not options.get("elastic"):
+        return 1, "1 run"  # the restart-based runs compare nothing (--repeat is --elastic's)
     if count:
         return count, f"{count} (`--repeat {count}`: each figure the median, with min-max)"
     for option in ("repetitions", "rounds"):
