@@ -3,24 +3,18 @@
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
+from _cli import run_cli
 from _early import early_job
 from gradsync.bench import train as train_bench
 from gradsync.bench.allreduce import format_table, parse_nbytes
 from gradsync.bench.memory_bound import bound_fraction, bytes_per_payload_byte
-from gradsync.cli import main
 
 
 def _main(argv, capsys):
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    captured = capsys.readouterr()
-    return subprocess.CompletedProcess(argv, code, captured.out, captured.err)
+    return run_cli(argv, capsys)
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -2,23 +2,17 @@
 and auto never judged against only some of what it may choose."""
 
 import json
-import subprocess
 
 import pytest
 
 from gradsync.bench.allreduce_rows import bound_spread
 from gradsync.bench.auto_rows import auto_rows, format_auto_table
 from gradsync.bench.report import render
-from gradsync.cli import main
+from _cli import run_cli
 
 
 def _main(argv, capsys):
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    captured = capsys.readouterr()
-    return subprocess.CompletedProcess(argv, code, captured.out, captured.err)
+    return run_cli(argv, capsys)
 
 
 @pytest.mark.parametrize("argv, needle", [
