@@ -13,9 +13,9 @@ from gradsync.bench import record as bench_record
 from gradsync.bench.command_line import (_add_allreduce_bench_options, _add_compression_bench_options,
                                          _add_deterministic_bench_options, _add_faults_bench_options,
                                          _add_modes_bench_options, _add_replicas_bench_options,
-                                         _add_train_bench_options, bench_allreduce, bench_compression,
-                                         bench_deterministic, bench_faults, bench_modes, bench_replicas,
-                                         bench_train)
+                                         _add_train_bench_options, add_memory_bench_parser, bench_allreduce,
+                                         bench_compression, bench_deterministic, bench_faults, bench_memory,
+                                         bench_modes, bench_replicas, bench_train)
 from gradsync.bench import report as bench_report
 from gradsync.bench.sim_commands import ENTRY_POINTS as SIM_COMMANDS
 from gradsync.bench.sim_commands import add_parsers as add_sim_parsers
@@ -194,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train the MNIST-1D CNN (global batch 256) and the ~25M-parameter MLP (128) with DataParallel "
                     "and DeterministicDataParallel per --micro-shards, alternating over rounds, 1 torch thread per "
                     "rank; print samples/s, the ratio, communication per step and peak RSS per rank."))
+    add_memory_bench_parser(benches)
     bench_report.add_parser(benches)
     bench_record.add_parser(benches)
     debug = commands.add_parser(
@@ -263,7 +264,7 @@ def _record(args: argparse.Namespace) -> int:
 
 _BENCHES = {"allreduce": bench_allreduce, "train": bench_train, "compression": bench_compression,
             "modes": bench_modes, "faults": bench_faults, "deterministic": bench_deterministic,
-            "replicas": bench_replicas, "report": bench_report.run,
+            "replicas": bench_replicas, "memory": bench_memory, "report": bench_report.run,
             "record": _record}
 
 

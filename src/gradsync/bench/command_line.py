@@ -244,3 +244,40 @@ def bench_faults(args: argparse.Namespace) -> int:
               fault_rank=args.fault_rank, fault_step=args.fault_step, num_samples=args.num_samples, out=args.out,
               json_path=args.json)
     return 0
+
+
+def add_memory_bench_parser(benches: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``gradsync bench memory`` (bytes per rank at every shard level, against torch's ZeRO)."""
+    parser = benches.add_parser(
+        "memory", help="bytes per rank at every shard level (ZeRO-1/2) next to torch's ZeroRedundancyOptimizer",
+        description="Count the bytes each rank holds (parameters, gradients, optimizer state, communication "
+                    "buffers) at the peak of one training step, with the peak RSS, for DataParallel at every shard "
+                    "level and torch's ZeroRedundancyOptimizer with DDP; check each against shard=none's parameters, "
+                    "then time them all, interleaved in each of --repeat repetitions; judge issue 38's goals.")
+    add = parser.add_argument
+    add("--model", default="gpt,mlp", help="comma-separated: gpt (decoder-only transformer, ~25M parameters, "
+        "depth 8, 4 sequences of 64 characters per rank), mlp (1024-4096-4096-1024-10, ~25.2M, batch 64 per rank) "
+        "(default %(default)s)")
+    add("--optimizer", default="adamw", help="adamw (lr 1e-3) or sgd (lr 0.01, momentum 0.9) (default %(default)s)")
+    add("--nproc", default="1,2,4", help="comma-separated world sizes, one local world each (default %(default)s)")
+    add("--impls", default="gradsync,torch-zero", help="comma-separated: gradsync (DataParallel), torch-zero "
+        "(DDP + ZeroRedundancyOptimizer) (default %(default)s)")
+    add("--shards", default="none,optimizer,gradients", help="gradsync's shard levels; none (the baseline) is "
+        "always measured (default %(default)s)")
+    add("--algorithm", default="auto", help="DataParallel's algorithm at every level (default %(default)s)")
+    add("--bucket-cap-mb", type=float, default=25.0, help="bucket cap of DataParallel and DDP (default %(default)s)")
+    add("--steps", type=int, default=3, help="timed steps per repetition (default %(default)s)")
+    add("--warmup", type=int, default=1, help="untimed steps before them (default %(default)s)")
+    add_repeat_option(parser, what="repetitions, each timing every setting once (rotated)")
+    add("--no-throughput", dest="throughput", action="store_false", help="bytes and peak RSS only")
+    add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
+    return parser
+
+
+def bench_memory(args: argparse.Namespace) -> int:
+    from gradsync.bench.shard_memory import run_bench
+
+    run_bench(models=args.model, optimizer=args.optimizer, nproc=args.nproc, impls=args.impls, shards=args.shards,
+              algorithm=args.algorithm, bucket_cap_mb=args.bucket_cap_mb, steps=args.steps, warmup=args.warmup,
+              repeat=args.repeat, json_path=args.json, throughput=args.throughput)
+    return 0

@@ -1,0 +1,141 @@
+"""``bench memory``: bytes counted by hand, the torch peer's counts against formulas, rows and goals from
+synthetic figures, one small world of 2 ranks, and bad options refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _cli import run_cli
+from _dist import run_world
+from gradsync.bench.shard_memory_rows import (BASELINE, TORCH_ZERO, Setting, format_table, goal_lines, memory_rows,
+                                              settings_for)
+from gradsync.parallel.memory import count_bytes, total_bytes
+
+TINY_MLP_WIDTHS = (16, 64, 32, 10)
+TINY_MLP_PARAMS = 16 * 64 + 64 + 64 * 32 + 32 + 32 * 10 + 10   # 3498 elements in 6 tensors
+
+
+def test_count_bytes_charges_each_storage_once_in_the_first_part_that_holds_it():
+    """Views cost their whole storage once; a storage seen under parameters costs nothing under gradients."""
+    flat = torch.zeros(10)                                   # 40 bytes, viewed twice
+    moments = torch.zeros(2, 3)                              # 24 bytes, and its transpose
+    half = torch.zeros(100, dtype=torch.float16)             # 200 bytes, of which a 10-element window is held
+    held = {"parameters": [flat[:4], flat[4:]],
+            "gradients": [torch.zeros(3, dtype=torch.float64), flat[2:5], None],       # 24 + 0
+            "optimizer_state": [moments, moments.t(), torch.tensor(1.0)],               # 24 + 0 + 4
+            "buffers": [torch.zeros(5, dtype=torch.int16), half[10:20], torch.zeros(0)]}  # 10 + 200 + 0
+    counts = count_bytes(held)
+    assert counts == {"parameters": 40, "gradients": 24, "optimizer_state": 28, "buffers": 210}
+    assert total_bytes(counts) == 302
+    assert count_bytes({"buffers": [flat]}) == {"parameters": 0, "gradients": 0, "optimizer_state": 0, "buffers": 40}
+
+
+def test_count_bytes_refuses_unknown_parts_and_non_tensors():
+    with pytest.raises(ValueError, match="unknown part 'activations'"):
+        count_bytes({"activations": [torch.zeros(1)]})
+    with pytest.raises(TypeError, match="held gradients must be tensors"):
+        count_bytes({"gradients": [[1.0]]})
+
+
+def _entry(parameters, gradients, optimizer_state, buffers, rss=300.0):
+    parts = {"parameters": parameters, "gradients": gradients, "optimizer_state": optimizer_state, "buffers": buffers}
+    return {"parts": parts, "peak_at": "step", "total_bytes_per_rank": [sum(parts.values())] * 4,
+            "peak_rss_mib_per_rank": [rss] * 4, "parameters": 25}
+
+
+def _goal_rows():
+    """gpt at world size 4 with AdamW: bytes and per-repetition seconds (4 steps of 16 samples) by hand."""
+    optimizer, gradients = Setting("gradsync", "optimizer"), Setting("gradsync", "gradients")
+    counted = {BASELINE: _entry(100, 100, 200, 100),           # 500 bytes
+               optimizer: _entry(100, 100, 51, 90),            # 341: 0.682 of none's; state 0.255
+               gradients: _entry(100, 25, 50, 110),            # 285: 0.57; state 0.25
+               TORCH_ZERO: _entry(100, 100, 60, 100)}          # 360
+    timed = {BASELINE: {"equal_to_none": True, "max_abs_diff": 0.0, "elapsed_s": [1.0, 2.0, 1.0]},
+             optimizer: {"equal_to_none": True, "max_abs_diff": 1e-8, "elapsed_s": [1.0, 2.5, 0.9]},
+             gradients: {"equal_to_none": False, "max_abs_diff": 0.5, "elapsed_s": None},
+             TORCH_ZERO: {"equal_to_none": True, "max_abs_diff": 2e-8, "elapsed_s": [2.0, 2.0, 2.0]}}
+    base = {"model": "gpt", "world_size": 4, "optimizer": "adamw", "samples_per_step": 16, "steps": 4}
+    return memory_rows(base, counted, timed)
+
+
+def test_rows_pair_samples_per_s_per_repetition_and_divide_bytes_by_the_baseline():
+    none, optimizer, gradients, zero = _goal_rows()
+    assert (none["impl"], none["shard"], none["total_bytes"], none["total_vs_none"]) == ("gradsync", "none", 500, None)
+    assert none["samples_per_s"] == pytest.approx(64.0) and none["samples_per_s_min"] == pytest.approx(32.0)
+    assert optimizer["total_vs_none"] == pytest.approx(0.682)
+    assert optimizer["optimizer_state_vs_none"] == pytest.approx(0.255)
+    # none's time over optimizer's per repetition: 1.0, 0.8, 1.111 -> median 1.0
+    assert (optimizer["samples_per_s_vs_none"], optimizer["samples_per_s_vs_none_min"],
+            optimizer["samples_per_s_vs_none_max"]) == pytest.approx((1.0, 0.8, 1 / 0.9))
+    # torch-zero's time over optimizer's: 2.0, 0.8, 2.222
+    assert optimizer["samples_per_s_vs_torch_zero"] == pytest.approx(2.0)
+    assert optimizer["total_vs_torch_zero"] == pytest.approx(341 / 360)
+    assert gradients["samples_per_s"] is None and gradients["equal_to_none"] is False
+    assert zero["total_vs_torch_zero"] is None and zero["samples_per_s_vs_none"] == pytest.approx(0.5)
+
+
+def test_goal_lines_judge_the_gpt_rows_at_world_size_4():
+    lines = goal_lines(_goal_rows())
+    text = "\n".join(lines)
+    assert "shard=optimizer: optimizer-state bytes <= 1/4 of shard=none's + 1%: 0.255x: missed" in text
+    assert "shard=gradients: optimizer-state bytes <= 1/4 of shard=none's + 1%: 0.250x: met" in text
+    assert "shard=optimizer: peak counted bytes >= 30% below shard=none's: 0.682x: met" in text
+    assert "shard=gradients: peak counted bytes >= 45% below shard=none's: 0.570x: missed" in text
+    assert "shard=optimizer: samples/s >= 0.95x shard=none's (paired, median): 1.000x (0.800-1.111): met, straddles" \
+        in text
+    assert ("shard=gradients: samples/s >= 0.95x shard=none's (paired, median): not measured (its parameters "
+            "differed from shard=none's, so it was not timed)") in text
+    assert len(lines) == 10  # two levels for each goal but the two byte reductions (one level each)
+    assert "differs 5.0e-01" in format_table(_goal_rows())
+    elsewhere = [dict(row, world_size=2) for row in _goal_rows()]
+    assert all("not measured (no such rows)" in line for line in goal_lines(elsewhere))
+
+
+def test_settings_put_the_baseline_first_and_add_each_peer_at_its_levels():
+    assert settings_for(["torch-zero", "gradsync"], ["optimizer", "none"]) == [
+        BASELINE, Setting("gradsync", "optimizer"), TORCH_ZERO]
+
+
+def _rank_memory_world():
+    """One world: the bench's byte runs of the baseline and the torch peer (2 steps each), then the check and
+    timing of both (1 repetition of 1 step)."""
+    from gradsync.bench.shard_memory import Options, check_and_time, measure_bytes
+    from gradsync.bench.shard_memory_models import BenchModel
+
+    spec, options = BenchModel("mlp", TINY_MLP_WIDTHS, 4), Options(steps=1, warmup=0, repeat=1)
+    return {"none": measure_bytes(spec, BASELINE, options), "zero": measure_bytes(spec, TORCH_ZERO, options),
+            "timed": check_and_time(spec, [BASELINE, TORCH_ZERO], options)}
+
+
+def test_a_world_of_2_counts_bytes_by_formula_and_checks_the_peer_before_timing_it():
+    """AdamW holds exp_avg and exp_avg_sq (8 bytes a parameter) and a 4-byte step per tensor; ZeRO splits whole
+    tensors between the ranks, so their states add up to the full state; DDP's buckets hold every gradient."""
+    none, zero, timed = run_world(2, _rank_memory_world, timeout_s=60)[0].values()
+    full_state = 8 * TINY_MLP_PARAMS + 4 * 6
+    assert none["parameters"] == zero["parameters"] == TINY_MLP_PARAMS
+    assert none["parts"]["parameters"] == none["parts"]["gradients"] == 4 * TINY_MLP_PARAMS
+    assert none["parts"]["optimizer_state"] == full_state
+    assert none["parts"]["buffers"] >= 4 * TINY_MLP_PARAMS   # the flat buckets (and their arena)
+    assert none["peak_at"] in ("backward", "step") and len(none["peak_rss_mib_per_rank"]) == 2
+    assert zero["parts"]["parameters"] == zero["parts"]["gradients"] == zero["parts"]["buffers"] == 4 * TINY_MLP_PARAMS
+    states = zero["optimizer_state_bytes_per_rank"]
+    assert sum(states) == full_state and 0 < min(states) and zero["parts"]["optimizer_state"] == max(states)
+    assert timed[TORCH_ZERO]["equal_to_none"] and timed[TORCH_ZERO]["max_abs_diff"] < 1e-6
+    assert len(timed[BASELINE]["elapsed_s"]) == len(timed[TORCH_ZERO]["elapsed_s"]) == 1
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--model", "resnet"], "--model: unknown resnet; choose from gpt, mlp"),
+    (["--optimizer", "lamb"], "--optimizer: unknown 'lamb'"),
+    (["--nproc", "2,0"], "--nproc: '0' is not a world size"),
+    (["--nproc", "2,2"], "--nproc: 2 given more than once"),
+    (["--shards", "parameters"], "--shards: unknown parameters"),
+    (["--impls", "deepspeed"], "--impls: unknown deepspeed"),
+    (["--repeat", "0"], "--repeat must be an integer >= 1"),
+])
+def test_bad_options_are_one_line_before_any_process_starts(argv, needle, capsys):
+    result = run_cli(["bench", "memory", *argv], capsys)
+    assert result.returncode == 2, result
+    assert needle in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
