@@ -44,7 +44,7 @@ test-slow: $(STAMP)
 # 15"`; a bench's full-length defaults: `gradsync bench NAME` (`gradsync bench record NAME` keeps it).
 BENCH_DIR := docs/bench
 BENCHES ?= allreduce allreduce_shm2 allreduce_shm4 allreduce_hosts_1g allreduce_hosts_10g train compression modes faults \
-	faults_elastic deterministic replicas \
+	faults_elastic deterministic replicas memory \
 	sim_calibrate sim_validate sim_reproduce sim_scale
 BENCH_allreduce ?= --nproc 4 --sizes 4K,64K,1M,16M,64M --algorithms ring,tree,halving_doubling,hierarchical,shm,shm_zero_copy,native,auto
 # shared memory against MPICH and Open MPI (`make setup` installs both; one run and table each, every installed MPI)
@@ -64,6 +64,8 @@ BENCH_faults ?= --epochs 3
 BENCH_faults_elastic ?= --elastic --epochs 3 --chaos-s 60 --kill-every 15 --repeat 3
 BENCH_deterministic ?= --nproc 2,4 --model cnn,mlp --micro-shards 4,12 --steps 20 --repeat 3
 BENCH_replicas ?= --nproc 2,4 --model cnn,mlp
+# bytes per rank at every shard level and torch's ZeroRedundancyOptimizer; 3 repetitions of 2 steps (defaults: 5 of 3)
+BENCH_memory ?= --model gpt,mlp --optimizer adamw --nproc 1,2,4 --steps 2 --warmup 1 --repeat 3
 # the simulator: this machine's profile, predicted against measured here (calibrates itself; test hosts need
 # root), against published nccl-tests curves, and the at-scale table (the command docs/simulator.md shows)
 BENCH_sim_calibrate ?= --settings full

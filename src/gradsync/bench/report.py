@@ -34,7 +34,7 @@ from gradsync.bench.sim_report import tables as sim_tables
 
 # Record names: a bench, or "<bench>_<label>" for a second setting of one (the test-host sweeps).
 BENCHES = ("allreduce", "allreduce_shm2", "allreduce_shm4", "allreduce_hosts_1g", "allreduce_hosts_10g", "train",
-           "compression", "modes", "faults", "faults_elastic", "deterministic", "replicas")
+           "compression", "modes", "faults", "faults_elastic", "deterministic", "replicas", "memory")
 BENCHES = BENCHES + tuple(SIM_COMMANDS)  # the simulator's records: calibrate, --validate, --reproduce, scale
 DEFAULT_BENCH_DIR = "docs/bench"
 DEFAULT_OUT = "docs/benchmarks.md"
@@ -163,6 +163,9 @@ def tables(name: str, rows: list[dict]) -> list[str]:
     if name == "replicas":
         from gradsync.bench.replica_checks import format_table
         return [format_table(rows)]
+    if name == "memory":
+        from gradsync.bench.shard_memory_rows import tables as memory_tables
+        return memory_tables(rows)
     from gradsync.bench.faults import format_table
     return [format_table(rows)]
 

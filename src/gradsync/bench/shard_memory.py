@@ -44,6 +44,7 @@ import gradsync
 from gradsync.bench.output import claim_json_path, write_json
 from gradsync.bench.shard_memory_models import BENCH_MODELS, MODELS, BenchModel, build, loss_of, make_batch
 from gradsync.bench.shard_memory_rows import BASELINE, IMPL_SHARDS, Setting, memory_rows, settings_for, tables
+from gradsync.bench.shard_memory_texts import DEEPSPEED_NOTE
 from gradsync.bench.spread import check_repeat
 from gradsync.bench.train import _line_up
 from gradsync.parallel.memory import PARTS, count_bytes, torch_zero_bytes
@@ -319,6 +320,7 @@ def run_bench(*, models: str, optimizer: str, nproc: str, impls: str, shards: st
             rows += measure_world(BENCH_MODELS[name], world_size, settings, options, throughput)
             print(f"# {name} at world size {world_size}: {time.perf_counter() - started:.0f} s", flush=True)
     print("\n\n".join(tables(rows)), flush=True)
+    print("# " + DEEPSPEED_NOTE.replace("\n", " "), flush=True)
     if json_path:
         write_json(json_path, rows)
     return rows

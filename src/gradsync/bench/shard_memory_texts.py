@@ -1,0 +1,61 @@
+"""The prose of ``bench memory``'s section of docs/benchmarks.md: its title, what it measures, how to read it,
+and whether a DeepSpeed row can be measured here."""
+
+DEEPSPEED_NOTE = """\
+DeepSpeed: no row yet, though one is possible here. DeepSpeed's CPU path
+was said to need oneCCL (`oneccl_bindings_for_pytorch`), and that is not on
+this machine's package index (`pip index versions oneccl_bind_pt` finds
+nothing); but DeepSpeed 0.19.8 (its sdist downloads; `pip install` with
+`DS_BUILD_OPS=0` and its pure-Python dependencies) falls back to Gloo when
+oneCCL is absent (`accelerator/cpu_accelerator.py`), and ZeRO stages 1 and
+2 then train a small model over Gloo with 2 CPU processes and
+`torch.optim.AdamW` as the client optimizer (JIT-building its shared-memory
+communication op with ninja on first use). The row needs DeepSpeed as an
+optional extra and a counter for its flat fp32 partitions and gradient
+buckets; it is not measured yet."""
+
+MEMORY_ABOUT = {
+    "memory": """\
+What each rank holds at every sharding level of `DataParallel` (`shard=`
+`none`, the baseline; `optimizer`, ZeRO-1; `gradients`, ZeRO-2) and with
+torch's `ZeroRedundancyOptimizer` (ZeRO-1, whole tensors per rank) over
+`DistributedDataParallel` on Gloo, built as its documentation shows
+(`parameters_as_bucket_view` and `overlap_with_ddp` off; DDP with the same
+`bucket_cap_mb`), all with the same optimizer. `gpt` is a decoder-only
+transformer (width 512, depth 8, 8 heads, 64 characters of context, ~25M
+parameters, 4 sequences per rank), `mlp` the 1024-4096-4096-1024-10 MLP of
+`bench train` (batch 64 per rank; its 4096x4096 layer holds two thirds of
+the parameters, which is what a per-tensor partition like torch's cannot
+split). Bytes: after a warm-up step, one step is sampled after forward,
+after backward and after the optimizer step; at each point the tensors the
+rank holds are counted (parameters, gradients, optimizer state,
+communication buffers; each storage once, a view charged its whole storage:
+`gradsync.parallel.memory`), the point with the largest total is the peak
+(`peak at`) and its parts are shown, for the rank with the largest peak.
+torch's peer is counted the same way from its parameters, their `.grad`,
+the local optimizer's state and DDP's gradient buckets (their bytes from
+DDP's logging data, `bucket_sizes`). `RSS MiB` is the peak resident set of
+each rank (`getrusage` `ru_maxrss`), max over ranks, each row in a fresh
+world. Activations, allocator slack and Python objects are in the RSS, not
+in the counted bytes. Samples/s: every setting first trains 3 identical
+steps and its parameters are compared with the baseline's (allclose, rtol
+1e-5, atol 1e-6, every rank; `check`); one that differs is not timed. Then
+each repetition times every setting once, interleaved, on a fresh copy;
+`x none` and `x zero` divide by the baseline and by torch's peer, paired per
+repetition for samples/s. The goals (issue 38, gpt at world size 4 with
+AdamW) are judged under the table, each with met or missed.""",
+    "memory_after": """\
+How to read it. With AdamW in float32 a replica holds 16 bytes a parameter
+before buffers: 4 of parameters, 4 of gradients, 8 of optimizer state.
+Sharding the optimizer divides the 8 by the world size; sharding the
+gradients divides their 4 too, and the buckets then hold one bucket's worth
+in flight rather than a second copy of every gradient. The RSS column moves
+less than the counted bytes: every process also holds torch itself, the
+activations and the allocator's free lists. On these 2 shared cores a world
+of 4 runs its ranks in turn, so samples/s compares the implementations'
+costs on the same cores rather than their scaling.
+
+""" + DEEPSPEED_NOTE,
+}
+
+MEMORY_TITLES = {"memory": "Memory per rank: ZeRO-1 and ZeRO-2 against torch's ZeroRedundancyOptimizer"}
