@@ -33,18 +33,23 @@ class BucketPlan:
         num_flags: elements after the last bucket's gradients (used flags, status slots).
         zero_copy: place buckets in the algorithm's own storage where it offers some (False: never,
             as under compression, which does not reduce the bucket itself).
+        sharded: ZeRO-1/2 buckets: padded to a multiple of the world size, laid out once (no rebuild:
+            the shards and the optimizer state follow the layout), and each ``.grad`` released (None) once
+            copied in, since the bucket's reduce-scatter leaves only this rank's chunk of the average.
     """
 
     def __init__(self, names: list[str], params: list[torch.Tensor], comm, algorithm: str,
-                 bucket_cap_bytes: int, gradient_as_bucket_view: bool, num_flags: int, zero_copy: bool):
+                 bucket_cap_bytes: int, gradient_as_bucket_view: bool, num_flags: int, zero_copy: bool,
+                 sharded: bool = False):
         self.names, self.params = names, params
         self.comm = comm
         self.algorithm = algorithm
         self.bucket_cap_bytes = bucket_cap_bytes
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.num_flags = num_flags
-        self.zero_copy = zero_copy
-        self.rebuilt = False  # rebuilt after the first synchronised backward, or given a saved layout
+        self.zero_copy = zero_copy and not sharded
+        self.sharded = sharded
+        self.rebuilt = sharded  # rebuilt after the first synchronised backward, or given a saved layout
         self._zeros: dict[int, torch.Tensor] = {}
         self.build(assign_buckets(params, bucket_cap_bytes, DEFAULT_FIRST_BUCKET_CAP_BYTES))
 
@@ -54,8 +59,9 @@ class BucketPlan:
         last = len(assignment) - 1
         grads = [None if param.grad is None else param.grad.clone() for param in self.params]
         storages = self._storages(assignment)
+        pad_to = self.comm.world_size if self.sharded else 1
         self.buckets = [Bucket(b, indices, [self.params[i] for i in indices],
-                               self.num_flags if b == last else 0, storages[b])
+                               self.num_flags if b == last else 0, storages[b], pad_to)
                         for b, indices in enumerate(assignment)]
         self.bucket_of = [0] * len(self.params)  # parameter index -> bucket index
         self.views: list[torch.Tensor] = [None] * len(self.params)  # parameter index -> its slice
@@ -126,6 +132,8 @@ class BucketPlan:
             view.copy_(grad)
             if self.gradient_as_bucket_view:
                 param.grad = view
+        if self.sharded:
+            param.grad = None
         return True
 
     def copy_out(self, index: int, divisor: int = 1) -> None:
