@@ -312,10 +312,10 @@ class DataParallel(nn.Module):
                 self._sync_buffers()
                 if self._debug is not None:  # the active ranks' debug exchange follows their buffers'
                     self._debug.shadow()
-            if syncing:
+            if syncing and self._zero is not None:
+                self._zero.shadow(lambda: self._reducer.shadow_round(len(active_ranks)))
+            elif syncing:
                 self._reducer.shadow_round(len(active_ranks))
-                if self._zero is not None:
-                    self._zero.shadow_step()
         return True
 
     def _sync_final_model(self) -> None:

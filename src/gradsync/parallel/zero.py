@@ -80,9 +80,13 @@ class ZeroState:
     def before_step(self) -> None:
         """Nothing to wait for: the last synchronised backward left every shard's gradient in place."""
 
-    def shadow_step(self) -> None:
-        """Under ``join``, a rank without data steps its shard with the others' average and joins the
-        all-gather, as the active ranks do after their backward."""
+    def shadow(self, shadow_round) -> None:
+        """Under ``join``, a rank without data takes part in the others' reduce-scatter (``shadow_round``),
+        steps its shard with their average and joins the all-gather, as the active ranks do after their
+        backward; its own gradients of before are dropped first (the shard must hold only this round's)."""
+        for tensor in self.flat.piece_tensors:
+            tensor.grad = None
+        shadow_round()
         if self.optimizer is not None:
             self.optimizer.step()
 
