@@ -205,3 +205,24 @@ def test_join_with_uneven_inputs_steps_every_shard():
         for got, want in zip(params, model.parameters()):
             torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
 
+
+
+@pytest.mark.parametrize("shard", ["none", "optimizer", "gradients"])
+def test_global_norm_clipping_sees_every_shard(shard):
+    batches = _batches(6, 2)
+    expected = _reference("sgd", batches, clip=0.05)  # small enough to clip every step
+    results = run_threads(2, lambda comm: _train(comm, shard, "sgd", batches, clip=0.05, bucket_cap_mb=1e-4))
+    for params in results:
+        for got, want in zip(params, expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_clipping_returns_the_norm_torch_computes():
+    model = _model()
+    nn.functional.mse_loss(model(torch.ones(2, 5)), torch.zeros(2, 3)).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    got = gradsync.clip_grad_norm_(model, 1e9)
+    assert got.item() == pytest.approx(torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads])).item(),
+                                       rel=1e-6)
+    with pytest.raises(ValueError, match="max_norm"):
+        gradsync.clip_grad_norm_(model, 0.0)
