@@ -153,8 +153,11 @@ class DataParallel(nn.Module):
                                 gradient_as_bucket_view, should_sync=lambda: not self._sync_disabled,
                                 compression=compression, sharded=shard != "none")
         self.shard = shard
-        self._zero = ZeroState(module, named, self._reducer, self.comm, algorithm, compression, shard) \
-            if shard != "none" else None
+        self._zero = None
+        if shard != "none":
+            self._zero = ZeroState(module, named, self._reducer.plan.assignment, self.comm, algorithm, shard,
+                                   compression, self._reducer.plan.layouts)
+            self._reducer.runner.shards = self._zero.grads
         self._reducer.wrapped_names = [name for name, _ in module.named_parameters()] + \
             [name for name, _ in module.named_buffers()]  # the same on every rank (verified above)
         self.debug = settings["debug"]
