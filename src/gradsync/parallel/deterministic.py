@@ -42,12 +42,13 @@ import torch
 from torch import nn
 
 from gradsync.collectives import ops as collectives
+from gradsync.collectives.scatter_gather import reduce_scatter_flat
 from gradsync.errors import CollectiveMismatchError
 from gradsync.parallel.exact_sum import (NO_VALUE, NON_FINITE, ZERO, add_fixed_point, add_fixed_point_many,
                                          exponent_codes, from_fixed_point, precision_bits)
-from gradsync.parallel.micro_shards import contiguous_placement, micro_shard_bounds, shard_seed
+from gradsync.parallel.micro_shards import (MicroShard, check_arguments, contiguous_placement,
+                                            micro_shard_bounds, shard_seed)
 from gradsync.parallel.replica_check import check_replicas
-from gradsync.collectives.scatter_gather import reduce_scatter_flat
 from gradsync.parallel.replicas import agree_on_arguments, broadcast_tensors, verify_parameters
 from gradsync.parallel.shard_layout import check_shard
 from gradsync.parallel.zero import ZeroState
@@ -64,21 +65,6 @@ _PROBLEMS = {1: "entered micro_shard({arg}), outside [0, {m})",
              6: "ran no backward in micro_shard({arg}) (every .grad was None at its end)",
              7: "called backward twice in micro_shard({arg}) (its gradient would count twice)"}
 _HEADER_FIXED = 5  # problem code, problem argument, divisor (float64 bits), micro-shards with a loss, spare
-
-
-class MicroShard:
-    """What ``micro_shard()`` yields: its ``index`` and :meth:`backward`, which records the loss too."""
-
-    def __init__(self, index: int):
-        self.index = index
-        self.loss: float | None = None
-        self.backwards = 0
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, keeping the loss (a scalar, summed over the micro-shard's samples) for synchronize."""
-        loss.backward()
-        self.backwards += 1
-        self.loss = float(loss.detach())
 
 
 class DeterministicDataParallel(nn.Module):
@@ -129,7 +115,7 @@ class DeterministicDataParallel(nn.Module):
         settings = {"num_micro_shards": num_micro_shards, "algorithm": algorithm, "seed": seed, "shard": shard}
 
         def check() -> None:
-            _check_arguments(module, num_micro_shards, algorithm, seed)
+            check_arguments(module, num_micro_shards, algorithm, seed, OWNER)
             check_shard(shard)
 
         self.comm = agree_on_arguments(OWNER, group, settings, check)
@@ -412,23 +398,3 @@ class DeterministicDataParallel(nn.Module):
         """``[(bytes, algorithm)]`` of the one int64 AllReduce per step (``auto`` resolved for that size)."""
         nbytes = self._accumulator.numel() * self._accumulator.element_size()
         return [(nbytes, collectives.resolve_algorithm(self.comm, nbytes, self.algorithm))]
-
-
-def _check_arguments(module, num_micro_shards, algorithm, seed) -> None:
-    """This rank's argument checks (TypeError / ValueError naming the argument)."""
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"{OWNER} wraps a torch.nn.Module, got {type(module).__name__}")
-    if not isinstance(num_micro_shards, int) or isinstance(num_micro_shards, bool) or num_micro_shards < 1:
-        raise ValueError(f"num_micro_shards must be an int >= 1, got {num_micro_shards!r}")
-    precision_bits(num_micro_shards)
-    collectives.validate_algorithm(algorithm)
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise ValueError(f"seed must be an int, got {seed!r}")
-    for name, param in module.named_parameters():
-        if param.requires_grad and not param.is_floating_point():
-            raise TypeError(f"{OWNER}: parameter {name!r} is {param.dtype}; gradients must be floating point")
-    for name, child in module.named_modules():
-        if isinstance(child, nn.modules.batchnorm._BatchNorm) and child.track_running_stats:
-            raise ValueError(f"{OWNER}: {name or 'the module'!r} ({type(child).__name__}) updates running statistics "
-                             "in every forward, so they would follow the micro-shards each rank ran; use "
-                             "track_running_stats=False, GroupNorm or LayerNorm")
