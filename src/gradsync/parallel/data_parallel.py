@@ -24,7 +24,7 @@ from gradsync.parallel.bucketing import bucket_cap_bytes
 from gradsync.parallel.debug_checks import DebugChecks, resolve_debug, tensors_in
 from gradsync.parallel.reducer import Reducer
 from gradsync.parallel.shard_layout import check_sharding
-from gradsync.parallel.zero import ZeroState, held_tensors
+from gradsync.parallel.zero import ZERO2_SLABS, ZeroState, held_tensors
 from gradsync.parallel.join import join_step, sync_final_model
 from gradsync.parallel.replica_check import ReplicaCheck, check_replicas
 from gradsync.parallel.replicas import (ParameterWatch, agree_on_arguments, broadcast_tensors, buffer_signature,
@@ -152,7 +152,8 @@ class DataParallel(nn.Module):
         self._buffer_layout = buffer_signature(module)
         self._reducer = Reducer(named, self.comm, algorithm, bucket_cap_bytes(bucket_cap_mb),
                                 gradient_as_bucket_view, should_sync=lambda: not self._sync_disabled,
-                                compression=compression, sharded=shard != "none")
+                                compression=compression, sharded=shard != "none",
+                                slabs=ZERO2_SLABS if shard == "gradients" else 0)
         self.shard = shard
         self._zero = None
         if shard != "none":

@@ -31,6 +31,9 @@ from gradsync.parallel.shard_layout import ShardLayout
 from gradsync.parallel.sharded_optimizer import ShardedOptimizer
 
 
+ZERO2_SLABS = 2  # ZeRO-2's bucket buffers: one filling while the one before it is reduce-scattered
+
+
 class ZeroState:
     """The sharded state of one DataParallel.
 
