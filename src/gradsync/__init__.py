@@ -12,7 +12,10 @@ from gradsync.errors import (CheckpointFolderError, CollectiveMismatchError, Col
                              EpochOrderWarning, GradsyncError, GroupClosedError, NotInitializedError,
                              ReplicaDivergenceError, ShmSetupError)
 from gradsync.parallel import AsyncWorker, DataParallel, DeterministicDataParallel, LocalSGD, ParameterServer
+from gradsync.parallel.clip import clip_grad_norm_
 from gradsync.parallel.replica_check import ReplicaCheck, check_replicas
+from gradsync.parallel.shard_layout import SHARD_LEVELS
+from gradsync.parallel.sharded_optimizer import ShardedOptimizer
 from gradsync.process_group import init, is_initialized, rank, shutdown, world_size
 from gradsync.transport.thread import ThreadTransport, ThreadWorld
 from gradsync.transport.torch_p2p import TorchP2PTransport
@@ -23,8 +26,8 @@ __all__ = [
     "ALGORITHMS", "AsyncWorker", "CheckpointFolderError", "CollectiveMismatchError",
     "CollectiveTimeoutError", "Communicator", "DataParallel", "DebugCheckError", "DeterministicDataParallel",
     "EpochOrderWarning", "GradsyncError", "GroupClosedError", "HierarchicalOptions", "LocalSGD",
-    "NotInitializedError", "OPS", "ParameterServer", "ReplicaCheck", "ReplicaDivergenceError", "SegmentOptions",
-    "ShmSetupError", "ThreadTransport", "ThreadWorld", "TorchP2PTransport", "__version__", "all_gather",
-    "all_reduce", "all_to_all", "broadcast", "check_replicas", "comm_stats", "compression", "flight_records",
+    "NotInitializedError", "OPS", "ParameterServer", "ReplicaCheck", "ReplicaDivergenceError", "SHARD_LEVELS",
+    "SegmentOptions", "ShardedOptimizer", "ShmSetupError", "ThreadTransport", "ThreadWorld", "TorchP2PTransport", "__version__", "all_gather",
+    "all_reduce", "all_to_all", "broadcast", "check_replicas", "clip_grad_norm_", "comm_stats", "compression", "flight_records",
     "init", "is_initialized", "rank", "reduce_scatter", "shutdown", "world_size",
 ]

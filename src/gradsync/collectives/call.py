@@ -45,6 +45,10 @@ class Workspace:
             self._buffers[key] = buffer
         return buffer[:numel]
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer held now (what memory accounting counts as communication buffers)."""
+        return list(self._buffers.values())
+
 
 # Message tags on transports with ``call_tags`` (see Communicator._tags): base + ((layout hash *
 # ordinals + call ordinal) * kinds + kind), below 2**31; kind 0 is the layout check's control tag.

@@ -18,6 +18,7 @@ import torch
 
 from gradsync.collectives import ops as collectives
 from gradsync.collectives.communicator import Communicator
+from gradsync.collectives.scatter_gather import reduce_scatter_flat
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -71,6 +72,10 @@ class Compressor:
     """
 
     name = "none"
+    can_reduce_scatter = False
+    """Whether :meth:`reduce_scatter` works (DataParallel's ``shard="optimizer"|"gradients"``): a sum of
+    compressed messages must stay a sum of values, so casts combine, signs, sparse picks and low-rank
+    factors (one-bit, top-k, PowerSGD, all re-encoded after the average) do not."""
 
     def __init__(self, warmup_steps: int = 0):
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
@@ -126,6 +131,36 @@ class Compressor:
 
     def _reduce_float(self, flat: torch.Tensor, layout: BucketLayout, comm: Communicator, divisor: int,
                       algorithm: str) -> None:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def reduce_scatter(self, flat: torch.Tensor, layout: BucketLayout, comm: Communicator, divisor: int,
+                       algorithm: str = "ring") -> tuple[int, int]:
+        """ZeRO's sharded gradients: this rank's chunk of ``flat`` (``torch.tensor_split`` bounds, returned)
+        becomes the average over ranks of the compressed bucket; the rest of ``flat`` is garbage afterwards.
+
+        Args:
+            flat: ``(padded_numel,)`` contiguous float32/float64 gradients, the bucket's ``layout.numel`` values
+                then zero padding (so that every rank's chunk is equally long).
+
+        Raises:
+            ValueError: this compressor cannot combine with sharding (``can_reduce_scatter`` is False).
+
+        Collective: every rank calls it for the same buckets in the same order.
+        """
+        if not self.can_reduce_scatter:
+            raise ValueError(f"compression {self.name!r} cannot combine with sharded gradients")
+        warming_up = min((self.steps.get(name, 0) for name in layout.names), default=0) < self.warmup_steps
+        for name in layout.names:
+            self.steps[name] = self.steps.get(name, 0) + 1
+        if warming_up or comm.world_size == 1:
+            start, stop = reduce_scatter_flat(flat, comm, algorithm=algorithm)
+            flat[start:stop].div_(divisor)
+            return start, stop
+        return self._reduce_scatter_float(flat, layout, comm, divisor)
+
+    def _reduce_scatter_float(self, flat: torch.Tensor, layout: BucketLayout, comm: Communicator,
+                              divisor: int) -> tuple[int, int]:
         raise NotImplementedError
 
     def state_dict(self) -> dict:

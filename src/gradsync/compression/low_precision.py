@@ -82,6 +82,7 @@ class FP16(Compressor):
     """
 
     name = "fp16"
+    can_reduce_scatter = True
 
     def __init__(self, warmup_steps: int = 0):
         super().__init__(warmup_steps)
@@ -90,6 +91,10 @@ class FP16(Compressor):
     def _reduce_float(self, flat: torch.Tensor, layout: BucketLayout, comm: Communicator, divisor: int,
                       algorithm: str) -> None:
         two_phase.reduce(flat, layout, comm, divisor, self.codec)
+
+    def _reduce_scatter_float(self, flat: torch.Tensor, layout: BucketLayout, comm: Communicator,
+                              divisor: int) -> tuple[int, int]:
+        return two_phase.reduce_scatter(flat, layout, comm, divisor, self.codec)
 
 
 class BF16(FP16):

@@ -57,6 +57,37 @@ def reduce(flat: torch.Tensor, layout: BucketLayout, comm: Communicator, divisor
     ``worker_feedback`` keeps each rank's residual of phase 1 (whole bucket),
     ``server_feedback`` the chunk owner's residual of phase 3 (its chunk only).
     """
+    chunks, average, sends = _scatter_phase(flat, layout, comm, divisor, codec, worker_feedback)
+    start = chunks[comm.rank][0]
+    mine = sends[0]  # phase 1 is over: reuse its buffer for the outgoing row
+    if server_feedback is None:
+        codec.encode(average, mine)
+    else:
+        server_feedback.step(layout, average, lambda values: codec.decode(_encoded(codec, values, mine),
+                                                                          values.numel()), start)
+    gathered = collectives.all_gather(mine, comm, verify=False)
+    for row, (start, stop) in zip(gathered, chunks):
+        codec.decode(row, stop - start, out=flat[start:stop])
+
+
+def reduce_scatter(flat: torch.Tensor, layout: BucketLayout, comm: Communicator, divisor: int,
+                   codec: Codec) -> tuple[int, int]:
+    """Phases 1 and 2 only (a compressed reduce-scatter, for ZeRO's sharded gradients): this rank's chunk of
+    ``flat`` (``torch.tensor_split`` bounds, returned) holds the average over the ranks, summed in float32
+    from the decoded payloads; the rest of ``flat`` is left as it was. The average is not re-encoded.
+
+    Collective: every rank calls it for the same buckets in the same order.
+    """
+    chunks, average, _ = _scatter_phase(flat, layout, comm, divisor, codec, None)
+    start, stop = chunks[comm.rank]
+    flat[start:stop].copy_(average)
+    return start, stop
+
+
+def _scatter_phase(flat: torch.Tensor, layout: BucketLayout, comm: Communicator, divisor: int, codec: Codec,
+                   worker_feedback: ErrorFeedback | None):
+    """Phases 1-2: encode every chunk, all-to-all, decode and average this rank's chunk.
+    Returns (chunks, this rank's average (a workspace buffer), the send rows)."""
     world_size, rank = comm.world_size, comm.rank
     chunks = chunk_bounds(flat.numel(), world_size)
     nbytes = row_nbytes(codec, chunks[0][1] - chunks[0][0])
@@ -77,22 +108,13 @@ def reduce(flat: torch.Tensor, layout: BucketLayout, comm: Communicator, divisor
     else:
         worker_feedback.step(layout, flat, encode_chunks)
     collectives.all_to_all(list(sends), list(receives), comm, verify=False)  # sizes from the agreed layout
-
     start, stop = chunks[rank]
     average = space.get(stop - start, flat.dtype, flat.device, "compress-average").zero_()
     part = space.get(stop - start, flat.dtype, flat.device, "compress-part")
     for row in receives:  # rank order: the same sum on every run
         average += codec.decode(row, stop - start, out=part)
     average /= divisor
-    mine = sends[0]  # phase 1 is over: reuse its buffer for the outgoing row
-    if server_feedback is None:
-        codec.encode(average, mine)
-    else:
-        server_feedback.step(layout, average, lambda values: codec.decode(_encoded(codec, values, mine),
-                                                                          values.numel()), start)
-    gathered = collectives.all_gather(mine, comm, verify=False)
-    for row, (start, stop) in zip(gathered, chunks):
-        codec.decode(row, stop - start, out=flat[start:stop])
+    return chunks, average, sends
 
 
 def _encoded(codec: Codec, values: torch.Tensor, payload: torch.Tensor) -> torch.Tensor:

@@ -131,25 +131,27 @@ def _is_first(buckets: list[list[int]], members: list[int]) -> bool:
 
 
 class Bucket:
-    """One flat buffer: the gradients of ``params`` back to back, then optional per-parameter flags.
+    """One flat buffer: the gradients of ``params`` back to back, zero padding, then optional per-parameter flags.
 
-    ``flat`` has shape ``(grad_numel + num_flags,)`` and the parameters' dtype;
-    ``views[k]`` is ``params[k]``'s slice shaped like the parameter.
+    ``flat`` has shape ``(grad_numel + pad_numel + num_flags,)`` and the parameters' dtype;
+    ``views[k]`` is ``params[k]``'s slice shaped like the parameter. ``pad_to`` > 1 (sharded buckets:
+    the world size) pads the gradients to a multiple of it, so that every rank's chunk is equally long.
     """
 
     def __init__(self, index: int, param_indices: list[int], params: list[torch.Tensor], num_flags: int,
-                 storage: torch.Tensor | None = None):
+                 storage: torch.Tensor | None = None, pad_to: int = 1):
         self.index = index
         self.param_indices = param_indices
         self.grad_numel = sum(param.numel() for param in params)
-        numel, dtype = self.grad_numel + num_flags, params[0].dtype
+        self.padded_numel = -(-self.grad_numel // pad_to) * pad_to
+        numel, dtype = self.padded_numel + num_flags, params[0].dtype
         self.shared = storage is not None
         if storage is None:
             self.flat = torch.zeros(numel, dtype=dtype, device=params[0].device)
         else:  # uint8 bytes in shared memory (zero-copy buckets)
             self.flat = storage[:numel * dtype.itemsize].view(dtype)
             self.flat.zero_()
-        self.flags = self.flat[self.grad_numel:]
+        self.flags = self.flat[self.padded_numel:]
         self.views, offset = [], 0
         for param in params:
             self.views.append(self.flat[offset:offset + param.numel()].view_as(param))

@@ -23,6 +23,9 @@ from gradsync.errors import GradsyncError, GroupClosedError
 from gradsync.parallel.bucketing import bucket_cap_bytes
 from gradsync.parallel.debug_checks import DebugChecks, resolve_debug, tensors_in
 from gradsync.parallel.reducer import Reducer
+from gradsync.parallel.shard_layout import check_sharding
+from gradsync.parallel.zero import ZERO2_SLABS, ZeroState, held_tensors
+from gradsync.parallel.join import join_step, sync_final_model
 from gradsync.parallel.replica_check import ReplicaCheck, check_replicas
 from gradsync.parallel.replicas import (ParameterWatch, agree_on_arguments, broadcast_tensors, buffer_signature,
                                         describe_buffer_change, name_code, placeholders, verify_parameters)
@@ -51,13 +54,20 @@ class DataParallel(nn.Module):
             saving one copy of the gradients in memory (DDP's option of the same name).
         debug: checks that name the usual mistakes, raising ``gradsync.DebugCheckError`` on every
             rank (:mod:`~gradsync.parallel.debug_checks`); None (default) reads ``GRADSYNC_DEBUG``.
+        shard: ``"none"``; ``"optimizer"`` (ZeRO-1) or ``"gradients"`` (ZeRO-2): each rank keeps the
+            optimizer state (and gradients) of its chunk of every bucket only, buckets are reduce-scattered
+            and the parameters all-gathered after the step (:mod:`~gradsync.parallel.zero`); then build the
+            optimizer as usual and train with ``optimizer = model.shard_optimizer(optimizer)``. After a
+            synchronised backward ``.grad`` is None: the average lives in the optimizer's pieces.
+            ``"parameters"`` (ZeRO-3) is reserved. docs/sharding.md.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``, ``group`` is not a group
             (the peers learn both at once, see CollectiveMismatchError; a bad
             ``group`` is reported to them on the default group).
-        ValueError: bad ``bucket_cap_mb``, unknown ``algorithm`` or compression
-            name, a compressor already used by another model.
+        ValueError: bad ``bucket_cap_mb``, unknown ``algorithm``, compression name or ``shard``, a
+            compressor already used by another model, a compressor that cannot reduce-scatter (only
+            fp16 and bf16 can) or ``gradient_as_bucket_view`` with ``shard``.
         TypeError: ``compression`` is neither None, a name nor a Compressor; a
             parameter or buffer without plain bytes (sparse), naming it.
         CollectiveMismatchError: replicas differ (on every rank, naming the
@@ -104,10 +114,10 @@ class DataParallel(nn.Module):
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0,
                  algorithm: str = collectives.DEFAULT_ALGORITHM, compression=None,
                  broadcast_buffers: bool = True, group=None, gradient_as_bucket_view: bool = False,
-                 debug: bool | None = None):
+                 debug: bool | None = None, shard: str = "none"):
         super().__init__()
         settings = {"algorithm": algorithm, "auto_profile": "", "bucket_cap_mb": bucket_cap_mb, "compression": compression,
-                    "debug": debug,
+                    "debug": debug, "shard": shard,
                     "broadcast_buffers": broadcast_buffers, "gradient_as_bucket_view": gradient_as_bucket_view}
 
         def check() -> None:
@@ -118,6 +128,7 @@ class DataParallel(nn.Module):
             settings["auto_profile"] = collectives.auto_profiles_fingerprint() if algorithm == collectives.AUTO else ""
             settings["debug"] = resolve_debug(debug)
             settings["compression"] = compressions.resolve(compression)
+            check_sharding(shard, settings["compression"], gradient_as_bucket_view)
             if settings["compression"] is not None:
                 settings["compression"].attach(self)  # raises if another model uses it
 
@@ -141,7 +152,14 @@ class DataParallel(nn.Module):
         self._buffer_layout = buffer_signature(module)
         self._reducer = Reducer(named, self.comm, algorithm, bucket_cap_bytes(bucket_cap_mb),
                                 gradient_as_bucket_view, should_sync=lambda: not self._sync_disabled,
-                                compression=compression)
+                                compression=compression, sharded=shard != "none",
+                                slabs=ZERO2_SLABS if shard == "gradients" else 0)
+        self.shard = shard
+        self._zero = None
+        if shard != "none":
+            self._zero = ZeroState(module, named, self._reducer.plan.assignment, self.comm, algorithm, shard,
+                                   compression, self._reducer.plan.layouts)
+            self._reducer.runner.shards = self._zero.grads
         self._reducer.wrapped_names = [name for name, _ in module.named_parameters()] + \
             [name for name, _ in module.named_buffers()]  # the same on every rank (verified above)
         self.debug = settings["debug"]
@@ -156,6 +174,8 @@ class DataParallel(nn.Module):
         self._reducer.settle_if_stale()
         training = torch.is_grad_enabled()
         will_sync = training and not self._sync_disabled
+        if training and self._zero is not None:
+            self._zero.require_optimizer()
         if training:  # a change is reported to every rank in the next synchronised backward
             self._reducer.forwards += 1  # compared across ranks there too
             change = self._watch.change()
@@ -170,6 +190,8 @@ class DataParallel(nn.Module):
             output = self.module(*args, **kwargs)
         if will_sync:
             self._hook_outputs(output)
+        if self._zero is not None:
+            self._zero.flat.wait_all()
         return output
 
     def _sync_buffers(self) -> None:
@@ -269,43 +291,10 @@ class DataParallel(nn.Module):
 
     def _join_step(self, active: bool, will_sync: bool, sync_buffers: bool) -> bool:
         """One join exchange; a joined rank then shadows the iteration. Returns whether any rank is active."""
-        started = time.perf_counter()
-        world_size = self.comm.world_size
-        state = torch.zeros(world_size + 2, dtype=torch.int64)  # active ranks, syncing grads, syncing buffers
-        if active:
-            state[self.comm.rank] = 1
-            state[world_size] = int(will_sync)
-            state[world_size + 1] = int(sync_buffers)
-        collectives.all_reduce(state, self.comm, op="sum", algorithm=self.algorithm)
-        active_ranks = [rank for rank in range(world_size) if state[rank] > 0]
-        syncing, buffers = int(state[world_size]), int(state[world_size + 1])
-        self._other_comm_seconds += time.perf_counter() - started
-        if not active_ranks:
-            return False
-        if syncing not in (0, len(active_ranks)) or buffers not in (0, len(active_ranks)):
-            raise GradsyncError(f"DataParallel.join(): in the same iteration {syncing} of the "
-                                f"{len(active_ranks)} active ranks synchronise gradients ({buffers} run "
-                                f"with grad enabled) and the others do not (no_sync() or no_grad); every "
-                                f"rank must make the same choice")
-        self._last_active = active_ranks
-        self._buffer_src = active_ranks[0]
-        self._reducer.set_divisor(len(active_ranks))
-        if not active:
-            if buffers:
-                self._sync_buffers()
-                if self._debug is not None:  # the active ranks' debug exchange follows their buffers'
-                    self._debug.shadow()
-            if syncing:
-                self._reducer.shadow_round(len(active_ranks))
-        return True
+        return join_step(self, active, will_sync, sync_buffers)
 
     def _sync_final_model(self) -> None:
-        if self._last_active is None:
-            return  # no rank ran a forward inside the block: nothing changed
-        started = time.perf_counter()
-        tensors = [param.data for param in self.module.parameters()] + list(self.module.buffers())
-        broadcast_tensors(tensors, self.comm, src=self._last_active[0], verify=False)
-        self._other_comm_seconds += time.perf_counter() - started
+        sync_final_model(self)
 
     def check_replicas(self, optimizer=None, *, buffers: bool | None = None, step: int | None = None,
                        timeout: float | None = None) -> ReplicaCheck:
@@ -321,8 +310,25 @@ class DataParallel(nn.Module):
         Collective: every rank must call this at the same point, outside a backward.
         """
         buffers = not self.broadcast_buffers if buffers is None else buffers
+        if self._zero is not None:  # parameters whole first; the optimizer state differs by design
+            self._zero.flat.wait_all()
+            optimizer = None
         return check_replicas(self.module, optimizer, buffers=buffers, group=self.comm, timeout=timeout,
                               step=self._reducer.rounds if step is None else step, compare_step=step is not None)
+
+    # -- sharding ---------------------------------------------------------------------------------
+
+    def shard_optimizer(self, optimizer):
+        """The optimizer to step: ``optimizer`` itself with ``shard="none"``, else a
+        :class:`~gradsync.parallel.sharded_optimizer.ShardedOptimizer` over this rank's pieces (build
+        ``optimizer`` over ``model.parameters()`` before its first step; one per model)."""
+        return optimizer if self._zero is None else self._zero.shard_optimizer(optimizer)
+
+    def held_tensors(self, optimizer=None) -> dict[str, list[torch.Tensor]]:
+        """The tensors this model (and ``optimizer``'s state) holds now, by kind: ``"parameters"``,
+        ``"gradients"`` (``.grad`` and shards), ``"optimizer_state"``, ``"buffers"`` (buckets, staging);
+        :func:`gradsync.parallel.memory.count_bytes` counts their bytes."""
+        return held_tensors(self, optimizer)
 
     # -- measurements ----------------------------------------------------------------------------
 

@@ -50,6 +50,7 @@ class RoundRunner:
         self.divisor = comm.world_size
         self.timeline = None
         self.current: Round | None = None
+        self.shards = None  # ZeRO-1/2: a ShardGradients that reduce-scatters each bucket instead
         self.comm_seconds = 0.0
         self.exposed_comm_seconds = 0.0
         self.last_bucket_spans: list[Span] = []
@@ -57,6 +58,8 @@ class RoundRunner:
     def begin(self) -> Round:
         """Start a round (the caller fills in this rank's status and hold)."""
         self.current = Round(self.plan.buckets, len(self.plan.params))
+        if self.shards is not None:
+            self.current.fresh = self.shards.fresh()
         if self._divides_on_copy_out():
             self.current.divide_out = self.divisor
         return self.current
@@ -67,7 +70,7 @@ class RoundRunner:
         the bucket in place; one pass over every gradient less). Only where ``.grad`` is a copy (not a
         bucket view), there is no compressor, and every rank contributes (under join the bucket is divided
         before the sum, as :func:`~gradsync.collectives.ops.average` does)."""
-        return (self.compression is None and not self.plan.gradient_as_bucket_view
+        return (self.compression is None and self.shards is None and not self.plan.gradient_as_bucket_view
                 and self.comm.world_size > 1 and self.divisor == self.comm.world_size)
 
     def launch_ready(self, state: Round) -> None:
@@ -76,8 +79,26 @@ class RoundRunner:
         last = len(buckets) - 1
         while state.next_launch < last and state.pending[state.next_launch] == 0:
             bucket = buckets[state.next_launch]
+            self._copy_in_deferred(bucket, state)
             state.futures.append(self.submit(bucket.flat, bucket.index, self.divisor, state))
             state.next_launch += 1
+
+    def _copy_in_deferred(self, bucket, state: Round) -> None:
+        """ZeRO-2's slabs: once the bucket ``slabs`` before this one has left the slab they share (its
+        reduce-scatter done), copy this bucket's gradients in (releasing each ``.grad``)."""
+        plan = self.plan
+        if not plan.deferred:
+            return
+        earlier = bucket.index - plan.slabs
+        if 0 <= earlier < len(state.futures):
+            try:
+                state.futures[earlier].result()
+            except BaseException:  # noqa: BLE001 - raised where the round waits for that bucket
+                pass
+        for index in bucket.param_indices:
+            had = plan.copy_in(index)
+            if not state.ready[index]:
+                state.used[index] = had
 
     def submit(self, flat: torch.Tensor, bucket_index: int, divisor: int, state: Round) -> Future:
         """Average ``flat`` over ``divisor`` contributing ranks on the communication thread; a future of its span."""
@@ -95,7 +116,9 @@ class RoundRunner:
         flight = self.comm.flight
         flight.label = f"bucket {bucket_index}"  # the label of this bucket's calls in the flight record
         try:
-            if self.compression is not None:
+            if self.shards is not None:
+                self.shards.reduce(flat, bucket_index, divisor)
+            elif self.compression is not None:
                 self._reduce_compressed(flat, bucket_index, divisor)
             elif state.divide_out > 1:  # divided while copied out
                 collectives.all_reduce(flat, self.comm, op="sum", algorithm=self.algorithm, verify=False)
@@ -133,7 +156,7 @@ class RoundRunner:
         try:
             for bucket in plan.buckets[state.next_launch:]:
                 for index in bucket.param_indices:
-                    if not state.ready[index]:
+                    if not state.ready[index] and not plan.deferred:
                         state.used[index] = plan.copy_in(index)
                 state.pending[bucket.index] = 0
         except Exception as exc:
@@ -169,16 +192,20 @@ class RoundRunner:
         """The last bucket, on this thread once the others are done, with the used flags and every
         rank's status (``state.statuses`` afterwards)."""
         bucket, num_params = self.plan.buckets[-1], len(self.plan.params)
+        self._copy_in_deferred(bucket, state)
         bucket.flags.copy_(encode_flags(state.used, state, self.comm.rank, self.comm.world_size))
         span = self._reduce(bucket.flat, bucket.index, self.divisor, state, thread="main")
         # compressors sum the flags exactly; so does a round divided on copy-out
-        scale = 1 if self.compression is not None or state.divide_out > 1 else self.divisor
+        scale = 1 if self.compression is not None or state.divide_out > 1 or self.shards is not None \
+            else self.divisor
         state.statuses, state.counts, state.name_codes = decode_statuses(bucket.flags[num_params:], scale)
         if copy_out:
             self._copy_out_used(bucket, state)
         return span
 
     def _copy_out_used(self, bucket, state: Round) -> None:
+        if self.shards is not None:  # the shard was kept on the communication thread
+            return
         for index in bucket.param_indices:
             if state.used[index]:
                 self.plan.copy_out(index, state.divide_out)
@@ -186,6 +213,9 @@ class RoundRunner:
     def _copy_out_unused(self, state: Round) -> None:
         """Parameters without a local gradient take the average if any rank had one; else .grad stays None."""
         used_anywhere = (self.plan.buckets[-1].flags > 0).tolist()
+        if self.shards is not None:
+            self.shards.drop_unused(used_anywhere, state.fresh)
+            return
         for index, used in enumerate(state.used):
             if used_anywhere[index] and not used:
                 self.plan.copy_out(index, state.divide_out)

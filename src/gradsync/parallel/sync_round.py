@@ -82,6 +82,7 @@ class Round:
         self.name_codes: list[int] = []     # every rank's name_code then
         self.hold: int | None = None   # the lane hold while the round is in flight
         self.divide_out = 1   # > 1: buckets hold sums, divided by this while copied into .grad
+        self.fresh: list[bool] = []  # ZeRO: per piece, whether its .grad was None when the round began
 
     def fail(self, detail: str) -> None:
         """Mark this rank's part failed (``BACKWARD_FAILED``): every bucket goes out now, gradients or not."""

@@ -1,0 +1,118 @@
+"""DataParallel's ZeRO-1/2 state: the layout, the flat parameters, the gradient shards and the optimizer.
+
+The split follows FSDP2's (``torch/distributed/fsdp/_fully_shard/``): the
+collectives live in :mod:`~gradsync.collectives.scatter_gather`, the layout in
+:mod:`~gradsync.parallel.shard_layout`, the parameters and their all-gather in
+:mod:`~gradsync.parallel.flat_params`, the gradients and their reduce-scatter
+in :mod:`~gradsync.parallel.shard_grads`, the optimizer in
+:mod:`~gradsync.parallel.sharded_optimizer`; this module wires them to one
+DataParallel (its reducer's buckets) and answers what the model holds.
+
+Levels (Rajbhandari et al. 2020, "ZeRO: memory optimizations toward training trillion parameter
+models"; DeepSpeed stages 1 and 2):
+
+* ``"optimizer"`` (ZeRO-1): optimizer state for this rank's chunk only. The gradient buckets stay whole
+  and persistent (each ``.grad`` is copied in and released), reduce-scattered instead of all-reduced.
+* ``"gradients"`` (ZeRO-2): the gradient buckets too are transient: two bucket-sized slabs, reused in
+  turn, instead of one buffer per bucket; what persists of the gradients is this rank's chunk.
+
+Both move the bytes of one AllReduce per step (a reduce-scatter of the gradients in backward, an
+all-gather of the parameters after the step).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gradsync.errors import GradsyncError
+from gradsync.parallel.flat_params import FlatParameters
+from gradsync.parallel.shard_grads import ShardGradients
+from gradsync.parallel.shard_layout import ShardLayout
+from gradsync.parallel.sharded_optimizer import ShardedOptimizer
+
+
+ZERO2_SLABS = 2  # ZeRO-2's bucket buffers: one filling while the one before it is reduce-scattered
+
+
+class ZeroState:
+    """The sharded state of one DataParallel.
+
+    Args:
+        module: the wrapped module.
+        named: its trainable ``(name, parameter)`` pairs, index = parameter index of ``assignment``.
+        assignment: parameter indices per bucket (DataParallel's gradient buckets).
+        comm, algorithm: the model's.
+        level: ``"optimizer"`` or ``"gradients"``.
+        compression, layouts: the model's compressor (fp16/bf16, or None) and its per-bucket layouts.
+    """
+
+    def __init__(self, module, named, assignment: list[list[int]], comm, algorithm: str, level: str,
+                 compression=None, layouts=None):
+        self.level, self.comm = level, comm
+        self.params = [param for _, param in named]
+        self.names = {id(param): name for name, param in named}
+        self.layout = ShardLayout([p.numel() for p in self.params], assignment, comm.world_size)
+        self.flat = FlatParameters(module, self.params, self.layout, comm, algorithm)
+        dtypes = [self.params[indices[0]].dtype for indices in assignment]
+        self.grads = ShardGradients(self.layout, self.flat.pieces, self.flat.piece_tensors, comm, algorithm,
+                                    compression, layouts, dtypes)
+        self.optimizer: ShardedOptimizer | None = None
+
+    def shard_optimizer(self, optimizer) -> ShardedOptimizer:
+        """Wrap ``optimizer`` (see :class:`ShardedOptimizer`); one per model.
+
+        Raises:
+            ValueError: the model already has one (it would step the same pieces twice).
+        """
+        if self.optimizer is not None and optimizer is not self.optimizer:
+            if optimizer is self.optimizer.optimizer:
+                return self.optimizer
+            raise ValueError("this DataParallel already has a sharded optimizer; shard one optimizer per model")
+        if optimizer is self.optimizer:
+            return optimizer
+        self.optimizer = ShardedOptimizer(optimizer, self)
+        return self.optimizer
+
+    def require_optimizer(self) -> None:
+        """Refuse a training forward before the optimizer is sharded (every rank raises the same, at once)."""
+        if self.optimizer is None:
+            raise GradsyncError(f"DataParallel(shard={self.level!r}): call optimizer = "
+                                f"model.shard_optimizer(optimizer) before training; a plain optimizer would see "
+                                f"no gradients (each rank keeps only its shard of them) and update nothing")
+
+    def before_step(self) -> None:
+        """Nothing to wait for: the last synchronised backward left every shard's gradient in place."""
+
+    def shadow(self, shadow_round) -> None:
+        """Under ``join``, a rank without data takes part in the others' reduce-scatter (``shadow_round``),
+        steps its shard with their average and joins the all-gather, as the active ranks do after their
+        backward; its own gradients of before are dropped first (the shard must hold only this round's)."""
+        for tensor in self.flat.piece_tensors:
+            tensor.grad = None
+        shadow_round()
+        if self.optimizer is not None:
+            self.optimizer.step()
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """What the sharded state holds beyond the module: shard gradients (``"gradients"``), optimizer state."""
+        state = [value for entry in (self.optimizer.state.values() if self.optimizer else ())
+                 for value in entry.values() if isinstance(value, torch.Tensor)]
+        grads = [tensor.grad for tensor in self.flat.piece_tensors if tensor.grad is not None]
+        return {"parameters": list(self.flat.flats), "gradients": list(self.grads.buffers) + grads,
+                "optimizer_state": state}
+
+
+def held_tensors(model, optimizer=None) -> dict[str, list[torch.Tensor]]:
+    """What a DataParallel ``model`` (and ``optimizer``'s state) holds now, by kind (see ``held_tensors``)."""
+    module, reducer, zero = model.module, model._reducer, model._zero
+    held: dict[str, list[torch.Tensor]] = {"parameters": [p for p in module.parameters()],
+                                           "gradients": [p.grad for p in module.parameters() if p.grad is not None],
+                                           "optimizer_state": [], "buffers": []}
+    if zero is not None:
+        for kind, tensors in zero.held_tensors().items():
+            held[kind].extend(tensors)
+    elif optimizer is not None:
+        held["optimizer_state"] = [value for entry in optimizer.state.values() for value in entry.values()
+                                   if isinstance(value, torch.Tensor)]
+    held["buffers"] = [bucket.flat for bucket in reducer.buckets] + list(model.comm.workspace.tensors())
+    return held

@@ -1,0 +1,282 @@
+"""ZeRO-1/2 (DataParallel(shard=...)): the same training as unsharded DataParallel, over thread ranks.
+
+Each case trains a small model for some steps on every rank's own batches and compares the parameters
+with a single-process run on the concatenated batches (the reference: plain torch, no gradsync), and
+with unsharded DataParallel, allclose (rtol 1e-5); replicas are bitwise equal after every all-gather.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import gradsync
+from _dist import run_threads
+
+torch.set_num_threads(1)
+
+
+def _build() -> nn.Module:
+    # odd element counts (7x5, 5, 3x7, 3): buckets padded, parameters cut between ranks
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+
+
+torch.manual_seed(0)
+_INITIAL = _build().state_dict()
+
+
+def _model() -> nn.Module:
+    """The same initial model on every thread rank (threads share torch's RNG: never seed inside them)."""
+    model = _build()
+    model.load_state_dict(_INITIAL)
+    return model
+
+
+def _batches(steps: int, world_size: int, per_rank: int = 4, seed: int = 1):
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(world_size * per_rank, 5, generator=generator),
+             torch.randn(world_size * per_rank, 3, generator=generator)) for _ in range(steps)]
+
+
+def _optimizer(name: str, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3)
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.01)
+
+
+def _reference(optimizer_name: str, batches, clip: float | None = None) -> list[torch.Tensor]:
+    model = _model()
+    optimizer = _optimizer(optimizer_name, model.parameters())
+    for x, y in batches:
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _train(comm, shard: str, optimizer_name: str, batches, accumulate: int = 1, bucket_cap_mb: float = 25.0,
+           compression=None, clip: float | None = None, algorithm: str = "ring"):
+    model = gradsync.DataParallel(_model(), group=comm, shard=shard, bucket_cap_mb=bucket_cap_mb,
+                                  compression=compression, algorithm=algorithm)
+    optimizer = model.shard_optimizer(_optimizer(optimizer_name, model.parameters()))
+    rank, world_size = comm.rank, comm.world_size
+    for x, y in batches:
+        per_rank = len(x) // world_size
+        xs, ys = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+        optimizer.zero_grad()
+        micro = len(xs) // accumulate
+        for k in range(accumulate):
+            part = slice(k * micro, (k + 1) * micro)
+            if k < accumulate - 1:
+                with model.no_sync():
+                    (nn.functional.mse_loss(model(xs[part]), ys[part]) / accumulate).backward()
+            else:
+                (nn.functional.mse_loss(model(xs[part]), ys[part]) / accumulate).backward()
+        if clip is not None:
+            gradsync.clip_grad_norm_(model, clip)
+        optimizer.step()
+        model.check_replicas()
+    model(xs)  # waits for the last all-gather
+    return [p.detach().clone() for p in model.module.parameters()]
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+@pytest.mark.parametrize("optimizer_name", ["sgd", "adamw"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sharded_training_matches_one_process(shard, optimizer_name, world_size):
+    batches = _batches(12, world_size)
+    expected = _reference(optimizer_name, batches)
+    results = run_threads(world_size, lambda comm: _train(comm, shard, optimizer_name, batches, bucket_cap_mb=1e-4))
+    for params in results:
+        for got, want in zip(params, expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for params in results[1:]:  # replicas bitwise equal
+        assert all(torch.equal(a, b) for a, b in zip(params, results[0]))
+
+
+def test_optimizer_state_is_sharded_and_padding_never_truncates():
+    world_size = 3
+    batches = _batches(2, world_size)
+
+    def body(comm):
+        model = gradsync.DataParallel(_model(), group=comm, shard="optimizer")
+        optimizer = model.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+        x, y = batches[0]
+        nn.functional.mse_loss(model(x[:4]), y[:4]).backward()
+        optimizer.step()
+        owned = sum(value.numel() for entry in optimizer.state.values() for key, value in entry.items()
+                    if key != "step")
+        return owned, [p.numel() for p in model.module.parameters()]
+
+    results = run_threads(world_size, body)
+    total = sum(results[0][1])  # 35 + 7 + 21 + 3 = 66 elements, one bucket padded to 66 (22 per rank)
+    per_rank = -(-total // world_size)
+    # exp_avg and exp_avg_sq of every element, each exactly once over the ranks; padding owns no state
+    assert sum(owned for owned, _ in results) == 2 * total
+    assert all(owned <= 2 * per_rank for owned, _ in results)
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_accumulation_under_no_sync_matches_one_process(shard):
+    batches = _batches(6, 2, per_rank=4)
+    expected = _reference("sgd", batches)
+    results = run_threads(2, lambda comm: _train(comm, shard, "sgd", batches, accumulate=2, bucket_cap_mb=1e-4))
+    for params in results:
+        for got, want in zip(params, expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+def test_low_precision_compression_combines_with_sharding(compression):
+    batches = _batches(6, 2)
+    expected = _reference("sgd", batches)
+    results = run_threads(2, lambda comm: _train(comm, "gradients", "sgd", batches, compression=compression))
+    tolerance = 2e-3 if compression == "fp16" else 2e-2  # 11 and 8 bits of mantissa on the wire
+    for got, want in zip(results[0], expected):
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"shard": "parameters"}, "not implemented yet"),
+    ({"shard": "zero2"}, "unknown shard level 'zero2'"),
+    ({"shard": "gradients", "compression": "onebit"}, "cannot combine with shard='gradients'"),
+    ({"shard": "optimizer", "compression": "topk"}, "cannot combine with shard='optimizer'"),
+    ({"shard": "optimizer", "gradient_as_bucket_view": True}, "gradient_as_bucket_view cannot combine"),
+])
+def test_what_sharding_cannot_honour_is_refused_on_every_rank(kwargs, words):
+    def body(comm):
+        try:
+            gradsync.DataParallel(_model(), group=comm, **kwargs)
+        except (ValueError, TypeError, gradsync.CollectiveMismatchError) as exc:
+            return str(exc)
+        return None
+
+    messages = run_threads(2, body)
+    assert all(message is not None and words in message for message in messages), messages
+
+
+def test_training_without_a_sharded_optimizer_is_refused():
+    def body(comm):
+        model = gradsync.DataParallel(_model(), group=comm, shard="gradients")
+        torch.optim.SGD(model.parameters(), lr=0.1)  # built, but not given to model.shard_optimizer
+        with pytest.raises(gradsync.GradsyncError, match="shard_optimizer"):
+            model(torch.randn(2, 5))
+        with torch.no_grad():
+            return model(torch.randn(2, 5)).shape  # evaluation needs no optimizer
+
+    assert run_threads(2, body) == [torch.Size([2, 3])] * 2
+
+
+def test_join_with_uneven_inputs_steps_every_shard():
+    """Rank 1 runs out of data after 2 steps; its shard is still stepped with the others' average."""
+    batches = _batches(4, 2)
+
+    def body(comm):
+        model = gradsync.DataParallel(_model(), group=comm, shard="gradients", bucket_cap_mb=1e-4)
+        optimizer = model.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+        mine = batches if comm.rank == 0 else batches[:2]
+        with model.join():
+            for x, y in mine:
+                optimizer.zero_grad()
+                nn.functional.mse_loss(model(x[:4] if comm.rank == 0 else x[4:]), y[:4] if comm.rank == 0
+                                       else y[4:]).backward()
+                optimizer.step()
+        with torch.no_grad():
+            model(batches[0][0])  # waits for the last all-gather
+        return [p.detach().clone() for p in model.module.parameters()]
+
+    results = run_threads(2, body)
+    # reference: steps 1-2 average both ranks' halves, steps 3-4 only rank 0's half
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step, (x, y) in enumerate(batches):
+        optimizer.zero_grad()
+        rows = slice(0, 8) if step < 2 else slice(0, 4)
+        if step < 2:
+            loss = (nn.functional.mse_loss(model(x[:4]), y[:4]) + nn.functional.mse_loss(model(x[4:]), y[4:])) / 2
+        else:
+            loss = nn.functional.mse_loss(model(x[rows]), y[rows])
+        loss.backward()
+        optimizer.step()
+    for params in results:
+        for got, want in zip(params, model.parameters()):
+            torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+
+
+
+@pytest.mark.parametrize("shard", ["none", "optimizer", "gradients"])
+def test_global_norm_clipping_sees_every_shard(shard):
+    batches = _batches(6, 2)
+    expected = _reference("sgd", batches, clip=0.05)  # small enough to clip every step
+    results = run_threads(2, lambda comm: _train(comm, shard, "sgd", batches, clip=0.05, bucket_cap_mb=1e-4))
+    for params in results:
+        for got, want in zip(params, expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_clipping_returns_the_norm_torch_computes():
+    model = _model()
+    nn.functional.mse_loss(model(torch.ones(2, 5)), torch.zeros(2, 3)).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    got = gradsync.clip_grad_norm_(model, 1e9)
+    assert got.item() == pytest.approx(torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads])).item(),
+                                       rel=1e-6)
+    with pytest.raises(ValueError, match="max_norm"):
+        gradsync.clip_grad_norm_(model, 0.0)
+
+
+class _Branches(nn.Module):
+    """``unused`` never gets a gradient; ``sometimes`` only on rank 0 (zero in the others' average)."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(5, 3)
+        self.sometimes = nn.Linear(5, 3)
+        self.unused = nn.Linear(5, 3)
+
+    def forward(self, x, use_sometimes: bool):
+        out = self.trunk(x)
+        return out + self.sometimes(x) if use_sometimes else out
+
+
+def test_unused_parameters_stay_put_and_partly_used_ones_average_with_zeros():
+    torch.manual_seed(3)
+    initial = _Branches().state_dict()
+    x = torch.randn(4, 5)
+
+    def body(comm):
+        net = _Branches()
+        net.load_state_dict(initial)
+        model = gradsync.DataParallel(net, group=comm, shard="gradients", bucket_cap_mb=1e-4)
+        optimizer = model.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5))
+        for _ in range(3):
+            optimizer.zero_grad()
+            model(x, comm.rank == 0).sum().backward()
+            optimizer.step()
+        model(x, False)
+        return {name: p.detach().clone() for name, p in net.named_parameters()}
+
+    results = run_threads(2, body)
+    reference = _Branches()
+    reference.load_state_dict(initial)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1, weight_decay=0.5)
+    for _ in range(3):
+        optimizer.zero_grad()
+        ((reference(x, True).sum() + reference(x, False).sum()) / 2).backward()
+        optimizer.step()
+    for params in results:
+        assert torch.equal(params["unused.weight"], initial["unused.weight"])  # no decay: skipped as torch skips
+        for name, want in reference.named_parameters():
+            torch.testing.assert_close(params[name], want.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_shard_none_hands_back_the_optimizer_itself():
+    def body(comm):
+        model = gradsync.DataParallel(_model(), group=comm)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        return model.shard_optimizer(optimizer) is optimizer
+
+    assert run_threads(2, body) == [True, True]
