@@ -65,7 +65,7 @@ BENCH_faults_elastic ?= --elastic --epochs 3 --chaos-s 60 --kill-every 15 --repe
 BENCH_deterministic ?= --nproc 2,4 --model cnn,mlp --micro-shards 4,12 --steps 20 --repeat 3
 BENCH_replicas ?= --nproc 2,4 --model cnn,mlp
 # bytes per rank at every shard level and torch's ZeroRedundancyOptimizer; 3 repetitions of 2 steps (defaults: 5 of 3)
-BENCH_memory ?= --model gpt,mlp --optimizer adamw --nproc 1,2,4 --steps 2 --warmup 1 --repeat 3
+BENCH_memory ?= --model gpt,mlp --optimizer adamw --nproc 1,2,4 --algorithm shm --steps 2 --warmup 1 --repeat 3
 # the simulator: this machine's profile, predicted against measured here (calibrates itself; test hosts need
 # root), against published nccl-tests curves, and the at-scale table (the command docs/simulator.md shows)
 BENCH_sim_calibrate ?= --settings full

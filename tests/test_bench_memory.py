@@ -17,7 +17,7 @@ TINY_MLP_PARAMS = 16 * 64 + 64 + 64 * 32 + 32 + 32 * 10 + 10   # 3498 elements i
 
 
 def test_count_bytes_charges_each_storage_once_in_the_first_part_that_holds_it():
-    """Views cost their whole storage once; a storage seen under parameters costs nothing under gradients."""
+    """Views of an owned storage cost all of it once; a storage seen under parameters costs nothing later."""
     flat = torch.zeros(10)                                   # 40 bytes, viewed twice
     moments = torch.zeros(2, 3)                              # 24 bytes, and its transpose
     half = torch.zeros(100, dtype=torch.float16)             # 200 bytes, of which a 10-element window is held
@@ -29,6 +29,16 @@ def test_count_bytes_charges_each_storage_once_in_the_first_part_that_holds_it()
     assert counts == {"parameters": 40, "gradients": 24, "optimizer_state": 28, "buffers": 210}
     assert total_bytes(counts) == 302
     assert count_bytes({"buffers": [flat]}) == {"parameters": 0, "gradients": 0, "optimizer_state": 0, "buffers": 40}
+
+
+def test_memory_owned_elsewhere_costs_only_the_bytes_viewed_each_once():
+    """A shared segment (torch.frombuffer over a mapping, as the shm arena) of 100 float16: slot [10, 20) is
+    20 bytes, [15, 30) adds 10 elements (20 bytes), a strided view of [40, 50) every other element reaches
+    9 elements (18 bytes); the same slot again under buffers costs nothing."""
+    segment = torch.frombuffer(bytearray(200), dtype=torch.float16)
+    counts = count_bytes({"gradients": [segment[10:20], segment[15:30], segment[40:49:2]],
+                          "buffers": [segment[12:18]]})
+    assert counts == {"parameters": 0, "gradients": 20 + 20 + 18, "optimizer_state": 0, "buffers": 0}
 
 
 def test_count_bytes_refuses_unknown_parts_and_non_tensors():
@@ -97,32 +107,46 @@ def test_settings_put_the_baseline_first_and_add_each_peer_at_its_levels():
         BASELINE, Setting("gradsync", "optimizer"), TORCH_ZERO]
 
 
+OPTIMIZER, GRADIENTS = Setting("gradsync", "optimizer"), Setting("gradsync", "gradients")
+EVERY = [BASELINE, OPTIMIZER, GRADIENTS, TORCH_ZERO]
+
+
 def _rank_memory_world():
-    """One world: the bench's byte runs of the baseline and the torch peer (2 steps each), then the check and
-    timing of both (1 repetition of 1 step)."""
+    """One world: the bench's byte run of every setting (2 steps each), then the check of each against the
+    baseline and their timing (1 repetition of 1 step)."""
     from gradsync.bench.shard_memory import Options, check_and_time, measure_bytes
     from gradsync.bench.shard_memory_models import BenchModel
 
     spec, options = BenchModel("mlp", TINY_MLP_WIDTHS, 4), Options(steps=1, warmup=0, repeat=1)
-    return {"none": measure_bytes(spec, BASELINE, options), "zero": measure_bytes(spec, TORCH_ZERO, options),
-            "timed": check_and_time(spec, [BASELINE, TORCH_ZERO], options)}
+    counted = {setting: measure_bytes(spec, setting, options) for setting in EVERY}
+    return counted, check_and_time(spec, EVERY, options)
 
 
-def test_a_world_of_2_counts_bytes_by_formula_and_checks_the_peer_before_timing_it():
-    """AdamW holds exp_avg and exp_avg_sq (8 bytes a parameter) and a 4-byte step per tensor; ZeRO splits whole
-    tensors between the ranks, so their states add up to the full state; DDP's buckets hold every gradient."""
-    none, zero, timed = run_world(2, _rank_memory_world, timeout_s=60)[0].values()
-    full_state = 8 * TINY_MLP_PARAMS + 4 * 6
+def test_a_world_of_2_counts_bytes_by_formula_and_checks_every_setting_before_timing_it():
+    """AdamW holds exp_avg and exp_avg_sq (8 bytes a parameter) and a 4-byte step per tensor it steps. ZeRO's
+    torch peer splits whole tensors between the ranks, so their states add up to the full state; DDP's
+    buckets hold every gradient. gradsync's sharded levels step this rank's half of the flat parameters
+    (3498 / 2 = 1749 elements), as pieces of at most 6 + 1 tensors."""
+    counted, timed = run_world(2, _rank_memory_world, timeout_s=60)[0]
+    none, zero = counted[BASELINE], counted[TORCH_ZERO]
+    full_state, half = 8 * TINY_MLP_PARAMS + 4 * 6, TINY_MLP_PARAMS // 2
     assert none["parameters"] == zero["parameters"] == TINY_MLP_PARAMS
     assert none["parts"]["parameters"] == none["parts"]["gradients"] == 4 * TINY_MLP_PARAMS
     assert none["parts"]["optimizer_state"] == full_state
-    assert none["parts"]["buffers"] >= 4 * TINY_MLP_PARAMS   # the flat buckets (and their arena)
+    assert none["parts"]["buffers"] >= 4 * TINY_MLP_PARAMS   # this rank's bucket (its slot of the shm arena)
     assert none["peak_at"] in ("backward", "step") and len(none["peak_rss_mib_per_rank"]) == 2
     assert zero["parts"]["parameters"] == zero["parts"]["gradients"] == zero["parts"]["buffers"] == 4 * TINY_MLP_PARAMS
     states = zero["optimizer_state_bytes_per_rank"]
     assert sum(states) == full_state and 0 < min(states) and zero["parts"]["optimizer_state"] == max(states)
-    assert timed[TORCH_ZERO]["equal_to_none"] and timed[TORCH_ZERO]["max_abs_diff"] < 1e-6
-    assert len(timed[BASELINE]["elapsed_s"]) == len(timed[TORCH_ZERO]["elapsed_s"]) == 1
+    for setting in (OPTIMIZER, GRADIENTS):
+        sharded = counted[setting]
+        assert sharded["parts"]["parameters"] == 4 * TINY_MLP_PARAMS   # every rank keeps the whole model
+        for state in sharded["optimizer_state_bytes_per_rank"]:
+            assert 8 * half < state <= 8 * half + 4 * 7
+    assert counted[GRADIENTS]["parts"]["gradients"] < none["parts"]["gradients"]
+    for setting in EVERY[1:]:
+        assert timed[setting]["equal_to_none"] and timed[setting]["max_abs_diff"] < 1e-9, setting  # float64
+        assert len(timed[setting]["elapsed_s"]) == 1
 
 
 @pytest.mark.parametrize("argv, needle", [

@@ -19,9 +19,10 @@ lr=...)``, the defaults ``parameters_as_bucket_view=False``,
   are reported, for the rank whose peak is largest. Peak RSS is each
   rank's ``getrusage(RUSAGE_SELF).ru_maxrss`` at the end (max over ranks).
 * Samples/s (one world per model and world size): first every setting
-  trains ``CHECK_STEPS`` steps from the same weights on the same batches
-  and its parameters are compared with the baseline's (allclose, rtol
-  1e-5, atol 1e-6, on every rank); a setting that differs is not timed.
+  trains ``CHECK_STEPS`` steps from the same weights on the same batches,
+  in float64 (see :func:`check_equal`), and its parameters are compared
+  with the baseline's (allclose, rtol 1e-5, atol 1e-6, on every rank); a
+  setting that differs is not timed.
   Then ``--repeat`` repetitions, each timing every setting once (order
   rotated by one each repetition) on a fresh copy: ``--warmup`` untimed
   steps, then ``--steps`` timed ones, the slowest rank's time.
@@ -54,6 +55,7 @@ OPTIMIZERS = {"adamw": (torch.optim.AdamW, {"lr": 1e-3}), "sgd": (torch.optim.SG
 POINTS = ("forward", "backward", "step")   # where a step is sampled
 CHECK_STEPS = 3                            # identical steps before the parameters are compared
 CHECK_RTOL, CHECK_ATOL = 1e-5, 1e-6
+CHECK_DTYPE = torch.float64               # the check compares computations, not float32 rounding
 MODEL_SEED = 0
 
 
@@ -61,7 +63,7 @@ class Options(NamedTuple):
     """The settings every measured implementation shares (the command line's)."""
 
     optimizer: str = "adamw"
-    algorithm: str = "auto"
+    algorithm: str = "shm"
     bucket_cap_mb: float = 25.0
     steps: int = 3
     warmup: int = 1
@@ -73,21 +75,12 @@ class Options(NamedTuple):
 def _wrap_gradsync(module: nn.Module, shard: str, options: Options):
     optimizer_class, hyper = OPTIMIZERS[options.optimizer]
     model = gradsync.DataParallel(module, algorithm=options.algorithm, bucket_cap_mb=options.bucket_cap_mb,
-                                  **({} if shard == "none" else {"shard": shard}))  # TEMPORARY: until main's shard
-    optimizer = optimizer_class(model.parameters(), **hyper)
-    return model, (model.shard_optimizer(optimizer) if hasattr(model, "shard_optimizer") else optimizer)
+                                  shard=shard)
+    return model, model.shard_optimizer(optimizer_class(model.parameters(), **hyper))
 
 
 def _gradsync_bytes(model, optimizer) -> dict[str, int]:
-    if hasattr(model, "held_tensors"):
-        return count_bytes(model.held_tensors(optimizer))
-    # TEMPORARY (shard="none" until main's held_tensors lands): the parameters, their .grad, the
-    # optimizer's state and the reducer's flat buckets
-    from gradsync.parallel.memory import state_tensors
-    params = list(model.parameters())
-    return count_bytes({"parameters": params, "gradients": [param.grad for param in params],
-                        "optimizer_state": state_tensors(optimizer),
-                        "buffers": [bucket.flat for bucket in model._reducer.buckets]})
+    return count_bytes(model.held_tensors(optimizer))
 
 
 def _wrap_torch_zero(module: nn.Module, shard: str, options: Options):
@@ -105,6 +98,15 @@ IMPLS = {"gradsync": (_wrap_gradsync, _gradsync_bytes), "torch-zero": (_wrap_tor
 def wrap(setting: Setting, module: nn.Module, options: Options):
     """(model, optimizer) of ``setting`` around ``module``. Collective: every rank, same arguments."""
     return IMPLS[setting.impl][0](module, setting.shard, options)
+
+
+def settle(model) -> None:
+    """Wait for the parameter all-gathers a sharded DataParallel's last step left in flight (they overlap the
+    next forward; nothing else waits for them), so that a clock stopped now or a parameter read now sees
+    the step whole. A no-op for other models. (Private: DataParallel has no public call that only waits.)"""
+    zero = getattr(model, "_zero", None)
+    if zero is not None:
+        zero.flat.wait_all()
 
 
 def train_step(model, optimizer, inputs, targets, sample=None) -> None:
@@ -152,33 +154,46 @@ def measure_bytes(spec: BenchModel, setting: Setting, options: Options) -> dict:
             "parameters": sum(param.numel() for param in module.parameters())}
 
 
-def _trained(spec: BenchModel, initial: nn.Module, setting: Setting, options: Options, steps: int):
-    """A fresh copy of ``initial`` wrapped as ``setting``, after ``steps`` steps on this rank's batch."""
-    module = copy.deepcopy(initial)
+def _trained(spec: BenchModel, initial: nn.Module, setting: Setting, options: Options, steps: int,
+             dtype: torch.dtype = torch.float32):
+    """A fresh copy of ``initial`` in ``dtype`` wrapped as ``setting``, after ``steps`` steps on this rank's
+    batch (floating inputs cast to ``dtype``), its parameters settled."""
+    module = copy.deepcopy(initial).to(dtype)
     model, optimizer = wrap(setting, module, options)
     inputs, targets = make_batch(spec, gradsync.rank())
+    inputs = inputs.to(dtype) if inputs.is_floating_point() else inputs
     for _ in range(steps):
         train_step(model, optimizer, inputs, targets)
+    settle(model)
     return module, model, optimizer
 
 
 def check_equal(spec: BenchModel, initial: nn.Module, settings: list[Setting], options: Options) -> dict:
     """Per setting: ``equal_to_none`` (its parameters allclose to the baseline's after :data:`CHECK_STEPS`
-    identical steps, on every rank) and ``max_abs_diff`` (the largest difference over ranks)."""
-    reference = [param.detach().clone() for param in _trained(spec, initial, BASELINE, options, CHECK_STEPS)[0]
-                 .parameters()]
-    gc.collect()
+    identical steps in :data:`CHECK_DTYPE`, on every rank) and ``max_abs_diff`` (the largest difference over
+    ranks).
+
+    In float64, so that what is compared is the computation (the average of the gradients, the optimizer
+    and its hyperparameters, each rank's shard), not float32 rounding: the implementations sum the ranks'
+    gradients in different orders, and AdamW divides a gradient by its own magnitude, which turns a
+    rounding difference in a gradient that nearly cancels across ranks into a parameter difference of up
+    to a few 1e-6 after 3 steps of the 25M-parameter gpt (more than rtol 1e-5 of its ~0.02 weights).
+    """
+    reference = [param.detach().clone() for param in
+                 _trained(spec, initial, BASELINE, options, CHECK_STEPS, CHECK_DTYPE)[0].parameters()]
     checks = {BASELINE: {"equal_to_none": True, "max_abs_diff": 0.0}}
     for setting in settings:
         if setting == BASELINE:
             continue
-        params = list(_trained(spec, initial, setting, options, CHECK_STEPS)[0].parameters())
-        gc.collect()
+        gc.collect()  # the copy before (its wrapper's hooks hold it in reference cycles)
+        params = list(_trained(spec, initial, setting, options, CHECK_STEPS, CHECK_DTYPE)[0].parameters())
         equal = all(torch.allclose(mine, theirs, rtol=CHECK_RTOL, atol=CHECK_ATOL)
                     for mine, theirs in zip(params, reference))
         diff = max(float((mine.detach() - theirs).abs().max()) for mine, theirs in zip(params, reference))
         gathered = torch.stack(gradsync.all_gather(torch.tensor([float(equal), diff], dtype=torch.float64)))
         checks[setting] = {"equal_to_none": bool(gathered[:, 0].min() > 0), "max_abs_diff": float(gathered[:, 1].max())}
+        del params
+    gc.collect()
     return checks
 
 
@@ -190,6 +205,7 @@ def time_steps(spec: BenchModel, initial: nn.Module, setting: Setting, options: 
     started = time.perf_counter()
     for _ in range(options.steps):
         train_step(model, optimizer, inputs, targets)
+    settle(model)  # the last step's all-gather belongs to the timed steps
     _line_up()
     mine = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
     del module, model, optimizer
@@ -200,6 +216,7 @@ def time_steps(spec: BenchModel, initial: nn.Module, setting: Setting, options: 
 def check_and_time(spec: BenchModel, settings: list[Setting], options: Options) -> dict:
     """:func:`check_equal`, then ``options.repeat`` repetitions timing every setting that passed once each
     (order rotated by one per repetition); per setting its check and ``elapsed_s`` (None: not timed)."""
+    gc.freeze()  # what this process holds by now is never garbage: each gc.collect below then scans only the new
     torch.manual_seed(MODEL_SEED)
     initial = build(spec)
     results = check_equal(spec, initial, settings, options)
@@ -290,13 +307,18 @@ def measure_world(spec: BenchModel, world_size: int, settings: list[Setting], op
     """The rows of one model at one world size: a bytes world per setting, then one samples/s world."""
     from gradsync.launch import launch_local
 
+    started = time.perf_counter()
     counted = {setting: launch_local(world_size, bytes_worker, spec, setting, options)[0] for setting in settings}
+    bytes_s = time.perf_counter() - started
     timed = launch_local(world_size, throughput_worker, spec, settings, options)[0] if throughput else None
+    print(f"# {spec.name} at world size {world_size}: bytes {bytes_s:.0f} s, check and samples/s "
+          f"{time.perf_counter() - started - bytes_s:.0f} s", flush=True)
     base = {"model": spec.name, "world_size": world_size, "optimizer": options.optimizer,
             "algorithm": options.algorithm, "bucket_cap_mb": options.bucket_cap_mb,
             "parameters": counted[BASELINE]["parameters"], "batch_per_rank": spec.batch_per_rank,
             "samples_per_step": spec.batch_per_rank * world_size, "steps": options.steps, "warmup": options.warmup,
             "repeat": options.repeat if throughput else None, "check_steps": CHECK_STEPS,
+            "check_dtype": str(CHECK_DTYPE).removeprefix("torch."),
             "threads_per_rank": threads_per_worker(world_size), "model_sizes": list(spec.sizes)}
     return memory_rows(base, counted, timed)
 
@@ -316,9 +338,7 @@ def run_bench(*, models: str, optimizer: str, nproc: str, impls: str, shards: st
     rows: list[dict] = []
     for name in model_names:
         for world_size in world_sizes:
-            started = time.perf_counter()
             rows += measure_world(BENCH_MODELS[name], world_size, settings, options, throughput)
-            print(f"# {name} at world size {world_size}: {time.perf_counter() - started:.0f} s", flush=True)
     print("\n\n".join(tables(rows)), flush=True)
     print("# " + DEEPSPEED_NOTE.replace("\n", " "), flush=True)
     if json_path:

@@ -155,9 +155,11 @@ def goal_lines(rows: list[dict]) -> list[str]:
 def _why_missing(row: dict, goal: Goal) -> str:
     if row.get("equal_to_none") is False:
         return "its parameters differed from shard=none's, so it was not timed"
+    if row.get("samples_per_s") is None:
+        return "not timed (--no-throughput)"
     if goal.field.endswith("torch_zero"):
-        return "no torch-zero row (--impls), or torch-zero's parameters differed from shard=none's"
-    return "not timed"
+        return "torch-zero not timed: not in --impls, or its parameters differed from shard=none's"
+    return "shard=none not timed"
 
 
 def _mib(field: str):
@@ -190,8 +192,8 @@ def format_table(rows: list[dict]) -> str:
              "with the largest; x none / x zero: total bytes over shard=none's / torch-zero's",
              "# RSS: peak resident set (getrusage ru_maxrss), max over ranks, of a fresh world per row; "
              "samples/s: median (min-max) of the repetitions, every setting timed once in each; x none / x zero: "
-             "paired per repetition; check: parameters allclose (rtol 1e-5, atol 1e-6) to shard=none's after the "
-             "check steps, else not timed"]
+             "paired per repetition; check: parameters allclose (rtol 1e-5, atol 1e-6) to shard=none's after 3 float64 "
+             "steps, else not timed"]
     return "\n".join([format_rows(rows, columns)] + notes + goal_lines(rows))
 
 

@@ -17,7 +17,9 @@ buckets; it is not measured yet."""
 MEMORY_ABOUT = {
     "memory": """\
 What each rank holds at every sharding level of `DataParallel` (`shard=`
-`none`, the baseline; `optimizer`, ZeRO-1; `gradients`, ZeRO-2) and with
+`none`, the baseline; `optimizer`, ZeRO-1; `gradients`, ZeRO-2; all with
+`--algorithm shm`: its AllReduce at `none`, its reduce-scatter and
+all-gather at the others, the one algorithm every level runs on one host) and with
 torch's `ZeroRedundancyOptimizer` (ZeRO-1, whole tensors per rank) over
 `DistributedDataParallel` on Gloo, built as its documentation shows
 (`parameters_as_bucket_view` and `overlap_with_ddp` off; DDP with the same
@@ -37,9 +39,15 @@ the local optimizer's state and DDP's gradient buckets (their bytes from
 DDP's logging data, `bucket_sizes`). `RSS MiB` is the peak resident set of
 each rank (`getrusage` `ru_maxrss`), max over ranks, each row in a fresh
 world. Activations, allocator slack and Python objects are in the RSS, not
-in the counted bytes. Samples/s: every setting first trains 3 identical
-steps and its parameters are compared with the baseline's (allclose, rtol
-1e-5, atol 1e-6, every rank; `check`); one that differs is not timed. Then
+in the counted bytes. A shared-memory segment (the shm arena that holds
+`shard=none`'s zero-copy buckets) is charged by the bytes of it the rank's
+tensors view, its own slot, not whole: every rank of the host maps all of
+it, and it exists once. Samples/s: every setting first trains 3 identical
+steps in float64 and its parameters are compared with the baseline's
+(allclose, rtol 1e-5, atol 1e-6, every rank; `check`); one that differs is
+not timed (in float32, AdamW turns the different summation orders of a
+gradient that nearly cancels across ranks into parameter differences of a
+few 1e-6 within 3 steps, above rtol 1e-5 of the gpt's weights). Then
 each repetition times every setting once, interleaved, on a fresh copy;
 `x none` and `x zero` divide by the baseline and by torch's peer, paired per
 repetition for samples/s. The goals (issue 38, gpt at world size 4 with

@@ -8,7 +8,9 @@ storage counted once however many tensors view it: a ``.grad`` that is a view
 of its bucket (``gradient_as_bucket_view``), or a parameter that is a view of
 a flat shard, costs its bytes once. The counts are what the tensors hold, not
 the allocator's view (no fragmentation, no activations, no Python objects);
-the process's peak resident memory is the other half of the picture.
+the process's peak resident memory is the other half of the picture (it also
+counts every page of a shared-memory segment the process touched, peers'
+slots included).
 """
 
 from __future__ import annotations
@@ -22,14 +24,20 @@ PARTS = ("parameters", "gradients", "optimizer_state", "buffers")  # the order a
 
 
 def count_bytes(held: Mapping[str, Iterable[torch.Tensor | None]]) -> dict[str, int]:
-    """Bytes per part of ``held``, each storage counted once across all parts.
+    """Bytes per part of ``held``, each byte counted once across all parts.
 
-    Each tensor is charged its whole storage's ``nbytes`` (a view of a
-    larger storage costs the larger storage: that memory is held), found by
-    ``tensor.untyped_storage().data_ptr()``; a storage already charged (by
-    another tensor of this part or of an earlier one, in the order of
-    :data:`PARTS`) costs nothing more. A missing part counts 0 and a None
-    entry (a parameter without ``.grad``) is skipped.
+    A tensor is charged its whole storage's ``nbytes`` when the storage owns
+    its memory (an ordinary allocation: a view of a larger tensor keeps all
+    of it alive); a storage already charged (found by
+    ``tensor.untyped_storage().data_ptr()``, by another tensor of this part or
+    of an earlier one in the order of :data:`PARTS`) costs nothing more.
+    A storage that views memory owned elsewhere (``storage.resizable()`` is
+    False: ``torch.frombuffer`` over a shared-memory mapping, as gradsync's
+    shm arena, whose zero-copy buckets are one rank's slot of a segment every
+    rank of the host maps whole) is charged only the bytes the held tensors
+    view, each byte once: charging the whole segment to every rank would
+    count the host's arena world-size times. A missing part counts 0 and a
+    None entry (a parameter without ``.grad``) is skipped.
 
     Args:
         held: part name -> tensors (any dtype, dense, CPU or not).
@@ -48,7 +56,8 @@ def count_bytes(held: Mapping[str, Iterable[torch.Tensor | None]]) -> dict[str, 
     unknown = [key for key in held if key not in PARTS]
     if unknown:
         raise ValueError(f"unknown part {unknown[0]!r} of the held tensors; the parts are {', '.join(PARTS)}")
-    seen: set[int] = set()
+    owned: set[int] = set()
+    viewed: dict[int, list[tuple[int, int]]] = {}  # foreign storage -> byte ranges charged so far
     counts = {}
     for part in PARTS:
         nbytes = 0
@@ -58,12 +67,35 @@ def count_bytes(held: Mapping[str, Iterable[torch.Tensor | None]]) -> dict[str, 
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"the held {part} must be tensors (or None), got {type(tensor).__name__}")
             storage = tensor.untyped_storage()
-            if storage.nbytes() == 0 or storage.data_ptr() in seen:
+            if storage.nbytes() == 0 or storage.data_ptr() in owned:
                 continue
-            seen.add(storage.data_ptr())
-            nbytes += storage.nbytes()
+            if storage.resizable():
+                owned.add(storage.data_ptr())
+                nbytes += storage.nbytes()
+            else:
+                nbytes += _charge_range(viewed.setdefault(storage.data_ptr(), []), _byte_range(tensor))
         counts[part] = nbytes
     return counts
+
+
+def _byte_range(tensor: torch.Tensor) -> tuple[int, int]:
+    """[start, stop) bytes of ``tensor``'s storage that it can reach (its extent, holes included)."""
+    start = tensor.storage_offset() * tensor.element_size()
+    if tensor.numel() == 0:
+        return start, start
+    extent = 1 + sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride()))
+    return start, start + extent * tensor.element_size()
+
+
+def _charge_range(charged: list[tuple[int, int]], new: tuple[int, int]) -> int:
+    """Bytes of ``new`` not yet in ``charged`` (disjoint ranges), which then covers ``new`` too."""
+    start, stop = new
+    fresh = stop - start - sum(max(0, min(stop, high) - max(start, low)) for low, high in charged)
+    merged = [(low, high) for low, high in charged if high < start or low > stop]
+    merged.append((min([start] + [low for low, high in charged if not (high < start or low > stop)]),
+                   max([stop] + [high for low, high in charged if not (high < start or low > stop)])))
+    charged[:] = sorted(merged)
+    return fresh
 
 
 def total_bytes(counts: Mapping[str, int]) -> int:
