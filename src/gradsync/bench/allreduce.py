@@ -36,7 +36,7 @@ import torch
 import gradsync
 from gradsync.bench.across_hosts import (LinkMeter, check_host_options, print_rank0_rows, run_bench_on_hosts,
                                         world_layout)
-from gradsync.bench.allreduce_options import ZERO_COPY, parse_nbytes, parse_options  # noqa: F401 (parse_nbytes)
+from gradsync.bench.allreduce_options import ZERO_COPY, parse_nbytes, parse_options
 from gradsync.bench.allreduce_rows import bound_spread, format_table, row_figures
 from gradsync.bench.auto_rows import annotate_auto_rows, auto_rows, format_auto_table
 from gradsync.bench.output import claim_json_path, write_json
@@ -44,8 +44,7 @@ from gradsync.bench.memory_bound import bound_fraction, bytes_per_payload_byte, 
 from gradsync.bench.mpi import (MPI_COLUMN, check_mpi_options, join_from_mpi, mpi_available, mpi_tables,
                                 run_under_each_mpi, write_mpi_rows)
 from gradsync.bench.mpi_collectives import check_mpi_results, mpi_call
-from gradsync.bench.sweep_collectives import (ALL_REDUCE, SIZE_MEANING, busbw_factor, input_numel, message_numel,
-                                              run_call)
+from gradsync.bench.sweep_collectives import ALL_REDUCE, SIZE_MEANING, input_numel, message_numel, run_call
 from gradsync.collectives import HierarchicalOptions, SegmentOptions, ShmState, ops
 from gradsync.collectives.communicator import Communicator
 from gradsync.process_group import default_communicator
