@@ -36,7 +36,9 @@ from gradsync.transport.shm_segment import ShmSegment
 IN_PLACE_DTYPES = (torch.float32, torch.float64)  # reduced in the arena without staging (see allocate_shared)
 ARENA_MIN_BYTES = 2**20  # per rank: small buffers share an arena (tmpfs pages cost only once touched)
 ARENA_ALIGN = 64         # every buffer starts on its own cache line
-PLACEMENT_WORD = 2      # word 2 of a rank's counter line: where its collective's data lies (see check_placement)
+# words 2 and 4 of a rank's counter line: where its collective's data lies, by the parity of the barrier
+# after which the peers read it (a rank one barrier ahead posts its next call's in the other word)
+PLACEMENT_WORDS = (2, 4)
 NOT_IN_ARENA = -1
 
 
@@ -133,14 +135,16 @@ def _agree_allocation(call: CollectiveCall, nbytes: int, index: int, offset: int
 
 def post_placement(segment: ShmSegment, placement: tuple[int, int] | None) -> None:
     """Post where this rank's data of the call lies (``(arena, offset)``, None: not in an arena), for
-    :func:`check_placement` after the next barrier."""
-    segment.post(PLACEMENT_WORD, NOT_IN_ARENA if placement is None else (placement[0] << 40) | placement[1])
+    :func:`check_placement` right after the segment's next barrier."""
+    segment.post(PLACEMENT_WORDS[segment.next_parity()],
+                 NOT_IN_ARENA if placement is None else (placement[0] << 40) | placement[1])
 
 
 def check_placement(segment: ShmSegment, call: CollectiveCall) -> None:
-    """After a barrier: every rank posted the same placement of its data (``PLACEMENT_WORD``),
-    else CollectiveMismatchError on every rank (each reads the same words)."""
-    posted = [segment.posted(peer, PLACEMENT_WORD) for peer in range(call.world_size)]
+    """Right after the barrier :func:`post_placement` preceded: every rank posted the same placement of
+    its data, else CollectiveMismatchError on every rank (each reads the same words)."""
+    word = PLACEMENT_WORDS[segment.last_parity()]
+    posted = [segment.posted(peer, word) for peer in range(call.world_size)]
     if all(word == posted[0] for word in posted):
         return
     where = ", ".join(f"rank {peer}: " + ("not in the arena" if word == NOT_IN_ARENA else
@@ -215,5 +219,5 @@ def _gather_rows(gathered: torch.Tensor, call: CollectiveCall) -> None:
                 parts[peer, start:stop] = regions[peer]
 
 
-__all__ = ["IN_PLACE_DTYPES", "NOT_IN_ARENA", "PLACEMENT_WORD", "ShmSetupError", "ShmState", "all_reduce",
+__all__ = ["IN_PLACE_DTYPES", "NOT_IN_ARENA", "PLACEMENT_WORDS", "ShmSetupError", "ShmState", "all_reduce",
            "allocate_shared", "broadcast", "check_placement", "post_placement", "usable"]
