@@ -245,14 +245,25 @@ def halving_doubling_s(profile: Profile, topology: Topology, n: int, itemsize: i
             st = step_at(1 << level)
             total += st.exchange_s(n) + n * st.gamma
         return total
+    if collective != "all_reduce":  # the core's chunks are tensor_split's over p: a folded pair's are two
+        shares = [(2 if c < extra else 1) * n / p for c in range(core)]
+        for level in range(levels):
+            st, distance = step_at(core >> (level + 1)), core >> (level + 1)
+            gives = [sum(shares[c - c % (2 * distance) + (0 if c & distance else distance):][:distance])
+                     for c in range(core)]  # what each core rank hands its partner (and gets its partner's)
+            one_port = profile.intra.cpu_bound and all(hosts[members[c]] == hosts[members[c ^ distance]]
+                                                       for c in range(core))  # send and receive share it
+            m = max((give + gives[c ^ distance]) / 2 if one_port else give for c, give in enumerate(gives))
+            total += st.exchange_s(m) + (max(gives) * st.gamma if collective == "reduce_scatter" else 0.0)
+        return total
     m = float(n)
     for level in range(levels):  # halving: distance core/2, core/4, ..., 1
         st = step_at(core >> (level + 1))
         m /= 2
-        total += (st.exchange_s(m) + m * st.gamma) if collective != "all_gather" else 0.0
+        total += st.exchange_s(m) + m * st.gamma
     for level in range(levels):  # doubling: distance 1, 2, ..., core/2
         st = step_at(1 << level)
-        total += st.exchange_s(m) if collective != "reduce_scatter" else 0.0
+        total += st.exchange_s(m)
         m *= 2
     return total
 
@@ -303,8 +314,11 @@ def hierarchical_s(profile: Profile, topology: Topology, n: int, segment_bytes: 
                            collective=collective)
     if collective != "all_reduce":
         own = math.ceil(n / itemsize / topology.world_size) * itemsize
-        return inter + _inside_shards_s(profile, chunk, own, local, largest, inside, segment_bytes, itemsize,
-                                        collective)
+        staging = 0.0  # the lane-by-lane order is a copy of the message in and the chunk out (or the reverse)
+        if hosts > 1 and local > 1:
+            staging = (n + own) * profile.copy_s_per_byte * oversub
+        return inter + staging + _inside_shards_s(profile, chunk, own, local, largest, inside, segment_bytes,
+                                                  itemsize, collective)
     if inside:
         node = shm_s(profile, Topology((largest,)), n, itemsize, public=False)
         if hosts == 1:
