@@ -362,3 +362,14 @@ def test_auto_picks_per_size_from_the_collectives_own_formulas(collective):
         for nbytes, pick in picks.items():
             assert pick == auto.choose(nbytes, 4, 4, shm_available=True, collective=collective) != "tree"
         assert label.startswith("auto (") and "tree" not in label, label
+
+
+def test_every_algorithm_carries_both_or_says_why_it_has_neither():
+    """The registry as data: each AllReduce algorithm has a reduce-scatter and an all-gather, or a reason
+    in NO_REDUCE_SCATTER (tree's), never both and never one of the pair alone."""
+    from gradsync.collectives import registry
+
+    carriers = set(registry.REDUCE_SCATTER)
+    assert carriers == set(registry.ALL_GATHER)
+    assert carriers | set(registry.NO_REDUCE_SCATTER) == set(registry.ALL_REDUCE)
+    assert not carriers & set(registry.NO_REDUCE_SCATTER)

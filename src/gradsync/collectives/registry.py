@@ -64,6 +64,15 @@ ALL_GATHER: dict[str, AllReduce] = {
 NO_REDUCE_SCATTER: dict[str, str] = {"tree": "a tree reduces to one root"}
 """Why an algorithm of ``ALL_REDUCE`` carries neither reduce-scatter nor all-gather (every other one has both)."""
 
+
+def refusal(collective: str, algorithm: str) -> ValueError:
+    """The one-line error of a ``collective`` (reduce_scatter or all_gather) asked of an algorithm that
+    carries none (``NO_REDUCE_SCATTER`` says why)."""
+    carriers = ", ".join(tuple(REDUCE_SCATTER) + (AUTO,))
+    reason = NO_REDUCE_SCATTER.get(algorithm, "none is registered")
+    return ValueError(f"algorithm {algorithm!r} has no {collective}: {reason}; "
+                      f"choose one of {carriers}")
+
 UPCAST: dict[str, dict[torch.dtype, torch.dtype]] = {"native": native.UPCAST}
 """Dtypes an algorithm reduces in a wider one (fp16/bf16 go to float32 for every algorithm)."""
 

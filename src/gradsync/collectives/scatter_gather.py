@@ -32,8 +32,8 @@ import torch
 from gradsync.collectives.chunking import chunk_bounds
 from gradsync.collectives.communicator import Communicator
 from gradsync.collectives.recording import public_collective
-from gradsync.collectives.registry import ALGORITHMS, ALL_GATHER, DEFAULT_ALGORITHM, NO_REDUCE_SCATTER, REDUCE_SCATTER
-from gradsync.collectives.validate import refusal, start_call, usable_after_all, working_dtype
+from gradsync.collectives.registry import ALGORITHMS, ALL_GATHER, AUTO, DEFAULT_ALGORITHM, REDUCE_SCATTER, refusal
+from gradsync.collectives.validate import start_call, usable_after_all, working_dtype
 
 set_grad_enabled = torch._C._set_grad_enabled  # what torch.no_grad() calls on entry and exit
 
@@ -134,7 +134,7 @@ def _check_algorithm(what: str, algorithm) -> None:
     """The in-place pair's own check of ``algorithm``, before any early return (one rank's error)."""
     if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
-    if algorithm in NO_REDUCE_SCATTER:
+    if algorithm not in REDUCE_SCATTER and algorithm != AUTO:
         raise refusal(what, algorithm)
 
 

@@ -56,11 +56,9 @@ class _NoOp:
 
 
 NO_OP = _NoOp()
-_TABLES = {"broadcast": registry.BROADCAST}
-FIXED_ALGORITHM = {what: next(iter(table)) for what, table in _TABLES.items()}  # algorithm=None runs these
-_CHOICES = {what: tuple(table) for what, table in _TABLES.items()}
-# collectives that take every name of ALGORITHMS (None: DEFAULT_ALGORITHM), refused by NO_REDUCE_SCATTER's
-SCATTER_GATHER = {"reduce_scatter": registry.REDUCE_SCATTER, "all_gather": registry.ALL_GATHER}
+FIXED_ALGORITHM = {"broadcast": next(iter(registry.BROADCAST))}  # algorithm=None runs these
+_CHOICES = {"broadcast": tuple(registry.BROADCAST)}
+SCATTER_GATHER = {"reduce_scatter": registry.REDUCE_SCATTER, "all_gather": registry.ALL_GATHER}  # None: the default
 _IN_PLACE = ("all_reduce", "broadcast")
 
 Rejection = tuple[int, Exception]
@@ -93,16 +91,9 @@ def _choice_problem(what: str, op, algorithm) -> Rejection | None:
         where = f" for {what}" if what in _CHOICES else ""
         return _reject("a bad algorithm", ValueError(f"unknown algorithm {algorithm!r}{where}; choose one of "
                                                      f"{', '.join(choices)}"))
-    if what in SCATTER_GATHER and algorithm in registry.NO_REDUCE_SCATTER:
-        return _reject("a bad algorithm", refusal(what, algorithm))
+    if what in SCATTER_GATHER and algorithm not in SCATTER_GATHER[what] and algorithm not in (AUTO, None):
+        return _reject("a bad algorithm", registry.refusal(what, algorithm))
     return None
-
-
-def refusal(what: str, algorithm: str) -> ValueError:
-    """The one-line error of ``what`` (reduce_scatter or all_gather) asked of an algorithm that has none."""
-    carriers = ", ".join(tuple(SCATTER_GATHER[what]) + (AUTO,))
-    return ValueError(f"algorithm {algorithm!r} has no {what}: {registry.NO_REDUCE_SCATTER[algorithm]}; "
-                      f"choose one of {carriers}")
 
 
 def _timeout_problem(timeout) -> Rejection | None:
@@ -185,19 +176,17 @@ def resolve_algorithm(comm: Communicator, nbytes: int, algorithm: str, device: s
     """The algorithm that ``algorithm`` means for a ``collective`` ("all_reduce", "reduce_scatter" or
     "all_gather") of ``nbytes`` bytes (the whole flat buffer) on ``comm`` now: itself, or for ``auto``
     :func:`~gradsync.collectives.auto.choose`'s pick from the group's locality (explicit
-    ``HierarchicalOptions.ranks_per_node`` wins over the hosts: pretend nodes of that size; else the
-    hosts' rank counts, equal or not).
+    ``HierarchicalOptions.ranks_per_node`` wins over the hosts; else the hosts' rank counts).
 
     ``auto``'s pick is kept per (bytes, device, ``GRADSYNC_PROFILE``, collective) in ``comm.decisions`` once
-    what it depends on is settled (the locality known, whether the one-host fast path works found out), so a
-    repeated call looks it up instead of reading the locality and the cost model again.
+    what it depends on is settled (the locality known, whether the one-host fast path works found out).
 
     Raises:
         ValueError: ``GRADSYNC_PROFILE`` names no profile.
     """
     if algorithm != AUTO:
         return algorithm
-    key = (nbytes, device, os.environ.get(auto.PROFILE_ENV)) + (() if collective == "all_reduce" else (collective,))
+    key = (nbytes, device, os.environ.get(auto.PROFILE_ENV), collective)
     known = comm.locality
     kept = comm.decisions.get(key)
     if kept is not None and kept[0] is known:  # the locality a pick was made for (tests replace it)
@@ -221,7 +210,7 @@ def _choose(comm: Communicator, nbytes: int, device: str, collective: str = "all
     else:
         ranks_per_node = comm.world_size
     return auto.choose(nbytes, comm.world_size, ranks_per_node, shm_available=_one_host_available(comm, device),
-                       host_sizes=host_sizes, **({} if collective == "all_reduce" else {"collective": collective}))
+                       host_sizes=host_sizes, collective=collective)
 
 
 def _one_host_available(comm: Communicator, device: str) -> bool | None:
@@ -330,7 +319,7 @@ def start_call(comm: Communicator, tensor, what: str, *, op=NO_OP, algorithm: st
             algorithm = registry.DEFAULT_ALGORITHM if algorithm is None else algorithm  # reduce_scatter, all_gather
             try:
                 resolved = resolve_algorithm(comm, scale * tensor.numel() * tensor.element_size(), algorithm, device,
-                                             collective=what if what in SCATTER_GATHER else "all_reduce")
+                                             what if what in SCATTER_GATHER else "all_reduce")
             except ValueError as exc:  # a bad GRADSYNC_PROFILE: tell the others, then raise it
                 problem = _reject("a bad argument", exc)
             label = f"auto ({resolved})" if algorithm == AUTO else resolved
@@ -403,5 +392,5 @@ def nbytes_problem(nbytes, algorithm) -> Rejection | None:
 
 
 __all__ = ["FIXED_ALGORITHM", "NO_OP", "OPS", "SCATTER_GATHER", "Started", "argument_problem", "nbytes_problem",
-           "options_fingerprint", "refusal", "reject_call", "resolve_algorithm", "sequence_problem", "start_call",
+           "options_fingerprint", "reject_call", "resolve_algorithm", "sequence_problem", "start_call",
            "usable_after_all", "working_dtype"]
