@@ -89,7 +89,8 @@ GROUP_PROBLEM: dict[str, Callable] = {"hierarchical": hierarchical.group_problem
 
 @dataclass(frozen=True)
 class SharedStorage:
-    """An algorithm that reduces a tensor in place when it lies in storage the algorithm allocated.
+    """An algorithm that reduces a tensor in place when it lies in storage the algorithm allocated (its
+    AllReduce, and its reduce-scatter and all-gather too).
 
     ``allocate(call, nbytes)``: this rank's ``(nbytes,)`` uint8 buffer, or
     None where the group cannot share memory; ``dtypes``: the dtypes reduced
