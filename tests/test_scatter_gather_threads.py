@@ -89,7 +89,7 @@ def test_named_sizes_layouts_and_dtypes_on_one_group(algorithm):
     """Numel 0, 1, < p, odd and large; strided and 2-D inputs; bf16 and int16: on one group of 3 ranks
     (hierarchical: one node), every result exact."""
     world_size = 3
-    cases = [(dtype, numel) for numel in (0, 1, 2, 7, 100_003) for dtype in (torch.float32,)]
+    cases = [(dtype, numel) for numel in (0, 1, 2, 7, 30_011) for dtype in (torch.float32,)]
     cases += [(torch.bfloat16, 11), (torch.int16, 5), (torch.float64, 4)]
     inputs = {case: [closed_form_input(case[1], rank, world_size, case[0]) for rank in range(world_size)]
               for case in cases}
