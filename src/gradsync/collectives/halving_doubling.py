@@ -17,6 +17,11 @@ its vector to the odd one after it, which adds it and takes part in the
 power-of-two core while the even one waits and finally receives the result
 (Thakur et al. 2005, §4). With p = 6: ranks 0→1 and 2→3 fold, and the core
 is ranks 1, 3, 4, 5.
+
+:func:`reduce_scatter` and :func:`all_gather` are the two halves on
+``torch.tensor_split``'s chunks over all p ranks: core rank c of a folded
+pair holds both ranks' adjacent chunks, and hands the even rank its own at
+the end (or receives it first).
 """
 
 from __future__ import annotations

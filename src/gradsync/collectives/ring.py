@@ -24,6 +24,10 @@ payload only into a posted receive, and a send posted first waits for the
 peer's notice, which on a busy link queues behind the peer's own data (59%
 of a shaped 1 Gbit/s link between 2 test hosts send-first, 99% receive-first).
 
+The two phases are also the registry's ring reduce-scatter and all-gather
+(:func:`reduce_scatter`, :func:`all_gather`), so a reduce-scattered chunk is
+bitwise the AllReduce's.
+
 Chunks follow :func:`~gradsync.collectives.chunking.chunk_bounds`: with
 numel = 10 and p = 4 they hold 3, 3, 2, 2 elements; with numel = 2 two
 chunks are empty and have no segments, so nothing is sent for them.
