@@ -41,6 +41,7 @@ SAMPLES = {
     "micro_shards": 4, "lr": 0.05, "lr_schedule": "constant", "optimizer": "sgd", "weight_decay": 0.01,
     "algorithm": "ring", "bucket_cap_mb": 1.0, "gradient_as_bucket_view": True, "debug": True,
     "compression": "fp16", "topk_ratio": 0.05, "powersgd_rank": 3, "compression_warmup_steps": 5,
+    "shard": "gradients", "clip_grad_norm": 1.0,
     "trace": "trace.json", "seed": 1, "timeout": 60.0, "max_restarts": 1, "checkpoint_dir": "ckpt",
     "checkpoint_every": 10, "keep_checkpoints": 3, "fail_at": "1:3", "hang_at": "1:3", "check_replicas_every": 5,
     "num_samples": 2000, "data_dir": "data", "out": "run", "progress": False, "inter_host_gbit": 1.0,
