@@ -226,3 +226,57 @@ def test_clipping_returns_the_norm_torch_computes():
                                        rel=1e-6)
     with pytest.raises(ValueError, match="max_norm"):
         gradsync.clip_grad_norm_(model, 0.0)
+
+
+class _Branches(nn.Module):
+    """``unused`` never gets a gradient; ``sometimes`` only on rank 0 (zero in the others' average)."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(5, 3)
+        self.sometimes = nn.Linear(5, 3)
+        self.unused = nn.Linear(5, 3)
+
+    def forward(self, x, use_sometimes: bool):
+        out = self.trunk(x)
+        return out + self.sometimes(x) if use_sometimes else out
+
+
+def test_unused_parameters_stay_put_and_partly_used_ones_average_with_zeros():
+    torch.manual_seed(3)
+    initial = _Branches().state_dict()
+    x = torch.randn(4, 5)
+
+    def body(comm):
+        net = _Branches()
+        net.load_state_dict(initial)
+        model = gradsync.DataParallel(net, group=comm, shard="gradients", bucket_cap_mb=1e-4)
+        optimizer = model.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5))
+        for _ in range(3):
+            optimizer.zero_grad()
+            model(x, comm.rank == 0).sum().backward()
+            optimizer.step()
+        model(x, False)
+        return {name: p.detach().clone() for name, p in net.named_parameters()}
+
+    results = run_threads(2, body)
+    reference = _Branches()
+    reference.load_state_dict(initial)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1, weight_decay=0.5)
+    for _ in range(3):
+        optimizer.zero_grad()
+        ((reference(x, True).sum() + reference(x, False).sum()) / 2).backward()
+        optimizer.step()
+    for params in results:
+        assert torch.equal(params["unused.weight"], initial["unused.weight"])  # no decay: skipped as torch skips
+        for name, want in reference.named_parameters():
+            torch.testing.assert_close(params[name], want.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_shard_none_hands_back_the_optimizer_itself():
+    def body(comm):
+        model = gradsync.DataParallel(_model(), group=comm)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        return model.shard_optimizer(optimizer) is optimizer
+
+    assert run_threads(2, body) == [True, True]

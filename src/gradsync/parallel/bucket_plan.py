@@ -36,11 +36,14 @@ class BucketPlan:
         sharded: ZeRO-1/2 buckets: padded to a multiple of the world size, laid out once (no rebuild:
             the shards and the optimizer state follow the layout), and each ``.grad`` released (None) once
             copied in, since the bucket's reduce-scatter leaves only this rank's chunk of the average.
+        slabs: ZeRO-2: > 0 buckets share this many bucket-sized slabs in turn (bucket ``b`` lives in slab
+            ``b % slabs``) instead of one buffer each; gradients are then copied in when the bucket is
+            launched (``deferred``), once the bucket ``slabs`` before it has left the slab.
     """
 
     def __init__(self, names: list[str], params: list[torch.Tensor], comm, algorithm: str,
                  bucket_cap_bytes: int, gradient_as_bucket_view: bool, num_flags: int, zero_copy: bool,
-                 sharded: bool = False):
+                 sharded: bool = False, slabs: int = 0):
         self.names, self.params = names, params
         self.comm = comm
         self.algorithm = algorithm
@@ -49,6 +52,8 @@ class BucketPlan:
         self.num_flags = num_flags
         self.zero_copy = zero_copy and not sharded
         self.sharded = sharded
+        self.slabs = slabs if sharded else 0
+        self.deferred = self.slabs > 0  # copy in at launch (the slab may still hold an earlier bucket)
         self.rebuilt = sharded  # rebuilt after the first synchronised backward, or given a saved layout
         self._zeros: dict[int, torch.Tensor] = {}
         self.build(assign_buckets(params, bucket_cap_bytes, DEFAULT_FIRST_BUCKET_CAP_BYTES))
@@ -66,6 +71,7 @@ class BucketPlan:
         self.bucket_of = [0] * len(self.params)  # parameter index -> bucket index
         self.views: list[torch.Tensor] = [None] * len(self.params)  # parameter index -> its slice
         for bucket in self.buckets:
+            bucket.shared = bucket.shared and not self.slabs  # a slab is no bucket's own buffer
             for index, view in zip(bucket.param_indices, bucket.views):
                 self.bucket_of[index] = bucket.index
                 self.views[index] = view
@@ -83,6 +89,8 @@ class BucketPlan:
         bucket lives there, so the gradients' copy into the bucket is the only copy (with bucket views,
         not even that). Each call (construction, a rebuild) takes fresh storage; earlier storage stays
         reserved until the group is closed (see ``shared_buffer``)."""
+        if self.slabs:
+            return self._slab_storages(assignment)
         if not self.zero_copy:
             return [None] * len(assignment)
         last = len(assignment) - 1
@@ -92,6 +100,18 @@ class BucketPlan:
             numel = sum(self.params[i].numel() for i in indices) + (self.num_flags if b == last else 0)
             buckets.append((numel, first.dtype, first.device))
         return collectives.zero_copy_plan(self.comm, buckets, self.algorithm)
+
+    def _slab_storages(self, assignment: list[list[int]]) -> list[torch.Tensor]:
+        """ZeRO-2: ``slabs`` uint8 buffers of the largest bucket's bytes; bucket ``b`` gets slab ``b % slabs``."""
+        last, world_size = len(assignment) - 1, self.comm.world_size
+        nbytes = []
+        for b, indices in enumerate(assignment):
+            first = self.params[indices[0]]
+            numel = -(-sum(self.params[i].numel() for i in indices) // world_size) * world_size
+            nbytes.append((numel + (self.num_flags if b == last else 0)) * first.element_size())
+        slabs = [torch.zeros(max(nbytes), dtype=torch.uint8, device=self.params[0].device)
+                 for _ in range(min(self.slabs, len(assignment)))]
+        return [slabs[b % len(slabs)] for b in range(len(assignment))]
 
     def rebuild(self, observed: list[int], ready_s: list[float]) -> None:
         """Re-bucket as rank 0 observed backward (``observed``: parameter indices in ready order,

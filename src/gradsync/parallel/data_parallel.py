@@ -24,7 +24,8 @@ from gradsync.parallel.bucketing import bucket_cap_bytes
 from gradsync.parallel.debug_checks import DebugChecks, resolve_debug, tensors_in
 from gradsync.parallel.reducer import Reducer
 from gradsync.parallel.shard_layout import check_sharding
-from gradsync.parallel.zero import ZeroState, held_tensors
+from gradsync.parallel.zero import ZERO2_SLABS, ZeroState, held_tensors
+from gradsync.parallel.join import join_step, sync_final_model
 from gradsync.parallel.replica_check import ReplicaCheck, check_replicas
 from gradsync.parallel.replicas import (ParameterWatch, agree_on_arguments, broadcast_tensors, buffer_signature,
                                         describe_buffer_change, name_code, placeholders, verify_parameters)
@@ -151,10 +152,14 @@ class DataParallel(nn.Module):
         self._buffer_layout = buffer_signature(module)
         self._reducer = Reducer(named, self.comm, algorithm, bucket_cap_bytes(bucket_cap_mb),
                                 gradient_as_bucket_view, should_sync=lambda: not self._sync_disabled,
-                                compression=compression, sharded=shard != "none")
+                                compression=compression, sharded=shard != "none",
+                                slabs=ZERO2_SLABS if shard == "gradients" else 0)
         self.shard = shard
-        self._zero = ZeroState(module, named, self._reducer, self.comm, algorithm, compression, shard) \
-            if shard != "none" else None
+        self._zero = None
+        if shard != "none":
+            self._zero = ZeroState(module, named, self._reducer.plan.assignment, self.comm, algorithm, shard,
+                                   compression, self._reducer.plan.layouts)
+            self._reducer.runner.shards = self._zero.grads
         self._reducer.wrapped_names = [name for name, _ in module.named_parameters()] + \
             [name for name, _ in module.named_buffers()]  # the same on every rank (verified above)
         self.debug = settings["debug"]
@@ -286,45 +291,10 @@ class DataParallel(nn.Module):
 
     def _join_step(self, active: bool, will_sync: bool, sync_buffers: bool) -> bool:
         """One join exchange; a joined rank then shadows the iteration. Returns whether any rank is active."""
-        started = time.perf_counter()
-        world_size = self.comm.world_size
-        state = torch.zeros(world_size + 2, dtype=torch.int64)  # active ranks, syncing grads, syncing buffers
-        if active:
-            state[self.comm.rank] = 1
-            state[world_size] = int(will_sync)
-            state[world_size + 1] = int(sync_buffers)
-        collectives.all_reduce(state, self.comm, op="sum", algorithm=self.algorithm)
-        active_ranks = [rank for rank in range(world_size) if state[rank] > 0]
-        syncing, buffers = int(state[world_size]), int(state[world_size + 1])
-        self._other_comm_seconds += time.perf_counter() - started
-        if not active_ranks:
-            return False
-        if syncing not in (0, len(active_ranks)) or buffers not in (0, len(active_ranks)):
-            raise GradsyncError(f"DataParallel.join(): in the same iteration {syncing} of the "
-                                f"{len(active_ranks)} active ranks synchronise gradients ({buffers} run "
-                                f"with grad enabled) and the others do not (no_sync() or no_grad); every "
-                                f"rank must make the same choice")
-        self._last_active = active_ranks
-        self._buffer_src = active_ranks[0]
-        self._reducer.set_divisor(len(active_ranks))
-        if not active:
-            if buffers:
-                self._sync_buffers()
-                if self._debug is not None:  # the active ranks' debug exchange follows their buffers'
-                    self._debug.shadow()
-            if syncing and self._zero is not None:
-                self._zero.shadow(lambda: self._reducer.shadow_round(len(active_ranks)))
-            elif syncing:
-                self._reducer.shadow_round(len(active_ranks))
-        return True
+        return join_step(self, active, will_sync, sync_buffers)
 
     def _sync_final_model(self) -> None:
-        if self._last_active is None:
-            return  # no rank ran a forward inside the block: nothing changed
-        started = time.perf_counter()
-        tensors = [param.data for param in self.module.parameters()] + list(self.module.buffers())
-        broadcast_tensors(tensors, self.comm, src=self._last_active[0], verify=False)
-        self._other_comm_seconds += time.perf_counter() - started
+        sync_final_model(self)
 
     def check_replicas(self, optimizer=None, *, buffers: bool | None = None, step: int | None = None,
                        timeout: float | None = None) -> ReplicaCheck:

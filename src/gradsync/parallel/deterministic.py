@@ -42,12 +42,16 @@ import torch
 from torch import nn
 
 from gradsync.collectives import ops as collectives
+from gradsync.collectives.scatter_gather import reduce_scatter_flat
 from gradsync.errors import CollectiveMismatchError
 from gradsync.parallel.exact_sum import (NO_VALUE, NON_FINITE, ZERO, add_fixed_point, add_fixed_point_many,
                                          exponent_codes, from_fixed_point, precision_bits)
-from gradsync.parallel.micro_shards import contiguous_placement, micro_shard_bounds, shard_seed
+from gradsync.parallel.micro_shards import (MicroShard, check_arguments, contiguous_placement,
+                                            micro_shard_bounds, shard_seed)
 from gradsync.parallel.replica_check import check_replicas
 from gradsync.parallel.replicas import agree_on_arguments, broadcast_tensors, verify_parameters
+from gradsync.parallel.shard_layout import check_shard
+from gradsync.parallel.zero import ZeroState
 
 DEFAULT_MICRO_SHARDS = 12  # 1, 2, 3, 4, 6 and 12 ranks hold equal shares
 OWNER = "DeterministicDataParallel"
@@ -61,21 +65,6 @@ _PROBLEMS = {1: "entered micro_shard({arg}), outside [0, {m})",
              6: "ran no backward in micro_shard({arg}) (every .grad was None at its end)",
              7: "called backward twice in micro_shard({arg}) (its gradient would count twice)"}
 _HEADER_FIXED = 5  # problem code, problem argument, divisor (float64 bits), micro-shards with a loss, spare
-
-
-class MicroShard:
-    """What ``micro_shard()`` yields: its ``index`` and :meth:`backward`, which records the loss too."""
-
-    def __init__(self, index: int):
-        self.index = index
-        self.loss: float | None = None
-        self.backwards = 0
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, keeping the loss (a scalar, summed over the micro-shard's samples) for synchronize."""
-        loss.backward()
-        self.backwards += 1
-        self.loss = float(loss.detach())
 
 
 class DeterministicDataParallel(nn.Module):
@@ -92,6 +81,10 @@ class DeterministicDataParallel(nn.Module):
             the same bits.
         group: None (the default group), a Communicator or a torch ProcessGroup.
         seed: the RNG seed of micro-shard ``i`` at step ``s`` is a hash of ``(seed, s, i)``.
+        shard: ``"none"``, ``"optimizer"`` or ``"gradients"`` (ZeRO-1/2, see ``DataParallel``): the int64
+            sum is reduce-scattered (exact too), each rank turns only its chunk into gradients of its
+            optimizer pieces (``optimizer = model.shard_optimizer(optimizer)``), and the parameters are
+            all-gathered after the step; the bits are the same at every level and world size.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``; a parameter that is not floating point.
@@ -117,12 +110,13 @@ class DeterministicDataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, num_micro_shards: int = DEFAULT_MICRO_SHARDS, *,
-                 algorithm: str = collectives.DEFAULT_ALGORITHM, group=None, seed: int = 0):
+                 algorithm: str = collectives.DEFAULT_ALGORITHM, group=None, seed: int = 0, shard: str = "none"):
         super().__init__()
-        settings = {"num_micro_shards": num_micro_shards, "algorithm": algorithm, "seed": seed}
+        settings = {"num_micro_shards": num_micro_shards, "algorithm": algorithm, "seed": seed, "shard": shard}
 
         def check() -> None:
-            _check_arguments(module, num_micro_shards, algorithm, seed)
+            check_arguments(module, num_micro_shards, algorithm, seed, OWNER)
+            check_shard(shard)
 
         self.comm = agree_on_arguments(OWNER, group, settings, check)
         self.module, self.num_micro_shards, self.algorithm, self.seed = module, num_micro_shards, algorithm, seed
@@ -135,7 +129,11 @@ class DeterministicDataParallel(nn.Module):
             self._bounds.append((offset, offset + param.numel()))
             offset += param.numel()
         self._bits = precision_bits(num_micro_shards)
-        self._accumulator = torch.zeros(offset + 1, dtype=torch.int64)  # allocated once, reused
+        self.shard, self._zero, self._padded = shard, None, offset
+        if shard != "none":  # one bucket of every parameter, registration order: the accumulator's layout
+            self._zero = ZeroState(module, self._named, [list(range(len(self._named)))], self.comm, algorithm, shard)
+            self._padded = self._zero.layout.padded_numel[0]
+        self._accumulator = torch.zeros(self._padded + 1, dtype=torch.int64)  # allocated once, reused
         largest = max([param.numel() for _, param in self._named] + [1])
         # float64 for converting back (one tensor at a time), its bytes as float32 for scaling (all at once)
         self._scratch = torch.empty(max(largest, (offset + 1) // 2), dtype=torch.float64)
@@ -145,8 +143,18 @@ class DeterministicDataParallel(nn.Module):
         self.timeline = None
         self._new_step()
 
+    exact_norm = True  # gradsync.clip_grad_norm_ sums the squares exactly: the same bits at any world size
+
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        output = self.module(*args, **kwargs)
+        if self._zero is not None:
+            self._zero.flat.wait_all()
+        return output
+
+    def shard_optimizer(self, optimizer):
+        """The optimizer to step: ``optimizer`` itself with ``shard="none"``, else a ShardedOptimizer over
+        this rank's pieces (see ``DataParallel.shard_optimizer``)."""
+        return optimizer if self._zero is None else self._zero.shard_optimizer(optimizer)
 
     # -- placement -------------------------------------------------------------------------------
 
@@ -255,6 +263,13 @@ class DeterministicDataParallel(nn.Module):
             gathered = torch.stack(self._timed(collectives.all_gather, header, self.comm, verify=False))
             codes, has_loss = self._check(gathered)
             self._accumulate(codes, has_loss)
+            if self._zero is not None:
+                self._timed(reduce_scatter_flat, self._accumulator[:self._padded], self.comm,
+                            algorithm=self.algorithm, record=True)
+                self._timed(collectives.all_reduce, self._accumulator[self._padded:], self.comm,
+                            algorithm=self.algorithm, verify=False)
+                self._write_shards(codes, float(divisor))
+                return self._loss(codes, float(divisor), has_loss)
             self._timed(collectives.all_reduce, self._accumulator, self.comm, algorithm=self.algorithm,
                         verify=False, record=True)
             return self._write_grads(codes, float(divisor), has_loss)
@@ -314,8 +329,8 @@ class DeterministicDataParallel(nn.Module):
         self._accumulator.zero_()
         work = self._scratch.view(torch.float32)
         for index, grads in self._grads.items():
-            add_fixed_point_many(self._accumulator[:-1], self._bounds, grads, codes[:-1], self._bits, work,
-                                 self._integers)
+            add_fixed_point_many(self._accumulator[:self._bounds[-1][1] if self._bounds else 0], self._bounds,
+                                 grads, codes[:-1], self._bits, work, self._integers)
             if has_loss and ZERO < codes[-1] < NON_FINITE:
                 add_fixed_point(self._accumulator[-1:], self._losses[index], codes[-1], self._bits)
 
@@ -329,9 +344,27 @@ class DeterministicDataParallel(nn.Module):
             from_fixed_point(self._accumulator[start:stop], codes[position], self._bits, divisor, param.dtype,
                              self._scratch, out=out)
             param.grad = out.view_as(param)
+        return self._loss(codes, divisor, has_loss)
+
+    def _loss(self, codes: list[int], divisor: float, has_loss: bool) -> float | None:
         if not has_loss:
             return None
         return float(from_fixed_point(self._accumulator[-1:], codes[-1], self._bits, divisor, torch.float64))
+
+    def _write_shards(self, codes: list[int], divisor: float) -> None:
+        """ZeRO: this rank's chunk of the exact sum, as its pieces' ``.grad`` (the same bits, element for
+        element, as the whole gradient ``_write_grads`` gives)."""
+        zero = self._zero
+        for k, (piece, tensor) in enumerate(zip(zero.flat.pieces, zero.flat.piece_tensors)):
+            code = codes[piece.param]
+            if code == NO_VALUE:
+                tensor.grad = None
+                continue
+            from_fixed_point(self._accumulator[piece.flat_start:piece.flat_stop], code, self._bits, divisor,
+                             tensor.dtype, self._scratch, out=zero.grads.grad_views[k])
+            tensor.grad = zero.grads.grad_views[k]
+        for _, param in self._named:
+            param.grad = None
 
     def _reusable(self, position: int, param: torch.Tensor) -> torch.Tensor:
         """A kept gradient of ``param`` to write its result into (no new allocation), else a new tensor."""
@@ -347,6 +380,9 @@ class DeterministicDataParallel(nn.Module):
         """Raise ReplicaDivergenceError on every rank unless parameters, buffers and (given)
         ``optimizer`` state are bitwise equal: see :func:`gradsync.check_replicas`. ``step`` (None:
         this model's count of synchronized steps, quoted but not compared)."""
+        if self._zero is not None:  # parameters whole first; the optimizer state differs by design
+            self._zero.flat.wait_all()
+            optimizer = None
         return check_replicas(self.module, optimizer, group=self.comm, timeout=timeout,
                               step=self._steps if step is None else step, compare_step=step is not None)
 
@@ -362,23 +398,3 @@ class DeterministicDataParallel(nn.Module):
         """``[(bytes, algorithm)]`` of the one int64 AllReduce per step (``auto`` resolved for that size)."""
         nbytes = self._accumulator.numel() * self._accumulator.element_size()
         return [(nbytes, collectives.resolve_algorithm(self.comm, nbytes, self.algorithm))]
-
-
-def _check_arguments(module, num_micro_shards, algorithm, seed) -> None:
-    """This rank's argument checks (TypeError / ValueError naming the argument)."""
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"{OWNER} wraps a torch.nn.Module, got {type(module).__name__}")
-    if not isinstance(num_micro_shards, int) or isinstance(num_micro_shards, bool) or num_micro_shards < 1:
-        raise ValueError(f"num_micro_shards must be an int >= 1, got {num_micro_shards!r}")
-    precision_bits(num_micro_shards)
-    collectives.validate_algorithm(algorithm)
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise ValueError(f"seed must be an int, got {seed!r}")
-    for name, param in module.named_parameters():
-        if param.requires_grad and not param.is_floating_point():
-            raise TypeError(f"{OWNER}: parameter {name!r} is {param.dtype}; gradients must be floating point")
-    for name, child in module.named_modules():
-        if isinstance(child, nn.modules.batchnorm._BatchNorm) and child.track_running_stats:
-            raise ValueError(f"{OWNER}: {name or 'the module'!r} ({type(child).__name__}) updates running statistics "
-                             "in every forward, so they would follow the micro-shards each rank ran; use "
-                             "track_running_stats=False, GroupNorm or LayerNorm")

@@ -19,7 +19,12 @@ from __future__ import annotations
 
 import hashlib
 
+import torch
+from torch import nn
+
+from gradsync.collectives import ops as collectives
 from gradsync.collectives.chunking import chunk_bounds
+from gradsync.parallel.exact_sum import precision_bits
 
 
 def micro_shard_bounds(num_samples: int, num_micro_shards: int) -> list[tuple[int, int]]:
@@ -55,3 +60,38 @@ def shard_seed(seed: int, step: int, index: int) -> int:
     """
     digest = hashlib.blake2b(f"gradsync-micro-shard:{seed}:{step}:{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+class MicroShard:
+    """What ``micro_shard()`` yields: its ``index`` and :meth:`backward`, which records the loss too."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.loss: float | None = None
+        self.backwards = 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, keeping the loss (a scalar, summed over the micro-shard's samples) for synchronize."""
+        loss.backward()
+        self.backwards += 1
+        self.loss = float(loss.detach())
+
+
+def check_arguments(module, num_micro_shards, algorithm, seed, owner: str) -> None:
+    """This rank's argument checks (TypeError / ValueError naming the argument)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{owner} wraps a torch.nn.Module, got {type(module).__name__}")
+    if not isinstance(num_micro_shards, int) or isinstance(num_micro_shards, bool) or num_micro_shards < 1:
+        raise ValueError(f"num_micro_shards must be an int >= 1, got {num_micro_shards!r}")
+    precision_bits(num_micro_shards)
+    collectives.validate_algorithm(algorithm)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+    for name, param in module.named_parameters():
+        if param.requires_grad and not param.is_floating_point():
+            raise TypeError(f"{owner}: parameter {name!r} is {param.dtype}; gradients must be floating point")
+    for name, child in module.named_modules():
+        if isinstance(child, nn.modules.batchnorm._BatchNorm) and child.track_running_stats:
+            raise ValueError(f"{owner}: {name or 'the module'!r} ({type(child).__name__}) updates running statistics "
+                             "in every forward, so they would follow the micro-shards each rank ran; use "
+                             "track_running_stats=False, GroupNorm or LayerNorm")

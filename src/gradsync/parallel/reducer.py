@@ -67,7 +67,7 @@ class Reducer:
 
     def __init__(self, named_params: Sequence[tuple[str, torch.Tensor]], comm, algorithm: str,
                  bucket_cap_bytes: int, gradient_as_bucket_view: bool, should_sync: Callable[[], bool],
-                 compression=None, sharded: bool = False):
+                 compression=None, sharded: bool = False, slabs: int = 0):
         self.names = [name for name, _ in named_params]
         self.params = [param for _, param in named_params]
         self.comm = comm
@@ -81,7 +81,7 @@ class Reducer:
         self._accumulators = [accumulator(param) for param in self.params]  # to tell autograd.grad apart
         self.plan = BucketPlan(self.names, self.params, comm, algorithm, bucket_cap_bytes, gradient_as_bucket_view,
                                flag_count(len(self.params), comm.world_size), zero_copy=compression is None,
-                               sharded=sharded)
+                               sharded=sharded, slabs=slabs)
         self.runner = RoundRunner(self.plan, comm, algorithm, compression)
         self.failures = FailureHandling(comm, self.runner)
         hook = _weak_hook(self)  # hooks live in C++, out of the garbage collector's sight: a strong
@@ -188,12 +188,14 @@ class Reducer:
                     f"DataParallel: parameter {self.names[index]!r} received a gradient twice in one "
                     f"backward, after its bucket was already reduced (reentrant checkpointing or a "
                     f"second backward through the same graph is not supported)")
-            plan.copy_in(index)
+            if not plan.deferred:  # deferred: autograd accumulated it into .grad, copied in at launch
+                plan.copy_in(index)
             return
         state.ready[index] = state.used[index] = True
         state.order.append(index)
         state.ready_s.append(time.perf_counter())
-        plan.copy_in(index)
+        if not plan.deferred:
+            plan.copy_in(index)
         state.pending[bucket] -= 1
         if state.pending[bucket] == 0:
             self.runner.launch_ready(state)

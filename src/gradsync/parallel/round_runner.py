@@ -79,8 +79,26 @@ class RoundRunner:
         last = len(buckets) - 1
         while state.next_launch < last and state.pending[state.next_launch] == 0:
             bucket = buckets[state.next_launch]
+            self._copy_in_deferred(bucket, state)
             state.futures.append(self.submit(bucket.flat, bucket.index, self.divisor, state))
             state.next_launch += 1
+
+    def _copy_in_deferred(self, bucket, state: Round) -> None:
+        """ZeRO-2's slabs: once the bucket ``slabs`` before this one has left the slab they share (its
+        reduce-scatter done), copy this bucket's gradients in (releasing each ``.grad``)."""
+        plan = self.plan
+        if not plan.deferred:
+            return
+        earlier = bucket.index - plan.slabs
+        if 0 <= earlier < len(state.futures):
+            try:
+                state.futures[earlier].result()
+            except BaseException:  # noqa: BLE001 - raised where the round waits for that bucket
+                pass
+        for index in bucket.param_indices:
+            had = plan.copy_in(index)
+            if not state.ready[index]:
+                state.used[index] = had
 
     def submit(self, flat: torch.Tensor, bucket_index: int, divisor: int, state: Round) -> Future:
         """Average ``flat`` over ``divisor`` contributing ranks on the communication thread; a future of its span."""
@@ -138,7 +156,7 @@ class RoundRunner:
         try:
             for bucket in plan.buckets[state.next_launch:]:
                 for index in bucket.param_indices:
-                    if not state.ready[index]:
+                    if not state.ready[index] and not plan.deferred:
                         state.used[index] = plan.copy_in(index)
                 state.pending[bucket.index] = 0
         except Exception as exc:
@@ -174,6 +192,7 @@ class RoundRunner:
         """The last bucket, on this thread once the others are done, with the used flags and every
         rank's status (``state.statuses`` afterwards)."""
         bucket, num_params = self.plan.buckets[-1], len(self.plan.params)
+        self._copy_in_deferred(bucket, state)
         bucket.flags.copy_(encode_flags(state.used, state, self.comm.rank, self.comm.world_size))
         span = self._reduce(bucket.flat, bucket.index, self.divisor, state, thread="main")
         # compressors sum the flags exactly; so does a round divided on copy-out

@@ -91,7 +91,6 @@ def consolidate(shards: list[dict]) -> dict:
     state: dict[int, dict] = {}
     for shard in shards:
         for position, (_name, full, start, stop, shape) in enumerate(shard["shard"]["pieces"]):
-            numel = torch.Size(shape).numel()
             for key, value in shard["state"].get(position, {}).items():
                 entry = state.setdefault(full, {})
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == stop - start:

@@ -31,28 +31,31 @@ from gradsync.parallel.shard_layout import ShardLayout
 from gradsync.parallel.sharded_optimizer import ShardedOptimizer
 
 
+ZERO2_SLABS = 2  # ZeRO-2's bucket buffers: one filling while the one before it is reduce-scattered
+
+
 class ZeroState:
     """The sharded state of one DataParallel.
 
     Args:
         module: the wrapped module.
-        named: its trainable ``(name, parameter)`` pairs, the reducer's order.
-        reducer: the model's reducer (its buckets are the shards' buckets; its runner reduce-scatters).
-        comm, algorithm, compression: the model's.
+        named: its trainable ``(name, parameter)`` pairs, index = parameter index of ``assignment``.
+        assignment: parameter indices per bucket (DataParallel's gradient buckets).
+        comm, algorithm: the model's.
         level: ``"optimizer"`` or ``"gradients"``.
+        compression, layouts: the model's compressor (fp16/bf16, or None) and its per-bucket layouts.
     """
 
-    def __init__(self, module, named, reducer, comm, algorithm: str, compression, level: str):
+    def __init__(self, module, named, assignment: list[list[int]], comm, algorithm: str, level: str,
+                 compression=None, layouts=None):
         self.level, self.comm = level, comm
         self.params = [param for _, param in named]
         self.names = {id(param): name for name, param in named}
-        plan = reducer.plan
-        self.layout = ShardLayout([p.numel() for p in self.params], plan.assignment, comm.world_size)
+        self.layout = ShardLayout([p.numel() for p in self.params], assignment, comm.world_size)
         self.flat = FlatParameters(module, self.params, self.layout, comm, algorithm)
-        dtypes = [self.params[indices[0]].dtype for indices in plan.assignment]
+        dtypes = [self.params[indices[0]].dtype for indices in assignment]
         self.grads = ShardGradients(self.layout, self.flat.pieces, self.flat.piece_tensors, comm, algorithm,
-                                    compression, plan.layouts, dtypes)
-        reducer.runner.shards = self.grads
+                                    compression, layouts, dtypes)
         self.optimizer: ShardedOptimizer | None = None
 
     def shard_optimizer(self, optimizer) -> ShardedOptimizer:
