@@ -4,7 +4,8 @@ shard level, and what sharding cannot honour refused before any process starts.
 Two early jobs (``_early.py``: started with the session) train the MLP on 400 MNIST-1D samples (10 steps of
 a global batch of 32, SGD with momentum, global-norm clipping at 0.5) at 2 workers, with ``--shard gradients``
 and with ``--shard none``, checkpointing every 4 steps. The sharded run's checkpoints are then resumed from
-step 4 by worlds of other sizes and levels (:func:`_dist.run_world`, the trainer in Gloo processes).
+step 4 by worlds of other sizes and levels (:func:`_dist.run_world`, the trainer in Gloo processes). Three more
+early jobs run ``--deterministic`` at (2, none), (2, gradients) and (1, optimizer): the same bits.
 """
 
 from __future__ import annotations
@@ -120,6 +121,35 @@ def test_a_sharded_checkpoint_resumes_at_another_world_size_and_level(_early_job
         resumed = checkpoint.latest(folder / "checkpoints")  # written at the resumed run's level
         assert resumed.step == STEPS and resumed.load_shared()["shard"] == shard
         assert (sharded_checkpoint.SHARD_KEY in resumed.load_rank(0)) == (shard != "none")
+
+
+DETERMINISTIC = ["train", "--deterministic", "--global-batch-size", "32", "--micro-shards", "2", "--model", "mlp",
+                 "--epochs", "1", "--num-samples", "400", "--lr-schedule", "constant", "--clip-grad-norm", "0.5",
+                 "--out", "{folder}/run", "--no-progress", "--timeout", "30"]
+DETERMINISTIC_RUNS = {(world_size, shard): early_job(f"deterministic-{world_size}-{shard}",
+                                                     [*DETERMINISTIC, "--nproc", str(world_size), "--shard", shard],
+                                                     env={"GRADSYNC_DATA_DIR": "{folder}"})
+                      for world_size, shard in ((2, "none"), (2, "gradients"), (1, "optimizer"))}
+
+
+@pytest.mark.dist
+@pytest.mark.early_job(DETERMINISTIC_RUNS[2, "none"])
+@pytest.mark.early_job(DETERMINISTIC_RUNS[2, "gradients"])
+@pytest.mark.early_job(DETERMINISTIC_RUNS[1, "optimizer"])
+@pytest.mark.timeout(240)
+def test_deterministic_model_pt_is_bitwise_the_same_at_every_shard_level_and_world_size(_early_jobs):
+    """--deterministic (AdamW, clipping at 0.5): model.pt of (2 workers, gradients) and of (1 worker,
+    optimizer) is torch.equal to (2 workers, none)'s on every tensor."""
+    folders = {key: _finished(_early_jobs[name]) / "run" for key, name in DETERMINISTIC_RUNS.items()}
+    for (world_size, shard), folder in folders.items():
+        summary = json.loads((folder / "summary.json").read_text())
+        assert (summary["world_size"], summary["shard"], summary["steps"]) == (world_size, shard, STEPS)
+    models = {key: torch.load(folder / "model.pt") for key, folder in folders.items()}
+    reference = models[2, "none"]
+    for key in ((2, "gradients"), (1, "optimizer")):
+        assert models[key].keys() == reference.keys()
+        for name, tensor in reference.items():
+            assert torch.equal(models[key][name], tensor), (key, name)
 
 
 @pytest.mark.parametrize("args, line", [

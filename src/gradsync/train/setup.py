@@ -115,9 +115,8 @@ def build_replica(config: TrainConfig, model_state: dict | None = None,
     if model_state is not None:
         module.load_state_dict(model_state)
     if config.deterministic:
-        sharded = {} if config.shard == "none" else {"shard": config.shard}
         return gradsync.DeterministicDataParallel(module, config.micro_shards, algorithm=config.algorithm,
-                                                  seed=config.seed, **sharded)
+                                                  seed=config.seed, shard=config.shard)
     if config.mode == "local-sgd":
         return gradsync.LocalSGD(module, sync_every=config.sync_every, algorithm=config.algorithm)
     compressor = make_compressor(config.compression, config.topk_ratio, config.powersgd_rank,
