@@ -174,7 +174,7 @@ def one_rank(monkeypatch):
 def test_honoured_options_reach_the_built_trainer(tmp_path, one_rank, elastic):
     config = TrainConfig(nproc=1, epochs=1, num_samples=400, batch_size=32, elastic=elastic, progress=False,
                          trace=str(tmp_path / "trace.json"), check_replicas_every=2, straggler="0:1.5",
-                         gradient_as_bucket_view=True, debug=True, data_dir=str(tmp_path))
+                         gradient_as_bucket_view=True, debug=True, clip_grad_norm=0.5, data_dir=str(tmp_path))
     data_path = data.prepare(config.data_dir, config.num_samples)
     membership = _OneMemberElastic() if elastic else None
     trainer = Trainer(config, data_path, tmp_path, membership)
@@ -184,6 +184,8 @@ def test_honoured_options_reach_the_built_trainer(tmp_path, one_rank, elastic):
     assert trainer.straggler_factor == 1.5
     assert trainer.model.gradient_as_bucket_view is True
     assert trainer.model.debug is True
+    steps = [r for r in read_metrics(tmp_path / METRICS_FILE) if r.get("kind") == "step"]
+    assert steps and all(r["grad_norm"] > 0 for r in steps)  # --clip-grad-norm took each step's norm
     checks = [r for r in read_metrics(tmp_path / METRICS_FILE) if r.get("kind") == "replica_check"]
     assert [r["step"] for r in checks] == list(range(2, trainer.state.step + 1, 2))
     assert (tmp_path / "trace.json").exists()
