@@ -208,6 +208,9 @@ def load_latest(root, config: TrainConfig, replica: Replica, metrics_file=None) 
     check_compatible(shared["config"], config, world_size, found.world_size, found.folder)
     every = sharded_checkpoint.needs_every_rank(shared, found.world_size, world_size, replica.sharded)
     states = sharded_checkpoint.every_rank(found) if every else None
+    if every and rank == 0:
+        say(f"optimizer state: the {found.world_size} shards of --shard {shared.get('shard')} consolidated for "
+            f"--shard {getattr(replica.model, 'shard', 'none')} at {world_size} worker(s)")
     own = rank_state_at(found, rank, world_size, config, states)
     restore_replica(replica, shared, own, states)
     stats = replica.model.comm.stats
