@@ -43,7 +43,8 @@ test-slow: $(STAMP)
 # Some records only: `make bench BENCHES="faults sim_validate"`; other options: `make bench BENCH_modes="--epochs
 # 15"`; a bench's full-length defaults: `gradsync bench NAME` (`gradsync bench record NAME` keeps it).
 BENCH_DIR := docs/bench
-BENCHES ?= allreduce allreduce_shm2 allreduce_shm4 allreduce_hosts_1g allreduce_hosts_10g train compression modes faults \
+BENCHES ?= allreduce allreduce_shm2 allreduce_shm4 allreduce_hosts_1g allreduce_hosts_10g allreduce_rs allreduce_ag \
+	train compression modes faults \
 	faults_elastic deterministic replicas memory \
 	sim_calibrate sim_validate sim_reproduce sim_scale
 BENCH_allreduce ?= --nproc 4 --sizes 4K,64K,1M,16M,64M --algorithms ring,tree,halving_doubling,hierarchical,shm,shm_zero_copy,native,auto
@@ -55,6 +56,10 @@ BENCH_allreduce_shm4 ?= --nproc 4 $(BENCH_SHM)
 BENCH_HOSTS := --hosts 2 --nproc 2 --sizes 64K,256K,512K,1M,4M,16M,64M --repeat 9
 BENCH_allreduce_hosts_1g ?= $(BENCH_HOSTS) --inter-host-gbit 1
 BENCH_allreduce_hosts_10g ?= $(BENCH_HOSTS) --inter-host-gbit 10
+# reduce-scatter and all-gather (ZeRO's collectives), with MPI_Reduce_scatter_block / MPI_Allgather beside them
+BENCH_RSAG := --nproc 4 --sizes 4K,64K,1M,16M,64M --algorithms ring,halving_doubling,hierarchical,shm,native,auto,mpi
+BENCH_allreduce_rs ?= --collective reduce_scatter $(BENCH_RSAG)
+BENCH_allreduce_ag ?= --collective all_gather $(BENCH_RSAG)
 BENCH_train ?= --nproc 2 --model cnn,mlp --algorithms auto,shm,shm_zero_copy,ring,native --steps 50 --repeat 3
 BENCH_compression ?= --compressions none,fp16,onebit,topk,powersgd --epochs 5 --compression-warmup-steps 125 \
 	--throughput-steps 2 --repeat 2

@@ -129,3 +129,9 @@ class StrictTransport:
 
     def backend_broadcast(self, tensor: torch.Tensor, src: int, timeout_s: float) -> None:
         raise RuntimeError("StrictTransport checks point-to-point algorithms only")
+
+    def backend_reduce_scatter(self, tensor: torch.Tensor, chunks, timeout_s: float) -> None:
+        raise RuntimeError("StrictTransport checks point-to-point algorithms only")
+
+    def backend_all_gather(self, tensor: torch.Tensor, chunks, timeout_s: float) -> None:
+        raise RuntimeError("StrictTransport checks point-to-point algorithms only")

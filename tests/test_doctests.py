@@ -6,6 +6,7 @@ import pytest
 
 import gradsync
 from gradsync.bench import allreduce as bench_allreduce
+from gradsync.bench import allreduce_options, auto_rows, sweep_collectives
 from gradsync.bench import output as bench_output
 from gradsync.collectives import auto, chunking, communicator
 from gradsync.collectives.cost import topology as cost_topology
@@ -17,7 +18,8 @@ from gradsync.train import global_batch, position
 from gradsync.transport import locality, sub, thread
 
 
-@pytest.mark.parametrize("module", [gradsync, auto, bench_allreduce, bench_output, chunking, communicator, bucketing,
+@pytest.mark.parametrize("module", [gradsync, auto, bench_allreduce, allreduce_options, auto_rows, sweep_collectives,
+                                    bench_output, chunking, communicator, bucketing,
                                     debug_checks, debug_findings, exact_sum, global_batch, local_sgd, micro_shards, ps_ledger,
                                     staleness, position, locality, sub, thread, sim_engine, cost_topology, sim_virtual],
                          ids=lambda m: m.__name__)

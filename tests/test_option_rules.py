@@ -41,6 +41,7 @@ SAMPLES = {
     "micro_shards": 4, "lr": 0.05, "lr_schedule": "constant", "optimizer": "sgd", "weight_decay": 0.01,
     "algorithm": "ring", "bucket_cap_mb": 1.0, "gradient_as_bucket_view": True, "debug": True,
     "compression": "fp16", "topk_ratio": 0.05, "powersgd_rank": 3, "compression_warmup_steps": 5,
+    "shard": "gradients", "clip_grad_norm": 1.0,
     "trace": "trace.json", "seed": 1, "timeout": 60.0, "max_restarts": 1, "checkpoint_dir": "ckpt",
     "checkpoint_every": 10, "keep_checkpoints": 3, "fail_at": "1:3", "hang_at": "1:3", "check_replicas_every": 5,
     "num_samples": 2000, "data_dir": "data", "out": "run", "progress": False, "inter_host_gbit": 1.0,
@@ -173,7 +174,7 @@ def one_rank(monkeypatch):
 def test_honoured_options_reach_the_built_trainer(tmp_path, one_rank, elastic):
     config = TrainConfig(nproc=1, epochs=1, num_samples=400, batch_size=32, elastic=elastic, progress=False,
                          trace=str(tmp_path / "trace.json"), check_replicas_every=2, straggler="0:1.5",
-                         gradient_as_bucket_view=True, debug=True, data_dir=str(tmp_path))
+                         gradient_as_bucket_view=True, debug=True, clip_grad_norm=0.5, data_dir=str(tmp_path))
     data_path = data.prepare(config.data_dir, config.num_samples)
     membership = _OneMemberElastic() if elastic else None
     trainer = Trainer(config, data_path, tmp_path, membership)
@@ -183,6 +184,8 @@ def test_honoured_options_reach_the_built_trainer(tmp_path, one_rank, elastic):
     assert trainer.straggler_factor == 1.5
     assert trainer.model.gradient_as_bucket_view is True
     assert trainer.model.debug is True
+    steps = [r for r in read_metrics(tmp_path / METRICS_FILE) if r.get("kind") == "step"]
+    assert steps and all(r["grad_norm"] > 0 for r in steps)  # --clip-grad-norm took each step's norm
     checks = [r for r in read_metrics(tmp_path / METRICS_FILE) if r.get("kind") == "replica_check"]
     assert [r["step"] for r in checks] == list(range(2, trainer.state.step + 1, 2))
     assert (tmp_path / "trace.json").exists()

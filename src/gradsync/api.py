@@ -36,20 +36,21 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None,
 
 
 def all_gather(tensor: torch.Tensor, group=None, timeout: float | None = None,
-               algorithm: str | None = None) -> list[torch.Tensor]:
+               algorithm: str | None = "ring") -> list[torch.Tensor]:
     """Return a list of every rank's ``tensor`` (index = rank).
 
-    ``algorithm``: None or "ring", "shm" (shared memory, ranks on one machine).
+    ``algorithm``: a name in ``ALGORITHMS`` but "tree" (refused in one line: a tree reduces to one
+    root); "auto" picks by the gathered size; None: the default, "ring".
     """
     comm = resolve_group_or_reject(group, "all_gather")
     return _collectives.all_gather(tensor, comm, timeout=timeout, algorithm=algorithm)
 
 
 def reduce_scatter(tensor: torch.Tensor, op: str = "sum", group=None,
-                   timeout: float | None = None, algorithm: str | None = None) -> torch.Tensor:
-    """Reduce ``tensor`` over the group and return this rank's chunk (``torch.tensor_split`` order).
+                   timeout: float | None = None, algorithm: str | None = "ring") -> torch.Tensor:
+    """Reduce ``tensor`` over the group and return this rank's chunk (``torch.tensor_split`` order), a new tensor.
 
-    ``algorithm``: None or "ring", "shm" (shared memory, ranks on one machine).
+    ``algorithm``: as :func:`all_gather`'s.
     """
     comm = resolve_group_or_reject(group, "reduce_scatter")
     return _collectives.reduce_scatter(tensor, comm, op=op, timeout=timeout, algorithm=algorithm)

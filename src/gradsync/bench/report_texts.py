@@ -130,6 +130,42 @@ reductions, so no algorithm comes near the link rate (`link %`), and the
 shared-memory copies that `hierarchical` adds cost as much as the bytes it
 saves; Gloo's native call, all in C++, leads at most sizes. The byte counts
 per link are those of the 1 Gbit/s table.""",
+    "allreduce_rs": """\
+The AllReduce sweep's machinery with `--collective reduce_scatter`: every
+rank puts in the whole float32 tensor and gets back its chunk of the sum
+(the flattened tensor cut as `torch.tensor_split` cuts it), through
+gradsync's `reduce_scatter` with each algorithm, the backend's own
+(`native`), and `MPI_Reduce_scatter_block` in the same processes (one run
+and table per MPI library, each checked against the closed form before it
+is timed). Sizes and bandwidths are nccl-tests' (doc/PERFORMANCE.md): the
+size is the whole tensor each rank puts in, its input bytes (each rank gets
+size/p back), rounded down to a multiple of p floats so that every chunk is
+equal, as MPI_Reduce_scatter_block needs; busbw = algbw · (p−1)/p. Times,
+`vs native`, `vs mpi` and `sent/size` as in the AllReduce sweep (a ring
+sends (p−1)/p of the size per rank). `auto` is judged against the fastest
+algorithm it may choose that carries reduce-scatter (ring,
+halving_doubling, and shm on one host; `tree` refuses it). No `of bound`
+column: the memory-traffic models are the AllReduce's. An algorithm the
+recording gradsync refused has no row, and a table without a native row
+says so above it; the command in the metadata names what was asked for.""",
+    "allreduce_rs_after": """\
+How to read it. A reduce-scatter is the first half of an AllReduce: each
+rank sends (p−1)/p of the size once rather than twice, so a bandwidth-bound
+row's busbw compares with the AllReduce sweep's at the same world size,
+and its time is what one bucket's gradient reduce-scatter costs when
+`DataParallel` shards gradients. Small messages cost latency, as an
+AllReduce's do: every hop is a round trip through Python and the transport.""",
+    "allreduce_ag": """\
+As above with `--collective all_gather`: every rank puts in its part and
+gets every rank's part back, in rank order, through gradsync's `all_gather`,
+the backend's own and `MPI_Allgather`. The size is nccl-tests' for
+AllGather: the gathered output, p x each rank's part (so each rank puts in
+size/p bytes); busbw = algbw · (p−1)/p.""",
+    "allreduce_ag_after": """\
+How to read it. An all-gather is the second half of an AllReduce, without
+the reductions: it moves the bytes a reduce-scatter of the same size moves,
+so the two tables compare row for row, and its time is what gathering one
+bucket of updated parameters after a sharded optimizer step costs.""",
     "train": """\
 Each model trains with every implementation on the same initial weights,
 fixed random batches, world size, processes and thread count: `compute-only`
@@ -320,7 +356,9 @@ scheduled first.""",
 
 TITLES = {"allreduce": "AllReduce sweep", "allreduce_shm2": "Shared memory against MPICH and Open MPI, 2 ranks",
            "allreduce_shm4": "Shared memory against MPICH and Open MPI, 4 ranks on 2 cores", "allreduce_hosts_1g": "AllReduce across 2 test hosts, 1 Gbit/s links",
-           "allreduce_hosts_10g": "AllReduce across 2 test hosts, 10 Gbit/s links", "train": "Training: gradsync DataParallel against torch DDP",
+           "allreduce_hosts_10g": "AllReduce across 2 test hosts, 10 Gbit/s links",
+           "allreduce_rs": "Reduce-scatter sweep", "allreduce_ag": "All-gather sweep",
+           "train": "Training: gradsync DataParallel against torch DDP",
            "compression": "Gradient compression", "modes": "Sync, async and local SGD",
            "faults": "Faults: a killed and a hung worker",
            "faults_elastic": "Elastic: survivors go on, replacements join, a chaos run, torchft beside it",

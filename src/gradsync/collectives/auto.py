@@ -22,7 +22,9 @@ known to be unavailable; ``ring``, ``tree``, ``halving_doubling``; and
 ``hierarchical`` when the group spans hosts (or pretend nodes:
 ``HierarchicalOptions.ranks_per_node``, priced as nodes joined by the
 intra-host link, each rank on its own port). The segment size is the group's
-(``SegmentOptions``), not chosen per call.
+(``SegmentOptions``), not chosen per call. A reduce-scatter or an all-gather
+is priced with its own formulas (one phase of each algorithm's AllReduce)
+among the same candidates but ``tree``, which has neither.
 
 >>> from gradsync.collectives.cost.profile import Link, Profile
 >>> slow_start = Profile("example", "", Link(1e-3, 1e9), None, 1e-10, 1e-10, ranks_per_host=8)
@@ -82,11 +84,12 @@ def _profile(name: str) -> Profile:
 
 
 def choose(nbytes: int, world_size: int, ranks_per_node: int, shm_available: bool | None = None,
-           host_sizes: Sequence[int] | None = None, profile: Profile | None = None) -> str:
-    """Return the algorithm the model predicts fastest for an AllReduce of ``nbytes`` bytes.
+           host_sizes: Sequence[int] | None = None, profile: Profile | None = None,
+           collective: str = "all_reduce") -> str:
+    """Return the algorithm the model predicts fastest for a ``collective`` of ``nbytes`` bytes.
 
     Args:
-        nbytes: message bytes (after any upcast).
+        nbytes: message bytes (the whole flat buffer: a reduce-scatter's input, an all-gather's output).
         world_size: ranks in the group.
         ranks_per_node: ranks per node when nodes are equal blocks (pretend or real), else 1.
         shm_available: None (not known yet), True or False (the group's ranks
@@ -94,6 +97,7 @@ def choose(nbytes: int, world_size: int, ranks_per_node: int, shm_available: boo
         host_sizes: ranks on each real host (the group's locality), None: not known or
             pretend nodes given explicitly.
         profile: the hardware numbers (None: :func:`profile_in_use`).
+        collective: "all_reduce", "reduce_scatter" or "all_gather".
 
     Raises:
         ValueError: the profile has no link between hosts and the group spans hosts.
@@ -110,22 +114,28 @@ def choose(nbytes: int, world_size: int, ranks_per_node: int, shm_available: boo
     else:
         sizes = (world_size,)
     shm = not several and ranks_per_node >= world_size and shm_available is not False and profile.shm is not None
-    return _fastest(nbytes, sizes, shm, profile)
+    return _fastest(nbytes, sizes, shm, profile, collective)
+
+
+def _flat(collective: str) -> tuple[str, ...]:
+    return FLAT if collective == "all_reduce" else tuple(name for name in FLAT if name != "tree")
 
 
 @functools.lru_cache(maxsize=4096)
-def _fastest(nbytes: int, host_sizes: tuple[int, ...], shm: bool, profile: Profile) -> str:
-    candidates = FLAT + (("hierarchical",) if len(host_sizes) > 1 else ()) + (("shm",) if shm else ())
+def _fastest(nbytes: int, host_sizes: tuple[int, ...], shm: bool, profile: Profile,
+             collective: str = "all_reduce") -> str:
+    candidates = _flat(collective) + (("hierarchical",) if len(host_sizes) > 1 else ()) + (("shm",) if shm else ())
     topology = Topology(host_sizes)
     nbytes = nbytes - nbytes % 4
-    times = {name: formulas.predict_s(name, profile, topology, nbytes) for name in candidates}
+    times = {name: formulas.predict_s(name, profile, topology, nbytes, collective=collective) for name in candidates}
     return min(candidates, key=times.__getitem__)
 
 
 def predicted_times(nbytes: int, world_size: int, host_sizes: Sequence[int] | None = None,
-                    profile: Profile | None = None) -> dict[str, float]:
+                    profile: Profile | None = None, collective: str = "all_reduce") -> dict[str, float]:
     """Every candidate's predicted seconds (what :func:`choose` compares), for reports and tests."""
     sizes = tuple(host_sizes) if host_sizes else (world_size,)
     profile = profile or profile_in_use(len(sizes) > 1)
-    names = FLAT + (("hierarchical",) if len(sizes) > 1 else ("shm",) if profile.shm is not None else ())
-    return {name: formulas.predict_s(name, profile, Topology(sizes), nbytes - nbytes % 4) for name in names}
+    names = _flat(collective) + (("hierarchical",) if len(sizes) > 1 else ("shm",) if profile.shm is not None else ())
+    return {name: formulas.predict_s(name, profile, Topology(sizes), nbytes - nbytes % 4, collective=collective)
+            for name in names}

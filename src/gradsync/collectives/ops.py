@@ -17,11 +17,12 @@ rank and the cause on every other, so the group stays in step.
 Which algorithms a collective offers, and what each needs or offers beyond
 its function (a one-host fast path, zero-copy storage), is data in
 :mod:`~gradsync.collectives.registry`; this module names no algorithm.
+``reduce_scatter`` and ``all_gather`` live in
+:mod:`~gradsync.collectives.scatter_gather` and are re-exported here.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 from contextlib import contextmanager
 from typing import Sequence
@@ -38,12 +39,10 @@ from gradsync.collectives.chunking import chunk_bounds
 from gradsync.collectives.communicator import Communicator
 from gradsync.collectives.dtypes import SUPPORTED_DTYPES
 from gradsync.collectives.recording import public_collective, recorded
-from gradsync.collectives.registry import (ALGORITHMS, ALL_GATHER, ALL_REDUCE, AUTO, BROADCAST, DEFAULT_ALGORITHM,
-                                           REDUCE_SCATTER, ZERO_COPY)
-from gradsync.collectives.validate import (FIXED_ALGORITHM, OPS, nbytes_problem, resolve_algorithm, sequence_problem,
-                                           start_call, usable_after_all, working_dtype)
-
-set_grad_enabled = torch._C._set_grad_enabled  # what torch.no_grad() calls on entry and exit
+from gradsync.collectives.registry import ALGORITHMS, ALL_REDUCE, AUTO, BROADCAST, DEFAULT_ALGORITHM, ZERO_COPY
+from gradsync.collectives.scatter_gather import all_gather, reduce_scatter, without_grad
+from gradsync.collectives.validate import (OPS, nbytes_problem, resolve_algorithm, sequence_problem, start_call,
+                                           usable_after_all, working_dtype)
 
 
 def validate_op(op: str) -> None:
@@ -54,21 +53,6 @@ def validate_op(op: str) -> None:
 def validate_algorithm(algorithm: str) -> None:
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
-
-
-def without_grad(collective):
-    """``collective`` run with autograd off, as ``torch.no_grad()`` but without building a context object
-    per call (a few microseconds of a small AllReduce's budget)."""
-    @functools.wraps(collective)
-    def run(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return collective(*args, **kwargs)
-        set_grad_enabled(False)
-        try:
-            return collective(*args, **kwargs)
-        finally:
-            set_grad_enabled(True)
-    return run
 
 
 def _stage_through_workspace(comm: Communicator, tensor: torch.Tensor, dtype_for):
@@ -206,60 +190,6 @@ def broadcast(tensor: torch.Tensor, comm: Communicator, *, src: int = 0,
 
 @public_collective
 @torch.no_grad()
-def all_gather(tensor: torch.Tensor, comm: Communicator, *, timeout: float | None = None,
-               verify: bool = True, algorithm: str | None = None) -> list[torch.Tensor]:
-    """Return every rank's ``tensor``: a list of ``world_size`` new tensors, index = rank.
-
-    ``algorithm``: None (a ring) or a name in ``registry.ALL_GATHER``.
-
-    Collective: every rank must call this in the same order with equal shape and dtype.
-    """
-    def prepare(name: str) -> torch.Tensor:
-        return torch.empty(tensor.numel() * comm.world_size, dtype=tensor.dtype, device=tensor.device)
-
-    started = start_call(comm, tensor, "all_gather", algorithm=algorithm, timeout=timeout, verify=verify,
-                         prepare=prepare)
-    numel, world_size, gathered = tensor.numel(), comm.world_size, started.staged
-    gathered[comm.rank * numel:(comm.rank + 1) * numel] = tensor.reshape(-1)
-    if world_size > 1:
-        ALL_GATHER[started.algorithm](gathered, started.call)
-    return [part.view(tensor.shape) for part in gathered.split(numel)] if numel else \
-        [tensor.new_empty(tensor.shape) for _ in range(world_size)]
-
-
-@public_collective
-@torch.no_grad()
-def reduce_scatter(tensor: torch.Tensor, comm: Communicator, *, op: str = "sum",
-                   timeout: float | None = None, verify: bool = True,
-                   algorithm: str | None = None) -> torch.Tensor:
-    """Reduce ``tensor`` over all ranks and return this rank's chunk.
-
-    ``algorithm``: None (a ring) or a name in ``registry.REDUCE_SCATTER``.
-
-    The flattened tensor is split into world_size chunks as
-    ``torch.tensor_split`` does; rank r gets chunk r, a new ``(chunk_numel,)``
-    tensor of ``tensor.dtype``. ``tensor`` itself is not modified.
-
-    Collective: every rank must call this in the same order with equal shape and dtype.
-    """
-    def prepare(name: str) -> torch.Tensor:
-        return comm.workspace.get(tensor.numel(), working_dtype(tensor.dtype, FIXED_ALGORITHM["reduce_scatter"]),
-                                  tensor.device, purpose="stage")
-
-    started = start_call(comm, tensor, "reduce_scatter", op=op, algorithm=algorithm, timeout=timeout,
-                         verify=verify, prepare=prepare)
-    flat = started.staged
-    flat.copy_(tensor.reshape(-1))
-    start, stop = (REDUCE_SCATTER[started.algorithm](flat, started.call) if comm.world_size > 1
-                   else (0, flat.numel()))
-    chunk = flat[start:stop]
-    if op == "avg":
-        chunk.div_(comm.world_size)
-    return chunk.to(tensor.dtype, copy=True)
-
-
-@public_collective
-@torch.no_grad()
 def all_to_all(sends: list[torch.Tensor], receives: list[torch.Tensor], comm: Communicator, *,
                timeout: float | None = None, verify: bool = True) -> list[torch.Tensor]:
     """Send ``sends[p]`` to rank p and receive rank p's message into ``receives[p]`` (MPI_Alltoall).
@@ -371,4 +301,4 @@ def zero_copy_plan(comm: Communicator, buckets: Sequence[tuple[int, torch.dtype,
 
 __all__ = ["ALGORITHMS", "AUTO", "DEFAULT_ALGORITHM", "OPS", "SUPPORTED_DTYPES", "all_gather", "all_reduce",
            "all_to_all", "auto_profiles_fingerprint", "average", "broadcast", "chunk_bounds", "reduce_scatter",
-           "resolve_algorithm", "shared_buffer", "validate_algorithm", "validate_op", "zero_copy_plan"]
+           "resolve_algorithm", "shared_buffer", "validate_algorithm", "validate_op", "without_grad", "zero_copy_plan"]

@@ -7,7 +7,8 @@ same module, read with ``call.options(MyOptions)``), then add one line to
 check's codes and the CLI choices all come from this table. What an
 algorithm needs or offers beyond that (its options in the layout check, a
 group it cannot run on, other collectives, zero-copy storage) is data in the
-tables after it, and a one-host fast path is data in
+tables after it (the reduce-scatter and all-gather an algorithm carries, or
+why it has none), and a one-host fast path is data in
 :mod:`~gradsync.collectives.fast_path` (its small-call plans meet the layout
 check, which sits below this table): the generic entry
 (:mod:`~gradsync.collectives.ops`, :mod:`~gradsync.collectives.validate`)
@@ -21,7 +22,8 @@ from typing import Callable
 
 import torch
 
-from gradsync.collectives import broadcast, halving_doubling, hierarchical, native, ring, shm, tree
+from gradsync.collectives import (broadcast, halving_doubling, hierarchical, hierarchical_shards, native, ring, shm,
+                                  shm_shards, tree)
 from gradsync.collectives.call import CollectiveCall
 
 AllReduce = Callable[[torch.Tensor, CollectiveCall], None]
@@ -38,10 +40,38 @@ AUTO = "auto"  # resolved by collectives.auto.choose, once per message size (val
 ALGORITHMS = tuple(ALL_REDUCE) + (AUTO,)
 DEFAULT_ALGORITHM = "ring"  # all_reduce's, DataParallel's and LocalSGD's default
 
-# The other collectives, per algorithm; the first of each is the one ``algorithm=None`` runs.
 BROADCAST = {"tree": broadcast.broadcast, "shm": shm.broadcast}
-ALL_GATHER = {"ring": ring.all_gather, "shm": shm.all_gather}
-REDUCE_SCATTER = {"ring": ring.reduce_scatter, "shm": shm.reduce_scatter}
+"""Broadcast's algorithms; the first is the one ``algorithm=None`` runs."""
+
+ReduceScatter = Callable[[torch.Tensor, CollectiveCall], "tuple[int, int]"]
+REDUCE_SCATTER: dict[str, ReduceScatter] = {
+    "ring": ring.reduce_scatter,
+    "halving_doubling": halving_doubling.reduce_scatter,
+    "hierarchical": hierarchical_shards.reduce_scatter,
+    "shm": shm_shards.reduce_scatter,
+    "native": native.reduce_scatter,
+}
+"""``reduce_scatter(flat, call) -> (start, stop)``: sum ``flat`` (``(numel,)``, in place) so that this rank's
+chunk (``torch.tensor_split`` order) holds the sum over the ranks."""
+ALL_GATHER: dict[str, AllReduce] = {
+    "ring": ring.all_gather,
+    "halving_doubling": halving_doubling.all_gather,
+    "hierarchical": hierarchical_shards.all_gather,
+    "shm": shm_shards.all_gather,
+    "native": native.all_gather,
+}
+"""``all_gather(flat, call)``: fill every ``torch.tensor_split`` chunk of ``flat`` from the rank that owns it."""
+NO_REDUCE_SCATTER: dict[str, str] = {"tree": "a tree reduces to one root"}
+"""Why an algorithm of ``ALL_REDUCE`` carries neither reduce-scatter nor all-gather (every other one has both)."""
+
+
+def refusal(collective: str, algorithm: str) -> ValueError:
+    """The one-line error of a ``collective`` (reduce_scatter or all_gather) asked of an algorithm that
+    carries none (``NO_REDUCE_SCATTER`` says why)."""
+    carriers = ", ".join(tuple(REDUCE_SCATTER) + (AUTO,))
+    reason = NO_REDUCE_SCATTER.get(algorithm, "none is registered")
+    return ValueError(f"algorithm {algorithm!r} has no {collective}: {reason}; "
+                      f"choose one of {carriers}")
 
 UPCAST: dict[str, dict[torch.dtype, torch.dtype]] = {"native": native.UPCAST}
 """Dtypes an algorithm reduces in a wider one (fp16/bf16 go to float32 for every algorithm)."""
@@ -59,7 +89,8 @@ GROUP_PROBLEM: dict[str, Callable] = {"hierarchical": hierarchical.group_problem
 
 @dataclass(frozen=True)
 class SharedStorage:
-    """An algorithm that reduces a tensor in place when it lies in storage the algorithm allocated.
+    """An algorithm that reduces a tensor in place when it lies in storage the algorithm allocated (its
+    AllReduce, and its reduce-scatter and all-gather too).
 
     ``allocate(call, nbytes)``: this rank's ``(nbytes,)`` uint8 buffer, or
     None where the group cannot share memory; ``dtypes``: the dtypes reduced

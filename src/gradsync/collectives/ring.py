@@ -24,6 +24,10 @@ payload only into a posted receive, and a send posted first waits for the
 peer's notice, which on a busy link queues behind the peer's own data (59%
 of a shaped 1 Gbit/s link between 2 test hosts send-first, 99% receive-first).
 
+The two phases are also the registry's ring reduce-scatter and all-gather
+(:func:`reduce_scatter`, :func:`all_gather`), so a reduce-scattered chunk is
+bitwise the AllReduce's.
+
 Chunks follow :func:`~gradsync.collectives.chunking.chunk_bounds`: with
 numel = 10 and p = 4 they hold 3, 3, 2, 2 elements; with numel = 2 two
 chunks are empty and have no segments, so nothing is sent for them.
@@ -44,26 +48,29 @@ def _segments(chunks, index: int, segment_numel: int) -> list[tuple[int, int]]:
     return segment_bounds(start, stop, segment_numel)
 
 
-def reduce_scatter(flat: torch.Tensor, call: CollectiveCall) -> tuple[int, int]:
+def reduce_scatter(flat: torch.Tensor, call: CollectiveCall,
+                   chunks: list[tuple[int, int]] | None = None) -> tuple[int, int]:
     """Sum ``flat`` over all ranks so that this rank's chunk holds the full sum.
 
     Args:
         flat: ``(numel,)`` contiguous tensor, modified in place; only chunk
             ``rank`` is meaningful afterwards.
         call: the collective call (transport, deadline, workspace; segments of ``SegmentOptions``).
+        chunks: each rank's ``(start, stop)``, disjoint (None: ``chunk_bounds(numel, world_size)``,
+            ``torch.tensor_split`` order; ``hierarchical`` passes its own, some possibly empty).
 
     Returns:
         ``(start, stop)`` of this rank's chunk.
 
-    Collective: every rank must call this in the same order with equal ``numel``.
+    Collective: every rank must call this in the same order with equal ``numel`` and ``chunks``.
     """
     rank, world_size = call.rank, call.world_size
-    chunks = chunk_bounds(flat.numel(), world_size)
+    chunks = chunks if chunks is not None else chunk_bounds(flat.numel(), world_size)
     if world_size == 1:
         return chunks[0]
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
     segment_numel = call.options(SegmentOptions).segment_numel(flat.element_size())
-    segment_numel = min(segment_numel, max(chunks[0][1] - chunks[0][0], 1))
+    segment_numel = min(segment_numel, max(max(b - a for a, b in chunks), 1))
     inbox = call.workspace.get(_IN_FLIGHT * segment_numel, flat.dtype, flat.device).view(_IN_FLIGHT, -1)
     sends = None
     for hop in range(world_size - 1):
@@ -90,19 +97,20 @@ def reduce_scatter(flat: torch.Tensor, call: CollectiveCall) -> tuple[int, int]:
     return chunks[rank]
 
 
-def all_gather(flat: torch.Tensor, call: CollectiveCall) -> None:
+def all_gather(flat: torch.Tensor, call: CollectiveCall, chunks: list[tuple[int, int]] | None = None) -> None:
     """Fill every chunk of ``flat`` from the rank that owns it (rank r owns chunk r).
 
     Args:
         flat: ``(numel,)`` contiguous tensor whose chunk ``rank`` is valid; the
             other chunks are overwritten in place.
+        chunks: as :func:`reduce_scatter`'s (None: ``torch.tensor_split`` order).
 
-    Collective: every rank must call this in the same order with equal ``numel``.
+    Collective: every rank must call this in the same order with equal ``numel`` and ``chunks``.
     """
     rank, world_size = call.rank, call.world_size
     if world_size == 1:
         return
-    chunks = chunk_bounds(flat.numel(), world_size)
+    chunks = chunks if chunks is not None else chunk_bounds(flat.numel(), world_size)
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
     segment_numel = call.options(SegmentOptions).segment_numel(flat.element_size())
     sends = None

@@ -13,7 +13,9 @@ copies every chunk out of its owner's region. Each chunk is summed by one
 rank only and copied by the others, so results are bitwise equal on every
 rank. Cost per slice: 2 barriers, 2 copies and (p-1)/p of a reduction per
 rank, against 2(p-1) messages through the kernel for a ring over TCP.
-Broadcast and all-gather are one copy in, one barrier, copies out.
+Broadcast is one copy in, one barrier, copies out; reduce-scatter and
+all-gather of ``torch.tensor_split`` chunks are in
+:mod:`~gradsync.collectives.shm_shards`.
 
 The segment is set up at the first shm call of a group
 (:mod:`~gradsync.collectives.shm_setup`, collective).
@@ -34,8 +36,10 @@ from gradsync.transport.shm_segment import ShmSegment
 IN_PLACE_DTYPES = (torch.float32, torch.float64)  # reduced in the arena without staging (see allocate_shared)
 ARENA_MIN_BYTES = 2**20  # per rank: small buffers share an arena (tmpfs pages cost only once touched)
 ARENA_ALIGN = 64         # every buffer starts on its own cache line
-_PLACEMENT_WORD = 2      # word 2 of a rank's counter line: where its all_reduce data lies (see _check_placement)
-_NOT_IN_ARENA = -1
+# words 2 and 4 of a rank's counter line: where its collective's data lies, by the parity of the barrier
+# after which the peers read it (a rank one barrier ahead posts its next call's in the other word)
+PLACEMENT_WORDS = (2, 4)
+NOT_IN_ARENA = -1
 
 
 def _slices(numel: int, segment: ShmSegment, dtype: torch.dtype) -> list[tuple[int, int]]:
@@ -68,9 +72,9 @@ def all_reduce(flat: torch.Tensor, call: CollectiveCall) -> None:
         _all_reduce_in_arena(flat, placement, call)
         return
     if state.arenas:  # the peers compare placements after the first barrier: say this one is not in it
-        segment.post(_PLACEMENT_WORD, _NOT_IN_ARENA)
+        post_placement(segment, None)
     shm_pipeline.all_reduce(flat, call, segment, state.cell_bytes,
-                            after_first_barrier=(lambda: _check_placement(segment, call)) if state.arenas else None)
+                            after_first_barrier=(lambda: check_placement(segment, call)) if state.arenas else None)
 
 
 def allocate_shared(call: CollectiveCall, nbytes: int) -> torch.Tensor | None:
@@ -119,7 +123,7 @@ def _agree_allocation(call: CollectiveCall, nbytes: int, index: int, offset: int
     rank (the same gathered rows) unless they are equal and valid."""
     gathered = torch.zeros(3 * call.world_size, dtype=torch.int64)
     gathered[3 * call.rank:3 * call.rank + 3] = torch.tensor([nbytes, index, offset])
-    all_gather(gathered, call)
+    _gather_rows(gathered, call)
     rows = [tuple(int(v) for v in gathered[3 * r:3 * r + 3]) for r in range(call.world_size)]
     if all(row == rows[0] for row in rows) and rows[0][0] >= 0:
         return
@@ -129,16 +133,24 @@ def _agree_allocation(call: CollectiveCall, nbytes: int, index: int, offset: int
                      f"(an int >= 0) in the same order; {asks}")
 
 
-def _check_placement(segment: ShmSegment, call: CollectiveCall) -> None:
-    """After a barrier: every rank posted the same placement of its all_reduce data (``_PLACEMENT_WORD``),
-    else CollectiveMismatchError on every rank (each reads the same words)."""
-    posted = [segment.posted(peer, _PLACEMENT_WORD) for peer in range(call.world_size)]
+def post_placement(segment: ShmSegment, placement: tuple[int, int] | None) -> None:
+    """Post where this rank's data of the call lies (``(arena, offset)``, None: not in an arena), for
+    :func:`check_placement` right after the segment's next barrier."""
+    segment.post(PLACEMENT_WORDS[segment.next_parity()],
+                 NOT_IN_ARENA if placement is None else (placement[0] << 40) | placement[1])
+
+
+def check_placement(segment: ShmSegment, call: CollectiveCall) -> None:
+    """Right after the barrier :func:`post_placement` preceded: every rank posted the same placement of
+    its data, else CollectiveMismatchError on every rank (each reads the same words)."""
+    word = PLACEMENT_WORDS[segment.last_parity()]
+    posted = [segment.posted(peer, word) for peer in range(call.world_size)]
     if all(word == posted[0] for word in posted):
         return
-    where = ", ".join(f"rank {peer}: " + ("not in the arena" if word == _NOT_IN_ARENA else
+    where = ", ".join(f"rank {peer}: " + ("not in the arena" if word == NOT_IN_ARENA else
                                           f"arena {word >> 40} offset {word & (2**40 - 1)}")
                       for peer, word in enumerate(posted))
-    raise CollectiveMismatchError(f"rank {call.rank}: shm all_reduce: the ranks' tensors do not lie at the "
+    raise CollectiveMismatchError(f"rank {call.rank}: shm {call.op_name}: the ranks' tensors do not lie at the "
                                   f"same place of the shared arena (shared_buffer); {where}")
 
 
@@ -158,10 +170,10 @@ def _all_reduce_in_arena(flat: torch.Tensor, placement: tuple[int, int], call: C
                for peer in range(world_size)]
     chunks = chunk_bounds(numel, world_size)
     next_set(segment)  # the copy-through path advances it here too: the sets stay paired across ranks
-    segment.post(_PLACEMENT_WORD, (placement[0] << 40) | placement[1])
+    post_placement(segment, placement)
     data_barrier(segment, call, "shm all_reduce in place (written)", layout_digest("all_reduce", numel,
                                                                                  str(flat.dtype)))
-    _check_placement(segment, call)
+    check_placement(segment, call)
     a, b = chunks[rank]
     for step in range(1, world_size):
         flat[a:b] += regions[(rank + step) % world_size][a:b]
@@ -170,15 +182,6 @@ def _all_reduce_in_arena(flat: torch.Tensor, placement: tuple[int, int], call: C
         if peer != rank:
             flat[a:b] = regions[peer][a:b]
     barrier(arena, call, "shm all_reduce in place (copied)")
-
-
-def reduce_scatter(flat: torch.Tensor, call: CollectiveCall) -> tuple[int, int]:
-    """Sum ``flat`` over all ranks (in place) and return this rank's chunk bounds (tensor_split order).
-
-    Implemented as the shm AllReduce: copies are cheap next to a second code path.
-    """
-    all_reduce(flat, call)
-    return chunk_bounds(flat.numel(), call.world_size)[call.rank]
 
 
 def broadcast(flat: torch.Tensor, src: int, call: CollectiveCall) -> None:
@@ -198,8 +201,9 @@ def broadcast(flat: torch.Tensor, src: int, call: CollectiveCall) -> None:
             flat[start:stop] = region
 
 
-def all_gather(gathered: torch.Tensor, call: CollectiveCall) -> None:
-    """Fill ``gathered`` (``(world_size * n,)``, rank r's own part at ``[r*n, (r+1)*n)``) from every rank."""
+def _gather_rows(gathered: torch.Tensor, call: CollectiveCall) -> None:
+    """Fill ``gathered`` (``(world_size * n,)``, rank r's own part at ``[r*n, (r+1)*n)``) from every rank
+    (the arena's agreement; the public all-gather is :func:`gradsync.collectives.shm_shards.all_gather`)."""
     segment = group_segment(call)
     rank, world_size = call.rank, call.world_size
     numel = gathered.numel() // world_size
@@ -215,5 +219,5 @@ def all_gather(gathered: torch.Tensor, call: CollectiveCall) -> None:
                 parts[peer, start:stop] = regions[peer]
 
 
-__all__ = ["IN_PLACE_DTYPES", "ShmSetupError", "ShmState", "all_gather", "all_reduce", "allocate_shared", "broadcast", "reduce_scatter",
-           "usable"]
+__all__ = ["IN_PLACE_DTYPES", "NOT_IN_ARENA", "PLACEMENT_WORDS", "ShmSetupError", "ShmState", "all_reduce",
+           "allocate_shared", "broadcast", "check_placement", "post_placement", "usable"]

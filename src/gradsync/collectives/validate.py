@@ -56,10 +56,9 @@ class _NoOp:
 
 
 NO_OP = _NoOp()
-_TABLES = {"broadcast": registry.BROADCAST, "all_gather": registry.ALL_GATHER,
-           "reduce_scatter": registry.REDUCE_SCATTER}
-FIXED_ALGORITHM = {what: next(iter(table)) for what, table in _TABLES.items()}  # algorithm=None runs these
-_CHOICES = {what: tuple(table) for what, table in _TABLES.items()}
+FIXED_ALGORITHM = {"broadcast": next(iter(registry.BROADCAST))}  # algorithm=None runs these
+_CHOICES = {"broadcast": tuple(registry.BROADCAST)}
+SCATTER_GATHER = {"reduce_scatter": registry.REDUCE_SCATTER, "all_gather": registry.ALL_GATHER}  # None: the default
 _IN_PLACE = ("all_reduce", "broadcast")
 
 Rejection = tuple[int, Exception]
@@ -84,13 +83,16 @@ def _choice_problem(what: str, op, algorithm) -> Rejection | None:
         if op not in OPS:
             return _reject("a bad op", ValueError(f"unknown op {op!r}; choose one of {', '.join(OPS)}"))
     choices = _CHOICES.get(what, registry.ALGORITHMS)  # read per call: the one list (registry)
-    if algorithm is None and what not in _CHOICES or algorithm is not None and not isinstance(algorithm, str):
+    optional = what in _CHOICES or what in SCATTER_GATHER  # algorithm=None: the default
+    if algorithm is None and not optional or algorithm is not None and not isinstance(algorithm, str):
         return _reject("a bad algorithm", TypeError(f"algorithm must be one of {', '.join(choices)}, got "
                                                     f"{type(algorithm).__name__} {algorithm!r}"))
     if algorithm is not None and algorithm not in choices:
         where = f" for {what}" if what in _CHOICES else ""
         return _reject("a bad algorithm", ValueError(f"unknown algorithm {algorithm!r}{where}; choose one of "
                                                      f"{', '.join(choices)}"))
+    if what in SCATTER_GATHER and algorithm not in SCATTER_GATHER[what] and algorithm not in (AUTO, None):
+        return _reject("a bad algorithm", registry.refusal(what, algorithm))
     return None
 
 
@@ -169,33 +171,33 @@ def argument_problem(tensor, what: str, op, algorithm, src, timeout, world_size:
     return None
 
 
-def resolve_algorithm(comm: Communicator, nbytes: int, algorithm: str, device: str = "cpu") -> str:
-    """The AllReduce algorithm that ``algorithm`` means for ``nbytes`` bytes on ``comm`` now: itself, or
-    for ``auto`` :func:`~gradsync.collectives.auto.choose`'s pick from the group's locality (explicit
-    ``HierarchicalOptions.ranks_per_node`` wins over the hosts: pretend nodes of that size; else the
-    hosts' rank counts, equal or not).
+def resolve_algorithm(comm: Communicator, nbytes: int, algorithm: str, device: str = "cpu",
+                      collective: str = "all_reduce") -> str:
+    """The algorithm that ``algorithm`` means for a ``collective`` ("all_reduce", "reduce_scatter" or
+    "all_gather") of ``nbytes`` bytes (the whole flat buffer) on ``comm`` now: itself, or for ``auto``
+    :func:`~gradsync.collectives.auto.choose`'s pick from the group's locality (explicit
+    ``HierarchicalOptions.ranks_per_node`` wins over the hosts; else the hosts' rank counts).
 
-    ``auto``'s pick is kept per (bytes, device, ``GRADSYNC_PROFILE``) in ``comm.decisions`` once what it
-    depends on is settled (the locality known, whether the one-host fast path works found out), so a
-    repeated call looks it up instead of reading the locality and the cost model again.
+    ``auto``'s pick is kept per (bytes, device, ``GRADSYNC_PROFILE``, collective) in ``comm.decisions`` once
+    what it depends on is settled (the locality known, whether the one-host fast path works found out).
 
     Raises:
         ValueError: ``GRADSYNC_PROFILE`` names no profile.
     """
     if algorithm != AUTO:
         return algorithm
-    key = (nbytes, device, os.environ.get(auto.PROFILE_ENV))
+    key = (nbytes, device, os.environ.get(auto.PROFILE_ENV), collective)
     known = comm.locality
     kept = comm.decisions.get(key)
     if kept is not None and kept[0] is known:  # the locality a pick was made for (tests replace it)
         return kept[1]
-    chosen = _choose(comm, nbytes, device)
+    chosen = _choose(comm, nbytes, device, collective)
     if known is not None and _one_host_available(comm, device) is not None:
         plans.keep(comm.decisions, key, (known, chosen))
     return chosen
 
 
-def _choose(comm: Communicator, nbytes: int, device: str) -> str:
+def _choose(comm: Communicator, nbytes: int, device: str, collective: str = "all_reduce") -> str:
     """:func:`resolve_algorithm`'s ``auto`` pick, from the group's locality and options now."""
     explicit = comm.options(HierarchicalOptions).ranks_per_node
     known = comm.locality
@@ -208,7 +210,7 @@ def _choose(comm: Communicator, nbytes: int, device: str) -> str:
     else:
         ranks_per_node = comm.world_size
     return auto.choose(nbytes, comm.world_size, ranks_per_node, shm_available=_one_host_available(comm, device),
-                       host_sizes=host_sizes)
+                       host_sizes=host_sizes, collective=collective)
 
 
 def _one_host_available(comm: Communicator, device: str) -> bool | None:
@@ -220,13 +222,14 @@ def _one_host_available(comm: Communicator, device: str) -> bool | None:
     return True if True in answers else None if None in answers else False
 
 
-def usable_after_all(comm: Communicator, call: CollectiveCall, requested, resolved: str, nbytes: int) -> str:
+def usable_after_all(comm: Communicator, call: CollectiveCall, requested, resolved: str, nbytes: int,
+                     collective: str = "all_reduce") -> str:
     """``resolved``, or what ``auto`` picks instead when it chose a one-host fast path and the group
     turns out to span hosts (found out here: collective the first time, every rank the same answer)."""
     fast_path = ONE_HOST.get(resolved) if requested == AUTO else None
     if fast_path is None or fast_path.usable(call):
         return resolved
-    return resolve_algorithm(comm, nbytes, AUTO)
+    return resolve_algorithm(comm, nbytes, AUTO, collective=collective)
 
 
 def _runnable_problem(comm: Communicator, algorithm: str, device: str) -> Rejection | None:
@@ -293,13 +296,14 @@ class Started:
 
 def start_call(comm: Communicator, tensor, what: str, *, op=NO_OP, algorithm: str | None = None,
                src: int | None = None, timeout: float | None, verify: bool,
-               prepare=None, lean: bool = False) -> Started:
+               prepare=None, lean: bool = False, scale: int = 1) -> Started:
     """Check the arguments and the ranks' agreement; return the started call.
 
     ``op``: ``NO_OP`` for collectives without one. A problem on this rank is
     raised here, after every rank learnt of it (see the module docstring).
     ``lean`` (AllReduce): when the resolved algorithm is a one-host fast path that has a plan for a
     call this small, the layout check is left to that plan's one round (``Started.plan``).
+    ``scale``: the message ``auto`` prices is ``scale`` times ``tensor``'s bytes (all_gather: world_size).
     """
     problem = argument_problem(tensor, what, op, algorithm, src, timeout, comm.world_size)
     call = comm.new_call(what, str(algorithm), None if problem else timeout)
@@ -312,8 +316,10 @@ def start_call(comm: Communicator, tensor, what: str, *, op=NO_OP, algorithm: st
         if what in FIXED_ALGORITHM:
             resolved = label = algorithm or FIXED_ALGORITHM[what]
         else:
+            algorithm = registry.DEFAULT_ALGORITHM if algorithm is None else algorithm  # reduce_scatter, all_gather
             try:
-                resolved = resolve_algorithm(comm, tensor.numel() * tensor.element_size(), algorithm, device)
+                resolved = resolve_algorithm(comm, scale * tensor.numel() * tensor.element_size(), algorithm, device,
+                                             what if what in SCATTER_GATHER else "all_reduce")
             except ValueError as exc:  # a bad GRADSYNC_PROFILE: tell the others, then raise it
                 problem = _reject("a bad argument", exc)
             label = f"auto ({resolved})" if algorithm == AUTO else resolved
@@ -385,6 +391,6 @@ def nbytes_problem(nbytes, algorithm) -> Rejection | None:
     return _choice_problem("shared_buffer", NO_OP, algorithm)  # no op: only the algorithm is checked
 
 
-__all__ = ["FIXED_ALGORITHM", "NO_OP", "OPS", "Started", "argument_problem", "nbytes_problem", "options_fingerprint",
-           "reject_call", "resolve_algorithm", "sequence_problem", "start_call", "usable_after_all",
-           "working_dtype"]
+__all__ = ["FIXED_ALGORITHM", "NO_OP", "OPS", "SCATTER_GATHER", "Started", "argument_problem", "nbytes_problem",
+           "options_fingerprint", "reject_call", "resolve_algorithm", "sequence_problem", "start_call",
+           "usable_after_all", "working_dtype"]

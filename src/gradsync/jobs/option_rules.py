@@ -111,6 +111,13 @@ RULES: dict[str, Rule] = {
     "powersgd_rank": Rule(modes=("sync",), needs=(("compression", "powersgd"),), why="it sets powersgd's rank"),
     "compression_warmup_steps": Rule(modes=("sync",), needs=(("compression", None),),
                                      why="it delays a compressor"),
+    "shard": Rule(modes=("sync",), memberships=("static",),
+                  why="ZeRO shards the gradients a synchronous step reduce-scatters and the optimizer state over a "
+                      "fixed group (async and local-SGD workers step alone; an elastic membership change would "
+                      "have to re-shard the optimizer state, docs/elastic.md)"),
+    "clip_grad_norm": Rule(modes=("sync", "local-sgd"),
+                           why="a parameter server applies each worker's gradient on arrival: there is no "
+                               "step's gradient to take the global norm of"),
     "trace": NOT_ASYNC,
     "seed": EVERYWHERE, "timeout": EVERYWHERE,
     "max_restarts": Rule(modes=("sync", "local-sgd"), memberships=("static",), placements=("local", "test hosts"),

@@ -27,7 +27,7 @@ from gradsync.collectives.cost.profile import Profile
 from gradsync.collectives.cost.topology import Topology
 from gradsync.collectives.hierarchical import HierarchicalOptions
 from gradsync.collectives.options import AlgorithmOptions, OptionStore
-from gradsync.collectives.registry import ALL_REDUCE
+from gradsync.collectives.registry import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from gradsync.sim.cluster import TraceEvent, VirtualCluster
 from gradsync.sim.transport import SimWorld
 from gradsync.sim.virtual import VirtualTensor, VirtualWorkspace
@@ -78,8 +78,9 @@ def check_algorithm(algorithm: str) -> None:
 def simulate_all_reduce(algorithm: str, nbytes: int, profile: Profile, topology: Topology, *,
                         dtype: torch.dtype = torch.float32, segment_bytes: int | None = None,
                         options: Sequence[AlgorithmOptions] = (), device_type: str | None = None,
-                        trace: bool = False) -> SimResult:
-    """Predict one AllReduce of ``nbytes`` (a multiple of ``dtype``'s size) on ``topology``.
+                        trace: bool = False, collective: str = "all_reduce") -> SimResult:
+    """Predict one AllReduce of ``nbytes`` (a multiple of ``dtype``'s size) on ``topology``, or
+    (``collective``) one reduce-scatter or all-gather of an ``nbytes`` flat buffer.
 
     Args:
         algorithm: one of ``SIMULATED``.
@@ -92,12 +93,18 @@ def simulate_all_reduce(algorithm: str, nbytes: int, profile: Profile, topology:
         device_type: what the tensors claim to live on ("cpu" makes ``hierarchical`` use shm inside
             on real hosts, as on CPU; None: "cpu" for a profile with a shared-memory model, else "meta").
         trace: keep every transfer and reduction in ``SimResult.trace``.
+        collective: "all_reduce", "reduce_scatter" or "all_gather" (the registry's function of that
+            collective; not "tree", nor "shm", whose shared memory the simulator models for the
+            AllReduce only, nor shm inside ``hierarchical``).
 
     Raises:
         ValueError: an algorithm the simulator does not run, a bad ``nbytes``, "shm" across hosts,
         a profile that lacks a link the topology needs.
     """
     check_algorithm(algorithm)
+    tables = {"all_reduce": ALL_REDUCE, "reduce_scatter": REDUCE_SCATTER, "all_gather": ALL_GATHER}
+    if algorithm not in tables.get(collective, {}) or (collective != "all_reduce" and algorithm == "shm"):
+        raise ValueError(f"the simulator runs no {collective} of {algorithm!r}")
     itemsize = dtype.itemsize
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0 or nbytes % itemsize:
         raise ValueError(f"nbytes must be an int >= 0 and a multiple of {itemsize} ({dtype}), got {nbytes!r}")
@@ -108,15 +115,15 @@ def simulate_all_reduce(algorithm: str, nbytes: int, profile: Profile, topology:
     device = torch.device(device_type or ("cpu" if profile.shm is not None else "meta"))
     store = OptionStore(_with_defaults(options, segment_bytes))
     transports = [world.transport(rank) for rank in range(topology.world_size)]
-    function = ALL_REDUCE[algorithm]
-    overhead_s = call_overhead_s(profile, algorithm, topology, nbytes)
+    function = tables[collective][algorithm]
+    overhead_s = call_overhead_s(profile, algorithm, topology, nbytes, collective)
 
     def body(state):
         state.now = overhead_s
         if topology.world_size == 1 or nbytes == 0:
             return
         transport = transports[state.rank]
-        call = CollectiveCall(transport, "all_reduce", algorithm, _TIMEOUT_S, VirtualWorkspace(cluster, device),
+        call = CollectiveCall(transport, collective, algorithm, _TIMEOUT_S, VirtualWorkspace(cluster, device),
                               options=store, locality=world.locality)
         function(VirtualTensor.empty(nbytes // itemsize, dtype, cluster, device=device), call)
 

@@ -126,6 +126,12 @@ class SimTransport:
     def backend_broadcast(self, tensor, src: int, timeout_s: float) -> None:
         raise ValueError("the simulator does not model the backend's own broadcast")
 
+    def backend_reduce_scatter(self, tensor, chunks, timeout_s: float) -> None:
+        raise ValueError("the simulator does not model the backend's own reduce_scatter (native)")
+
+    def backend_all_gather(self, tensor, chunks, timeout_s: float) -> None:
+        raise ValueError("the simulator does not model the backend's own all_gather (native)")
+
 
 def _members(transport) -> list[int]:
     """The simulated ranks of ``transport``'s group, in its rank order (through SubTransports)."""

@@ -42,6 +42,8 @@ class TrainConfig:
     topk_ratio: float = 0.01        # fraction of each bucket that topk sends
     powersgd_rank: int = 2          # approximation rank of powersgd
     compression_warmup_steps: int = 0  # exact AllReduce for the first steps, then compression
+    shard: str = "none"             # ZeRO level: none | optimizer (ZeRO-1) | gradients (ZeRO-2); sync, static
+    clip_grad_norm: float | None = None  # clip the gradients' global 2-norm to this before each step
     trace: str | None = None        # Chrome trace file written at the end (rank 0 gathers all ranks)
     seed: int = 0                   # model init, shuffling
     timeout: float = 300.0          # seconds any collective may wait for a peer

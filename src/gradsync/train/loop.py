@@ -44,8 +44,8 @@ from gradsync.train.metrics import METRICS_FILE, MODEL_FILE, MetricsLog
 from gradsync.train.models import build_model
 from gradsync.train.position import EpochOrder, StepPlan, steps_taken
 from gradsync.train.reshard import world_change
-from gradsync.train.setup import (build_replica, make_optimizer, make_scheduler, seed_everything, set_threads,
-                                  straggle, straggler_factor)
+from gradsync.train.setup import (build_replica, make_optimizer, make_replica_optimizer, make_scheduler,
+                                  seed_everything, set_threads, step_optimizer, straggle, straggler_factor)
 from gradsync.train.state import TrainState
 from gradsync.train.forward_backward import backward, epoch_micro_batches, micro_shard_backward
 from gradsync.train.evaluate import evaluate, gather_trace
@@ -116,7 +116,7 @@ class Trainer:
     def _restore(self) -> None:
         validate_against_data(self.config, self.world_size, self.num_train)
         self.model = build_replica(self.config)
-        self._optimizer(self.model.parameters())
+        self._optimizer()
         self.state, metrics_text, self.resumed_from = resume.load_latest(
             self.checkpoint_root, self.config, self.replica, self.out_dir / METRICS_FILE if self.is_main else None)
         self.world_change = self._resharded()
@@ -127,10 +127,10 @@ class Trainer:
             resume.announce(self.state, self.total_steps(), self.resumed_from and self.resumed_from.folder,
                             self.events, self.world_change)
 
-    def _optimizer(self, params) -> None:
-        """The optimizer and schedule of a replica just built (its communicator counts bytes from 0)."""
+    def _optimizer(self) -> None:
+        """The optimizer (sharded as the replica is) and schedule of a replica just built (bytes count from 0)."""
         self._bytes_counted = False
-        self.optimizer = make_optimizer(params, self.config)
+        self.optimizer = make_replica_optimizer(self.model, self.config)
         self.scheduler = make_scheduler(self.optimizer, self.config, self.plan.steps_per_epoch * self.config.epochs)
         self.replica = resume.Replica(self.model, self.optimizer, self.scheduler, self.local_sgd)
 
@@ -141,7 +141,7 @@ class Trainer:
         fault = self.membership.handover_fault(view)
         handed = broadcast_state(self._snapshot() if view.rank == 0 else None, before_payload=fault)
         self.model = build_replica(self.config, handed["model"], self.compression_state)
-        self._optimizer(self.model.parameters())
+        self._optimizer()
         self.optimizer.load_state_dict(handed["optimizer"])
         self.scheduler.load_state_dict(handed["scheduler"])
         self.state.adopt(handed["progress"])
@@ -292,8 +292,7 @@ class Trainer:
                                  global_loss=self.elastic)
         straggle(self.straggler_factor, meter.compute_s())
         with meter.phase("optimizer"):
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            norm = step_optimizer(self.model, self.optimizer, self.config.clip_grad_norm)
             lr = self.scheduler.get_last_lr()[0]
             self.scheduler.step()
         averaged = False
@@ -305,7 +304,7 @@ class Trainer:
                 meter.record("average", started, time.perf_counter())
         else:
             self.state.staleness.record(0)
-        self._finish_step(meter, step_loss, lr)
+        self._finish_step(meter, step_loss, lr, norm)
         self._check_replicas(averaged)
         return step_loss
 
@@ -326,15 +325,15 @@ class Trainer:
             self.log.write({"kind": "replica_check", "step": self.state.step, "equal": True,
                             "tensors": check.tensors, "bytes": check.nbytes, "seconds": check.seconds})
 
-    def _finish_step(self, meter: StepMeter, step_loss: float, lr: float) -> None:
+    def _finish_step(self, meter: StepMeter, step_loss: float, lr: float, grad_norm: float | None) -> None:
         record = meter.stop(self.state.times)
         self.state.step_bytes_sent += record.bytes_sent
         self.state.step += 1
         if self.log:
             bytes_total = self.state.bytes_sent_offset + self.model.comm.stats.bytes_sent
             self.log.write({"kind": "step", "epoch": self.state.epoch, "step": self.state.step, "loss": step_loss,
-                            "lr": lr, **record.as_dict(), "bytes_sent_total": bytes_total,
-                            "world_size": self.world_size, "time": time.time()})
+                            "lr": lr, **({} if grad_norm is None else {"grad_norm": grad_norm}), **record.as_dict(),
+                            "bytes_sent_total": bytes_total, "world_size": self.world_size, "time": time.time()})
 
     def _end_epoch(self, bar) -> None:
         """All-reduce the epoch's loss, evaluate, record the epoch; the state moves to the next epoch."""
@@ -373,12 +372,13 @@ class Trainer:
                                         self.world_size, self.config.keep_checkpoints,
                                         resume.config_fields(self.config))
             return
+        own = resume.rank_state(self.state, self.replica)  # first: a sharded one waits for the parameters' gather
         shared = None
         if self.is_main:
             shared = resume.shared_state(self.state, self.replica, self.config, self.log.position(),
                                          self.elapsed_s())
-        checkpoint.save(self.checkpoint_root, self.state.step, shared, resume.rank_state(self.state, self.replica),
-                        self.model.comm, keep=self.config.keep_checkpoints)
+        checkpoint.save(self.checkpoint_root, self.state.step, shared, own, self.model.comm,
+                        keep=self.config.keep_checkpoints)
         self.state.checkpoint_s += time.perf_counter() - started
         if self.is_main:
             self.events.write({"event": "checkpoint", "step": self.state.step, "attempt": attempt(),

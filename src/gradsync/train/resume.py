@@ -1,7 +1,8 @@
 """What a training checkpoint holds, and putting it back, so a restarted job continues as if nothing happened.
 
 Shared (rank 0's file, the same on every rank in sync mode): the model, the
-optimizer and scheduler, the data position (epoch, optimizer steps done in
+optimizer (unless it is sharded: then each rank's file holds its shard,
+:mod:`~gradsync.train.sharded_checkpoint`) and scheduler, the data position (epoch, optimizer steps done in
 that epoch), DataParallel's bucket layout (it fixes
 the order in which gradients are summed, so results stay bitwise equal),
 where ``metrics.jsonl`` ends at that step (its length and SHA-256, not its text: the
@@ -13,7 +14,9 @@ optimizer (replicas differ between averages).
 A checkpoint resumes at any world size: the same one continues bitwise as
 if nothing happened; another one continues from the same sample of the
 epoch, with the per-rank state re-sharded (:mod:`~gradsync.train.reshard`),
-and the first line of the resumed run says so.
+and the first line of the resumed run says so. It resumes at any ZeRO level
+too (``--shard`` is no trajectory option): sharded optimizer state is
+consolidated and cut again as the resuming run needs.
 
 Everything is tensors, numbers, strings, lists and dicts, so files load
 with ``torch.load(weights_only=True)``.
@@ -37,6 +40,7 @@ from gradsync.train.metrics import resumed_text
 from gradsync.train.position import EpochOrder, reorder
 from gradsync.train.reshard import reshard_rank_states
 from gradsync.train.rng import rng_state, set_rng_state
+from gradsync.train import sharded_checkpoint
 from gradsync.train.state import TrainState
 
 # Options that define the training trajectory: a checkpoint only resumes a job that agrees on all of them.
@@ -45,9 +49,12 @@ from gradsync.train.state import TrainState
 RESUME_FIELDS = ("mode", "model", "epochs", "batch_size", "accumulate", "lr", "lr_schedule", "optimizer",
                  "weight_decay", "seed", "num_samples", "sync_every", "compression", "topk_ratio",
                  "powersgd_rank", "compression_warmup_steps", "algorithm", "bucket_cap_mb",
-                 "gradient_as_bucket_view", "global_batch_size", "deterministic", "micro_shards")
+                 "gradient_as_bucket_view", "global_batch_size", "deterministic", "micro_shards",
+                 "clip_grad_norm")
 # Added after checkpoints existed: a checkpoint without them was written with their defaults.
-_LATER_FIELDS = ("global_batch_size", "deterministic", "micro_shards")
+_LATER_FIELDS = ("global_batch_size", "deterministic", "micro_shards", "clip_grad_norm")
+# Not among them: --shard (ZeRO shards the same step; the optimizer state is consolidated and cut again), like
+# the world size.
 STATE_FORMAT = 2  # 2: "metrics" (length + SHA-256 of metrics.jsonl) instead of 1's "metrics_text" (still read)
 
 
@@ -59,9 +66,10 @@ def check_compatible(saved: dict, config: TrainConfig, world_size: int, saved_wo
                      folder) -> None:
     """Raise ValueError naming every option that differs from the checkpoint's job.
 
-    Another world size is no difference: the run continues from the same
-    sample with its per-rank state re-sharded (``world_size`` and
-    ``saved_world_size`` are kept in the signature for callers).
+    Another world size or ``--shard`` level is no difference: the run continues
+    from the same sample with its per-rank state re-sharded and its optimizer
+    state consolidated if need be (``world_size`` and ``saved_world_size`` are
+    kept in the signature for callers).
     """
     defaults = config_fields(TrainConfig())
     saved = {**{name: defaults[name] for name in _LATER_FIELDS}, **saved}
@@ -77,13 +85,19 @@ class Replica:
     """The objects a checkpoint holds the ``state_dict`` of: the wrapped model, its optimizer and schedule.
 
     ``model`` is a DataParallel (sync) or LocalSGD (``local_sgd``: every rank
-    saves its own model and optimizer, as replicas differ between averages).
+    saves its own model and optimizer, as replicas differ between averages);
+    ``optimizer`` a torch optimizer or, for a sharded model, a :class:`~gradsync.ShardedOptimizer`.
     """
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     local_sgd: bool = False
+
+    @property
+    def sharded(self) -> bool:
+        """Whether its optimizer steps this rank's shard only (``--shard optimizer|gradients``)."""
+        return sharded_checkpoint.is_sharded(self.optimizer)
 
 
 def shared_state(state: TrainState, replica: Replica, config: TrainConfig, metrics: dict,
@@ -97,15 +111,17 @@ def shared_state(state: TrainState, replica: Replica, config: TrainConfig, metri
               "scheduler": replica.scheduler.state_dict(), "staleness": list(state.staleness.histogram),
               "metrics": metrics, "epoch_records": list(state.epoch_records), "elapsed_s": elapsed_s,
               "eval_s": state.eval_s}
-    if not replica.local_sgd:
+    if not replica.local_sgd:  # a sharded model's parameters are whole once its rank_state was taken
         shared["model"] = replica.model.module.state_dict()
-        shared["optimizer"] = replica.optimizer.state_dict()
-        shared["bucket_layout"] = getattr(replica.model, "bucket_layout", None)  # none: deterministic sums
+        shared.update(sharded_checkpoint.shared_entries(replica.model, replica.optimizer))
+        # none: deterministic sums, or sharded buckets (laid out once, whatever the checkpoint says)
+        shared["bucket_layout"] = None if replica.sharded else getattr(replica.model, "bucket_layout", None)
     return shared
 
 
 def rank_state(state: TrainState, replica: Replica) -> dict:
-    """This rank's part of a checkpoint: RNGs, running epoch loss, counters, compressor state."""
+    """This rank's part of a checkpoint: RNGs, running epoch loss, counters, compressor state, and a sharded
+    optimizer's shard (taking it waits for the parameters' all-gather: take this before :func:`shared_state`)."""
     stats = replica.model.comm.stats
     own = {"rng": rng_state(), "epoch_loss": state.epoch_loss(), "times": asdict(state.times),
            "step_bytes_sent": state.step_bytes_sent,
@@ -118,6 +134,7 @@ def rank_state(state: TrainState, replica: Replica) -> dict:
         own["model"] = replica.model.module.state_dict()
         own["optimizer"] = replica.optimizer.state_dict()
         own["local_steps"] = replica.model.local_steps
+    own.update(sharded_checkpoint.rank_entries(replica.optimizer))
     return own
 
 
@@ -140,15 +157,21 @@ def state_from(shared: dict, own: dict, bytes_counted: tuple[int, int] = (0, 0))
                       elapsed_before_s=float(shared["elapsed_s"]), resumed_from_step=int(shared["step"]))
 
 
-def restore_replica(replica: Replica, shared: dict, own: dict) -> None:
-    """Put a checkpoint's model, optimizer, schedule, bucket layout and compressor state back (every rank)."""
+def restore_replica(replica: Replica, shared: dict, own: dict, states: list[dict] | None = None) -> None:
+    """Put a checkpoint's model, optimizer, schedule, bucket layout and compressor state back (every rank).
+
+    ``states``: every rank file, where the optimizer's shards must be consolidated
+    (:func:`~gradsync.train.sharded_checkpoint.needs_every_rank`)."""
     source = own if replica.local_sgd else shared
     replica.model.module.load_state_dict(source["model"])
-    replica.optimizer.load_state_dict(source["optimizer"])
+    if replica.local_sgd:
+        replica.optimizer.load_state_dict(own["optimizer"])
+    else:
+        replica.optimizer.load_state_dict(sharded_checkpoint.optimizer_state(shared, own, states))
     replica.scheduler.load_state_dict(shared["scheduler"])
     if replica.local_sgd:
         replica.model.local_steps = int(own["local_steps"])
-    elif shared.get("bucket_layout"):
+    elif shared.get("bucket_layout") and not replica.sharded:
         replica.model.bucket_layout = shared["bucket_layout"]
     compression = getattr(replica.model, "compression", None)
     if compression is not None and "compression" in own:
@@ -183,8 +206,13 @@ def load_latest(root, config: TrainConfig, replica: Replica, metrics_file=None) 
     found = found or checkpoint.verify(checkpoint.step_dir(root, int(chosen)))
     shared = found.load_shared()
     check_compatible(shared["config"], config, world_size, found.world_size, found.folder)
-    own = rank_state_at(found, rank, world_size, config)
-    restore_replica(replica, shared, own)
+    every = sharded_checkpoint.needs_every_rank(shared, found.world_size, world_size, replica.sharded)
+    states = sharded_checkpoint.every_rank(found) if every else None
+    if every and rank == 0:
+        say(f"optimizer state: the {found.world_size} shards of --shard {shared.get('shard')} consolidated for "
+            f"--shard {getattr(replica.model, 'shard', 'none')} at {world_size} worker(s)")
+    own = rank_state_at(found, rank, world_size, config, states)
+    restore_replica(replica, shared, own, states)
     stats = replica.model.comm.stats
     state = state_from(shared, own, (stats.bytes_sent, stats.bytes_received))
     state.samples_in_epoch, state.order_start = data_position(shared, config, found.world_size, world_size)
@@ -194,12 +222,13 @@ def load_latest(root, config: TrainConfig, replica: Replica, metrics_file=None) 
     return state, _metrics_text(shared, metrics_file) if metrics_file is not None else None, found
 
 
-def rank_state_at(found: checkpoint.Checkpoint, rank: int, world_size: int, config: TrainConfig) -> dict:
+def rank_state_at(found: checkpoint.Checkpoint, rank: int, world_size: int, config: TrainConfig,
+                  states: list[dict] | None = None) -> dict:
     """New rank ``rank``'s state: its own file at the checkpoint's world size, else every old rank's
-    re-sharded (:func:`~gradsync.train.reshard.reshard_rank_states`)."""
+    re-sharded (:func:`~gradsync.train.reshard.reshard_rank_states`); ``states``: every rank file, if read."""
     if found.world_size == world_size:
-        return found.load_rank(rank)
-    states = [found.load_rank(old) for old in range(found.world_size)]
+        return states[rank] if states is not None else found.load_rank(rank)
+    states = states if states is not None else sharded_checkpoint.every_rank(found)
     return reshard_rank_states(states, world_size, config.seed, config.deterministic)[rank]
 
 

@@ -1,4 +1,5 @@
-"""What every training role sets up the same way: threads, seeds, optimizer, schedule, straggler, replica.
+"""What every training role sets up the same way: threads, seeds, optimizer, schedule, straggler, replica,
+and the optimizer step (global-norm clipping, a sharded optimizer).
 
 Used by the sync / local-SGD trainer (``loop.py``), the parameter-server roles
 (``async_loop.py``) and the benchmarks (``bench/``).
@@ -54,8 +55,34 @@ def make_optimizer(params, config: TrainConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total_steps: int):
-    """Cosine decay to 0 over ``total_steps`` optimizer steps, or a constant lr."""
+def make_replica_optimizer(model: torch.nn.Module, config: TrainConfig):
+    """:func:`make_optimizer` over the replica's parameters, sharded as the replica is: a
+    :class:`~gradsync.ShardedOptimizer` over this rank's shard under ``--shard optimizer|gradients``
+    (``model.shard_optimizer``), else the torch optimizer itself."""
+    optimizer = make_optimizer(model.parameters(), config)
+    shard = getattr(model, "shard_optimizer", None)  # LocalSGD has none: its workers step alone
+    return optimizer if shard is None else shard(optimizer)
+
+
+def step_optimizer(model: torch.nn.Module, optimizer, clip_grad_norm: float | None) -> float | None:
+    """Clip the gradients' global 2-norm to ``clip_grad_norm`` (:func:`gradsync.clip_grad_norm_`: over every
+    shard; under local SGD, this worker's own gradient), step, forget the gradients.
+
+    Returns the norm before clipping (None without clipping). Collective for a sharded model.
+    """
+    norm = None
+    if clip_grad_norm is not None:
+        norm = float(gradsync.clip_grad_norm_(model, clip_grad_norm))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+def make_scheduler(optimizer, config: TrainConfig, total_steps: int):
+    """Cosine decay to 0 over ``total_steps`` optimizer steps, or a constant lr (over the torch optimizer a
+    :class:`~gradsync.ShardedOptimizer` wraps: their parameter groups, and so their lr, are the same)."""
+    if isinstance(optimizer, gradsync.ShardedOptimizer):
+        optimizer = optimizer.optimizer
     if config.lr_schedule == "cosine":
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total_steps, 1))
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
@@ -78,7 +105,8 @@ def straggle(factor: float, compute_s: float) -> float:
 def build_replica(config: TrainConfig, model_state: dict | None = None,
                   compression_state: dict | None = None) -> torch.nn.Module:
     """The model wrapped for the mode: DataParallel (sync), DeterministicDataParallel (``deterministic``)
-    or LocalSGD (local-sgd) (collective).
+    or LocalSGD (local-sgd) (collective); sync ones sharded at ``config.shard`` (ZeRO-1/2; then train with
+    :func:`make_replica_optimizer`'s sharded optimizer).
 
     ``model_state``: the module's ``state_dict`` to start from (an elastic hand-over), loaded before
     wrapping; ``compression_state``: the compressor's own (a survivor's error-feedback residuals).
@@ -88,7 +116,7 @@ def build_replica(config: TrainConfig, model_state: dict | None = None,
         module.load_state_dict(model_state)
     if config.deterministic:
         return gradsync.DeterministicDataParallel(module, config.micro_shards, algorithm=config.algorithm,
-                                                  seed=config.seed)
+                                                  seed=config.seed, shard=config.shard)
     if config.mode == "local-sgd":
         return gradsync.LocalSGD(module, sync_every=config.sync_every, algorithm=config.algorithm)
     compressor = make_compressor(config.compression, config.topk_ratio, config.powersgd_rank,
@@ -97,4 +125,5 @@ def build_replica(config: TrainConfig, model_state: dict | None = None,
         compressor.load_state_dict(compression_state)
     return gradsync.DataParallel(module, bucket_cap_mb=config.bucket_cap_mb, algorithm=config.algorithm,
                                  gradient_as_bucket_view=config.gradient_as_bucket_view, compression=compressor,
-                                 debug=True if config.debug else None)  # None: GRADSYNC_DEBUG decides
+                                 debug=True if config.debug else None,  # None: GRADSYNC_DEBUG decides
+                                 shard=config.shard)

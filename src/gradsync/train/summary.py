@@ -74,6 +74,7 @@ def build_summary(config: TrainConfig, epochs: list[dict], totals: RunTotals, st
         "mode": config.mode,
         "num_workers": t.num_workers,
         "compression": config.compression,
+        "shard": config.shard,  # ZeRO level: none, optimizer (ZeRO-1), gradients (ZeRO-2)
         "algorithms": [{"bucket_nbytes": int(nbytes), "algorithm": name} for nbytes, name in algorithms],
         **staleness,
         "steps": t.steps,

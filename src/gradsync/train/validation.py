@@ -7,8 +7,9 @@ from __future__ import annotations
 import math
 
 from gradsync.collectives.ops import ALGORITHMS
-from gradsync.compression import COMPRESSIONS
+from gradsync.compression import COMPRESSIONS, make as make_compressor
 from gradsync.hosts.netns import link_options_problem
+from gradsync.parallel.shard_layout import IMPLEMENTED_LEVELS, SHARD_LEVELS
 from gradsync.train.config import LR_SCHEDULES, MODES, OPTIMIZERS, TrainConfig, total_steps
 from gradsync.train.models import MODELS
 
@@ -65,6 +66,7 @@ def validate(config: TrainConfig) -> None:
         if not ok:
             raise ValueError(message)
     _validate_mode(config)
+    _validate_sharding(config)
     _validate_trajectory(config)
     _validate_fault_tolerance(config)
     validate_elastic(config)
@@ -78,6 +80,30 @@ def validate(config: TrainConfig) -> None:
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _validate_sharding(config: TrainConfig) -> None:
+    """``--shard`` (ZeRO level) and ``--clip-grad-norm``: their values, and what sharding cannot combine with
+    (where each is honoured at all is the option table's)."""
+    shard, clip = config.shard, config.clip_grad_norm
+    if shard not in SHARD_LEVELS:
+        raise ValueError(f"unknown --shard {shard!r}; choose one of {', '.join(IMPLEMENTED_LEVELS)}")
+    if shard not in IMPLEMENTED_LEVELS:
+        raise ValueError(f"--shard {shard} (ZeRO-3: the parameters sharded too) is not implemented yet; choose one "
+                         f"of {', '.join(IMPLEMENTED_LEVELS)}")
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not 0 < clip < math.inf):
+        raise ValueError(f"--clip-grad-norm must be a finite number > 0, got {clip!r}")
+    if shard == "none":
+        return
+    if config.compression in COMPRESSIONS and not getattr(make_compressor(config.compression), "can_reduce_scatter",
+                                                          True):
+        raise ValueError(f"--shard {shard} cannot combine with --compression {config.compression}: a reduce-scatter "
+                         f"sums each rank's chunk of a bucket, and {config.compression} messages are not summable "
+                         f"chunk by chunk; use --compression none, fp16 or bf16")
+    if config.gradient_as_bucket_view:
+        raise ValueError(f"--shard {shard} cannot combine with --gradient-as-bucket-view: the reduce-scatter leaves "
+                         f"only this rank's chunk of each bucket averaged (the gradients live in the optimizer's "
+                         f"shard)")
 
 
 def _validate_fault_tolerance(config: TrainConfig) -> None:

@@ -94,6 +94,13 @@ class Transport(Protocol):
     def backend_broadcast(self, tensor: torch.Tensor, src: int, timeout_s: float) -> None:
         """Copy ``src``'s ``tensor`` into every rank's ``tensor`` with the backend's own call."""
 
+    def backend_reduce_scatter(self, tensor: torch.Tensor, chunks: list[tuple[int, int]], timeout_s: float) -> None:
+        """Sum ``tensor`` (``(numel,)``) over the group so that ``tensor[a:b]``, ``(a, b) = chunks[rank]``,
+        holds the sum (the rest undefined afterwards), with the backend's own call."""
+
+    def backend_all_gather(self, tensor: torch.Tensor, chunks: list[tuple[int, int]], timeout_s: float) -> None:
+        """Fill every ``chunks[r]`` of ``tensor`` (``(numel,)``) from rank r, with the backend's own call."""
+
 
 class AnySourceHandle(Protocol):
     """A receive from any peer in flight; ``source`` is the sender's rank once ``wait`` returned."""

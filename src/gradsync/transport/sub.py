@@ -63,3 +63,9 @@ class SubTransport:
 
     def backend_broadcast(self, tensor: torch.Tensor, src: int, timeout_s: float) -> None:
         raise ValueError("the backend's native broadcast needs a backend group")
+
+    def backend_reduce_scatter(self, tensor: torch.Tensor, chunks, timeout_s: float) -> None:
+        raise ValueError("the backend's native reduce_scatter needs a backend group")
+
+    def backend_all_gather(self, tensor: torch.Tensor, chunks, timeout_s: float) -> None:
+        raise ValueError("the backend's native all_gather needs a backend group")

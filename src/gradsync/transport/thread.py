@@ -149,6 +149,25 @@ class ThreadTransport:
             total += part
         tensor.copy_(total)
 
+    def backend_reduce_scatter(self, tensor: torch.Tensor, chunks: list[tuple[int, int]], timeout_s: float) -> None:
+        """Sum by exchanging whole tensors with every peer, adding this rank's chunk in rank order."""
+        contributions = self._exchange_with_all(tensor, timeout_s)
+        start, stop = chunks[self.rank]
+        total = contributions[0][start:stop].clone()
+        for part in contributions[1:]:
+            total += part[start:stop]
+        tensor[start:stop] = total
+
+    def backend_all_gather(self, tensor: torch.Tensor, chunks: list[tuple[int, int]], timeout_s: float) -> None:
+        """Send this rank's chunk to every peer and receive each peer's chunk in its place."""
+        start, stop = chunks[self.rank]
+        for peer in range(self.world_size):
+            if peer != self.rank:
+                self.isend(tensor[start:stop], peer)
+        for peer, (a, b) in enumerate(chunks):
+            if peer != self.rank:
+                self.irecv(tensor[a:b], peer).wait(timeout_s)
+
     def backend_broadcast(self, tensor: torch.Tensor, src: int, timeout_s: float) -> None:
         if self.rank == src:
             for peer in range(self.world_size):

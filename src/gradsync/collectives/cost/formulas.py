@@ -7,6 +7,14 @@ profile: the same chunks and segments, the same links, the same NIC sharing
 and core oversubscription. They agree with the event simulation within 5%
 where both run (``tests/test_sim.py``).
 
+Every formula takes ``collective``: "all_reduce", or "reduce_scatter" /
+"all_gather" (n the whole flat buffer), which the algorithms run as one of
+their AllReduce's two phases: the ring's first (p-1) hops or its last,
+halving_doubling's halving or its doubling (with the fold's one way in, the
+chunk's back), hierarchical's scatter inside plus across or across plus
+gather inside, shm's owner-adds round or its copy-out round
+(:func:`~gradsync.collectives.cost.shm_formulas.shm_shard_s`). ``tree`` has neither.
+
 Notation: p ranks, n message bytes, s segment bytes, k segments per
 chunk; α, β (= 1/bandwidth) of the slowest link a step crosses, γ per byte
 added, all CPU terms times the oversubscription ``ranks / cores`` (Hockney
@@ -21,7 +29,7 @@ from dataclasses import dataclass
 
 from gradsync.collectives.chunking import DEFAULT_SEGMENT_BYTES
 from gradsync.collectives.cost.profile import Profile
-from gradsync.collectives.cost.shm_formulas import shm_lean, shm_phase_s, shm_s, shm_slices
+from gradsync.collectives.cost.shm_formulas import shm_lean, shm_phase_s, shm_s, shm_shard_s, shm_slices
 from gradsync.collectives.cost.topology import Topology
 from gradsync.collectives.halving_doubling import SHORT_MESSAGE_BYTES as HD_SHORT_BYTES
 
@@ -95,8 +103,14 @@ def ring_phases_s(p: int, n: float, step: Step, segment_bytes: int, itemsize: in
     return scatter, gather
 
 
+def _phases(scatter: float, gather: float, collective: str) -> float:
+    """The time of ``collective`` from an AllReduce's (reduce-scatter, all-gather) phase times."""
+    return {"all_reduce": scatter + gather, "reduce_scatter": scatter, "all_gather": gather}[collective]
+
+
 def ring_s(profile: Profile, topology: Topology, n: int, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-           itemsize: int = 4, *, sharing: float = 1.0, oversub: float | None = None) -> float:
+           itemsize: int = 4, *, sharing: float = 1.0, oversub: float | None = None,
+           collective: str = "all_reduce") -> float:
     """Flat ring: every hop is as slow as its slowest edge (intra- or inter-host, whichever moves a
     chunk slower)."""
     p = topology.world_size
@@ -105,8 +119,7 @@ def ring_s(profile: Profile, topology: Topology, n: int, segment_bytes: int = DE
         steps.append(_step(profile, topology, False, 1.0, oversub, duplex=True))
     chunk = math.ceil(n / itemsize / p) * itemsize
     step = max(steps, key=lambda st: st.move_s(chunk))
-    scatter, gather = ring_phases_s(p, n, step, segment_bytes, itemsize)
-    return scatter + gather
+    return _phases(*ring_phases_s(p, n, step, segment_bytes, itemsize), collective)
 
 
 def tree_s(profile: Profile, topology: Topology, n: int, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
@@ -191,11 +204,13 @@ def _local_ranks(topology: Topology) -> list[int]:
 
 
 def halving_doubling_s(profile: Profile, topology: Topology, n: int, itemsize: int = 4, *,
-                       sharing: float | None = None, oversub: float | None = None) -> float:
+                       sharing: float | None = None, oversub: float | None = None,
+                       collective: str = "all_reduce") -> float:
     """Recursive halving then doubling (long messages) or doubling of the whole vector (short), with
     the fold of the ranks beyond the largest power of two. Each step's pairs are placed exactly: a
     step crosses hosts when any pair does, and the ranks of a host that cross at once share its
-    NICs (``sharing`` overrides the count)."""
+    NICs (``sharing`` overrides the count). A reduce-scatter halves (whatever the size): the fold's
+    vector in and its chunk back; an all-gather doubles: the chunk in and the vector back."""
     p = topology.world_size
     if p == 1 or n == 0:
         return 0.0
@@ -220,12 +235,26 @@ def halving_doubling_s(profile: Profile, topology: Topology, n: int, itemsize: i
     total = 0.0
     if extra:
         fold = step_for([(2 * i, 2 * i + 1) for i in range(extra)], duplex=False)  # one way at a time
-        total += 2 * fold.exchange_s(n) + n * fold.gamma
+        chunk = math.ceil(n / itemsize / p) * itemsize
+        total += {"all_reduce": 2 * fold.exchange_s(n) + n * fold.gamma,
+                  "reduce_scatter": fold.exchange_s(n) + n * fold.gamma + fold.exchange_s(chunk),
+                  "all_gather": fold.exchange_s(chunk) + fold.exchange_s(n)}[collective]
     levels = int(math.log2(core))
-    if n <= HD_SHORT_BYTES or n // itemsize < core:
+    if collective == "all_reduce" and (n <= HD_SHORT_BYTES or n // itemsize < core):
         for level in range(levels):
             st = step_at(1 << level)
             total += st.exchange_s(n) + n * st.gamma
+        return total
+    if collective != "all_reduce":  # the core's chunks are tensor_split's over p: a folded pair's are two
+        shares = [(2 if c < extra else 1) * n / p for c in range(core)]
+        for level in range(levels):
+            st, distance = step_at(core >> (level + 1)), core >> (level + 1)
+            gives = [sum(shares[c - c % (2 * distance) + (0 if c & distance else distance):][:distance])
+                     for c in range(core)]  # what each core rank hands its partner (and gets its partner's)
+            one_port = profile.intra.cpu_bound and all(hosts[members[c]] == hosts[members[c ^ distance]]
+                                                       for c in range(core))  # send and receive share it
+            m = max((give + gives[c ^ distance]) / 2 if one_port else give for c, give in enumerate(gives))
+            total += st.exchange_s(m) + (max(gives) * st.gamma if collective == "reduce_scatter" else 0.0)
         return total
     m = float(n)
     for level in range(levels):  # halving: distance core/2, core/4, ..., 1
@@ -239,19 +268,21 @@ def halving_doubling_s(profile: Profile, topology: Topology, n: int, itemsize: i
     return total
 
 
-def call_overhead_s(profile: Profile, algorithm: str, topology: Topology, nbytes: int) -> float:
+def call_overhead_s(profile: Profile, algorithm: str, topology: Topology, nbytes: int,
+                    collective: str = "all_reduce") -> float:
     """The fixed cost of one call: ``ShmModel.lean_call_overhead_s`` for a public shm call on the lean
     path (its argument checks are cached per layout), else ``Profile.call_overhead_s``; both Python
     work on a core, slowed by the ranks-per-core oversubscription of the busiest host."""
     oversub = max(profile.oversubscription(size) for size in topology.host_sizes)
-    if (algorithm == "shm" and topology.world_size > 1 and shm_lean(nbytes) and profile.shm is not None
+    if (algorithm == "shm" and collective == "all_reduce" and topology.world_size > 1 and shm_lean(nbytes)
+            and profile.shm is not None
             and profile.shm.lean_call_overhead_s is not None):
         return profile.shm.lean_call_overhead_s * oversub
     return profile.call_overhead_s * oversub
 
 
 def hierarchical_s(profile: Profile, topology: Topology, n: int, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-                   itemsize: int = 4, shm_inside: bool | None = None) -> float:
+                   itemsize: int = 4, shm_inside: bool | None = None, collective: str = "all_reduce") -> float:
     """Inside each host (ring reduce-scatter, or the shm sum), chunk j across hosts by local rank j
     (halving_doubling over a power-of-two number of hosts, else ring; all L local ranks at once, sharing
     the NICs), then inside again (ring all-gather, or shm broadcasts).
@@ -260,6 +291,10 @@ def hierarchical_s(profile: Profile, topology: Topology, n: int, segment_bytes: 
     extra rank of a larger host hands its message to the owners and takes the result back (2 moves
     of n inside the host, and the owners add the extras' chunks); with shm inside the largest host's
     shared-memory sum and broadcasts set the pace.
+
+    Reduce-scatter: inside (the lanes' ring reduce-scatter, or shm's), then across; all-gather: across,
+    then inside. Unequal hosts: every rank of a host takes part in the ring inside, with chunks of
+    n/L_min (none for the extra ranks), and each extra rank's chunk moves once more inside its host.
     """
     if topology.world_size == 1 or n == 0:
         return 0.0
@@ -272,9 +307,18 @@ def hierarchical_s(profile: Profile, topology: Topology, n: int, segment_bytes: 
         across = Topology((1,) * hosts)
         sharing = _nic_sharing(profile, topology, local)
         if hosts & (hosts - 1) == 0:
-            inter = halving_doubling_s(profile, across, chunk, itemsize, sharing=sharing, oversub=oversub)
+            inter = halving_doubling_s(profile, across, chunk, itemsize, sharing=sharing, oversub=oversub,
+                                       collective=collective)
         else:
-            inter = ring_s(profile, across, chunk, segment_bytes, itemsize, sharing=sharing, oversub=oversub)
+            inter = ring_s(profile, across, chunk, segment_bytes, itemsize, sharing=sharing, oversub=oversub,
+                           collective=collective)
+    if collective != "all_reduce":
+        own = math.ceil(n / itemsize / topology.world_size) * itemsize
+        staging = 0.0  # the lane-by-lane order is a copy of the message in and the chunk out (or the reverse)
+        if hosts > 1 and local > 1:
+            staging = (n + own) * profile.copy_s_per_byte * oversub
+        return inter + staging + _inside_shards_s(profile, chunk, own, local, largest, inside, segment_bytes,
+                                                  itemsize, collective)
     if inside:
         node = shm_s(profile, Topology((largest,)), n, itemsize, public=False)
         if hosts == 1:
@@ -290,23 +334,40 @@ def hierarchical_s(profile: Profile, topology: Topology, n: int, segment_bytes: 
     return extras + scatter + inter + gather
 
 
+def _inside_shards_s(profile: Profile, chunk: int, own: int, local: int, largest: int, shm_inside: bool,
+                     segment_bytes: int, itemsize: int, collective: str) -> float:
+    """hierarchical's step inside a host of a reduce-scatter or all-gather (the largest host sets the pace):
+    ``chunk`` bytes per lane, ``own`` per rank, ``local`` lanes."""
+    if largest == 1:
+        return 0.0
+    if shm_inside:
+        return shm_shard_s(profile, Topology((largest,)), chunk * largest, itemsize, collective)
+    step = _step(profile, Topology((largest,)), False, duplex=True)
+    scatter, gather = ring_phases_s(largest, chunk * largest, step, segment_bytes, itemsize)
+    extras = step.move_s(own) if largest > local else 0.0  # an extra rank's own chunk, once more
+    return extras + (scatter if collective == "reduce_scatter" else gather)
+
+
 def predict_s(algorithm: str, profile: Profile, topology: Topology, nbytes: int, *,
-              segment_bytes: int = DEFAULT_SEGMENT_BYTES, itemsize: int = 4) -> float:
-    """Predicted seconds of one AllReduce of ``nbytes`` (the call's overhead included, :func:`call_overhead_s`).
+              segment_bytes: int = DEFAULT_SEGMENT_BYTES, itemsize: int = 4, collective: str = "all_reduce") -> float:
+    """Predicted seconds of one ``collective`` (see the module docstring) of ``nbytes`` (the whole flat
+    buffer; the call's overhead included, :func:`call_overhead_s`).
 
     Raises:
-        ValueError: an algorithm without a formula, or one this topology cannot run.
+        ValueError: an algorithm without a formula (for this collective), or one this topology cannot run.
     """
     if algorithm == "ring":
-        body = ring_s(profile, topology, nbytes, segment_bytes, itemsize)
-    elif algorithm == "tree":
+        body = ring_s(profile, topology, nbytes, segment_bytes, itemsize, collective=collective)
+    elif algorithm == "tree" and collective == "all_reduce":
         body = tree_s(profile, topology, nbytes, segment_bytes, itemsize)
     elif algorithm == "halving_doubling":
-        body = halving_doubling_s(profile, topology, nbytes, itemsize)
+        body = halving_doubling_s(profile, topology, nbytes, itemsize, collective=collective)
     elif algorithm == "hierarchical":
-        body = hierarchical_s(profile, topology, nbytes, segment_bytes, itemsize)
+        body = hierarchical_s(profile, topology, nbytes, segment_bytes, itemsize, collective=collective)
     elif algorithm == "shm":
-        body = shm_s(profile, topology, nbytes, itemsize)
+        body = shm_s(profile, topology, nbytes, itemsize) if collective == "all_reduce" else \
+            shm_shard_s(profile, topology, nbytes, itemsize, collective)
     else:
-        raise ValueError(f"no formula for {algorithm!r}; choose one of {', '.join(FORMULAS)}")
-    return call_overhead_s(profile, algorithm, topology, nbytes) + body
+        raise ValueError(f"no {collective} formula for {algorithm!r}; choose one of "
+                         f"{', '.join(name for name in FORMULAS if collective == 'all_reduce' or name != 'tree')}")
+    return call_overhead_s(profile, algorithm, topology, nbytes, collective) + body

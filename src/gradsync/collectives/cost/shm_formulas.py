@@ -16,6 +16,8 @@ on simulated ranks; :mod:`gradsync.collectives.cost.formulas` adds the call's ov
 
 from __future__ import annotations
 
+import math
+
 from gradsync.collectives.cost.profile import Profile
 from gradsync.collectives.cost.topology import Topology
 from gradsync.collectives.shm_setup import DEFAULT_CELL_BYTES, LEAN_MAX_BYTES
@@ -131,3 +133,41 @@ def shm_s(profile: Profile, topology: Topology, n: int, itemsize: int = 4, publi
     count = len(cells) - (cells[-1] != full)
     return count * shm_cell_s(profile, p, full, oversub) + (shm_cell_s(profile, p, cells[-1], oversub)
                                                             if cells[-1] != full else 0.0)
+
+
+def shm_shard_s(profile: Profile, topology: Topology, n: int, itemsize: int = 4,
+                collective: str = "reduce_scatter") -> float:
+    """Shared memory's reduce-scatter or all-gather of n bytes on one host
+    (:mod:`gradsync.collectives.shm_shards`): rounds of one barrier each, a cell per round.
+
+    * reduce-scatter round: every rank stages a piece of c/p bytes of each of the p-1 peers' chunks
+      (read from its input), barrier, adds the p-1 copies of its own piece to its tensor (the piece read
+      and written back);
+    * all-gather round: every rank copies a piece of c bytes of its chunk in, barrier, copies the p-1
+      peers' pieces out (each written back: 2 DRAM bytes per byte).
+
+    Each round also costs ``p`` x ``ShmModel.cell_overhead_s`` of Python; rates as :func:`shm_cell_s`.
+    """
+    if topology.hosts > 1:
+        raise ValueError("shm needs every rank on one host")
+    p = topology.world_size
+    if p == 1 or n == 0:
+        return 0.0
+    if profile.shm is None:
+        raise ValueError(f"profile {profile.name!r} has no shared-memory model (shm)")
+    oversub, barrier = profile.oversubscription(p), profile.shm_barrier_s(p)
+    cell = max(itemsize, min(DEFAULT_CELL_BYTES, DEFAULT_REGION_BYTES) // itemsize * itemsize)
+    piece = max(itemsize, cell // p // itemsize * itemsize) if collective == "reduce_scatter" else cell
+
+    def round_s(m: float) -> float:
+        python = p * profile.shm.cell_overhead_s * oversub
+        if collective == "reduce_scatter":
+            stage = shm_phase_s(profile, p, (p - 1) * m, 0, oversub, (p - 1) * m, cached=True)
+            return python + stage + barrier + shm_phase_s(profile, p, 0, (p - 1) * m, oversub, 2 * m, cached=True)
+        copy_in = shm_phase_s(profile, p, m, 0, oversub, m, cached=True)
+        return python + copy_in + barrier + shm_phase_s(profile, p, (p - 1) * m, 0, oversub, 2 * (p - 1) * m,
+                                                        cached=True)
+
+    share = math.ceil(n / itemsize / p) * itemsize
+    full, rest = divmod(share, piece)
+    return full * round_s(piece) + (round_s(rest) if rest else 0.0)
