@@ -261,8 +261,8 @@ def add_memory_bench_parser(benches: argparse._SubParsersAction) -> argparse.Arg
                     "level and torch's ZeroRedundancyOptimizer with DDP; check each against shard=none's parameters, "
                     "then time them all, interleaved in each of --repeat repetitions; judge issue 38's goals.")
     add = parser.add_argument
-    add("--model", default="gpt,mlp", help="comma-separated: gpt (decoder-only transformer, ~25M parameters, "
-        "depth 8, 4 sequences of 64 characters per rank), mlp (1024-4096-4096-1024-10, ~25.2M, batch 64 per rank) "
+    add("--model", default="gpt,mlp", help="comma-separated: gpt (decoder-only transformer, ~25.4M parameters, "
+        "width 512, depth 8, 2 sequences of 128 bytes per rank), mlp (1024-4096-4096-1024-10, ~25.2M, batch 64 per rank) "
         "(default %(default)s)")
     add("--optimizer", default="adamw", help="adamw (lr 1e-3) or sgd (lr 0.01, momentum 0.9) (default %(default)s)")
     add("--nproc", default="1,2,4", help="comma-separated world sizes, one local world each (default %(default)s)")

@@ -23,7 +23,7 @@ class BenchModel(NamedTuple):
 
 
 MODELS = ("gpt", "mlp")
-BENCH_MODELS = {"gpt": BenchModel("gpt", (96, 64, 512, 8, 8), 4),   # ~25.3M parameters, depth 8
+BENCH_MODELS = {"gpt": BenchModel("gpt", (256, 128, 512, 8, 8), 2),   # ~25.4M parameters, depth 8, bytes
                 "mlp": BenchModel("mlp", (1024, 4096, 4096, 1024, 10), 64)}   # bench train's, ~25.2M
 
 
@@ -80,6 +80,7 @@ def _build_gpt(sizes: tuple[int, ...]) -> nn.Module:
             self.tokens, self.positions = nn.Embedding(vocabulary, width), nn.Embedding(context, width)
             self.blocks = nn.Sequential(*[Block() for _ in range(depth)])
             self.ln, self.head = nn.LayerNorm(width), nn.Linear(width, vocabulary, bias=False)
+            self.head.weight = self.tokens.weight  # tied, as GPT-2
 
         def forward(self, tokens):  # (B, T) int64 -> (B, T, vocabulary)
             x = self.tokens(tokens) + self.positions(torch.arange(tokens.shape[1]))
