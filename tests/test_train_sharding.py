@@ -163,7 +163,9 @@ def test_deterministic_model_pt_is_bitwise_the_same_at_every_shard_level_and_wor
     (["--clip-grad-norm", "1", "--mode", "async"], "--clip-grad-norm is not honoured with --mode async: a "
                                                    "parameter server"),
     (["--clip-grad-norm", "0"], "--clip-grad-norm must be a finite number > 0, got 0.0"),
-], ids=["unknown", "parameters", "onebit", "elastic", "local-sgd", "clip-async", "clip-zero"])
+    (["--shard", "gradients", "--algorithm", "tree"], "--shard gradients cannot combine with --algorithm tree: the "
+                                                      "buckets are reduce-scattered, and algorithm 'tree' has no"),
+], ids=["unknown", "parameters", "onebit", "elastic", "local-sgd", "clip-async", "clip-zero", "tree"])
 def test_what_sharding_cannot_honour_is_refused_in_one_line_before_any_process(args, line, capsys, tmp_path):
     result = run_cli(["train", *args, "--out", str(tmp_path / "run")], capsys)
     assert result.returncode == 2

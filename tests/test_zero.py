@@ -145,6 +145,7 @@ def test_low_precision_compression_combines_with_sharding(compression):
     ({"shard": "gradients", "compression": "onebit"}, "cannot combine with shard='gradients'"),
     ({"shard": "optimizer", "compression": "topk"}, "cannot combine with shard='optimizer'"),
     ({"shard": "optimizer", "gradient_as_bucket_view": True}, "gradient_as_bucket_view cannot combine"),
+    ({"shard": "gradients", "algorithm": "tree"}, "algorithm 'tree' has no reduce_scatter"),
 ])
 def test_what_sharding_cannot_honour_is_refused_on_every_rank(kwargs, words):
     def body(comm):

@@ -128,7 +128,7 @@ class DataParallel(nn.Module):
             settings["auto_profile"] = collectives.auto_profiles_fingerprint() if algorithm == collectives.AUTO else ""
             settings["debug"] = resolve_debug(debug)
             settings["compression"] = compressions.resolve(compression)
-            check_sharding(shard, settings["compression"], gradient_as_bucket_view)
+            check_sharding(shard, settings["compression"], gradient_as_bucket_view, algorithm)
             if settings["compression"] is not None:
                 settings["compression"].attach(self)  # raises if another model uses it
 
@@ -359,9 +359,13 @@ class DataParallel(nn.Module):
         ``auto`` is resolved as the collectives resolve it for that size on this
         group. A compressed bucket reads ``"<algorithm>+<compressor>"`` (e.g.
         ``"ring+onebit"``): the compressor averages it, the algorithm carries
-        what it sends uncompressed.
+        what it sends uncompressed. A sharded bucket reads ``"<algorithm> reduce_scatter"``.
         """
         suffix = f"+{self.compression.name}" if self.compression is not None else ""
+        if self._zero is not None:  # reduce-scattered in backward, all-gathered after the step
+            return [(nbytes, collectives.resolve_algorithm(self.comm, nbytes, self.algorithm,
+                                                           collective="reduce_scatter") + " reduce_scatter" + suffix)
+                    for nbytes in self._reducer.bucket_nbytes]
         return [(nbytes, collectives.resolve_algorithm(self.comm, nbytes, self.algorithm) + suffix)
                 for nbytes in self._reducer.bucket_nbytes]
 

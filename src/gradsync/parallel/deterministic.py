@@ -50,7 +50,7 @@ from gradsync.parallel.micro_shards import (MicroShard, check_arguments, contigu
                                             micro_shard_bounds, shard_seed)
 from gradsync.parallel.replica_check import check_replicas
 from gradsync.parallel.replicas import agree_on_arguments, broadcast_tensors, verify_parameters
-from gradsync.parallel.shard_layout import check_shard
+from gradsync.parallel.shard_layout import check_sharding
 from gradsync.parallel.zero import ZeroState
 
 DEFAULT_MICRO_SHARDS = 12  # 1, 2, 3, 4, 6 and 12 ranks hold equal shares
@@ -116,7 +116,7 @@ class DeterministicDataParallel(nn.Module):
 
         def check() -> None:
             check_arguments(module, num_micro_shards, algorithm, seed, OWNER)
-            check_shard(shard)
+            check_sharding(shard, None, False, algorithm)
 
         self.comm = agree_on_arguments(OWNER, group, settings, check)
         self.module, self.num_micro_shards, self.algorithm, self.seed = module, num_micro_shards, algorithm, seed

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gradsync.collectives.registry import ALL_REDUCE, AUTO, REDUCE_SCATTER, refusal
+
 SHARD_LEVELS = ("none", "optimizer", "gradients", "parameters")
 """DataParallel's ``shard=``: nothing sharded, ZeRO-1 (optimizer state), ZeRO-2 (+ gradients), ZeRO-3 (+ parameters)."""
 IMPLEMENTED_LEVELS = SHARD_LEVELS[:3]
@@ -128,7 +130,14 @@ class ShardLayout:
         return owned
 
 
-def check_sharding(shard, compression, gradient_as_bucket_view: bool) -> None:
+def sharding_algorithm_problem(algorithm: str) -> str | None:
+    """Why sharding cannot run over ``algorithm`` (it carries no reduce-scatter), or None."""
+    if algorithm == AUTO or algorithm in REDUCE_SCATTER or algorithm not in ALL_REDUCE:
+        return None  # an unknown name is reported by the algorithm check itself
+    return f"the buckets are reduce-scattered, and {refusal('reduce_scatter', algorithm)}"
+
+
+def check_sharding(shard, compression, gradient_as_bucket_view: bool, algorithm: str = AUTO) -> None:
     """Refuse what sharding cannot honour, in one line.
 
     Raises:
@@ -139,6 +148,9 @@ def check_sharding(shard, compression, gradient_as_bucket_view: bool) -> None:
     check_shard(shard)
     if shard == "none":
         return
+    problem = sharding_algorithm_problem(algorithm)
+    if problem is not None:
+        raise ValueError(f"shard={shard!r} cannot run over algorithm {algorithm!r}: {problem}")
     if compression is not None and not compression.can_reduce_scatter:
         raise ValueError(f"compression {compression.name!r} cannot combine with shard={shard!r}: a reduce-scatter "
                          f"sums each chunk of the bucket, and {compression.name} messages are not summable; "

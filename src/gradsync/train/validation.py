@@ -9,7 +9,7 @@ import math
 from gradsync.collectives.ops import ALGORITHMS
 from gradsync.compression import COMPRESSIONS, make as make_compressor
 from gradsync.hosts.netns import link_options_problem
-from gradsync.parallel.shard_layout import IMPLEMENTED_LEVELS, SHARD_LEVELS
+from gradsync.parallel.shard_layout import IMPLEMENTED_LEVELS, SHARD_LEVELS, sharding_algorithm_problem
 from gradsync.train.config import LR_SCHEDULES, MODES, OPTIMIZERS, TrainConfig, total_steps
 from gradsync.train.models import MODELS
 
@@ -100,6 +100,9 @@ def _validate_sharding(config: TrainConfig) -> None:
         raise ValueError(f"--shard {shard} cannot combine with --compression {config.compression}: a reduce-scatter "
                          f"sums each rank's chunk of a bucket, and {config.compression} messages are not summable "
                          f"chunk by chunk; use --compression none, fp16 or bf16")
+    if sharding_algorithm_problem(config.algorithm) is not None:
+        raise ValueError(f"--shard {shard} cannot combine with --algorithm {config.algorithm}: "
+                         f"{sharding_algorithm_problem(config.algorithm)}")
     if config.gradient_as_bucket_view:
         raise ValueError(f"--shard {shard} cannot combine with --gradient-as-bucket-view: the reduce-scatter leaves "
                          f"only this rank's chunk of each bucket averaged (the gradients live in the optimizer's "
