@@ -271,8 +271,7 @@ def add_memory_bench_parser(benches: argparse._SubParsersAction) -> argparse.Arg
     add("--shards", default="none,optimizer,gradients", help="gradsync's shard levels; none (the baseline) is "
         "always measured (default %(default)s)")
     add("--algorithm", default="shm", help="DataParallel's algorithm at every level: its AllReduce at shard none, "
-        "its reduce-scatter and all-gather at the others (ring or shm; another name reduce-scatters with ring), "
-        "so shm is the one that runs at every level on one host (default %(default)s)")
+        "its reduce-scatter and all-gather at the others (default %(default)s, the fastest on one host)")
     add("--bucket-cap-mb", type=float, default=25.0, help="bucket cap of DataParallel and DDP (default %(default)s)")
     add("--steps", type=int, default=3, help="timed steps per repetition (default %(default)s)")
     add("--warmup", type=int, default=1, help="untimed steps before them (default %(default)s)")

@@ -18,8 +18,8 @@ MEMORY_ABOUT = {
     "memory": """\
 What each rank holds at every sharding level of `DataParallel` (`shard=`
 `none`, the baseline; `optimizer`, ZeRO-1; `gradients`, ZeRO-2; all with
-`--algorithm shm`: its AllReduce at `none`, its reduce-scatter and
-all-gather at the others, the one algorithm every level runs on one host) and with
+`--algorithm shm`, the fastest on one host: its AllReduce at `none`, its
+reduce-scatter and all-gather at the others) and with
 torch's `ZeroRedundancyOptimizer` (ZeRO-1, whole tensors per rank) over
 `DistributedDataParallel` on Gloo, built as its documentation shows
 (`parameters_as_bucket_view` and `overlap_with_ddp` off; DDP with the same
@@ -55,14 +55,26 @@ repetition for samples/s. The goals (issue 38, gpt at world size 4 with
 AdamW) are judged under the table, each with met or missed.""",
     "memory_after": """\
 How to read it. With AdamW in float32 a replica holds 16 bytes a parameter
-before buffers: 4 of parameters, 4 of gradients, 8 of optimizer state.
-Sharding the optimizer divides the 8 by the world size; sharding the
-gradients divides their 4 too, and the buckets then hold one bucket's worth
-in flight rather than a second copy of every gradient. The RSS column moves
-less than the counted bytes: every process also holds torch itself, the
-activations and the allocator's free lists. On these 2 shared cores a world
-of 4 runs its ranks in turn, so samples/s compares the implementations'
-costs on the same cores rather than their scaling.
+before buffers: 4 of parameters, 4 of gradients, 8 of optimizer state, and
+`shard=none` adds its buckets, a second copy of the gradients. Sharding the
+optimizer divides the 8 by the world size, and each rank then keeps only
+its shard of the reduced gradients (the `.grad` of a parameter is released
+once copied into its bucket), but the buckets stay whole. Sharding the
+gradients replaces the buckets with two slabs used in turn, each as large
+as the largest bucket: on the gpt (buckets of 25 MiB) that is the second
+large saving; on the MLP, whose 4096x4096 layer is one 64 MiB bucket on its
+own, the two slabs hold more than the buckets they replace. torch's
+`ZeroRedundancyOptimizer` assigns whole tensors to ranks, so the rank that
+gets that layer holds its whole optimizer state at every world size, and it
+keeps full gradients and DDP's buckets; gradsync cuts every bucket evenly.
+The RSS column counts more than the tensors: every page of the shm arena a
+rank touched (its peers' slots included), torch itself, the activations
+and the allocator's free lists. A world of 1 runs 2 threads per rank and
+the others 1, as `bench train`; on a machine shared with other programs, 2
+threads that wait for each other at every parallel region slow down most.
+On these 2 shared cores a world of 4 runs its ranks in turn, so samples/s
+compares the implementations' costs on the same cores rather than their
+scaling.
 
 """ + DEEPSPEED_NOTE,
 }
