@@ -45,9 +45,11 @@ from gradsync.train.state import TrainState
 RESUME_FIELDS = ("mode", "model", "epochs", "batch_size", "accumulate", "lr", "lr_schedule", "optimizer",
                  "weight_decay", "seed", "num_samples", "sync_every", "compression", "topk_ratio",
                  "powersgd_rank", "compression_warmup_steps", "algorithm", "bucket_cap_mb",
-                 "gradient_as_bucket_view", "global_batch_size", "deterministic", "micro_shards")
+                 "gradient_as_bucket_view", "global_batch_size", "deterministic", "micro_shards",
+                 "gpt_width", "gpt_depth", "gpt_heads", "gpt_context")
 # Added after checkpoints existed: a checkpoint without them was written with their defaults.
-_LATER_FIELDS = ("global_batch_size", "deterministic", "micro_shards")
+_LATER_FIELDS = ("global_batch_size", "deterministic", "micro_shards", "gpt_width", "gpt_depth", "gpt_heads",
+                 "gpt_context")
 STATE_FORMAT = 2  # 2: "metrics" (length + SHA-256 of metrics.jsonl) instead of 1's "metrics_text" (still read)
 
 
