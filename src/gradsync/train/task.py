@@ -60,8 +60,8 @@ class Task:
         return {}
 
     def summary_fields(self, epochs: list[dict]) -> dict:
-        """What this task adds to ``summary.json``."""
-        return {"task": self.name}
+        """What this task adds to ``summary.json``: its name and what ``test_accuracy`` counts."""
+        return {"task": self.name, "metric": self.metric}
 
 
 class LanguageModel(Task):
@@ -82,7 +82,7 @@ class LanguageModel(Task):
 
     def summary_fields(self, epochs: list[dict]) -> dict:
         loss = epochs[-1]["test_loss"] if epochs else math.nan
-        return {"task": self.name, "final_test_perplexity": math.exp(loss) if loss < 700 else math.inf,
+        return {**super().summary_fields(epochs), "final_test_perplexity": math.exp(min(loss, 709.0)),
                 "corpus": corpus.describe()}
 
 
