@@ -10,6 +10,7 @@ import sys
 
 from gradsync import __version__
 from gradsync.bench import record as bench_record
+from gradsync.bench.command_line import _add_bitwise_bench_options, bench_bitwise
 from gradsync.bench.command_line import (_add_allreduce_bench_options, _add_compression_bench_options,
                                          _add_deterministic_bench_options, _add_faults_bench_options,
                                          _add_modes_bench_options, _add_replicas_bench_options,
@@ -212,6 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train the MNIST-1D CNN (global batch 256) and the ~25M-parameter MLP (128) with DataParallel "
                     "and DeterministicDataParallel per --micro-shards, alternating over rounds, 1 torch thread per "
                     "rank; print samples/s, the ratio, communication per step and peak RSS per rank."))
+    _add_bitwise_bench_options(benches.add_parser(
+        "bitwise", help="--deterministic's promise at every shard level: model.pt's bits for every --shard and "
+        "world size", description="Run gradsync train --deterministic (subprocesses) for every --model, --shard level "
+        "and world size, hash each run's model.pt tensors (sha256) and compare them with world size 1, --shard none; "
+        "exit 1 if any differs."))
     bench_report.add_parser(benches)
     bench_record.add_parser(benches)
     debug = commands.add_parser(
@@ -305,7 +311,7 @@ def _record(args: argparse.Namespace) -> int:
 
 _BENCHES = {"allreduce": bench_allreduce, "train": bench_train, "compression": bench_compression,
             "modes": bench_modes, "faults": bench_faults, "deterministic": bench_deterministic,
-            "replicas": bench_replicas, "report": bench_report.run,
+            "replicas": bench_replicas, "bitwise": bench_bitwise, "report": bench_report.run,
             "record": _record}
 
 
