@@ -16,7 +16,7 @@ import torch
 
 from gradsync.bench import bitwise
 from gradsync.cli import build_parser
-from gradsync.train.config import TrainConfig
+from gradsync.train.config import TrainConfig, default_lr
 from _cli import run_cli
 
 
@@ -67,6 +67,7 @@ def test_the_reference_runs_first_and_every_argv_parses_to_its_config():
                                            optimizer="sgd")
     argv = bitwise.train_argv("mlp", 2, "gradients", train, bitwise.Path("/run"))
     parsed = {k: v for k, v in vars(build_parser().parse_args(argv)).items() if k != "command"}
+    parsed["lr"] = default_lr(parsed["model"]) if parsed["lr"] is None else parsed["lr"]  # as gradsync train does
     assert TrainConfig(**parsed) == TrainConfig(**{**bitwise.train_config("mlp", 2, "gradients", train).to_dict(),
                                                    "out": "/run"})
     _, _, _, train = bitwise.parse_options(nproc="1", shard_levels="none", models="cnn", clip_grad_norm=0.0,
