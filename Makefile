@@ -45,7 +45,7 @@ test-slow: $(STAMP)
 BENCH_DIR := docs/bench
 BENCHES ?= allreduce allreduce_shm2 allreduce_shm4 allreduce_hosts_1g allreduce_hosts_10g allreduce_rs allreduce_ag \
 	train compression modes faults \
-	faults_elastic deterministic replicas memory \
+	faults_elastic deterministic bitwise replicas memory \
 	sim_calibrate sim_validate sim_reproduce sim_scale
 BENCH_allreduce ?= --nproc 4 --sizes 4K,64K,1M,16M,64M --algorithms ring,tree,halving_doubling,hierarchical,shm,shm_zero_copy,native,auto
 # shared memory against MPICH and Open MPI (`make setup` installs both; one run and table each, every installed MPI)
@@ -68,6 +68,8 @@ BENCH_faults ?= --epochs 3
 # faults_elastic: 60 s chaos runs, 3 repetitions (the defaults: 150 s, 5)
 BENCH_faults_elastic ?= --elastic --epochs 3 --chaos-s 60 --kill-every 15 --repeat 3
 BENCH_deterministic ?= --nproc 2,4 --model cnn,mlp --micro-shards 4,12 --steps 20 --repeat 3
+# bitwise: --deterministic's model.pt at every --shard level and world size (exit 1 if any differs), ~4 min
+BENCH_bitwise ?= --nproc 1,2,4 --shard-levels none,optimizer,gradients --model mlp,cnn --epochs 1 --num-samples 2000
 BENCH_replicas ?= --nproc 2,4 --model cnn,mlp
 # bytes per rank at every shard level and torch's ZeroRedundancyOptimizer; 3 repetitions of 2 steps (defaults: 5 of 3)
 BENCH_memory ?= --model gpt,mlp --optimizer adamw --nproc 1,2,4 --algorithm shm --steps 2 --warmup 1 --repeat 3

@@ -102,6 +102,17 @@ def test_goal_lines_judge_the_gpt_rows_at_world_size_4():
     assert all("not measured (no such rows)" in line for line in goal_lines(elsewhere))
 
 
+def test_the_gpt_reads_windows_of_its_corpus_and_predicts_the_next_byte():
+    from gradsync.bench.shard_memory_models import BENCH_MODELS, make_batch
+    from gradsync.train.corpus import tokens
+
+    inputs, targets = make_batch(BENCH_MODELS["gpt"], rank=1)
+    assert inputs.shape == targets.shape == (2, 128) and inputs.dtype == torch.int64
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])
+    text = bytes(tokens().tolist())
+    assert bytes(inputs[0].tolist()) + bytes([int(targets[0, -1])]) in text
+
+
 def test_settings_put_the_baseline_first_and_add_each_peer_at_its_levels():
     assert settings_for(["torch-zero", "gradsync"], ["optimizer", "none"]) == [
         BASELINE, Setting("gradsync", "optimizer"), TORCH_ZERO]

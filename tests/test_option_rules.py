@@ -37,6 +37,7 @@ import options_table  # noqa: E402
 AXES = {"mode", "elastic", "hosts"}  # the combination itself
 SAMPLES = {
     "nproc": 2, "max_staleness": 1, "staleness_lr": False, "sync_every": 2, "straggler": "1:2.0", "model": "mlp",
+    "gpt_width": 64, "gpt_depth": 2, "gpt_heads": 2, "gpt_context": 32,
     "epochs": 2, "batch_size": 16, "accumulate": 2, "global_batch_size": 64, "deterministic": True,
     "micro_shards": 4, "lr": 0.05, "lr_schedule": "constant", "optimizer": "sgd", "weight_decay": 0.01,
     "algorithm": "ring", "bucket_cap_mb": 1.0, "gradient_as_bucket_view": True, "debug": True,
@@ -127,6 +128,12 @@ def test_an_option_a_mode_cannot_use_names_it_and_the_combination():
     assert _outcome({"topk_ratio": 0.05}, "local") == "--topk-ratio needs --compression topk: it sets topk's share"
     assert _outcome({"nproc": 2}, "torchrun").startswith("--nproc is not honoured with --mode sync under torchrun")
     assert "leave out --lr" in _outcome({"elastic": True, "join": "runs/x", "lr": 0.5}, "local")
+    assert _outcome({"gpt_width": 64}, "local") == ("--gpt-width needs --model gpt: it sizes the gpt (the other "
+                                                    "models have fixed sizes)")
+    assert _outcome({"model": "gpt", "num_samples": 400}, "local").startswith(
+        "--num-samples is not honoured with --model gpt: ")
+    assert _outcome({"model": "gpt", "gpt_width": 60, "gpt_heads": 8}, "local").startswith(
+        "--gpt-width 60 must be divisible by --gpt-heads 8")
 
 
 def test_an_option_named_at_its_default_value_is_checked_too(capsys):

@@ -47,7 +47,8 @@ def test_killed_replica_rejoins_from_its_peer_with_equal_parameters(tmp_path):
     assert row["failures"] == 1 and row["relaunches"] == 1 and row["throughput_kept"] is None
     failure = row["failures_detail"][0]
     assert failure["recover_s"] is not None and failure["recover_s"] < 10  # the survivor trained on alone
-    assert failure["joiner_s"] is not None  # the relaunched replica committed steps again
+    # the relaunched replica trained again: shown below by its new pid and its final step and parameters equal to
+    # the survivor's (``joiner_s``, its first commit inside the 1 s window, is a measurement, None under load)
     finals = [torch.load(tmp_path / "chaos-0" / f"final{r}.pt", weights_only=True) for r in (0, 1)]
     killed = failure["victim"]
     assert finals[killed]["pid"] != [k for k in row["kills"][0] if k["victim"] == killed][0]["pid"]

@@ -281,3 +281,14 @@ def test_shard_none_hands_back_the_optimizer_itself():
         return model.shard_optimizer(optimizer) is optimizer
 
     assert run_threads(2, body) == [True, True]
+
+
+@pytest.mark.parametrize("algorithm", ["halving_doubling", "hierarchical", "shm", "native", "auto"])
+def test_every_algorithm_with_a_reduce_scatter_carries_the_shards(algorithm):
+    batches = _batches(4, 4)
+    expected = _reference("adamw", batches)
+    results = run_threads(4, lambda comm: _train(comm, "gradients", "adamw", batches, bucket_cap_mb=1e-4,
+                                                 algorithm=algorithm), ranks_per_node=2)
+    for params in results:
+        for got, want in zip(params, expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -21,7 +21,8 @@ ROWS = (
     ("jobs/", ("jobs",), "how a job starts: the option rules, then {local, torchrun, test hosts} x "
      "{static, elastic} -> launcher, and the one worker entry"),
     ("train/", ("train",), "the one Trainer (it asks a membership at step boundaries) and the parameter "
-     "server's loop, TrainState, data (MNIST-1D), models, config and its validation, metrics, plots, resume"),
+     "server's loop, TrainState, the task (MNIST-1D or the gpt's corpus), models, config and its validation, "
+     "metrics, plots, resume"),
     ("elastic/", ("elastic",), "membership: quorum, member, launcher, service, run store, the membership "
      "the Trainer asks, hand-over, checkpoints, samples, fault points, the parameter server's elastic parts "
      "(see docs/elastic.md)"),

@@ -3,7 +3,7 @@
 One row per ``gradsync train`` option, one column per combination that
 gradsync runs (mode, membership, placement): ``yes`` where the option is
 honoured, ``-`` where it is refused before any process starts; the last
-column says what it needs. The text between ``<!-- generated: options -->``
+column says what it needs (and what it cannot go with). The text between ``<!-- generated: options -->``
 and ``<!-- end generated: options -->`` is replaced. ``--check`` writes
 nothing and exits 1 when the page differs.
 """
@@ -40,6 +40,7 @@ def render() -> str:
         cells = ["yes" if rule.honoured_in(*where) else "-" for where in columns]
         needs = " or ".join(options.option(field) + ("" if value in (None, True) else f" {value}")
                             for field, value in rule.needs)
+        needs += "".join(f"not with {options.option(field)} {value}" for field, value in rule.excludes)
         lines.append("| " + " | ".join([f"`{options.option(name)}`", *cells, needs]) + " |")
     return "\n".join(lines)
 

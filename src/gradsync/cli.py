@@ -10,6 +10,7 @@ import sys
 
 from gradsync import __version__
 from gradsync.bench import record as bench_record
+from gradsync.bench.command_line import _add_bitwise_bench_options, bench_bitwise
 from gradsync.bench.command_line import (_add_allreduce_bench_options, _add_compression_bench_options,
                                          _add_deterministic_bench_options, _add_faults_bench_options,
                                          _add_modes_bench_options, _add_replicas_bench_options,
@@ -23,7 +24,7 @@ from gradsync.collectives.ops import ALGORITHMS
 from gradsync.compression import COMPRESSIONS
 from gradsync.errors import CollectiveMismatchError, CollectiveTimeoutError, GradsyncError
 from gradsync.parallel.shard_layout import IMPLEMENTED_LEVELS
-from gradsync.train.config import LR_SCHEDULES, MODES, OPTIMIZERS, TrainConfig
+from gradsync.train.config import GPT_LR, LR_SCHEDULES, MODES, OPTIMIZERS, TrainConfig, default_lr
 from gradsync.train.models import MODELS
 
 _DEFAULTS = TrainConfig()
@@ -53,7 +54,17 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         "parameter averages (default %(default)s)")
     add("--straggler", default=None, metavar="RANK:FACTOR", help="make worker RANK's compute take FACTOR "
         "times as long (it sleeps in proportion), e.g. 1:3")
-    add("--model", default=d.model, metavar="{" + ",".join(MODELS) + "}", help="model (default %(default)s)")
+    add("--model", default=d.model, metavar="{" + ",".join(MODELS) + "}", help="model: logreg, mlp, cnn on "
+        "MNIST-1D, or gpt (a decoder-only transformer) on Python's own help texts, next character (default "
+        "%(default)s)")
+    add("--gpt-width", type=int, default=d.gpt_width, metavar="W", help="--model gpt: embedding width, a multiple "
+        "of --gpt-heads (default %(default)s)")
+    add("--gpt-depth", type=int, default=d.gpt_depth, metavar="L", help="--model gpt: transformer blocks "
+        "(default %(default)s)")
+    add("--gpt-heads", type=int, default=d.gpt_heads, metavar="H", help="--model gpt: attention heads "
+        "(default %(default)s)")
+    add("--gpt-context", type=int, default=d.gpt_context, metavar="T", help="--model gpt: characters per sample "
+        "(default %(default)s)")
     add("--epochs", type=int, default=d.epochs, help="passes over the training data (default %(default)s)")
     add("--batch-size", type=int, default=d.batch_size, help="samples per worker per micro-batch "
         "(default %(default)s)")
@@ -67,7 +78,7 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         "--micro-shards pieces, one backward each, summed exactly (1 torch thread per worker)")
     add("--micro-shards", type=int, default=d.micro_shards, metavar="M", help="--deterministic: pieces of each "
         "global batch; up to M workers, equal shares when the world size divides M (default %(default)s)")
-    add("--lr", type=float, default=d.lr, help="peak learning rate (default %(default)s)")
+    add("--lr", type=float, default=None, help=f"peak learning rate (default {d.lr}; {GPT_LR} with --model gpt)")
     add("--lr-schedule", default=d.lr_schedule, metavar="{" + ",".join(LR_SCHEDULES) + "}",
         help="learning-rate schedule (default %(default)s)")
     add("--optimizer", default=d.optimizer, metavar="{" + ",".join(OPTIMIZERS) + "}",
@@ -156,9 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(prog="gradsync", description="Data-parallel training with gradsync.")
     parser.add_argument("--version", action="version", version=f"gradsync {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
-    train = commands.add_parser("train", help="train a model on MNIST-1D across local workers",
-                                description="Train on MNIST-1D data-parallel across --nproc local "
-                                "workers (or under torchrun, across the workers it started).")
+    train = commands.add_parser("train", help="train a model on MNIST-1D (or the gpt on a text) across local "
+                                "workers", description="Train on MNIST-1D (--model gpt: Python's help texts) "
+                                "data-parallel across --nproc local workers (or under torchrun, across the "
+                                "workers it started).")
     _add_train_options(train)
     bench = commands.add_parser("bench", help="benchmarks that print tables")
     benches = bench.add_subparsers(dest="bench", required=True, parser_class=_OneLineParser)
@@ -201,6 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train the MNIST-1D CNN (global batch 256) and the ~25M-parameter MLP (128) with DataParallel "
                     "and DeterministicDataParallel per --micro-shards, alternating over rounds, 1 torch thread per "
                     "rank; print samples/s, the ratio, communication per step and peak RSS per rank."))
+    _add_bitwise_bench_options(benches.add_parser(
+        "bitwise", help="--deterministic's promise at every shard level: model.pt's bits for every --shard and "
+        "world size", description="Run gradsync train --deterministic (subprocesses) for every --model, --shard level "
+        "and world size, hash each run's model.pt tensors (sha256) and compare them with world size 1, --shard none; "
+        "exit 1 if any differs."))
     add_memory_bench_parser(benches)
     bench_report.add_parser(benches)
     bench_record.add_parser(benches)
@@ -230,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _config_from_args(args: argparse.Namespace) -> TrainConfig:
     fields = {name: value for name, value in vars(args).items() if name != "command"}
+    if fields["lr"] is None:  # --lr not given: the model's
+        fields["lr"] = default_lr(fields["model"])
     return TrainConfig(**fields)
 
 
@@ -293,7 +312,8 @@ def _record(args: argparse.Namespace) -> int:
 
 _BENCHES = {"allreduce": bench_allreduce, "train": bench_train, "compression": bench_compression,
             "modes": bench_modes, "faults": bench_faults, "deterministic": bench_deterministic,
-            "replicas": bench_replicas, "memory": bench_memory, "report": bench_report.run,
+            "replicas": bench_replicas, "bitwise": bench_bitwise, "memory": bench_memory,
+            "report": bench_report.run,
             "record": _record}
 
 

@@ -35,7 +35,7 @@ from gradsync.bench.sim_report import tables as sim_tables
 # Record names: a bench, or "<bench>_<label>" for a second setting of one (the test-host sweeps).
 BENCHES = ("allreduce", "allreduce_shm2", "allreduce_shm4", "allreduce_hosts_1g", "allreduce_hosts_10g",
            "allreduce_rs", "allreduce_ag", "train", "compression", "modes", "faults", "faults_elastic",
-           "deterministic", "replicas", "memory")
+           "deterministic", "bitwise", "replicas", "memory")
 BENCHES = BENCHES + tuple(SIM_COMMANDS)  # the simulator's records: calibrate, --validate, --reproduce, scale
 DEFAULT_BENCH_DIR = "docs/bench"
 DEFAULT_OUT = "docs/benchmarks.md"
@@ -160,6 +160,9 @@ def tables(name: str, rows: list[dict]) -> list[str]:
         return [format_table(rows)]
     if name == "deterministic":
         from gradsync.bench.determinism import format_table
+        return [format_table(rows)]
+    if name == "bitwise":
+        from gradsync.bench.bitwise import format_table
         return [format_table(rows)]
     if name == "replicas":
         from gradsync.bench.replica_checks import format_table

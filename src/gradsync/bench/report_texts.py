@@ -331,6 +331,32 @@ Memory grows with the micro-shards a rank holds: each keeps a full set of
 gradients (about 100 MiB on the MLP) until the sum, beside the int64 buffer
 (200 MiB). Fewer micro-shards are cheaper; the default 12 gives equal shares
 at 1, 2, 3, 4, 6 and 12 workers.""",
+    "bitwise": """\
+The promise of `--deterministic` at every ZeRO level, checked on the real
+command line: `gradsync train --deterministic` (a process tree each, the
+same seed, global batch, micro-shards, optimizer (AdamW unless `--optimizer
+sgd`) and `--clip-grad-norm` (1 unless given)) once per model, `--shard`
+level (none, optimizer, gradients) and world size (1, 2, 4), and each run's
+final `model.pt` hashed: sha256 over its tensors' names, dtypes, shapes and
+bytes in name order, not over the file, whose pickled storage layout differs
+between a sharded run (parameters are views of one flat buffer, saved as one
+storage) and an unsharded one. `= (1, none)` says whether the hash equals
+the model's run at world size 1 without sharding; `steps` is the optimizer
+steps the run took and `clipped` how many of them had a gradient norm above
+`--clip-grad-norm` (so clipping scaled them). The command exits 1 if any row
+differs or a run fails; then nothing is recorded and `make bench` stops
+there. Each setting runs once: the table compares bits, no ratio, so this
+bench has no `--repeat`; `wall s` (start-up included) says only what a run
+cost ([sharding.md](sharding.md)).""",
+    "bitwise_after": """\
+How to read it. Every row should say `yes` with one hash per model. The
+exact int64 sum of the micro-shards' gradients is reduce-scattered at the
+sharded levels instead of all-reduced, and each rank converts and steps only
+its chunk; integer addition is associative and the optimizer's arithmetic
+is elementwise, so which rank steps which element changes no bit; the global
+norm that clipping divides by is an exact integer sum of squares too,
+whatever holds which elements. `auto` may pick a different algorithm at
+each world size: the exact sum does not depend on it.""",
     "replicas": """\
 `DataParallel(algorithm="auto")` with SGD and momentum on the models of
 `bench train` (the MNIST-1D CNN, batch 128 per rank, and the ~25.2M-parameter
@@ -363,6 +389,7 @@ TITLES = {"allreduce": "AllReduce sweep", "allreduce_shm2": "Shared memory again
            "faults": "Faults: a killed and a hung worker",
            "faults_elastic": "Elastic: survivors go on, replacements join, a chaos run, torchft beside it",
            "deterministic": "Deterministic mode: the cost of the same bits at any world size",
+           "bitwise": "Deterministic mode at every shard level: model.pt's bits for every --shard and world size",
            "replicas": "Replica checks: the cost of one check against one training step"}
 
 ABOUT.update(MEMORY_ABOUT)

@@ -24,9 +24,9 @@ torch's `ZeroRedundancyOptimizer` (ZeRO-1, whole tensors per rank) over
 `DistributedDataParallel` on Gloo, built as its documentation shows
 (`parameters_as_bucket_view` and `overlap_with_ddp` off; DDP with the same
 `bucket_cap_mb`), all with the same optimizer. `gpt` is a decoder-only
-transformer over bytes (width 512, depth 8, 8 heads, 128 bytes of context,
-~25.4M parameters, 2 sequences of fixed random bytes per rank: a step's
-speed does not depend on the values), `mlp` the 1024-4096-4096-1024-10 MLP of
+transformer over bytes, `gradsync train --model gpt` at the benches' size
+(width 512, depth 8, 8 heads, 128 bytes of context, ~25.4M parameters; 2
+windows of its corpus, Python's help texts, per rank), `mlp` the 1024-4096-4096-1024-10 MLP of
 `bench train` (batch 64 per rank; its 4096x4096 layer holds two thirds of
 the parameters, which is what a per-tensor partition like torch's cannot
 split). Bytes: after a warm-up step, one step is sampled after forward,

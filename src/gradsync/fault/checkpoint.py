@@ -83,10 +83,23 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def serialize(state: dict) -> bytes:
-    """``torch.save`` into bytes."""
+    """``torch.save`` into bytes; a tensor that views part of a larger storage (a sharded model's parameters
+    are views of one flat buffer per bucket) is saved as its own copy, so that the file holds what a plain
+    ``state_dict`` would (no padding, no other tensors' bytes, the same bytes at every shard level)."""
     buffer = io.BytesIO()
-    torch.save(state, buffer)
+    torch.save(_own_storages(state), buffer)
     return buffer.getvalue()
+
+
+def _own_storages(value):
+    if isinstance(value, torch.Tensor):
+        whole = value.untyped_storage().nbytes() == value.numel() * value.element_size()
+        return value if whole or value.is_sparse else value.clone()
+    if isinstance(value, dict):
+        return type(value)((key, _own_storages(item)) for key, item in value.items())
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_own_storages(item) for item in value)
+    return value
 
 
 def _digest(data: bytes) -> bytes:

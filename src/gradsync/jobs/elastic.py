@@ -26,7 +26,7 @@ from gradsync.elastic.run_store import connect, get_json
 from gradsync.errors import GradsyncError
 from gradsync.fault.events import EventLog
 from gradsync.launch import start_forkserver
-from gradsync.train import data
+from gradsync.train import task
 from gradsync.train.config import TrainConfig
 from gradsync.jobs.worker import run_elastic_worker
 from gradsync.train.metrics import SUMMARY_FILE
@@ -198,7 +198,7 @@ def join_run(run: str, timeout_s: float = 10.0) -> dict:
     if store.check(["q/done"]) or store.check(["q/failed"]):
         raise ValueError(f"--join {run}: that elastic job has already ended")
     config = TrainConfig(**json.loads(store.get("run/config")))
-    data_path = data.prepare(config.data_dir, config.num_samples)
+    data_path = task.prepare_data(config)
     start_forkserver(run_elastic_worker)
     try:
         slot = int(store.add(SLOTS_KEY, 1)) - 1

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from gradsync.errors import GradsyncError
 from gradsync.fault.events import read_events
-from gradsync.train import data
+from gradsync.train import task
 from gradsync.train.config import TrainConfig
 from gradsync.jobs.elastic import RUN_FILE
 from gradsync.jobs.hosts import reached_step
@@ -44,7 +44,7 @@ def run_elastic_on_hosts(config: TrainConfig, out_dir: Path) -> dict:
     from gradsync.hosts.torchrun import host_environment
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    data_path = data.prepare(config.data_dir, config.num_samples)
+    data_path = task.prepare_data(config)
     total = config.hosts * config.nproc
     low, high = config.elastic_bounds()
     (out_dir / RUN_FILE).write_text(json.dumps({"config": asdict(config), "data_path": str(data_path)}))

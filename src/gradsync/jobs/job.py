@@ -16,7 +16,7 @@ from pathlib import Path
 from gradsync.fault import checkpoint
 from gradsync.fault.injection import attempt, check_environment
 from gradsync.launch import WorkerFailedError, launch_local
-from gradsync.train import data, resume
+from gradsync.train import resume, task
 from gradsync.train.config import TrainConfig
 from gradsync.train.validation import validate, validate_against_data
 from gradsync.jobs.option_rules import refusal
@@ -177,7 +177,7 @@ def _run_job(config: TrainConfig, given) -> dict | None:
         print(f"gradsync: the worker of slot {outcome['slot']} left the run (exit codes {outcome['exitcodes']})")
         return None
     world_size = int(os.environ["WORLD_SIZE"]) if where == "torchrun" else config.world_size()
-    validate_against_data(config, world_size, data.num_train_samples(config.num_samples))
+    validate_against_data(config, world_size, task.num_train(config))
     if config.trace is not None:
         config.trace = str(check_trace_path(config.trace))
     if config.checkpoint_dir is not None:
@@ -203,7 +203,7 @@ def _launch_torchrun(config: TrainConfig, world_size: int) -> dict | None:
     if config.out is None:
         config.out = torchrun_out_dir()
     if int(os.environ.get("RANK", "0")) != config.main_rank(world_size):
-        data_path = data.prepare(config.data_dir, config.num_samples)
+        data_path = task.prepare_data(config)
         return run_worker(config, str(data_path), str(config.out or "runs/unused"))
     # torchrun restarts this whole function: a restarted rank 0 continues the folder it claimed
     # (a replaced host's new agent counts its attempts from 0: a resumable job may always take its folder over)
@@ -233,7 +233,7 @@ def _in_run_folder(config: TrainConfig, reuse: bool, launch) -> dict | None:
     out_dir, created = claim_out_dir(config.out, reuse=reuse)
     config.out = str(out_dir)
     try:
-        data_path = data.prepare(config.data_dir, config.num_samples)  # after --out: a bad folder costs nothing
+        data_path = task.prepare_data(config)  # after --out: a bad folder costs nothing
         if config.checkpointing() and config.checkpoint_dir is None:
             config.checkpoint_dir = str(check_checkpoint_dir(out_dir / "checkpoints"))
         return launch(data_path, out_dir)
@@ -260,7 +260,7 @@ def _launch_hosts(config: TrainConfig, world_size: int) -> dict:
     from gradsync.jobs.hosts import run_on_test_hosts
 
     out_dir = _hosts_out_dir(config)
-    data.prepare(config.data_dir, config.num_samples)  # once here, not on every host at the same time
+    task.prepare_data(config)  # once here, not on every host at the same time
     return run_on_test_hosts(config, out_dir)  # HostsFailedError names the host and its error
 
 

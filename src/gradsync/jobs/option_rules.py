@@ -4,7 +4,8 @@ A run is one combination of a mode (``sync``, ``async``, ``local-sgd``), a
 membership (``static``, ``elastic``) and a placement (``local`` processes,
 one ``torchrun`` rank, ``test hosts``). Each :class:`~gradsync.train.config.TrainConfig`
 field has a :class:`Rule`: the combinations it is honoured in (everywhere
-unless it says otherwise) and the other options it needs. An option set to
+unless it says otherwise), the other options it needs and the option values
+it cannot go with (``--num-samples`` with ``--model gpt``). An option set to
 anything but its default in a combination its rule leaves out is refused
 with one line naming the option and the combination (:func:`refusal`);
 ``tests/test_option_rules.py`` walks every field under every combination and
@@ -40,7 +41,8 @@ class Rule:
 
     ``also_refused``: ``(mode, membership, placement)`` patterns (None: any) refused besides;
     ``needs``: ``(field, value)`` pairs of which another option must have one (a value of None:
-    anything but its default); ``why``: said when the option is refused.
+    anything but its default); ``excludes``: ``(field, value)`` pairs none of which another option may
+    have; ``why``: said when the option is refused.
     """
 
     modes: tuple[str, ...] = MODES
@@ -48,6 +50,7 @@ class Rule:
     placements: tuple[str, ...] = PLACEMENTS
     also_refused: tuple[tuple, ...] = ()
     needs: tuple[tuple[str, object], ...] = ()
+    excludes: tuple[tuple[str, object], ...] = ()
     why: str = ""
 
     def honoured_in(self, mode: str, membership: str, placement: str) -> bool:
@@ -61,6 +64,13 @@ class Rule:
             return None
         field, value = self.needs[0]
         return option(field) + ("" if value is None or value is True else f" {value}")
+
+    def clash(self, config: TrainConfig) -> str | None:
+        """The option value this one cannot go with that ``config`` has (e.g. ``--model gpt``), or None."""
+        for field, value in self.excludes:
+            if getattr(config, field) == value:
+                return f"{option(field)} {value}"
+        return None
 
 
 def _matches(pattern: tuple, where: tuple) -> bool:
@@ -88,6 +98,7 @@ _TORCHRUN_HOSTS = Rule(memberships=("static",), placements=("test hosts",), need
 ELASTIC = Rule(memberships=("elastic",), needs=(("elastic", True),), why="it sets an elastic run's membership")
 CHECKPOINTS = Rule(needs=(("checkpoint_dir", None), ("max_restarts", None)), why="it sets how checkpoints are kept")
 FAULTS = Rule(modes=("sync", "local-sgd"), why="a parameter server's faults are injected by killing its PID")
+GPT_SIZE = Rule(needs=(("model", "gpt"),), why="it sizes the gpt (the other models have fixed sizes)")
 
 RULES: dict[str, Rule] = {
     "nproc": Rule(placements=("local", "test hosts"), why="torchrun's --nproc-per-node sets the workers"),
@@ -96,7 +107,8 @@ RULES: dict[str, Rule] = {
     "staleness_lr": Rule(modes=("async",), why="only a parameter server has stale gradients"),
     "sync_every": Rule(modes=("local-sgd",), why="only local SGD averages every H steps"),
     "straggler": EVERYWHERE,
-    "model": EVERYWHERE, "epochs": EVERYWHERE, "batch_size": EVERYWHERE, "accumulate": EVERYWHERE,
+    "model": EVERYWHERE, "gpt_width": GPT_SIZE, "gpt_depth": GPT_SIZE, "gpt_heads": GPT_SIZE,
+    "gpt_context": GPT_SIZE, "epochs": EVERYWHERE, "batch_size": EVERYWHERE, "accumulate": EVERYWHERE,
     "global_batch_size": NOT_ASYNC,
     "deterministic": Rule(modes=("sync",), needs=(("global_batch_size", None),),
                           why="the exact sum of a fixed global batch is --mode sync's"),
@@ -130,7 +142,9 @@ RULES: dict[str, Rule] = {
     "fail_at": FAULTS,
     "hang_at": FAULTS,
     "check_replicas_every": NOT_ASYNC,
-    "num_samples": EVERYWHERE, "data_dir": EVERYWHERE, "out": EVERYWHERE, "progress": EVERYWHERE,
+    "num_samples": Rule(excludes=(("model", "gpt"),),
+                        why="it sets how many MNIST-1D examples are drawn; the gpt reads its whole corpus"),
+    "data_dir": EVERYWHERE, "out": EVERYWHERE, "progress": EVERYWHERE,
     "hosts": Rule(placements=("test hosts",), why="it starts one torchrun per test host itself"),
     "inter_host_gbit": HOSTS,
     "join_timeout": _TORCHRUN_HOSTS,
@@ -183,6 +197,9 @@ def refusal(config: TrainConfig, placement: str, given=frozenset()) -> str | Non
         missing = rule.missing(config)
         if missing:
             return f"{option(name)} needs {missing}: {rule.why}"
+        clash = rule.clash(config)
+        if clash:
+            return f"{option(name)} is not honoured with {clash}: {rule.why}"
         if not rule.honoured_in(*where):
             return f"{option(name)} is not honoured with {describe(*where)}: {rule.why}"
     return None

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 import gradsync
@@ -33,7 +32,7 @@ from gradsync.train.config import TrainConfig
 from gradsync.train.validation import validate_against_data
 from gradsync.train.data import Splits, load
 from gradsync.train.metrics import METRICS_FILE, MODEL_FILE, MetricsLog
-from gradsync.train.models import build_model
+from gradsync.train.task import make_model, position_counts, sample_loss
 from gradsync.train.setup import (make_optimizer, make_scheduler, seed_everything, set_threads, straggle,
                                   straggler_factor)
 from gradsync.train.summary import RunTotals, build_summary, pushed_gradient
@@ -94,7 +93,7 @@ def run_role(group: Group, config: TrainConfig, data_path: Path, out_dir: Path) 
     seed_everything(config.seed)
     data = load(data_path)
     validate_against_data(config, group.world_size, len(data.y_train))
-    model = build_model(config.model)
+    model = make_model(config)
     if group.is_server:
         return ServerRole(config, model, data, Path(out_dir), group).run()
     group.work(model, WorkerRole(config, model, data, straggler_factor(config, group.index)))
@@ -115,7 +114,7 @@ class WorkerRole:
         started = time.perf_counter()
         loss_sum = 0.0
         for micro in step_indices(config, len(data.y_train), step, self.cache).split(config.batch_size):
-            loss = F.cross_entropy(self.model(data.x_train[micro]), data.y_train[micro]) / config.accumulate
+            loss = sample_loss(self.model(data.x_train[micro]), data.y_train[micro]) / config.accumulate
             loss.backward()
             loss_sum += loss.item()
         self.compute_s += time.perf_counter() - started
@@ -245,11 +244,9 @@ def _gather_stats(values: list[float]) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, data: Splits) -> tuple[float, float]:
-    """Mean cross-entropy and accuracy of ``model`` on the whole test split (one process)."""
+    """Mean cross-entropy and accuracy per position of ``model`` on the whole test split (one process)."""
     was_training = model.training
     model.eval()
-    logits = model(data.x_test)
-    loss = F.cross_entropy(logits, data.y_test).item()
-    accuracy = (logits.argmax(1) == data.y_test).float().mean().item()
+    loss_sum, correct, count = position_counts(model(data.x_test), data.y_test)
     model.train(was_training)
-    return loss, accuracy
+    return loss_sum / count, correct / count

@@ -7,10 +7,17 @@ from dataclasses import asdict, dataclass
 
 from gradsync.parallel.deterministic import DEFAULT_MICRO_SHARDS
 from gradsync.train.data import DEFAULT_NUM_SAMPLES
+from gradsync.train.gpt import GPT_DEFAULT
 
 MODES = ("sync", "async", "local-sgd")
 OPTIMIZERS = ("sgd", "adam")
 LR_SCHEDULES = ("cosine", "constant")
+GPT_LR = 1e-3  # gradsync train's --lr for --model gpt: AdamW at 1e-2 or 3e-3 (no warm-up) stalls near predicting spaces
+
+
+def default_lr(model: str) -> float:
+    """``gradsync train``'s ``--lr`` when not given: 1e-2 (MNIST-1D's models), :data:`GPT_LR` for the gpt."""
+    return GPT_LR if model == "gpt" else TrainConfig.lr
 
 
 @dataclass
@@ -23,14 +30,18 @@ class TrainConfig:
     staleness_lr: bool = True       # async: divide the lr by the gradient's staleness (Zhang et al. 2016)
     sync_every: int = 4             # local-sgd: optimizer steps between parameter averages (H)
     straggler: str | None = None    # "RANK:FACTOR": worker RANK's compute takes FACTOR times as long
-    model: str = "cnn"              # logreg | mlp | cnn
+    model: str = "cnn"              # logreg | mlp | cnn (MNIST-1D) | gpt (the corpus of gradsync.train.corpus)
+    gpt_width: int = GPT_DEFAULT["width"]      # --model gpt: embedding width (a multiple of gpt_heads)
+    gpt_depth: int = GPT_DEFAULT["depth"]      # --model gpt: transformer blocks
+    gpt_heads: int = GPT_DEFAULT["heads"]      # --model gpt: attention heads per block
+    gpt_context: int = GPT_DEFAULT["context"]  # --model gpt: tokens per sample (window length)
     epochs: int = 15                # passes over the training split
     batch_size: int = 32            # samples per worker per micro-batch
     accumulate: int = 1             # micro-batches per optimizer step (no_sync on all but the last)
     global_batch_size: int | None = None  # samples per optimizer step over all workers, whatever the world size
     deterministic: bool = False     # bitwise the same parameters at any world size (needs global_batch_size)
     micro_shards: int = DEFAULT_MICRO_SHARDS  # deterministic: pieces of each global batch, one backward each
-    lr: float = 1e-2                # peak learning rate
+    lr: float = 1e-2                # peak learning rate (gradsync train --model gpt: GPT_LR unless given)
     lr_schedule: str = "cosine"     # cosine decay to 0 over all steps, or constant
     optimizer: str = "adam"         # sgd (momentum 0.9) | adam
     weight_decay: float = 0.0

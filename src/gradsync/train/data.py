@@ -29,7 +29,8 @@ DEFAULT_DATA_SEED = 42  # the mnist1d package's default
 
 @dataclass
 class Splits:
-    """Train and test arrays: x ``(N, 40)`` float32, y ``(N,)`` int64."""
+    """Train and test arrays: MNIST-1D's x ``(N, 40)`` float32 and y ``(N,)`` int64, or the gpt's token
+    windows x and next-token targets y, both ``(N, context)`` int64 (:mod:`~gradsync.train.corpus`)."""
 
     x_train: torch.Tensor
     y_train: torch.Tensor
@@ -81,7 +82,7 @@ def prepare(cache_dir: Path | None = None, num_samples: int = DEFAULT_NUM_SAMPLE
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = cache_path(cache_dir, num_samples, seed)
     if path.exists():
-        problem = _load_problem(path)
+        problem = load_problem(path)
         if problem is None:
             return path
         print(f"gradsync: cached data {path} is unreadable ({problem}); generating it again",
@@ -90,13 +91,14 @@ def prepare(cache_dir: Path | None = None, num_samples: int = DEFAULT_NUM_SAMPLE
         cache_dir.mkdir(parents=True, exist_ok=True)
         print(f"gradsync: generating MNIST-1D ({num_samples} samples, ~{num_samples * 6e-4:.0f} s once) "
               f"into {path}", file=sys.stderr, flush=True)
-        _write_atomically(path, generate(num_samples, seed))
+        write_arrays(path, generate(num_samples, seed))
     except OSError as exc:
         raise ValueError(f"--data-dir {cache_dir} cannot hold the data cache: {exc.strerror or exc}") from None
     return path
 
 
-def _write_atomically(path: Path, arrays: dict[str, np.ndarray]) -> None:
+def write_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """Save ``arrays`` as the ``.npz`` ``path``: written to a temporary name and renamed (readers never see half)."""
     handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".npz.tmp")
     try:
         with os.fdopen(handle, "wb") as file:
@@ -108,7 +110,7 @@ def _write_atomically(path: Path, arrays: dict[str, np.ndarray]) -> None:
             os.unlink(temporary)
 
 
-def _load_problem(path: Path) -> str | None:
+def load_problem(path: Path) -> str | None:
     """Why ``path`` is not a usable cache, or None if it is."""
     try:
         splits = load(path)
@@ -120,7 +122,7 @@ def _load_problem(path: Path) -> str | None:
 
 
 def load(path: Path) -> Splits:
-    """Load arrays written by :func:`prepare`."""
+    """Load arrays written by :func:`prepare` (or :func:`gradsync.train.corpus.prepare`)."""
     with np.load(path) as arrays:
         return Splits(*(torch.from_numpy(arrays[key].copy())
                         for key in ("x_train", "y_train", "x_test", "y_test")))

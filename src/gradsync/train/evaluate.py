@@ -5,18 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from gradsync import api
 from gradsync.parallel.timeline import Timeline, trace_events, write_trace
 from gradsync.train.data import Splits
+from gradsync.train.task import position_counts
 
 
 @torch.no_grad()
 def evaluate(model, data: Splits, rank: int, world_size: int,
              shards: tuple[int, list[int]] | None = None) -> tuple[float, float]:
-    """``(mean test loss, test accuracy)``: each rank scores its piece of the test split; the sums are
-    all-reduced (collective). ``model`` is a wrapper with ``.module`` (DataParallel and its kin).
+    """``(mean test loss, test accuracy)`` per position (a classifier's sample, the gpt's character): each
+    rank scores its piece of the test split; the sums are all-reduced (collective). ``model`` is a wrapper
+    with ``.module`` (DataParallel and its kin).
 
     ``shards``: ``(micro_shards, this rank's shard indices)`` for ``--deterministic``: the split is cut
     into that many pieces, each scored on its own and gathered by piece, so the result does not depend
@@ -26,13 +27,11 @@ def evaluate(model, data: Splits, rank: int, world_size: int,
     pieces, mine = world_size, [rank]
     if shards is not None:
         pieces, mine = shards[0], list(shards[1])
-    table = torch.zeros(pieces, 3, dtype=torch.float64)  # (piece, [loss sum, correct, samples])
+    table = torch.zeros(pieces, 3, dtype=torch.float64)  # (piece, [loss sum, correct, positions])
     for index, piece in enumerate(torch.tensor_split(torch.arange(len(data.y_test)), pieces)):
         if index in mine:
             x, y = data.x_test[piece], data.y_test[piece]
-            logits = model.module(x)
-            table[index] = torch.tensor([F.cross_entropy(logits, y, reduction="sum").item(),
-                                         (logits.argmax(1) == y).sum().item(), len(y)], dtype=torch.float64)
+            table[index] = torch.tensor(position_counts(model.module(x), y), dtype=torch.float64)
     if shards is not None:
         api.all_reduce(table, op="sum")  # one rank's value and zeros per entry: exact in any order
         totals = table.sum(0)

@@ -11,13 +11,13 @@ from contextlib import nullcontext
 from typing import Iterator
 
 import torch
-import torch.nn.functional as F
 
 from gradsync import api
 from gradsync.train.data import Splits
 from gradsync.train.global_batch import epoch_permutation, global_batches, split_contiguous, worker_micro_batches
 from gradsync.train.meter import StepMeter
 from gradsync.train.position import EpochOrder, rank_steps
+from gradsync.train.task import sample_loss
 
 
 def epoch_micro_batches(config, num_train: int, global_batch: int | None, epoch: int, order_start: int,
@@ -58,9 +58,9 @@ def backward(model, data: Splits, micro_batches: list, meter: StepMeter, global_
         with nullcontext() if last else model.no_sync():
             with meter.phase("forward"):
                 if global_batch is None:
-                    loss = F.cross_entropy(model(x), y) / len(micro_batches)
+                    loss = sample_loss(model(x), y) / len(micro_batches)
                 else:
-                    loss = F.cross_entropy(model(x), y, reduction="sum") * (world_size / global_batch)
+                    loss = sample_loss(model(x), y, reduction="sum") * (world_size / global_batch)
             with meter.phase("backward"):
                 loss.backward()  # the last micro-batch's AllReduces run inside it
         step_loss += loss.detach().double()
@@ -77,7 +77,7 @@ def micro_shard_backward(model, data: Splits, shards: list, meter: StepMeter, st
         x, y = data.x_train[indices], data.y_train[indices]
         with model.micro_shard(index, step) as shard:
             with meter.phase("forward"):
-                loss = F.cross_entropy(model(x), y, reduction="sum")  # divided by B once, after the sum
+                loss = sample_loss(model(x), y, reduction="sum")  # divided by B once, after the sum
             with meter.phase("backward"):
                 shard.backward(loss)
     with meter.phase("backward"):  # the exchange, as DataParallel's end-of-backward wait

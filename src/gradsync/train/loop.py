@@ -41,7 +41,7 @@ from gradsync.train.validation import validate_against_data
 from gradsync.train.data import load
 from gradsync.train.meter import StepMeter
 from gradsync.train.metrics import METRICS_FILE, MODEL_FILE, MetricsLog
-from gradsync.train.models import build_model
+from gradsync.train.task import make_model
 from gradsync.train.position import EpochOrder, StepPlan, steps_taken
 from gradsync.train.reshard import world_change
 from gradsync.train.setup import (build_replica, make_optimizer, make_replica_optimizer, make_scheduler,
@@ -168,7 +168,7 @@ class Trainer:
             return handed
         if self.model is None:  # the first membership: rank 0 builds the seeded model
             torch.manual_seed(self.config.seed)
-            module = build_model(self.config.model)
+            module = make_model(self.config)
             optimizer = make_optimizer(module.parameters(), self.config)
             scheduler = make_scheduler(optimizer, self.config, self.plan.steps_per_epoch * self.config.epochs)
             return {"model": module.state_dict(), "optimizer": optimizer.state_dict(),

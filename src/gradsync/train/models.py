@@ -1,4 +1,4 @@
-"""Models for MNIST-1D (inputs ``(batch, 40)`` float32, 10 classes).
+"""Models for MNIST-1D (inputs ``(batch, 40)`` float32, 10 classes), and the gpt (:mod:`~gradsync.train.gpt`).
 
 The CNN is the MNIST-1D paper's (Greydanus 2020, "Scaling down deep
 learning", github.com/greydanus/mnist1d): three stride-2 convolutions of 25
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from gradsync.train.gpt import GPT
 
 INPUT_NUMEL = 40
 NUM_CLASSES = 10
@@ -59,11 +61,17 @@ class ConvNet(nn.Module):
         return self.linear(h.flatten(1))
 
 
-MODELS = {"logreg": LogReg, "mlp": MLP, "cnn": ConvNet}
+MODELS = {"logreg": LogReg, "mlp": MLP, "cnn": ConvNet, "gpt": GPT}
 
 
-def build_model(name: str) -> nn.Module:
-    """Return a fresh model by name (one of ``MODELS``); ValueError lists the choices."""
+def build_model(name: str, **sizes) -> nn.Module:
+    """Return a fresh model by name (one of ``MODELS``) at ``sizes``, its class's keywords (the gpt's
+    ``width``, ``depth``, ``heads``, ``context``; defaults :data:`~gradsync.train.gpt.GPT_DEFAULT`).
+
+    Raises:
+        ValueError: an unknown name (the message lists the choices) or a bad gpt size.
+        TypeError: a size the model does not take.
+    """
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
-    return MODELS[name]()
+    return MODELS[name](**sizes)

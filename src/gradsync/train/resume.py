@@ -50,9 +50,10 @@ RESUME_FIELDS = ("mode", "model", "epochs", "batch_size", "accumulate", "lr", "l
                  "weight_decay", "seed", "num_samples", "sync_every", "compression", "topk_ratio",
                  "powersgd_rank", "compression_warmup_steps", "algorithm", "bucket_cap_mb",
                  "gradient_as_bucket_view", "global_batch_size", "deterministic", "micro_shards",
-                 "clip_grad_norm")
+                 "clip_grad_norm", "gpt_width", "gpt_depth", "gpt_heads", "gpt_context")
 # Added after checkpoints existed: a checkpoint without them was written with their defaults.
-_LATER_FIELDS = ("global_batch_size", "deterministic", "micro_shards", "clip_grad_norm")
+_LATER_FIELDS = ("global_batch_size", "deterministic", "micro_shards", "clip_grad_norm", "gpt_width", "gpt_depth",
+                 "gpt_heads", "gpt_context")
 # Not among them: --shard (ZeRO shards the same step; the optimizer state is consolidated and cut again), like
 # the world size.
 STATE_FORMAT = 2  # 2: "metrics" (length + SHA-256 of metrics.jsonl) instead of 1's "metrics_text" (still read)

@@ -17,7 +17,7 @@ import torch
 import gradsync
 from gradsync.compression import make as make_compressor
 from gradsync.train.config import TrainConfig
-from gradsync.train.models import build_model
+from gradsync.train.task import make_model
 
 
 def threads_per_worker(local_world_size: int) -> int:
@@ -111,7 +111,7 @@ def build_replica(config: TrainConfig, model_state: dict | None = None,
     ``model_state``: the module's ``state_dict`` to start from (an elastic hand-over), loaded before
     wrapping; ``compression_state``: the compressor's own (a survivor's error-feedback residuals).
     """
-    module = build_model(config.model)
+    module = make_model(config)
     if model_state is not None:
         module.load_state_dict(model_state)
     if config.deterministic:

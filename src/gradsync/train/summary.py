@@ -17,6 +17,7 @@ import torch
 from gradsync import api
 from gradsync.train.config import TrainConfig
 from gradsync.train.data import Splits
+from gradsync.train.task import task_for
 
 PARAMETER_SERVER = "parameter_server"  # async mode's "algorithm": gradients pushed to the server
 
@@ -68,6 +69,7 @@ def build_summary(config: TrainConfig, epochs: list[dict], totals: RunTotals, st
         "final_test_accuracy": last["test_accuracy"],
         "best_test_accuracy": max((r["test_accuracy"] for r in epochs), default=math.nan),
         "final_test_loss": last["test_loss"],
+        **task_for(config.model).summary_fields(epochs),
         "final_train_loss": last["train_loss"],
         "world_size": t.world_size,
         "hosts": _hosts(),

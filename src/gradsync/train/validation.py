@@ -11,6 +11,7 @@ from gradsync.compression import COMPRESSIONS, make as make_compressor
 from gradsync.hosts.netns import link_options_problem
 from gradsync.parallel.shard_layout import IMPLEMENTED_LEVELS, SHARD_LEVELS, sharding_algorithm_problem
 from gradsync.train.config import LR_SCHEDULES, MODES, OPTIMIZERS, TrainConfig, total_steps
+from gradsync.train.gpt import size_problem
 from gradsync.train.models import MODELS
 
 MAX_NUM_SAMPLES = 500_000
@@ -65,6 +66,9 @@ def validate(config: TrainConfig) -> None:
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+    if config.model == "gpt" and size_problem(config.gpt_width, config.gpt_depth, config.gpt_heads,
+                                              config.gpt_context):
+        raise ValueError(size_problem(config.gpt_width, config.gpt_depth, config.gpt_heads, config.gpt_context))
     _validate_mode(config)
     _validate_sharding(config)
     _validate_trajectory(config)
