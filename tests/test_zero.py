@@ -292,3 +292,24 @@ def test_every_algorithm_with_a_reduce_scatter_carries_the_shards(algorithm):
     for params in results:
         for got, want in zip(params, expected):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_state_dict_right_after_a_step_waits_for_the_all_gather():
+    """The model's state read straight after a sharded step is whole, as on every rank after the gather."""
+    batches = _batches(3, 2)
+
+    def body(comm):
+        model = gradsync.DataParallel(_model(), group=comm, shard="gradients", bucket_cap_mb=1e-4)
+        optimizer = model.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        states = []
+        for x, y in batches:
+            optimizer.zero_grad()
+            rows = slice(comm.rank * 4, comm.rank * 4 + 4)
+            nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+            optimizer.step()
+            states.append({k: v.clone() for k, v in model.module.state_dict().items()})  # no forward between
+        return states
+
+    first, second = run_threads(2, body)
+    for a, b in zip(first, second):
+        assert all(torch.equal(a[k], b[k]) for k in a)

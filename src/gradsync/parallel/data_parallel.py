@@ -1,12 +1,10 @@
 """DataParallel: a module wrapper whose backward leaves averaged gradients (PyTorch DDP's contract).
 
-At construction the replicas are checked (same parameter names, shapes and
-dtypes on every rank) and made identical (rank 0's parameters and buffers
-are broadcast). During ``loss.backward()`` the :class:`~gradsync.parallel.reducer.Reducer`
-reduces gradient buckets on a communication thread while backward goes on;
-``backward()`` returns once every ``.grad`` holds the average of every
-rank's gradient, bitwise equal on every rank. ``join()`` handles uneven
-inputs (DDP's ``join``, Horovod's ``hvd.join``).
+At construction the replicas are checked (same parameter names, shapes and dtypes on every rank) and made
+identical (rank 0's parameters and buffers are broadcast). During ``loss.backward()`` the
+:class:`~gradsync.parallel.reducer.Reducer` reduces gradient buckets on a communication thread while backward
+goes on; ``backward()`` returns once every ``.grad`` holds the average of every rank's gradient, bitwise equal
+on every rank. ``join()`` handles uneven inputs (DDP's ``join``, Horovod's ``hvd.join``).
 """
 
 from __future__ import annotations
@@ -97,13 +95,11 @@ class DataParallel(nn.Module):
     the buckets.
 
     Attributes:
-        comm_seconds: seconds of gradient AllReduce, buffer broadcast and join
-            bookkeeping, summed over steps (overlapped time included).
-        exposed_comm_seconds: the part of it that the caller waited for: the
-            end-of-backward wait, buffer broadcasts and join bookkeeping.
-        timeline: a :class:`~gradsync.parallel.timeline.Timeline` that bucket
-            AllReduce spans are recorded in, or None.
-
+        comm_seconds: seconds of gradient AllReduce, buffer broadcast and join bookkeeping, summed over
+            steps (overlapped time included).
+        exposed_comm_seconds: the part of it that the caller waited for: the end-of-backward wait, buffer
+            broadcasts and join bookkeeping.
+        timeline: a :class:`~gradsync.parallel.timeline.Timeline` that bucket AllReduce spans are recorded in.
     Example::
 
         model = gradsync.DataParallel(Net())
@@ -323,6 +319,15 @@ class DataParallel(nn.Module):
         :class:`~gradsync.parallel.sharded_optimizer.ShardedOptimizer` over this rank's pieces (build
         ``optimizer`` over ``model.parameters()`` before its first step; one per model)."""
         return optimizer if self._zero is None else self._zero.shard_optimizer(optimizer)
+
+    def wait_for_parameters(self) -> None:
+        """Wait for the parameters' all-gather that a sharded ``optimizer.step()`` started (a no-op otherwise).
+
+        The next forward and ``state_dict()`` wait by themselves; call this before reading parameters in
+        any other way right after a step (their other ranks' chunks may still be arriving).
+        """
+        if self._zero is not None:
+            self._zero.flat.wait_all()
 
     def held_tensors(self, optimizer=None) -> dict[str, list[torch.Tensor]]:
         """The tensors this model (and ``optimizer``'s state) holds now, by kind: ``"parameters"``,

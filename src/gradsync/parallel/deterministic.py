@@ -2,12 +2,10 @@
 
 How it works (one optimizer step; every rank sees the same global batch):
 
-1. The global batch is cut into ``M`` micro-shards (:mod:`~gradsync.parallel.micro_shards`);
-   rank r holds a contiguous block of them (:meth:`~DeterministicDataParallel.local_shards`).
-2. For each micro-shard it holds, the rank runs one forward and backward inside
-   ``with model.micro_shard(index)``; that micro-shard's gradient is kept apart
-   (never summed in floating point into ``.grad``), and torch's RNG is seeded
-   from ``(seed, step, index)`` so dropout does not depend on the rank either.
+1. The global batch is cut into ``M`` micro-shards (:mod:`~gradsync.parallel.micro_shards`); rank r holds a block.
+2. For each micro-shard it holds, the rank runs one forward and backward inside ``with model.micro_shard(index)``;
+   that micro-shard's gradient is kept apart (never summed in floating point into ``.grad``), and torch's RNG is
+   seeded from ``(seed, step, index)`` so dropout does not depend on the rank either.
 3. ``model.synchronize(divisor)``: one all_gather of a small header per rank (the
    micro-shards it computed, the largest exponent of each gradient, the divisor,
    any misuse) gives every rank the shared scale of each tensor and lets every
@@ -82,9 +80,7 @@ class DeterministicDataParallel(nn.Module):
         group: None (the default group), a Communicator or a torch ProcessGroup.
         seed: the RNG seed of micro-shard ``i`` at step ``s`` is a hash of ``(seed, s, i)``.
         shard: ``"none"``, ``"optimizer"`` or ``"gradients"`` (ZeRO-1/2, see ``DataParallel``): the int64
-            sum is reduce-scattered (exact too), each rank turns only its chunk into gradients of its
-            optimizer pieces (``optimizer = model.shard_optimizer(optimizer)``), and the parameters are
-            all-gathered after the step; the bits are the same at every level and world size.
+            sum is reduce-scattered and each rank converts its chunk only; the same bits at every level.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``; a parameter that is not floating point.
@@ -151,9 +147,13 @@ class DeterministicDataParallel(nn.Module):
             self._zero.flat.wait_all()
         return output
 
+    def wait_for_parameters(self) -> None:
+        """See ``DataParallel.wait_for_parameters``."""
+        if self._zero is not None:
+            self._zero.flat.wait_all()
+
     def shard_optimizer(self, optimizer):
-        """The optimizer to step: ``optimizer`` itself with ``shard="none"``, else a ShardedOptimizer over
-        this rank's pieces (see ``DataParallel.shard_optimizer``)."""
+        """See ``DataParallel.shard_optimizer``."""
         return optimizer if self._zero is None else self._zero.shard_optimizer(optimizer)
 
     # -- placement -------------------------------------------------------------------------------

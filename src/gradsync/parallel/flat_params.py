@@ -13,6 +13,9 @@ step, last bucket first (the first layers' parameters, which the next
 forward needs first), and each submodule's forward pre-hook waits only for
 the buckets of its own parameters: the gathers overlap the rest of the
 forward (FSDP's forward prefetch, without the freeing of stage 3).
+``module.state_dict()`` waits for every gather in flight; code that reads
+parameters otherwise between the step and the next forward calls
+``model.wait_for_parameters()``.
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ class FlatParameters:
         self._futures: dict[int, Future] = {}
         self._hold: int | None = None
         self._hooks = self._register_waits(module, params)
+        # reading the model's state (saving it, comparing it) waits too: never a half-gathered parameter
+        self._hooks.append(module.register_state_dict_pre_hook(lambda *_: self.wait_all()))
 
     def _register_waits(self, module: nn.Module, params: list[torch.Tensor]) -> list:
         bucket_of = {id(params[index]): bucket for bucket, offsets in enumerate(self.layout.offsets)
