@@ -313,3 +313,103 @@ def test_state_dict_right_after_a_step_waits_for_the_all_gather():
     first, second = run_threads(2, body)
     for a, b in zip(first, second):
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+class _ReadsOthers(nn.Module):
+    """Reads parameters through children it never calls: MultiheadAttention's out_proj, a ParameterList, a
+    child's weight used functionally; a frozen parameter and a 0-dim one besides."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(5, 8)
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.extra = nn.ParameterList([nn.Parameter(torch.randn(8, 3) * 0.3)])
+        self.side = nn.Linear(5, 3)
+        self.frozen = nn.Parameter(torch.randn(3), requires_grad=False)
+        self.scale = nn.Parameter(torch.tensor(0.7))
+
+    def forward(self, x):
+        h = self.inp(x).unsqueeze(1).repeat(1, 3, 1)
+        a, _ = self.mha(h, h, h, need_weights=False)
+        return (a.mean(1) @ self.extra[0] + nn.functional.linear(x, self.side.weight) + self.frozen) * self.scale
+
+
+torch.manual_seed(5)
+_OTHERS = _ReadsOthers().state_dict()
+
+
+def _others() -> nn.Module:
+    model = _ReadsOthers()
+    model.load_state_dict(_OTHERS)
+    return model
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_parameters_read_outside_their_modules_forward_are_whole(shard):
+    """The all-gather of step k must be over before any parameter is read in forward k+1 (it once was not)."""
+    batches = _batches(4, 2)
+    reference = _others()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    for x, y in batches:
+        reference.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        optimizer.step()
+        scheduler.step()
+
+    def body(comm):
+        model = gradsync.DataParallel(_others(), group=comm, shard=shard, bucket_cap_mb=1e-3)
+        optimizer = model.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)  # a torch Optimizer
+        for x, y in batches:
+            model.zero_grad()  # the module's own zero_grad clears the shards too
+            rows = slice(comm.rank * 4, comm.rank * 4 + 4)
+            nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+            optimizer.step()
+            scheduler.step()
+        return {k: v.clone() for k, v in model.module.state_dict().items()}
+
+    for state in run_threads(2, body):
+        for name, want in reference.state_dict().items():
+            torch.testing.assert_close(state[name], want, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_state_an_optimizer_already_has_is_cut_to_the_pieces():
+    """Adagrad makes its state at construction; an optimizer may have stepped before wrapping."""
+    def body(comm):
+        model = gradsync.DataParallel(_others(), group=comm, shard="optimizer")
+        adagrad = torch.optim.Adagrad(model.parameters(), lr=0.1, initial_accumulator_value=0.25)
+        sharded = model.shard_optimizer(adagrad)
+        sums = [entry["sum"] for entry in sharded.state.values()]
+        trainable = sum(p.numel() for p in model.module.parameters() if p.requires_grad)
+        return sum(t.numel() for t in sums), all(bool((t == 0.25).all()) for t in sums), trainable
+
+    results = run_threads(2, body)
+    assert sum(owned for owned, _, _ in results) == results[0][2]  # every trainable element once, frozen none
+    assert all(initial for _, initial, _ in results)
+
+
+def test_a_parameter_at_an_odd_offset_of_its_flat_buffer_is_checksummed():
+    """Sharded parameters are views of one flat buffer; a view need not start at 8 bytes (check_replicas once
+    raised a RuntimeError there)."""
+    from gradsync.parallel.checksum import checksum
+
+    flat = torch.randn(2**17 + 3)
+    view = flat[1:]
+    assert checksum(view) == checksum(view.clone())
+
+
+def test_check_replicas_after_join_with_uneven_inputs_compares_no_steps():
+    batches = _batches(3, 2)
+
+    def body(comm):
+        model = gradsync.DataParallel(_model(), group=comm, shard="optimizer")
+        optimizer = model.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        with model.join():
+            for x, y in (batches if comm.rank == 0 else batches[:1]):
+                optimizer.zero_grad()
+                nn.functional.mse_loss(model(x[:4]), y[:4]).backward()
+                optimizer.step()
+        return model.check_replicas().step  # each rank's own count, not compared
+
+    assert run_threads(2, body) == [3, 1]

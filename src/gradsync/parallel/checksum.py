@@ -43,7 +43,8 @@ def _words(tensor: torch.Tensor) -> torch.Tensor:
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)
     nbytes = flat.numel() * flat.element_size()
-    if nbytes % 8 == 0 and flat.is_contiguous():
+    aligned = flat.storage_offset() * flat.element_size() % 8 == 0  # a view into a flat buffer may start anywhere
+    if nbytes % 8 == 0 and flat.is_contiguous() and aligned:
         return flat.view(torch.int64) if flat.element_size() == 8 else flat.view(torch.uint8).view(torch.int64)
     padded = torch.zeros((nbytes + 7) // 8 * 8, dtype=torch.uint8, device=flat.device)
     padded[:nbytes] = flat.contiguous().view(torch.uint8)

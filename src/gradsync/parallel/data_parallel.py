@@ -320,6 +320,12 @@ class DataParallel(nn.Module):
         ``optimizer`` over ``model.parameters()`` before its first step; one per model)."""
         return optimizer if self._zero is None else self._zero.shard_optimizer(optimizer)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``, and under sharding the optimizer pieces' gradients too."""
+        super().zero_grad(set_to_none)
+        if self._zero is not None:
+            self._zero.zero_grad(set_to_none)
+
     def wait_for_parameters(self) -> None:
         """Wait for the parameters' all-gather that a sharded ``optimizer.step()`` started (a no-op otherwise).
 

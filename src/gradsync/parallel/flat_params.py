@@ -9,13 +9,13 @@ all-gather that hands every rank the others' updates runs in place: no copy
 of the parameters exists beside the model.
 
 The all-gathers are started on the communicator's lane right after the
-step, last bucket first (the first layers' parameters, which the next
-forward needs first), and each submodule's forward pre-hook waits only for
-the buckets of its own parameters: the gathers overlap the rest of the
-forward (FSDP's forward prefetch, without the freeing of stage 3).
-``module.state_dict()`` waits for every gather in flight; code that reads
-parameters otherwise between the step and the next forward calls
-``model.wait_for_parameters()``.
+step, last bucket first, and overlap whatever runs before the next forward
+(loading the next batch). The forward itself waits for all of them first: a
+module may read any parameter (``nn.MultiheadAttention`` reads its
+``out_proj.weight`` without calling ``out_proj``), so waiting per submodule
+would let a forward read a half-gathered parameter. ``module.state_dict()``
+waits too; code that reads parameters otherwise between the step and the
+next forward calls ``model.wait_for_parameters()``.
 """
 
 from __future__ import annotations
@@ -60,25 +60,10 @@ class FlatParameters:
         self.piece_tensors = [self.flats[p.bucket][p.flat_start:p.flat_stop] for p in self.pieces]
         self._futures: dict[int, Future] = {}
         self._hold: int | None = None
-        self._hooks = self._register_waits(module, params)
-        # reading the model's state (saving it, comparing it) waits too: never a half-gathered parameter
-        self._hooks.append(module.register_state_dict_pre_hook(lambda *_: self.wait_all()))
-
-    def _register_waits(self, module: nn.Module, params: list[torch.Tensor]) -> list:
-        bucket_of = {id(params[index]): bucket for bucket, offsets in enumerate(self.layout.offsets)
-                     for index in offsets}
-        hooks = []
-        for child in module.modules():
-            buckets = sorted({bucket_of[id(p)] for p in child.parameters(recurse=False) if id(p) in bucket_of})
-            if buckets:
-                hooks.append(child.register_forward_pre_hook(self._waiter(buckets)))
-        return hooks
-
-    def _waiter(self, buckets: list[int]):
-        def wait(_module, _args) -> None:
-            if self._futures:
-                self.wait(buckets)
-        return wait
+        # the module's forward (called through DataParallel or directly) and reading its state (saving it,
+        # comparing it) wait for every gather in flight: never a half-gathered parameter
+        self._hooks = [module.register_forward_pre_hook(lambda *_: self.wait_all()),
+                       module.register_state_dict_pre_hook(lambda *_: self.wait_all())]
 
     # -- after the step --------------------------------------------------------------------------
 

@@ -138,10 +138,9 @@ def check_replicas(module: nn.Module, optimizer: torch.optim.Optimizer | None = 
         if _rejection is not None:
             raise _rejection
         step = _check_arguments(module, optimizer, step, buffers, timeout)
-        row[0] = step if compare_step else -1
         named = named_state(module, optimizer, buffers)
         c1, c2 = fingerprint([tensor for _, tensor in named])
-        row = [step, len(named), _layout_code(named), _signed(c1), _signed(c2)]
+        row = [step if compare_step else -1, len(named), _layout_code(named), _signed(c1), _signed(c2)]
     except (TypeError, ValueError) as error:
         problem = error
     if problem is not None:

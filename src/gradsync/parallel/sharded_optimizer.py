@@ -15,48 +15,56 @@ trust ratio, Shampoo) would need reductions across pieces and are not served by 
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from gradsync.errors import GradsyncError
 from gradsync.parallel.sharded_state import piece_entries, shard_of_full
 
 
-class ShardedOptimizer:
+class ShardedOptimizer(torch.optim.Optimizer):
     """A torch optimizer stepping this rank's shard of a ZeRO-1/2 DataParallel.
+
+    A ``torch.optim.Optimizer`` (LR schedulers take it) that delegates to the one it wraps.
 
     Args:
         optimizer: a ``torch.optim.Optimizer`` built over the wrapped model's parameters (all of them or
-            some; groups and their hyperparameters are kept), with no state yet (not stepped).
+            some, frozen ones included; groups and their hyperparameters are kept). State it already has
+            (Adagrad's initial sums, an optimizer that stepped) is cut to this rank's pieces.
         shards: the model's sharded state (a ``ZeroState``).
 
     Raises:
         TypeError: ``optimizer`` is not a torch optimizer.
-        ValueError: it holds a parameter that is not the model's trainable one, or it already has state
-            (build it fresh, or load its state after wrapping with :meth:`load_state_dict`).
+        ValueError: it holds a tensor that is not one of the model's parameters.
 
     Attributes:
         optimizer: the wrapped optimizer (its ``param_groups`` list the pieces).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, shards):
+    def __init__(self, optimizer: torch.optim.Optimizer, shards):  # noqa: super().__init__ would copy the groups
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"shard_optimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if optimizer.state:
-            raise ValueError("shard_optimizer needs an optimizer that has not stepped yet (its state would be "
-                             "whole on every rank); build it fresh and load a saved state afterwards")
         self.optimizer, self.shards = optimizer, shards
+        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
+        self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = OrderedDict(), OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        existing = optimizer.state_dict() if optimizer.state else None
         piece_of = {id(shards.params[p.param]): k for k, p in enumerate(shards.flat.pieces)}
-        known = {id(param) for param in shards.params}
         self.full_groups: list[list[torch.Tensor]] = []  # per group, the parameters the optimizer was built over
         for group in optimizer.param_groups:
             for param in group["params"]:
-                if id(param) not in known:
+                if id(param) not in shards.module_params:
                     raise ValueError("shard_optimizer: the optimizer holds a tensor that is not one of the "
-                                     "DataParallel model's trainable parameters; build it over model.parameters()")
+                                     "DataParallel model's parameters; build it over model.parameters()")
             self.full_groups.append(list(group["params"]))
             group["params"] = [shards.flat.piece_tensors[piece_of[id(p)]] for p in group["params"]
-                               if id(p) in piece_of]
+                               if id(p) in piece_of]  # frozen parameters have no piece: never stepped
         self.piece_of = piece_of
+        optimizer.state.clear()
+        if existing is not None:
+            self.optimizer.load_state_dict(shard_of_full(existing, self))
 
     # -- torch.optim.Optimizer's surface -----------------------------------------------------------
 
@@ -64,13 +72,25 @@ class ShardedOptimizer:
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
 
+    @param_groups.setter
+    def param_groups(self, groups: list[dict]) -> None:
+        self.optimizer.param_groups = groups
+
     @property
     def state(self):
         return self.optimizer.state
 
+    @state.setter
+    def state(self, state) -> None:
+        self.optimizer.state = state
+
     @property
     def defaults(self) -> dict:
         return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, defaults: dict) -> None:
+        self.optimizer.defaults = defaults
 
     def step(self, closure=None):
         """Step this rank's pieces, then start the parameters' all-gather (the next forward waits for it).

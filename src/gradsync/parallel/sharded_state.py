@@ -43,8 +43,12 @@ def piece_entries(sharded, names: dict[int, str]) -> list[list]:
     return entries
 
 
-def _slice_value(value, numel: int, start: int, stop: int):
-    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == numel:
+def _slice_value(key: str, value, param: torch.Tensor, start: int, stop: int):
+    """A per-element state tensor (the parameter's shape; for a 0-dim parameter any 0-dim entry but torch's
+    ``step`` count) cut to the piece; anything else copied whole."""
+    per_element = isinstance(value, torch.Tensor) and value.shape == param.shape and \
+        (param.dim() > 0 or key != "step")
+    if per_element:
         return value.reshape(-1)[start:stop].clone()
     return copy.deepcopy(value)
 
@@ -68,7 +72,7 @@ def shard_of_full(full: dict, sharded) -> dict:
             if k is not None:
                 piece = sharded.shards.flat.pieces[k]
                 if key in full["state"]:
-                    state[position] = {name: _slice_value(value, param.numel(), piece.param_start,
+                    state[position] = {name: _slice_value(name, value, param, piece.param_start,
                                                           piece.param_stop)
                                        for name, value in full["state"][key].items()}
                 listed.append(position)

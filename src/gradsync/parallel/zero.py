@@ -50,6 +50,7 @@ class ZeroState:
                  compression=None, layouts=None):
         self.level, self.comm = level, comm
         self.params = [param for _, param in named]
+        self.module_params = {id(param) for param in module.parameters()}  # frozen ones too
         self.names = {id(param): name for name, param in named}
         self.layout = ShardLayout([p.numel() for p in self.params], assignment, comm.world_size)
         self.flat = FlatParameters(module, self.params, self.layout, comm, algorithm)
@@ -72,6 +73,14 @@ class ZeroState:
             return optimizer
         self.optimizer = ShardedOptimizer(optimizer, self)
         return self.optimizer
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the pieces' gradients (``model.zero_grad()`` as well as ``optimizer.zero_grad()``)."""
+        for tensor in self.flat.piece_tensors:
+            if tensor.grad is not None and not set_to_none:
+                tensor.grad.zero_()
+            else:
+                tensor.grad = None
 
     def require_optimizer(self) -> None:
         """Refuse a training forward before the optimizer is sharded (every rank raises the same, at once)."""
