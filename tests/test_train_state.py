@@ -117,5 +117,9 @@ def test_the_end_of_run_line_names_the_algorithm_per_bucket_size():
     local = {"mode": "local-sgd", "config": {"algorithm": "ring"},
              "algorithms": [{"bucket_nbytes": 1024, "algorithm": "ring"}]}
     assert algorithm_line(local) == "gradsync: AllReduce algorithm: ring for 1 parameter average of 1.0 KiB"
+    sharded = {"mode": "sync", "shard": "gradients", "config": {"algorithm": "auto"},
+               "algorithms": [{"bucket_nbytes": 1024, "algorithm": "shm reduce_scatter"}]}
+    assert algorithm_line(sharded) == ("gradsync: --shard gradients: reduce-scatter (gradients) and all-gather "
+                                       "(parameters) algorithm: auto chose shm for 1 bucket of 1.0 KiB")
     pushed = {"mode": "async", "algorithms": [{"bucket_nbytes": 20_840, "algorithm": "parameter_server"}]}
     assert "parameter server" in algorithm_line(pushed)

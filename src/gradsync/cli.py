@@ -283,7 +283,7 @@ def checkpoint_export(args: argparse.Namespace) -> int:
 
     whole = export_checkpoint(args.dir, args.out)
     print(f"wrote {args.out}: step {whole['step']}, model and optimizer whole (written by {whole['world_size']} "
-          f"ranks, --shard {whole['shard']})")
+          f"rank{'s' if whole['world_size'] != 1 else ''}, --shard {whole['shard']})")
     return 0
 
 

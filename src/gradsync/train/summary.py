@@ -144,7 +144,10 @@ def algorithm_line(summary: dict) -> str:
     what = "parameter averages" if summary.get("mode") == "local-sgd" else "buckets"
     chosen = "auto chose " if summary.get("config", {}).get("algorithm") == "auto" else ""
     parts = [f"{name} for {_count(sizes, what)} of {_span(sizes)}" for name, sizes in groups.items()]
-    return f"gradsync: AllReduce algorithm: {chosen}" + "; ".join(parts)
+    shard = summary.get("shard", "none")
+    label = "AllReduce algorithm" if shard in ("none", None) else \
+        f"--shard {shard}: reduce-scatter (gradients) and all-gather (parameters) algorithm"
+    return f"gradsync: {label}: {chosen}" + "; ".join(part.replace(" reduce_scatter", "") for part in parts)
 
 
 def _count(sizes: list[int], what: str) -> str:
