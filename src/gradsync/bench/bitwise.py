@@ -14,10 +14,10 @@ run failed: a bench that checks a promise.
 
 The hash (:func:`state_dict_sha256`) is sha256 over the state dict's
 tensors in name order (each tensor's name, dtype, shape and raw bytes), not
-over the file's bytes: ``torch.save`` pickles storages, not tensors, and a
-sharded run's parameters are views of one flat buffer, saved as one storage
-with offsets where an unsharded run saves one storage per tensor, so equal
-models make different files. Each
+over the file's bytes: ``torch.save`` pickles storages, not tensors, so a
+file's bytes depend on storage layout (a sharded run's parameters are views of
+one flat buffer, which gradsync's checkpoint writer saves as copies) as well
+as on the values. Each
 setting runs once: the table compares bits, not times, so there is no ratio
 and no ``--repeat``; ``wall s`` (the whole process tree, start-up included)
 only says what the run cost.
@@ -198,7 +198,7 @@ def format_table(rows: list[dict]) -> str:
         ("= (1, none)", 11, lambda row: "yes" if row["equal_to_reference"] else "NO"),
         ("wall s", 6, "{wall_s:.1f}")])
     lines = [table, f"# sha256: of model.pt's tensors (name, dtype, shape, bytes; in name order), not of the file, "
-             f"whose pickled storage layout differs between sharded and unsharded runs; first {HASH_PREFIX} hex "
+             f"whose pickled bytes depend on storage layout; first {HASH_PREFIX} hex "
              f"digits shown", "# each setting runs once: bits are compared, no ratio, so there is no --repeat"]
     failed = [row for row in rows if row.get("error")]
     lines += [f"# {row['model']} world size {row['world_size']} shard {row['shard']} failed: {row['error']}"

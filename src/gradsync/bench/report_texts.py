@@ -338,9 +338,9 @@ same seed, global batch, micro-shards, optimizer (AdamW unless `--optimizer
 sgd`) and `--clip-grad-norm` (1 unless given)) once per model, `--shard`
 level (none, optimizer, gradients) and world size (1, 2, 4), and each run's
 final `model.pt` hashed: sha256 over its tensors' names, dtypes, shapes and
-bytes in name order, not over the file, whose pickled storage layout differs
-between a sharded run (parameters are views of one flat buffer, saved as one
-storage) and an unsharded one. `= (1, none)` says whether the hash equals
+bytes in name order, not over the file, whose pickled bytes depend on how
+torch laid out storages (a sharded run's parameters are views of one flat
+buffer, which gradsync's checkpoint writer saves as copies). `= (1, none)` says whether the hash equals
 the model's run at world size 1 without sharding; `steps` is the optimizer
 steps the run took and `clipped` how many of them had a gradient norm above
 `--clip-grad-norm` (so clipping scaled them). The command exits 1 if any row
