@@ -115,8 +115,10 @@ def test_data_parallel_auto_buckets_pick_once(events):
                                       group=comm, bucket_cap_mb=0.05)
         grads = []
         for step in range(3):
-            if step == 1 and steps_done.wait() == 0:
-                window.append(len(events))  # every rank's first step is done (one rank notes where)
+            if step == 1:
+                if steps_done.wait() == 0:
+                    window.append(len(events))  # every rank's first step is done (one rank notes where)
+                steps_done.wait()  # and no rank starts its second step before the note (it once did)
             model.zero_grad()
             model(inputs[comm.rank]).sum().backward()
             grads.append(model.module[0].weight.grad.clone())
