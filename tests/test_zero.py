@@ -413,3 +413,20 @@ def test_check_replicas_after_join_with_uneven_inputs_compares_no_steps():
         return model.check_replicas().step  # each rank's own count, not compared
 
     assert run_threads(2, body) == [3, 1]
+
+
+@pytest.mark.parametrize("optimizer_name", ["sgd", "adamw"])
+def test_fifty_steps_with_accumulation_and_clipping_match_unsharded(optimizer_name):
+    """The issue's case: 50 steps, SGD momentum and AdamW, accumulation and clipping at once, every level
+    allclose (rtol 1e-5) to unsharded DataParallel."""
+    batches = _batches(50, 2, per_rank=4, seed=11)
+
+    def run(shard):
+        return run_threads(2, lambda comm: _train(comm, shard, optimizer_name, batches, accumulate=2, clip=0.1,
+                                                  bucket_cap_mb=1e-4), timeout_s=60)
+
+    unsharded = run("none")[0]
+    for shard in ("optimizer", "gradients"):
+        for params in run(shard):
+            for got, want in zip(params, unsharded):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
