@@ -22,14 +22,14 @@ from gradsync.parallel.bucketing import bucket_cap_bytes
 from gradsync.parallel.debug_checks import DebugChecks, resolve_debug, tensors_in
 from gradsync.parallel.reducer import Reducer
 from gradsync.parallel.shard_layout import check_sharding
-from gradsync.parallel.zero import ZERO2_SLABS, ZeroState, held_tensors
+from gradsync.parallel.zero import ZERO2_SLABS, ShardedModel, ZeroState, held_tensors
 from gradsync.parallel.join import join_step, sync_final_model
 from gradsync.parallel.replica_check import ReplicaCheck, check_replicas
 from gradsync.parallel.replicas import (ParameterWatch, agree_on_arguments, broadcast_tensors, buffer_signature,
                                         describe_buffer_change, name_code, placeholders, verify_parameters)
 
 
-class DataParallel(nn.Module):
+class DataParallel(ShardedModel, nn.Module):
     """Synchronous data parallelism over gradsync collectives, with communication overlapped with backward.
 
     Args:
@@ -312,28 +312,7 @@ class DataParallel(nn.Module):
         return check_replicas(self.module, optimizer, buffers=buffers, group=self.comm, timeout=timeout,
                               step=self._reducer.rounds if step is None else step, compare_step=step is not None)
 
-    # -- sharding ---------------------------------------------------------------------------------
-
-    def shard_optimizer(self, optimizer):
-        """The optimizer to step: ``optimizer`` itself with ``shard="none"``, else a
-        :class:`~gradsync.parallel.sharded_optimizer.ShardedOptimizer` over this rank's pieces (build
-        ``optimizer`` over ``model.parameters()`` before its first step; one per model)."""
-        return optimizer if self._zero is None else self._zero.shard_optimizer(optimizer)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """``nn.Module.zero_grad``, and under sharding the optimizer pieces' gradients too."""
-        super().zero_grad(set_to_none)
-        if self._zero is not None:
-            self._zero.zero_grad(set_to_none)
-
-    def wait_for_parameters(self) -> None:
-        """Wait for the parameters' all-gather that a sharded ``optimizer.step()`` started (a no-op otherwise).
-
-        The next forward and ``state_dict()`` wait by themselves; call this before reading parameters in
-        any other way right after a step (their other ranks' chunks may still be arriving).
-        """
-        if self._zero is not None:
-            self._zero.flat.wait_all()
+    # -- sharding (shard_optimizer, zero_grad, wait_for_parameters: ShardedModel) ---------------------
 
     def held_tensors(self, optimizer=None) -> dict[str, list[torch.Tensor]]:
         """The tensors this model (and ``optimizer``'s state) holds now, by kind: ``"parameters"``,

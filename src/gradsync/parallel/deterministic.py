@@ -49,7 +49,7 @@ from gradsync.parallel.micro_shards import (MicroShard, check_arguments, contigu
 from gradsync.parallel.replica_check import check_replicas
 from gradsync.parallel.replicas import agree_on_arguments, broadcast_tensors, verify_parameters
 from gradsync.parallel.shard_layout import check_sharding
-from gradsync.parallel.zero import ZeroState
+from gradsync.parallel.zero import ShardedModel, ZeroState
 
 DEFAULT_MICRO_SHARDS = 12  # 1, 2, 3, 4, 6 and 12 ranks hold equal shares
 OWNER = "DeterministicDataParallel"
@@ -65,7 +65,7 @@ _PROBLEMS = {1: "entered micro_shard({arg}), outside [0, {m})",
 _HEADER_FIXED = 5  # problem code, problem argument, divisor (float64 bits), micro-shards with a loss, spare
 
 
-class DeterministicDataParallel(nn.Module):
+class DeterministicDataParallel(ShardedModel, nn.Module):
     """Data parallelism over micro-shards whose averaged gradients do not depend on where they ran.
 
     Args:
@@ -146,15 +146,6 @@ class DeterministicDataParallel(nn.Module):
         if self._zero is not None:
             self._zero.flat.wait_all()
         return output
-
-    def wait_for_parameters(self) -> None:
-        """See ``DataParallel.wait_for_parameters``."""
-        if self._zero is not None:
-            self._zero.flat.wait_all()
-
-    def shard_optimizer(self, optimizer):
-        """See ``DataParallel.shard_optimizer``."""
-        return optimizer if self._zero is None else self._zero.shard_optimizer(optimizer)
 
     # -- placement -------------------------------------------------------------------------------
 

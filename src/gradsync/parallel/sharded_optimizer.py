@@ -103,7 +103,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         if closure is not None:
             raise ValueError("ShardedOptimizer.step takes no closure: call loss.backward(), then step()")
-        self.shards.before_step()
         self.optimizer.step()
         self.shards.flat.gather()
 

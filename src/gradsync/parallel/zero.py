@@ -31,6 +31,33 @@ from gradsync.parallel.shard_layout import ShardLayout
 from gradsync.parallel.sharded_optimizer import ShardedOptimizer
 
 
+class ShardedModel:
+    """What DataParallel and DeterministicDataParallel offer for sharding (their ``_zero``: a ZeroState or None)."""
+
+    _zero: "ZeroState | None"
+
+    def shard_optimizer(self, optimizer):
+        """The optimizer to step: ``optimizer`` itself with ``shard="none"``, else a
+        :class:`~gradsync.parallel.sharded_optimizer.ShardedOptimizer` over this rank's pieces (build
+        ``optimizer`` over ``model.parameters()``; one per model)."""
+        return optimizer if self._zero is None else self._zero.shard_optimizer(optimizer)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``, and under sharding the optimizer pieces' gradients too."""
+        super().zero_grad(set_to_none)
+        if self._zero is not None:
+            self._zero.zero_grad(set_to_none)
+
+    def wait_for_parameters(self) -> None:
+        """Wait for the parameters' all-gather that a sharded ``optimizer.step()`` started (a no-op otherwise).
+
+        The next forward and ``state_dict()`` wait by themselves; call this before reading parameters in
+        any other way right after a step (their other ranks' chunks may still be arriving).
+        """
+        if self._zero is not None:
+            self._zero.flat.wait_all()
+
+
 ZERO2_SLABS = 2  # ZeRO-2's bucket buffers: one filling while the one before it is reduce-scattered
 
 
@@ -88,9 +115,6 @@ class ZeroState:
             raise GradsyncError(f"DataParallel(shard={self.level!r}): call optimizer = "
                                 f"model.shard_optimizer(optimizer) before training; a plain optimizer would see "
                                 f"no gradients (each rank keeps only its shard of them) and update nothing")
-
-    def before_step(self) -> None:
-        """Nothing to wait for: the last synchronised backward left every shard's gradient in place."""
 
     def shadow(self, shadow_round) -> None:
         """Under ``join``, a rank without data takes part in the others' reduce-scatter (``shadow_round``),
