@@ -113,18 +113,29 @@ def shm_cell_s(profile: Profile, p: int, n: float, oversub: float) -> float:
     return python + stage + barrier + reduce + barrier + gather
 
 
+def _moving_ranks(profile: Profile, topology: Topology, n: int) -> int | None:
+    """The ranks of a shared-memory call of n bytes, or None when nothing moves (one rank, no bytes).
+
+    Raises:
+        ValueError: the ranks span hosts, or the profile has no shared-memory model.
+    """
+    if topology.hosts > 1:
+        raise ValueError("shm needs every rank on one host")
+    if topology.world_size == 1 or n == 0:
+        return None
+    if profile.shm is None:
+        raise ValueError(f"profile {profile.name!r} has no shared-memory model (shm)")
+    return topology.world_size
+
+
 def shm_s(profile: Profile, topology: Topology, n: int, itemsize: int = 4, public: bool = True) -> float:
     """Shared memory on one host (the formula :class:`~gradsync.sim.transport.VirtualSharedMemory`
     uses): the lean path (:func:`shm_lean`), else :func:`shm_cell_s` per cell (:func:`shm_cells`).
     Small cells are bound by their Python cost and barrier, large messages by the copies and adds
     or the host's memory traffic (3 DRAM bytes per payload byte and rank)."""
-    if topology.hosts > 1:
-        raise ValueError("shm needs every rank on one host")
-    p = topology.world_size
-    if p == 1 or n == 0:
+    p = _moving_ranks(profile, topology, n)
+    if p is None:
         return 0.0
-    if profile.shm is None:
-        raise ValueError(f"profile {profile.name!r} has no shared-memory model (shm)")
     oversub = profile.oversubscription(p)
     if shm_lean(n, public):
         return shm_lean_s(profile, p, n, oversub)
@@ -148,13 +159,9 @@ def shm_shard_s(profile: Profile, topology: Topology, n: int, itemsize: int = 4,
 
     Each round also costs ``p`` x ``ShmModel.cell_overhead_s`` of Python; rates as :func:`shm_cell_s`.
     """
-    if topology.hosts > 1:
-        raise ValueError("shm needs every rank on one host")
-    p = topology.world_size
-    if p == 1 or n == 0:
+    p = _moving_ranks(profile, topology, n)
+    if p is None:
         return 0.0
-    if profile.shm is None:
-        raise ValueError(f"profile {profile.name!r} has no shared-memory model (shm)")
     oversub, barrier = profile.oversubscription(p), profile.shm_barrier_s(p)
     cell = max(itemsize, min(DEFAULT_CELL_BYTES, DEFAULT_REGION_BYTES) // itemsize * itemsize)
     piece = max(itemsize, cell // p // itemsize * itemsize) if collective == "reduce_scatter" else cell
