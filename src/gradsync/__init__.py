@@ -9,10 +9,12 @@ from gradsync import compression
 from gradsync.api import all_gather, all_reduce, all_to_all, broadcast, comm_stats, flight_records, reduce_scatter
 from gradsync.collectives import ALGORITHMS, OPS, Communicator, HierarchicalOptions, SegmentOptions
 from gradsync.errors import (CheckpointFolderError, CollectiveMismatchError, CollectiveTimeoutError, DebugCheckError,
-                             EpochOrderWarning, GradsyncError, GroupClosedError, NotInitializedError,
+                             EpochOrderWarning, GradsyncError, GroupClosedError, MemoryPreflightError,
+                             NotInitializedError,
                              ReplicaDivergenceError, ShmSetupError)
 from gradsync.parallel import AsyncWorker, DataParallel, DeterministicDataParallel, LocalSGD, ParameterServer
 from gradsync.parallel.clip import clip_grad_norm_
+from gradsync.parallel.preflight import MemoryEstimate, preflight
 from gradsync.parallel.replica_check import ReplicaCheck, check_replicas
 from gradsync.parallel.shard_layout import SHARD_LEVELS
 from gradsync.parallel.sharded_optimizer import ShardedOptimizer
@@ -25,9 +27,10 @@ __version__ = "0.1.0"  # the one version source: pyproject.toml reads it (dynami
 __all__ = [
     "ALGORITHMS", "AsyncWorker", "CheckpointFolderError", "CollectiveMismatchError",
     "CollectiveTimeoutError", "Communicator", "DataParallel", "DebugCheckError", "DeterministicDataParallel",
-    "EpochOrderWarning", "GradsyncError", "GroupClosedError", "HierarchicalOptions", "LocalSGD",
+    "EpochOrderWarning", "GradsyncError", "GroupClosedError", "HierarchicalOptions", "LocalSGD", "MemoryEstimate",
+    "MemoryPreflightError",
     "NotInitializedError", "OPS", "ParameterServer", "ReplicaCheck", "ReplicaDivergenceError", "SHARD_LEVELS",
     "SegmentOptions", "ShardedOptimizer", "ShmSetupError", "ThreadTransport", "ThreadWorld", "TorchP2PTransport", "__version__", "all_gather",
     "all_reduce", "all_to_all", "broadcast", "check_replicas", "clip_grad_norm_", "comm_stats", "compression", "flight_records",
-    "init", "is_initialized", "rank", "reduce_scatter", "shutdown", "world_size",
+    "init", "is_initialized", "preflight", "rank", "reduce_scatter", "shutdown", "world_size",
 ]

@@ -129,3 +129,15 @@ class EpochOrderWarning(UserWarning):
     """Debug mode saw the first input batches of training repeat later in the same order (a missing
     ``sampler.set_epoch(epoch)``). A warning, not an error: a fixed order (``shuffle=False``) is
     legitimate; silence it with ``warnings.filterwarnings("ignore", category=gradsync.EpochOrderWarning)``."""
+
+
+class MemoryPreflightError(GradsyncError):
+    """``gradsync.preflight`` found that a run does not fit the memory available per rank.
+
+    The message names the part of the estimate that is largest and what would fit (a shard level, a world
+    size); ``estimate`` is the :class:`~gradsync.parallel.preflight.MemoryEstimate` that did not fit.
+    """
+
+    def __init__(self, message, *, estimate=None):
+        super().__init__(message)
+        self.estimate = estimate
