@@ -233,23 +233,13 @@ def check_and_time(spec: BenchModel, settings: list[Setting], options: Options) 
 
 # ---------------------------------------------------------------- worker entry points
 
-def bytes_worker(spec: BenchModel, setting: Setting, options: Options) -> dict | None:
-    """Entry point of one bytes world; rank 0 returns :func:`measure_bytes`'s result."""
+def rank_worker(measure, *args) -> dict | None:
+    """Entry point of one world running ``measure(*args)`` (:func:`measure_bytes` or :func:`check_and_time`)
+    on every rank; rank 0 returns its result."""
     gradsync.init()
     try:
         torch.set_num_threads(threads_per_worker(gradsync.world_size()))
-        result = measure_bytes(spec, setting, options)
-        return result if gradsync.rank() == 0 else None
-    finally:
-        gradsync.shutdown()
-
-
-def throughput_worker(spec: BenchModel, settings: list[Setting], options: Options) -> dict | None:
-    """Entry point of one samples/s world; rank 0 returns :func:`check_and_time`'s result."""
-    gradsync.init()
-    try:
-        torch.set_num_threads(threads_per_worker(gradsync.world_size()))
-        result = check_and_time(spec, settings, options)
+        result = measure(*args)
         return result if gradsync.rank() == 0 else None
     finally:
         gradsync.shutdown()
@@ -308,9 +298,9 @@ def measure_world(spec: BenchModel, world_size: int, settings: list[Setting], op
     from gradsync.launch import launch_local
 
     started = time.perf_counter()
-    counted = {setting: launch_local(world_size, bytes_worker, spec, setting, options)[0] for setting in settings}
+    counted = {setting: launch_local(world_size, rank_worker, measure_bytes, spec, setting, options)[0] for setting in settings}
     bytes_s = time.perf_counter() - started
-    timed = launch_local(world_size, throughput_worker, spec, settings, options)[0] if throughput else None
+    timed = launch_local(world_size, rank_worker, check_and_time, spec, settings, options)[0] if throughput else None
     print(f"# {spec.name} at world size {world_size}: bytes {bytes_s:.0f} s, check and samples/s "
           f"{time.perf_counter() - started - bytes_s:.0f} s", flush=True)
     base = {"model": spec.name, "world_size": world_size, "optimizer": options.optimizer,

@@ -18,7 +18,8 @@ from gradsync.collectives import ops as collectives
 from gradsync.compression.compressor import BucketLayout
 from gradsync.errors import GradsyncError
 from gradsync.parallel import rebuild
-from gradsync.parallel.bucketing import DEFAULT_FIRST_BUCKET_CAP_BYTES, Bucket, assign_buckets, check_assignment
+from gradsync.parallel.bucketing import (DEFAULT_FIRST_BUCKET_CAP_BYTES, Bucket, assign_buckets, check_assignment,
+                                        padded_numel)
 
 
 class BucketPlan:
@@ -107,7 +108,7 @@ class BucketPlan:
         nbytes = []
         for b, indices in enumerate(assignment):
             first = self.params[indices[0]]
-            numel = -(-sum(self.params[i].numel() for i in indices) // world_size) * world_size
+            numel = padded_numel(sum(self.params[i].numel() for i in indices), world_size)
             nbytes.append((numel + (self.num_flags if b == last else 0)) * first.element_size())
         slabs = [torch.zeros(max(nbytes), dtype=torch.uint8, device=self.params[0].device)
                  for _ in range(min(self.slabs, len(assignment)))]

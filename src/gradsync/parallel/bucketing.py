@@ -126,6 +126,11 @@ def bucket_cap_bytes(bucket_cap_mb) -> int:
     return int(bucket_cap_mb * 2**20)
 
 
+def padded_numel(numel: int, multiple: int) -> int:
+    """``numel`` rounded up to a multiple of ``multiple`` (a sharded bucket: of the world size)."""
+    return -(-numel // multiple) * multiple
+
+
 def _is_first(buckets: list[list[int]], members: list[int]) -> bool:
     return bool(buckets) and buckets[0] is members
 
@@ -143,7 +148,7 @@ class Bucket:
         self.index = index
         self.param_indices = param_indices
         self.grad_numel = sum(param.numel() for param in params)
-        self.padded_numel = -(-self.grad_numel // pad_to) * pad_to
+        self.padded_numel = padded_numel(self.grad_numel, pad_to)
         numel, dtype = self.padded_numel + num_flags, params[0].dtype
         self.shared = storage is not None
         if storage is None:

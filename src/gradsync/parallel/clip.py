@@ -84,8 +84,8 @@ def _norm(grads: list[torch.Tensor], group, norm_type: float) -> float:
         gathered = collectives.all_gather(torch.tensor([local], dtype=torch.float64), group, verify=False)
         return max(float(value) for value in gathered)
     local = torch.zeros(1, dtype=torch.float64)
-    for grad in grads:
-        local += grad.detach().double().abs().pow(norm_type).sum()
+    for grad in grads:  # accumulated in float64 without a float64 copy of the gradient
+        local += torch.linalg.vector_norm(grad.detach(), norm_type, dtype=torch.float64) ** norm_type
     if group is not None and group.world_size > 1:
         collectives.all_reduce(local, group, op="sum", verify=False)
     return float(local) ** (1.0 / norm_type)

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gradsync.collectives.registry import ALL_REDUCE, AUTO, REDUCE_SCATTER, refusal
+from gradsync.parallel.bucketing import padded_numel
 
 SHARD_LEVELS = ("none", "optimizer", "gradients", "parameters")
 """DataParallel's ``shard=``: nothing sharded, ZeRO-1 (optimizer state), ZeRO-2 (+ gradients), ZeRO-3 (+ parameters)."""
@@ -95,11 +96,11 @@ class ShardLayout:
             for index in indices:
                 offsets[index] = offset
                 offset += self.numels[index]
-            chunk = -(-offset // world_size)
+            padded = padded_numel(offset, world_size)
             self.offsets.append(offsets)
             self.grad_numel.append(offset)
-            self.chunk_numel.append(chunk)
-            self.padded_numel.append(chunk * world_size)
+            self.chunk_numel.append(padded // world_size)
+            self.padded_numel.append(padded)
 
     def chunk(self, bucket: int, rank: int) -> tuple[int, int]:
         """``(start, stop)`` of ``rank``'s chunk of ``bucket``'s padded flat buffer."""
