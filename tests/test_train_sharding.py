@@ -102,12 +102,12 @@ def _rank_resume(options: dict, data_path: str, out_dir: str) -> dict:
 @pytest.mark.timeout(180)
 def test_a_sharded_checkpoint_resumes_at_another_world_size_and_level(_early_jobs, tmp_path):
     """The (2 workers, gradients) run's checkpoint of step 4, resumed by (1 worker, none): its shards
-    consolidated; and by (2 workers, optimizer): each rank's own shard. Both end allclose to the run that was
+    consolidated; and by (2 workers, parameters): its units' shards cut from the consolidated state. Both end allclose to the run that was
     never stopped."""
     sharded = _finished(_early_jobs[GRADIENTS_RUN])
     uninterrupted = torch.load(sharded / "run" / "model.pt")
     data_path = str(data.prepare(tmp_path / "data", JOB["num_samples"]))
-    for world_size, shard in ((1, "none"), (2, "optimizer")):
+    for world_size, shard in ((1, "none"), (2, "parameters")):
         folder = tmp_path / f"{world_size}-{shard}"
         shutil.copytree(sharded / "checkpoints" / "step-000000004", folder / "checkpoints" / "step-000000004")
         (folder / "run").mkdir()
@@ -153,9 +153,8 @@ def test_deterministic_model_pt_is_bitwise_the_same_at_every_shard_level_and_wor
 
 
 @pytest.mark.parametrize("args, line", [
-    (["--shard", "unknown"], "unknown --shard 'unknown'; choose one of none, optimizer, gradients"),
-    (["--shard", "parameters"], "--shard parameters (ZeRO-3: the parameters sharded too) is not implemented yet; "
-                                "choose one of none, optimizer, gradients"),
+    (["--shard", "unknown"], "unknown --shard 'unknown'; choose one of none, optimizer, gradients, "
+                                   "parameters"),
     (["--shard", "gradients", "--compression", "onebit"], "--shard gradients cannot combine with --compression "
                                                           "onebit: a reduce-scatter sums"),
     (["--shard", "optimizer", "--elastic"], "--shard is not honoured with --mode sync --elastic: ZeRO shards"),
@@ -165,7 +164,7 @@ def test_deterministic_model_pt_is_bitwise_the_same_at_every_shard_level_and_wor
     (["--clip-grad-norm", "0"], "--clip-grad-norm must be a finite number > 0, got 0.0"),
     (["--shard", "gradients", "--algorithm", "tree"], "--shard gradients cannot combine with --algorithm tree: the "
                                                       "buckets are reduce-scattered, and algorithm 'tree' has no"),
-], ids=["unknown", "parameters", "onebit", "elastic", "local-sgd", "clip-async", "clip-zero", "tree"])
+], ids=["unknown", "onebit", "elastic", "local-sgd", "clip-async", "clip-zero", "tree"])
 def test_what_sharding_cannot_honour_is_refused_in_one_line_before_any_process(args, line, capsys, tmp_path):
     result = run_cli(["train", *args, "--out", str(tmp_path / "run")], capsys)
     assert result.returncode == 2

@@ -79,11 +79,11 @@ def _train(comm, shard: str, optimizer_name: str, batches, accumulate: int = 1, 
             gradsync.clip_grad_norm_(model, clip)
         optimizer.step()
         model.check_replicas()
-    model(xs)  # waits for the last all-gather
-    return [p.detach().clone() for p in model.module.parameters()]
+    with model.full_parameters():  # waits for the last all-gather (gathers every unit at ZeRO-3)
+        return [p.detach().clone() for p in model.module.parameters()]
 
 
-@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+@pytest.mark.parametrize("shard", ["optimizer", "gradients", "parameters"])
 @pytest.mark.parametrize("optimizer_name", ["sgd", "adamw"])
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_sharded_training_matches_one_process(shard, optimizer_name, world_size):
@@ -119,7 +119,7 @@ def test_optimizer_state_is_sharded_and_padding_never_truncates():
     assert all(owned <= 2 * per_rank for owned, _ in results)
 
 
-@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+@pytest.mark.parametrize("shard", ["optimizer", "gradients", "parameters"])
 def test_accumulation_under_no_sync_matches_one_process(shard):
     batches = _batches(6, 2, per_rank=4)
     expected = _reference("sgd", batches)
@@ -140,7 +140,9 @@ def test_low_precision_compression_combines_with_sharding(compression):
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    ({"shard": "parameters"}, "not implemented yet"),
+    ({"shard": "optimizer", "units": ["0"]}, "needs shard='parameters'"),
+    ({"shard": "parameters", "units": ["nope"]}, "'nope' names no submodule"),
+    ({"shard": "parameters", "units": [3]}, "units takes submodule names"),
     ({"shard": "zero2"}, "unknown shard level 'zero2'"),
     ({"shard": "gradients", "compression": "onebit"}, "cannot combine with shard='gradients'"),
     ({"shard": "optimizer", "compression": "topk"}, "cannot combine with shard='optimizer'"),
@@ -171,12 +173,13 @@ def test_training_without_a_sharded_optimizer_is_refused():
     assert run_threads(2, body) == [torch.Size([2, 3])] * 2
 
 
-def test_join_with_uneven_inputs_steps_every_shard():
+@pytest.mark.parametrize("shard", ["gradients", "parameters"])
+def test_join_with_uneven_inputs_steps_every_shard(shard):
     """Rank 1 runs out of data after 2 steps; its shard is still stepped with the others' average."""
     batches = _batches(4, 2)
 
     def body(comm):
-        model = gradsync.DataParallel(_model(), group=comm, shard="gradients", bucket_cap_mb=1e-4)
+        model = gradsync.DataParallel(_model(), group=comm, shard=shard, bucket_cap_mb=1e-4)
         optimizer = model.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
         mine = batches if comm.rank == 0 else batches[:2]
         with model.join():
@@ -185,9 +188,11 @@ def test_join_with_uneven_inputs_steps_every_shard():
                 nn.functional.mse_loss(model(x[:4] if comm.rank == 0 else x[4:]), y[:4] if comm.rank == 0
                                        else y[4:]).backward()
                 optimizer.step()
-        with torch.no_grad():
-            model(batches[0][0])  # waits for the last all-gather
-        return [p.detach().clone() for p in model.module.parameters()]
+            if comm.rank == 0:  # an evaluation forward inside join: the joined rank takes part in its gathers
+                with torch.no_grad():
+                    model(batches[0][0])
+        with model.full_parameters():
+            return [p.detach().clone() for p in model.module.parameters()]
 
     results = run_threads(2, body)
     # reference: steps 1-2 average both ranks' halves, steps 3-4 only rank 0's half
@@ -208,7 +213,7 @@ def test_join_with_uneven_inputs_steps_every_shard():
 
 
 
-@pytest.mark.parametrize("shard", ["none", "optimizer", "gradients"])
+@pytest.mark.parametrize("shard", ["none", "optimizer", "gradients", "parameters"])
 def test_global_norm_clipping_sees_every_shard(shard):
     batches = _batches(6, 2)
     expected = _reference("sgd", batches, clip=0.05)  # small enough to clip every step
@@ -344,7 +349,7 @@ def _others() -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+@pytest.mark.parametrize("shard", ["optimizer", "gradients", "parameters"])
 def test_parameters_read_outside_their_modules_forward_are_whole(shard):
     """The all-gather of step k must be over before any parameter is read in forward k+1 (it once was not)."""
     batches = _batches(4, 2)
@@ -358,7 +363,9 @@ def test_parameters_read_outside_their_modules_forward_are_whole(shard):
         scheduler.step()
 
     def body(comm):
-        model = gradsync.DataParallel(_others(), group=comm, shard=shard, bucket_cap_mb=1e-3)
+        # ZeRO-3: what the root's forward reads (side.weight, mha's out_proj) lives in the root unit
+        units = ["inp"] if shard == "parameters" else None
+        model = gradsync.DataParallel(_others(), group=comm, shard=shard, bucket_cap_mb=1e-3, units=units)
         optimizer = model.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)  # a torch Optimizer
         for x, y in batches:

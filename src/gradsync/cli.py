@@ -105,8 +105,9 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         "for the first optimizer steps, compression after (1-bit Adam's warm-up) (default %(default)s)")
     add("--shard", default=d.shard, metavar="{" + ",".join(IMPLEMENTED_LEVELS) + "}",
         help="ZeRO: each worker keeps the optimizer state (optimizer, ZeRO-1) or also the gradients (gradients, "
-        "ZeRO-2) of its shard only; gradients are reduce-scattered and parameters all-gathered after the step. "
-        "parameters (ZeRO-3) is not implemented yet (default %(default)s)")
+        "ZeRO-2) of its shard only; gradients are reduce-scattered and parameters all-gathered after the step; "
+        "parameters (ZeRO-3) keeps only its shard of the parameters too, each unit (a transformer block) "
+        "gathered for its forward and backward (default %(default)s)")
     add("--clip-grad-norm", type=float, default=None, metavar="MAX", help="scale the step's gradients so that "
         "their global 2-norm, over every shard, is at most MAX (torch.nn.utils.clip_grad_norm_'s rule)")
     add("--trace", default=None, metavar="FILE", help="write a Chrome trace (chrome://tracing, Perfetto) "

@@ -40,11 +40,12 @@ class BucketPlan:
         slabs: ZeRO-2: > 0 buckets share this many bucket-sized slabs in turn (bucket ``b`` lives in slab
             ``b % slabs``) instead of one buffer each; gradients are then copied in when the bucket is
             launched (``deferred``), once the bucket ``slabs`` before it has left the slab.
+        assignment: parameter indices per bucket instead of the cap's (ZeRO-3: one bucket per unit and dtype).
     """
 
     def __init__(self, names: list[str], params: list[torch.Tensor], comm, algorithm: str,
                  bucket_cap_bytes: int, gradient_as_bucket_view: bool, num_flags: int, zero_copy: bool,
-                 sharded: bool = False, slabs: int = 0):
+                 sharded: bool = False, slabs: int = 0, assignment: list[list[int]] | None = None):
         self.names, self.params = names, params
         self.comm = comm
         self.algorithm = algorithm
@@ -57,7 +58,8 @@ class BucketPlan:
         self.deferred = self.slabs > 0  # copy in at launch (the slab may still hold an earlier bucket)
         self.rebuilt = sharded  # rebuilt after the first synchronised backward, or given a saved layout
         self._zeros: dict[int, torch.Tensor] = {}
-        self.build(assign_buckets(params, bucket_cap_bytes, DEFAULT_FIRST_BUCKET_CAP_BYTES))
+        self.build(assignment if assignment is not None else
+                   assign_buckets(params, bucket_cap_bytes, DEFAULT_FIRST_BUCKET_CAP_BYTES))
 
     def build(self, assignment: list[list[int]]) -> None:
         """Lay the buckets out as ``assignment`` (parameter indices per bucket); ``.grad`` values survive."""

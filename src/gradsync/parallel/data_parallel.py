@@ -22,7 +22,7 @@ from gradsync.parallel.bucketing import bucket_cap_bytes
 from gradsync.parallel.debug_checks import DebugChecks, resolve_debug, tensors_in
 from gradsync.parallel.reducer import Reducer
 from gradsync.parallel.shard_layout import check_sharding
-from gradsync.parallel.zero import ZERO2_SLABS, ShardedModel, ZeroState, held_tensors
+from gradsync.parallel.zero import ZERO2_SLABS, ShardedModel, ZeroState, held_tensors, unit_assignment, zero_units
 from gradsync.parallel.join import join_step, sync_final_model
 from gradsync.parallel.replica_check import ReplicaCheck, check_replicas
 from gradsync.parallel.replicas import (ParameterWatch, agree_on_arguments, broadcast_tensors, buffer_signature,
@@ -57,7 +57,11 @@ class DataParallel(ShardedModel, nn.Module):
             and the parameters all-gathered after the step (:mod:`~gradsync.parallel.zero`); then build the
             optimizer as usual and train with ``optimizer = model.shard_optimizer(optimizer)``. After a
             synchronised backward ``.grad`` is None: the average lives in the optimizer's pieces.
-            ``"parameters"`` (ZeRO-3) is reserved. docs/sharding.md.
+            ``"parameters"`` (ZeRO-3): the parameters too, each unit gathered for its forward and backward
+            only (:mod:`~gradsync.parallel.unit_params`); ``model.full_parameters()`` makes them whole
+            for a block; ``module.state_dict()`` is then collective. docs/sharding.md.
+        units: ZeRO-3's units (:func:`~gradsync.parallel.units.choose_units`): None (by size, at most
+            ``bucket_cap_mb`` each: one per transformer block), or submodule names, submodules or classes.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``, ``group`` is not a group
@@ -110,11 +114,13 @@ class DataParallel(ShardedModel, nn.Module):
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0,
                  algorithm: str = collectives.DEFAULT_ALGORITHM, compression=None,
                  broadcast_buffers: bool = True, group=None, gradient_as_bucket_view: bool = False,
-                 debug: bool | None = None, shard: str = "none"):
+                 debug: bool | None = None, shard: str = "none", units=None):
         super().__init__()
         settings = {"algorithm": algorithm, "auto_profile": "", "bucket_cap_mb": bucket_cap_mb, "compression": compression,
-                    "debug": debug, "shard": shard,
+                    "debug": debug, "shard": shard, "units": None,
                     "broadcast_buffers": broadcast_buffers, "gradient_as_bucket_view": gradient_as_bucket_view}
+
+        chosen = []  # ZeRO-3's units
 
         def check() -> None:
             if not isinstance(module, nn.Module):
@@ -125,6 +131,8 @@ class DataParallel(ShardedModel, nn.Module):
             settings["debug"] = resolve_debug(debug)
             settings["compression"] = compressions.resolve(compression)
             check_sharding(shard, settings["compression"], gradient_as_bucket_view, algorithm)
+            chosen.extend(zero_units(module, shard, units, bucket_cap_mb))
+            settings["units"] = ",".join(unit.name for unit in chosen) if chosen else None
             if settings["compression"] is not None:
                 settings["compression"].attach(self)  # raises if another model uses it
 
@@ -146,15 +154,17 @@ class DataParallel(ShardedModel, nn.Module):
                           [name for name, _ in module.named_buffers()])
         self._watch = ParameterWatch(module)
         self._buffer_layout = buffer_signature(module)
+        assignment, unit_buckets = unit_assignment(chosen, [p for _, p in named]) if chosen else (None, None)
         self._reducer = Reducer(named, self.comm, algorithm, bucket_cap_bytes(bucket_cap_mb),
                                 gradient_as_bucket_view, should_sync=lambda: not self._sync_disabled,
                                 compression=compression, sharded=shard != "none",
-                                slabs=ZERO2_SLABS if shard == "gradients" else 0)
+                                slabs=ZERO2_SLABS if shard in ("gradients", "parameters") else 0,
+                                assignment=assignment)
         self.shard = shard
         self._zero = None
         if shard != "none":
             self._zero = ZeroState(module, named, self._reducer.plan.assignment, self.comm, algorithm, shard,
-                                   compression, self._reducer.plan.layouts)
+                                   compression, self._reducer.plan.layouts, chosen, unit_buckets)
             self._reducer.runner.shards = self._zero.grads
         self._reducer.wrapped_names = [name for name, _ in module.named_parameters()] + \
             [name for name, _ in module.named_buffers()]  # the same on every rank (verified above)
@@ -275,15 +285,22 @@ class DataParallel(ShardedModel, nn.Module):
             return
         self._joining = True
         self._last_active: list[int] | None = None
+        self._keep_units(True)
         try:
             yield
             while self._join_step(active=False, will_sync=False, sync_buffers=False):
                 pass
             self._sync_final_model()
         finally:
+            self._keep_units(False)
             self._joining = False
             self._buffer_src = 0
             self._reducer.set_divisor(self.comm.world_size)
+
+    def _keep_units(self, keep: bool) -> None:
+        """ZeRO-3 inside join: every unit gathered at the forward and kept to the end of backward."""
+        if self.shard == "parameters":
+            self._zero.flat.keep_gathered = keep
 
     def _join_step(self, active: bool, will_sync: bool, sync_buffers: bool) -> bool:
         """One join exchange; a joined rank then shadows the iteration. Returns whether any rank is active."""
@@ -306,11 +323,12 @@ class DataParallel(ShardedModel, nn.Module):
         Collective: every rank must call this at the same point, outside a backward.
         """
         buffers = not self.broadcast_buffers if buffers is None else buffers
-        if self._zero is not None:  # parameters whole first; the optimizer state differs by design
-            self._zero.flat.wait_all()
+        if self._zero is not None:  # the optimizer state differs by design
             optimizer = None
-        return check_replicas(self.module, optimizer, buffers=buffers, group=self.comm, timeout=timeout,
-                              step=self._reducer.rounds if step is None else step, compare_step=step is not None)
+        with self.full_parameters():  # parameters whole and equal first
+            return check_replicas(self.module, optimizer, buffers=buffers, group=self.comm, timeout=timeout,
+                                  step=self._reducer.rounds if step is None else step,
+                                  compare_step=step is not None)
 
     # -- sharding (shard_optimizer, zero_grad, wait_for_parameters: ShardedModel) ---------------------
 

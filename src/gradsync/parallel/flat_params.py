@@ -21,6 +21,7 @@ next forward calls ``model.wait_for_parameters()``.
 from __future__ import annotations
 
 from concurrent.futures import Future
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -103,6 +104,12 @@ class FlatParameters:
         if self._hold is not None:
             self.comm.lane.release(self._hold)
             self._hold = None
+
+    @contextmanager
+    def full(self):
+        """The parameters whole inside the block (they are, once the step's all-gather is done)."""
+        self.wait_all()
+        yield
 
     @property
     def in_flight(self) -> bool:

@@ -2,7 +2,9 @@
 
 A rank that has run out of inputs answers the others' collectives with zeros
 (DDP's ``join``, Horovod's ``hvd.join``); under ZeRO it also steps its shard
-with the others' average and joins the parameters' all-gather.
+with the others' average and joins the parameters' all-gather (at ZeRO-3,
+every rank gathers every unit at each forward inside ``join``: the joined
+rank has no forward to follow unit by unit).
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ def join_step(model, active: bool, will_sync: bool, sync_buffers: bool) -> bool:
             model._sync_buffers()
             if model._debug is not None:  # the active ranks' debug exchange follows their buffers'
                 model._debug.shadow()
+        if model.shard == "parameters":  # the active ranks' forward gathers every unit (join keeps them)
+            model._zero.flat.gather_all()
+            model._zero.flat.free_all()
         if syncing and model._zero is not None:
             model._zero.shadow(lambda: model._reducer.shadow_round(len(active_ranks)))
         elif syncing:
@@ -56,6 +61,8 @@ def sync_final_model(model) -> None:
     if model._last_active is None:
         return  # no rank ran a forward inside the block: nothing changed
     started = time.perf_counter()
-    tensors = [param.data for param in model.module.parameters()] + list(model.module.buffers())
+    # sharded parameters: each rank stepped its own chunk with the same average; only buffers differ
+    params = [] if model.shard == "parameters" else [param.data for param in model.module.parameters()]
+    tensors = params + list(model.module.buffers())
     broadcast_tensors(tensors, model.comm, src=model._last_active[0], verify=False)
     model._other_comm_seconds += time.perf_counter() - started

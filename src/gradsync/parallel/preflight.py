@@ -107,8 +107,10 @@ def estimate(module: nn.Module, optimizer: torch.optim.Optimizer, sample_batch, 
     bucket_bytes = [sum(params[i].numel() * params[i].element_size() for i in bucket) for bucket in buckets]
     sharded = shard != "none"
     share = -(-trainable // world_size) if sharded else trainable
-    buffers = {"none": trainable, "optimizer": trainable,
-               "gradients": min(ZERO2_SLABS, len(bucket_bytes)) * max(bucket_bytes, default=0)}[shard]
+    slabs = min(ZERO2_SLABS, len(bucket_bytes)) * max(bucket_bytes, default=0)
+    buffers = {"none": trainable, "optimizer": trainable, "gradients": slabs, "parameters": slabs}[shard]
+    if shard == "parameters":  # this rank's shard and two whole units (the running one, the prefetched one)
+        param_bytes += share + 2 * max(bucket_bytes, default=0) - trainable
     return MemoryEstimate(parameter_bytes=param_bytes, gradient_bytes=share,
                           optimizer_state_bytes=state_slots(optimizer) * share, buffer_bytes=buffers,
                           activation_bytes=activation_bytes(module, sample_batch, loss_fn))

@@ -67,7 +67,8 @@ class Reducer:
 
     def __init__(self, named_params: Sequence[tuple[str, torch.Tensor]], comm, algorithm: str,
                  bucket_cap_bytes: int, gradient_as_bucket_view: bool, should_sync: Callable[[], bool],
-                 compression=None, sharded: bool = False, slabs: int = 0):
+                 compression=None, sharded: bool = False, slabs: int = 0,
+                 assignment: list[list[int]] | None = None):
         self.names = [name for name, _ in named_params]
         self.params = [param for _, param in named_params]
         self.comm = comm
@@ -81,7 +82,7 @@ class Reducer:
         self._accumulators = [accumulator(param) for param in self.params]  # to tell autograd.grad apart
         self.plan = BucketPlan(self.names, self.params, comm, algorithm, bucket_cap_bytes, gradient_as_bucket_view,
                                flag_count(len(self.params), comm.world_size), zero_copy=compression is None,
-                               sharded=sharded, slabs=slabs)
+                               sharded=sharded, slabs=slabs, assignment=assignment)
         self.runner = RoundRunner(self.plan, comm, algorithm, compression)
         self.failures = FailureHandling(comm, self.runner)
         hook = _weak_hook(self)  # hooks live in C++, out of the garbage collector's sight: a strong

@@ -32,22 +32,19 @@ from gradsync.parallel.bucketing import padded_numel
 
 SHARD_LEVELS = ("none", "optimizer", "gradients", "parameters")
 """DataParallel's ``shard=``: nothing sharded, ZeRO-1 (optimizer state), ZeRO-2 (+ gradients), ZeRO-3 (+ parameters)."""
-IMPLEMENTED_LEVELS = SHARD_LEVELS[:3]
+IMPLEMENTED_LEVELS = SHARD_LEVELS
 
 
 def check_shard(shard) -> str:
     """Return ``shard`` if it names a level gradsync implements.
 
     Raises:
-        TypeError: not a string; ValueError: unknown, or ``"parameters"`` (ZeRO-3), reserved until it lands.
+        TypeError: not a string; ValueError: unknown.
     """
     if not isinstance(shard, str):
         raise TypeError(f"shard must be one of {', '.join(SHARD_LEVELS)}, got {type(shard).__name__}")
     if shard not in SHARD_LEVELS:
         raise ValueError(f"unknown shard level {shard!r}; choose one of {', '.join(IMPLEMENTED_LEVELS)}")
-    if shard not in IMPLEMENTED_LEVELS:
-        raise ValueError(f"shard={shard!r} (ZeRO-3, parameters sharded) is not implemented yet; choose one of "
-                         f"{', '.join(IMPLEMENTED_LEVELS)}")
     return shard
 
 

@@ -39,15 +39,14 @@ def piece_entries(sharded, names: dict[int, str]) -> list[list]:
             if k is not None:
                 piece = pieces[k]
                 entries.append([names[id(param)], positions[id(param)], piece.param_start, piece.param_stop,
-                                list(param.shape)])
+                                list(sharded.shards.shapes[id(param)])])
     return entries
 
 
-def _slice_value(key: str, value, param: torch.Tensor, start: int, stop: int):
-    """A per-element state tensor (the parameter's shape; for a 0-dim parameter any 0-dim entry but torch's
-    ``step`` count) cut to the piece; anything else copied whole."""
-    per_element = isinstance(value, torch.Tensor) and value.shape == param.shape and \
-        (param.dim() > 0 or key != "step")
+def _slice_value(key: str, value, shape: torch.Size, start: int, stop: int):
+    """A per-element state tensor (the parameter's ``shape``; for a 0-dim parameter any 0-dim entry but
+    torch's ``step`` count) cut to the piece; anything else copied whole."""
+    per_element = isinstance(value, torch.Tensor) and value.shape == shape and (len(shape) > 0 or key != "step")
     if per_element:
         return value.reshape(-1)[start:stop].clone()
     return copy.deepcopy(value)
@@ -72,7 +71,8 @@ def shard_of_full(full: dict, sharded) -> dict:
             if k is not None:
                 piece = sharded.shards.flat.pieces[k]
                 if key in full["state"]:
-                    state[position] = {name: _slice_value(name, value, param, piece.param_start,
+                    shape = sharded.shards.shapes[id(param)]  # ZeRO-3's freed parameters have none
+                    state[position] = {name: _slice_value(name, value, shape, piece.param_start,
                                                           piece.param_stop)
                                        for name, value in full["state"][key].items()}
                 listed.append(position)

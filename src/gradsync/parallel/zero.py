@@ -1,4 +1,4 @@
-"""DataParallel's ZeRO-1/2 state: the layout, the flat parameters, the gradient shards and the optimizer.
+"""DataParallel's ZeRO-1/2/3 state: the layout, the flat parameters, the gradient shards and the optimizer.
 
 The split follows FSDP2's (``torch/distributed/fsdp/_fully_shard/``): the
 collectives live in :mod:`~gradsync.collectives.scatter_gather`, the layout in
@@ -15,12 +15,17 @@ models"; DeepSpeed stages 1 and 2):
   and persistent (each ``.grad`` is copied in and released), reduce-scattered instead of all-reduced.
 * ``"gradients"`` (ZeRO-2): the gradient buckets too are transient: two bucket-sized slabs, reused in
   turn, instead of one buffer per bucket; what persists of the gradients is this rank's chunk.
+* ``"parameters"`` (ZeRO-3): the parameters too: one bucket per unit (:mod:`~gradsync.parallel.units`),
+  whole only while the unit runs (:mod:`~gradsync.parallel.unit_params`); gradients as at ZeRO-2.
 
-Both move the bytes of one AllReduce per step (a reduce-scatter of the gradients in backward, an
-all-gather of the parameters after the step).
+ZeRO-1/2 move the bytes of one AllReduce per step (a reduce-scatter of the gradients in backward, an
+all-gather of the parameters after the step); ZeRO-3 gathers each unit twice (forward and backward), 1.5
+times those bytes.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -29,6 +34,8 @@ from gradsync.parallel.flat_params import FlatParameters
 from gradsync.parallel.shard_grads import ShardGradients
 from gradsync.parallel.shard_layout import ShardLayout
 from gradsync.parallel.sharded_optimizer import ShardedOptimizer
+from gradsync.parallel.unit_params import UnitParameters
+from gradsync.parallel.units import Unit, choose_units
 
 
 class ShardedModel:
@@ -57,6 +64,44 @@ class ShardedModel:
         if self._zero is not None:
             self._zero.flat.wait_all()
 
+    def full_parameters(self):
+        """A context manager in which every parameter is whole and equal on every rank (collective on entry).
+
+        At ``shard="parameters"`` it all-gathers every unit and frees them after the block (save or compare
+        parameters inside it); at the other levels it waits for the step's all-gather.
+        """
+        if self._zero is None:
+            return contextlib.nullcontext()
+        return self._zero.flat.full()
+
+
+def zero_units(module, shard: str, units, bucket_cap_mb: float) -> list[Unit]:
+    """ZeRO-3's units of ``module`` (empty below ``shard="parameters"``; ``units`` given elsewhere is refused).
+
+    Raises:
+        ValueError: ``units`` with another shard level, or a bad ``units`` (see ``choose_units``).
+    """
+    if shard != "parameters":
+        if units is not None:
+            raise ValueError(f"units= names ZeRO-3's gathered units; it needs shard='parameters', not {shard!r}")
+        return []
+    trainable = [param for param in module.parameters() if param.requires_grad]
+    itemsize = trainable[0].element_size() if trainable else 4
+    return choose_units(module, units, max(1, int(bucket_cap_mb * 2 ** 20) // itemsize))
+
+
+def unit_assignment(units: list[Unit], params: list[torch.Tensor]) -> tuple[list[list[int]], list[list[int]]]:
+    """ZeRO-3's buckets: one per unit and dtype, in unit order. Returns ``(assignment, unit_buckets)``:
+    parameter indices per bucket, and bucket indices per unit."""
+    assignment, unit_buckets = [], []
+    for unit in units:
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for index in unit.params:
+            by_dtype.setdefault(params[index].dtype, []).append(index)
+        unit_buckets.append(list(range(len(assignment), len(assignment) + len(by_dtype))))
+        assignment.extend(by_dtype.values())
+    return assignment, unit_buckets
+
 
 ZERO2_SLABS = 2  # ZeRO-2's bucket buffers: one filling while the one before it is reduce-scattered
 
@@ -69,18 +114,24 @@ class ZeroState:
         named: its trainable ``(name, parameter)`` pairs, index = parameter index of ``assignment``.
         assignment: parameter indices per bucket (DataParallel's gradient buckets).
         comm, algorithm: the model's.
-        level: ``"optimizer"`` or ``"gradients"``.
+        level: ``"optimizer"``, ``"gradients"`` or ``"parameters"``.
         compression, layouts: the model's compressor (fp16/bf16, or None) and its per-bucket layouts.
+        units, unit_buckets: ZeRO-3's units (root last) and bucket indices per unit (``unit_assignment``).
     """
 
     def __init__(self, module, named, assignment: list[list[int]], comm, algorithm: str, level: str,
-                 compression=None, layouts=None):
+                 compression=None, layouts=None, units: list[Unit] | None = None,
+                 unit_buckets: list[list[int]] | None = None):
         self.level, self.comm = level, comm
         self.params = [param for _, param in named]
         self.module_params = {id(param) for param in module.parameters()}  # frozen ones too
         self.names = {id(param): name for name, param in named}
+        self.shapes = {id(param): param.shape for param in self.params}  # a freed ZeRO-3 parameter has (0,)
         self.layout = ShardLayout([p.numel() for p in self.params], assignment, comm.world_size)
-        self.flat = FlatParameters(module, self.params, self.layout, comm, algorithm)
+        if level == "parameters":
+            self.flat = UnitParameters(module, self.params, self.layout, units, unit_buckets, comm, algorithm)
+        else:
+            self.flat = FlatParameters(module, self.params, self.layout, comm, algorithm)
         dtypes = [self.params[indices[0]].dtype for indices in assignment]
         self.grads = ShardGradients(self.layout, self.flat.pieces, self.flat.piece_tensors, comm, algorithm,
                                     compression, layouts, dtypes)
@@ -131,7 +182,8 @@ class ZeroState:
         state = [value for entry in (self.optimizer.state.values() if self.optimizer else ())
                  for value in entry.values() if isinstance(value, torch.Tensor)]
         grads = [tensor.grad for tensor in self.flat.piece_tensors if tensor.grad is not None]
-        return {"parameters": list(self.flat.flats), "gradients": list(self.grads.buffers) + grads,
+        shards = getattr(self.flat, "shards", [])
+        return {"parameters": list(self.flat.flats) + shards, "gradients": list(self.grads.buffers) + grads,
                 "optimizer_state": state}
 
 

@@ -235,10 +235,12 @@ class Trainer:
         if self.elastic:
             self.model.check_replicas(self.optimizer, step=self.state.step)
         summary = self._summary()
+        with resume.whole_parameters(self.model):  # ZeRO-3: every rank gathers them
+            model_state = self.model.module.state_dict() if self.log else None
         if self.log:
             self.log.close()
             self.log = None
-            checkpoint.write_atomic(self.out_dir / MODEL_FILE, checkpoint.serialize(self.model.module.state_dict()))
+            checkpoint.write_atomic(self.out_dir / MODEL_FILE, checkpoint.serialize(model_state))
             self.membership.finish()
         return summary
 
@@ -372,11 +374,12 @@ class Trainer:
                                         self.world_size, self.config.keep_checkpoints,
                                         resume.config_fields(self.config))
             return
-        own = resume.rank_state(self.state, self.replica)  # first: a sharded one waits for the parameters' gather
-        shared = None
-        if self.is_main:
-            shared = resume.shared_state(self.state, self.replica, self.config, self.log.position(),
-                                         self.elapsed_s())
+        with resume.whole_parameters(self.model):  # ZeRO-3: every rank gathers them
+            own = resume.rank_state(self.state, self.replica)
+            shared = None
+            if self.is_main:
+                shared = resume.shared_state(self.state, self.replica, self.config, self.log.position(),
+                                             self.elapsed_s())
         checkpoint.save(self.checkpoint_root, self.state.step, shared, own, self.model.comm,
                         keep=self.config.keep_checkpoints)
         self.state.checkpoint_s += time.perf_counter() - started

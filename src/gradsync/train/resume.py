@@ -24,6 +24,8 @@ with ``torch.load(weights_only=True)``.
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import warnings
 from dataclasses import asdict, dataclass
@@ -99,6 +101,13 @@ class Replica:
     def sharded(self) -> bool:
         """Whether its optimizer steps this rank's shard only (``--shard optimizer|gradients``)."""
         return sharded_checkpoint.is_sharded(self.optimizer)
+
+
+def whole_parameters(model):
+    """A context in which ``model``'s parameters are whole (collective under ``--shard parameters``: every
+    rank enters it; a no-op for models that do not shard)."""
+    full = getattr(model, "full_parameters", None)
+    return contextlib.nullcontext() if full is None else full()
 
 
 def shared_state(state: TrainState, replica: Replica, config: TrainConfig, metrics: dict,
@@ -207,7 +216,8 @@ def load_latest(root, config: TrainConfig, replica: Replica, metrics_file=None) 
     found = found or checkpoint.verify(checkpoint.step_dir(root, int(chosen)))
     shared = found.load_shared()
     check_compatible(shared["config"], config, world_size, found.world_size, found.folder)
-    every = sharded_checkpoint.needs_every_rank(shared, found.world_size, world_size, replica.sharded)
+    every = sharded_checkpoint.needs_every_rank(shared, found.world_size, world_size, replica.sharded,
+                                                getattr(replica.model, "shard", "none"))
     states = sharded_checkpoint.every_rank(found) if every else None
     if every and rank == 0:
         say(f"optimizer state: the {found.world_size} shards of --shard {shared.get('shard')} consolidated for "

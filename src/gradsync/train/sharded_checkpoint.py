@@ -53,11 +53,15 @@ def rank_entries(optimizer) -> dict:
     return {SHARD_KEY: optimizer.state_dict()} if is_sharded(optimizer) else {}
 
 
-def needs_every_rank(shared: dict, saved_world_size: int, world_size: int, sharded_here: bool) -> bool:
+def needs_every_rank(shared: dict, saved_world_size: int, world_size: int, sharded_here: bool,
+                     shard_here: str | None = None) -> bool:
     """Whether resuming ``shared``'s checkpoint needs every rank's file for the optimizer: it was sharded, and
-    this run is not at its world size or not sharded (its shards are consolidated)."""
+    this run is not at its world size, not sharded, or lays its shards out otherwise (``--shard parameters``
+    cuts by unit, the other levels by bucket): its shards are consolidated."""
     saved_sharded = "model" in shared and "optimizer" not in shared  # local SGD: in the rank files, whole
-    return saved_sharded and (saved_world_size != world_size or not sharded_here)
+    other_layout = shard_here is not None and "parameters" in (shard_here, shared.get("shard")) \
+        and shard_here != shared.get("shard")
+    return saved_sharded and (saved_world_size != world_size or not sharded_here or other_layout)
 
 
 def every_rank(found: checkpoint.Checkpoint) -> list[dict]:

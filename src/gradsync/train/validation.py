@@ -92,9 +92,6 @@ def _validate_sharding(config: TrainConfig) -> None:
     shard, clip = config.shard, config.clip_grad_norm
     if shard not in SHARD_LEVELS:
         raise ValueError(f"unknown --shard {shard!r}; choose one of {', '.join(IMPLEMENTED_LEVELS)}")
-    if shard not in IMPLEMENTED_LEVELS:
-        raise ValueError(f"--shard {shard} (ZeRO-3: the parameters sharded too) is not implemented yet; choose one "
-                         f"of {', '.join(IMPLEMENTED_LEVELS)}")
     if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not 0 < clip < math.inf):
         raise ValueError(f"--clip-grad-norm must be a finite number > 0, got {clip!r}")
     if shard == "none":
