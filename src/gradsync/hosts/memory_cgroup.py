@@ -6,8 +6,8 @@ has it used": :func:`controller` finds the memory cgroup of this process from
 ``memory`` hierarchy, or the cgroup2 unified hierarchy when its
 ``cgroup.controllers`` lists ``memory``); :func:`own_limit_bytes`,
 :func:`own_usage_bytes` and :func:`own_peak_bytes` read its files. The
-creating half (:class:`ChildCgroups`, added next)
-makes one child per rank below the run's own cgroup.
+creating half (:class:`~gradsync.hosts.memory_children.ChildCgroups`) makes
+one child per rank below the run's own cgroup.
 
 Kernel documentation: ``Documentation/admin-guide/cgroup-v1/memory.rst`` and
 ``Documentation/admin-guide/cgroup-v2.rst`` (``memory.max``, ``memory.peak``).
