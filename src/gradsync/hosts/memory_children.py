@@ -78,6 +78,13 @@ def _write(path: str, value: str) -> None:
         handle.write(value)
 
 
+def _make(directory: str) -> None:
+    try:
+        os.mkdir(directory)
+    except OSError as exc:
+        raise ValueError(f"cannot create memory cgroup {directory}: {exc.strerror or exc}") from None
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -223,11 +230,11 @@ class ChildCgroups:
         sweep_stale(self.ctl)
         self._catch_signals()
         try:
-            os.mkdir(self.directory)
+            _make(self.directory)
             if self.ctl.version == 2:
                 self._enable_memory_v2()
             for rank in range(self.ranks):
-                os.mkdir(self.rank_directory(rank))
+                _make(self.rank_directory(rank))
                 self._limit(self.rank_directory(rank))
         except BaseException:
             self.remove()
@@ -248,7 +255,8 @@ class ChildCgroups:
 
     def _enable_memory_v2(self) -> None:
         """cgroup v2: children have ``memory.max`` only where their parent's ``cgroup.subtree_control`` has
-        ``memory``; a cgroup that holds processes cannot enable it (unless it is the root)."""
+        ``memory``; a cgroup that holds processes cannot enable it (unless it is the root). Enabled in the
+        run's own cgroup it stays enabled (other children may use it by then)."""
         for parent in (self.ctl.directory, self.directory):
             control = os.path.join(parent, "cgroup.subtree_control")
             with open(control) as handle:
