@@ -115,6 +115,9 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
     add("--seed", type=int, default=d.seed, help="seed for model init and shuffling (default %(default)s)")
     add("--timeout", type=float, default=d.timeout, help="seconds a collective may wait for a peer "
         "(default %(default)s)")
+    add("--memory-limit-mib", type=int, default=None, metavar="M", help="run each rank in a memory cgroup of its "
+        "own (a child of this run's cgroup, removed afterwards) limited to M MiB: the kernel OOM-kills a rank that "
+        "needs more (needs a writable memory cgroup controller, i.e. root)")
     add("--max-restarts", type=int, default=d.max_restarts, help="restart the workers from the newest "
         "checkpoint up to this many times when one fails or hangs (default %(default)s)")
     add("--checkpoint-dir", default=None, metavar="DIR", help="write checkpoints here and resume from the "

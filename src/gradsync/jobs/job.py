@@ -6,6 +6,7 @@ bad option costs no process start-up and leaves nothing behind.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from gradsync.fault import checkpoint
 from gradsync.fault.injection import attempt, check_environment
+from gradsync.hosts import memory_children
 from gradsync.launch import WorkerFailedError, launch_local
 from gradsync.train import resume, task
 from gradsync.train.config import TrainConfig
@@ -170,6 +172,10 @@ def _run_job(config: TrainConfig, given) -> dict | None:
     where, membership = placement(config), "elastic" if config.elastic else "static"
     check_options(config, where, given)
     check_environment()
+    if config.memory_limit_mib is not None:
+        problem = memory_children.limit_problem(config.memory_limit_mib)
+        if problem:
+            raise ValueError(problem)
     if config.join is not None:
         from gradsync.jobs.elastic import join_run
 
@@ -213,13 +219,29 @@ def _launch_torchrun(config: TrainConfig, world_size: int) -> dict | None:
 
 def _launch_local(config: TrainConfig, world_size: int) -> dict | None:
     def launch(data_path: Path, out_dir: Path) -> dict | None:
-        try:
-            results = launch_local(world_size, run_worker, config, str(data_path), str(out_dir),
-                                   max_restarts=config.max_restarts)
-        except WorkerFailedError as failure:
-            raise _with_restarts(failure, config.max_restarts) from None
+        with _memory_cgroups(config, world_size) as cgroups:
+            try:
+                results = launch_local(world_size, run_worker, config, str(data_path), str(out_dir),
+                                       cgroups and cgroups.directory, max_restarts=config.max_restarts)
+            except WorkerFailedError as failure:
+                raise _with_restarts(_with_oom_kill(failure, cgroups, config), config.max_restarts) from None
         return results[config.main_rank(world_size)]
     return _in_run_folder(config, False, launch)
+
+
+def _memory_cgroups(config: TrainConfig, world_size: int):
+    """``--memory-limit-mib``: one child memory cgroup per rank, removed when the job ends (a context)."""
+    if config.memory_limit_mib is None:
+        return contextlib.nullcontext()
+    return memory_children.ChildCgroups(world_size, config.memory_limit_mib * 2**20)
+
+
+def _with_oom_kill(failure: WorkerFailedError, cgroups, config: TrainConfig) -> WorkerFailedError:
+    """Say so when the kernel's OOM killer killed the failed rank in its ``--memory-limit-mib`` cgroup."""
+    if cgroups is None or not memory_children.oom_kills(cgroups.rank_directory(failure.rank)):
+        return failure
+    return WorkerFailedError(failure.rank, f"{failure.message} [the kernel's OOM killer killed it: the rank "
+                                           f"needed more than --memory-limit-mib {config.memory_limit_mib}]")
 
 
 def _launch_local_elastic(config: TrainConfig, world_size: int) -> dict:

@@ -132,6 +132,10 @@ RULES: dict[str, Rule] = {
                                "step's gradient to take the global norm of"),
     "trace": NOT_ASYNC,
     "seed": EVERYWHERE, "timeout": EVERYWHERE,
+    "memory_limit_mib": Rule(memberships=("static",), placements=("local",),
+                             why="gradsync train's own launcher puts each rank of a fixed group on this machine in "
+                                 "a memory cgroup (torchrun and test hosts start their ranks themselves; elastic "
+                                 "workers come and go)"),
     "max_restarts": Rule(modes=("sync", "local-sgd"), memberships=("static",), placements=("local", "test hosts"),
                          why="torch's agent restarts a static sync or local-sgd job (torchrun: give it to torchrun;"
                              " --elastic: survivors go on)"),

@@ -19,6 +19,7 @@ import gradsync
 from gradsync.debug.flight import FLIGHT_FOLDER
 from gradsync.fault.events import EventLog
 from gradsync.fault.injection import attempt
+from gradsync.hosts import memory_children
 from gradsync.elastic.member import ElasticMember
 from gradsync.elastic.membership import ElasticMembership
 from gradsync.elastic.run_store import connect
@@ -35,21 +36,27 @@ from gradsync.train.plots import plot_run
 ECHO_DELAY_S = 3.0
 
 
-def run_worker(config: TrainConfig, data_path: str, out_dir: str) -> dict | None:
+def run_worker(config: TrainConfig, data_path: str, out_dir: str, memory_cgroups: str | None = None) -> dict | None:
     """Join the group, train (sync / local-sgd trainer, or an async role), leave; the main rank returns the summary.
 
+    ``memory_cgroups``: the run's folder of per-rank memory cgroups (``--memory-limit-mib``,
+    :class:`~gradsync.hosts.memory_children.ChildCgroups`); this rank moves itself into ``rank-<RANK>``
+    there before it builds anything, and the main rank's summary says which cgroup, its limit and peak.
     Everything it writes (run folder, checkpoints, trace, plots) is private (:func:`private_files`).
     """
     with private_files():
-        return _run_worker(config, data_path, out_dir)
+        return _run_worker(config, data_path, out_dir, memory_cgroups)
 
 
-def _run_worker(config: TrainConfig, data_path: str, out_dir: str) -> dict | None:
+def _run_worker(config: TrainConfig, data_path: str, out_dir: str, memory_cgroups: str | None) -> dict | None:
     if "TORCHELASTIC_RUN_ID" in os.environ:
         # Ctrl-C reaches the whole process group; the elastic agent stops the
         # workers itself, so a worker's own KeyboardInterrupt would only print a traceback.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         die_with_launcher()
+    cgroup = None
+    if memory_cgroups is not None:
+        cgroup = memory_children.join(memory_children.rank_cgroup(memory_cgroups, int(os.environ["RANK"])))
     # tqdm's default lock is a multiprocessing semaphore; a worker that is killed (a fault, a
     # restart) cannot unregister it, and the launcher then warns about "leaked semaphore objects".
     tqdm.set_lock(threading.RLock())
@@ -66,6 +73,8 @@ def _run_worker(config: TrainConfig, data_path: str, out_dir: str) -> dict | Non
         raise
     finally:
         gradsync.shutdown()
+    if summary is not None and cgroup is not None:
+        summary["memory_cgroup"] = memory_children.usage_record(cgroup)
     _write_run_folder(summary, Path(out_dir))
     return summary
 

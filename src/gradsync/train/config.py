@@ -58,6 +58,7 @@ class TrainConfig:
     trace: str | None = None        # Chrome trace file written at the end (rank 0 gathers all ranks)
     seed: int = 0                   # model init, shuffling
     timeout: float = 300.0          # seconds any collective may wait for a peer
+    memory_limit_mib: int | None = None  # each rank in its own memory cgroup with this limit (local, static)
     max_restarts: int = 0           # times the elastic agent restarts the workers after a failure
     checkpoint_dir: str | None = None  # checkpoints (default <out>/checkpoints when --max-restarts > 0)
     checkpoint_every: int = 100     # optimizer steps between checkpoints

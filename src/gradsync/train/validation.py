@@ -46,6 +46,8 @@ def validate(config: TrainConfig) -> None:
         (0 < config.timeout <= MAX_TIMEOUT_S,
          f"--timeout must be in (0, {MAX_TIMEOUT_S}] seconds, got {config.timeout}"),
         (0 <= config.seed < 2**32, f"--seed must be in [0, 2**32), got {config.seed}"),
+        (config.memory_limit_mib is None or (_is_int(config.memory_limit_mib) and config.memory_limit_mib >= 1),
+         f"--memory-limit-mib must be an int >= 1 (MiB per rank), got {config.memory_limit_mib!r}"),
         (10 <= config.num_samples <= MAX_NUM_SAMPLES,
          f"--num-samples must be in [10, {MAX_NUM_SAMPLES}], got {config.num_samples} "
          f"(generation takes ~0.6 ms per sample)"),
