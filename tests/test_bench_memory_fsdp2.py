@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from _dist import run_world
@@ -70,3 +71,32 @@ def test_fsdp2_counts_its_shards_by_hand_and_trains_what_data_parallel_trains():
     assert fsdp2["equal_to_none"] and fsdp2["max_abs_diff"] < 1e-9  # float64, 3 steps of AdamW
     assert fsdp2["gradient_check"]["equal"] and fsdp2["gradient_check"]["max_abs_diff"] < 1e-6  # float32
     assert len(fsdp2["elapsed_s"]) == len(checks[BASELINE]["elapsed_s"]) == 1
+
+
+def test_a_failed_gradient_check_is_shown_and_the_fsdp2_ratios_divide_gradsyncs_rows_by_it():
+    """Synthetic figures at world size 4: FSDP2 holds 100 bytes and took 2 s a repetition; shard=none 500
+    bytes and 1 s; a gradsync row of 80 bytes and 1.6 s is 0.8x FSDP2's bytes and 1.25x its samples/s. An
+    FSDP2 whose gradients summed is reported as such and not timed."""
+    from gradsync.bench.shard_memory_rows import Setting, format_table, memory_rows
+
+    def entry(total):
+        parts = {"parameters": total, "gradients": 0, "optimizer_state": 0, "buffers": 0}
+        return {"parts": parts, "peak_at": "step", "total_bytes_per_rank": [total] * 4,
+                "peak_rss_mib_per_rank": [300.0] * 4}
+
+    gradients = Setting("gradsync", "gradients")
+    counted = {BASELINE: entry(500), gradients: entry(80), TORCH_FSDP2: entry(100)}
+    base = {"model": "gpt", "world_size": 4, "optimizer": "adamw", "samples_per_step": 8, "steps": 1}
+    timed = {BASELINE: {"equal_to_none": True, "elapsed_s": [1.0]},
+             gradients: {"equal_to_none": True, "max_abs_diff": 0.0, "elapsed_s": [1.6]},
+             TORCH_FSDP2: {"equal_to_none": True, "max_abs_diff": 0.0, "elapsed_s": [2.0],
+                           "gradient_check": {"equal": True, "max_abs_diff": 0.0}}}
+    none, mine, fsdp2 = memory_rows(base, counted, timed)
+    assert (mine["total_vs_torch_fsdp2"], mine["samples_per_s_vs_torch_fsdp2"]) == pytest.approx((0.8, 1.25))
+    assert fsdp2["total_vs_torch_fsdp2"] is None and fsdp2["total_vs_none"] == pytest.approx(0.2)
+    assert fsdp2["gradient_equal_to_mean"] is True and none["gradient_equal_to_mean"] is None
+    timed[TORCH_FSDP2] = {"equal_to_none": False, "max_abs_diff": 0.0, "elapsed_s": None,
+                          "gradient_check": {"equal": False, "max_abs_diff": 0.5}}
+    rows = memory_rows(base, counted, timed)
+    assert rows[1]["samples_per_s_vs_torch_fsdp2"] is None and rows[2]["samples_per_s"] is None
+    assert "grads differ 5.0e-01" in format_table(rows)
