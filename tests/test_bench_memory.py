@@ -96,7 +96,10 @@ def test_goal_lines_judge_the_gpt_rows_at_world_size_4():
         in text
     assert ("shard=gradients: samples/s >= 0.95x shard=none's (paired, median): not measured (its parameters "
             "differed from shard=none's, so it was not timed)") in text
-    assert len(lines) == 10  # two levels for each goal but the two byte reductions (one level each)
+    # two levels for each of issue 38's goals but the two byte reductions (one level each), then issue 39's
+    # four on shard=parameters, of which these rows have none
+    assert len(lines) == 14
+    assert lines[-2] == "# goal (gpt, world size 4, adamw): peak counted bytes <= FSDP2's: not measured (no such rows)"
     assert "differs 5.0e-01" in format_table(_goal_rows())
     elsewhere = [dict(row, world_size=2) for row in _goal_rows()]
     assert all("not measured (no such rows)" in line for line in goal_lines(elsewhere))

@@ -1,4 +1,5 @@
-"""Memory per rank at every sharding level (ZeRO-1, ZeRO-2), and what it costs in samples/s, against torch's ZeRO.
+"""Memory per rank at every sharding level (ZeRO-1, ZeRO-2), and what it costs in samples/s, against torch's ZeRO
+and FSDP2.
 
 ``gradsync bench memory --model gpt,mlp --optimizer adamw --nproc 1,2,4``:
 for each model and world size, gradsync ``DataParallel`` at every
@@ -7,22 +8,27 @@ torch's ``ZeroRedundancyOptimizer`` (ZeRO stage 1, Rajbhandari et al. 2020,
 arXiv 1910.02054) over ``DistributedDataParallel`` on Gloo, built as its
 docs show (``ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=...,
 lr=...)``, the defaults ``parameters_as_bucket_view=False``,
-``overlap_with_ddp=False``; DDP with the same ``bucket_cap_mb``).
+``overlap_with_ddp=False``; DDP with the same ``bucket_cap_mb``), and
+PyTorch's FSDP2 (``fully_shard`` on each block, then the root, AdamW built
+after sharding: :mod:`gradsync.bench.shard_memory_fsdp2`).
 
 * Bytes (one run per setting, a fresh world each, so its peak RSS is its
   own): after a warm-up step (buckets rebuilt, optimizer state created),
   one step is sampled after forward, after backward and after the
   optimizer step; at each point the tensors the rank holds are counted
   (:mod:`gradsync.parallel.memory`: ``DataParallel.held_tensors`` for
-  gradsync, :func:`~gradsync.parallel.memory.torch_zero_bytes` for the
-  peer), the point with the largest total is the step's peak and its parts
+  gradsync, :func:`~gradsync.parallel.memory.torch_zero_bytes` and
+  :func:`~gradsync.bench.shard_memory_fsdp2.fsdp2_bytes` for the peers),
+  the point with the largest total is the step's peak and its parts
   are reported, for the rank whose peak is largest. Peak RSS is each
   rank's ``getrusage(RUSAGE_SELF).ru_maxrss`` at the end (max over ranks).
 * Samples/s (one world per model and world size): first every setting
   trains ``CHECK_STEPS`` steps from the same weights on the same batches,
   in float64 (see :func:`check_equal`), and its parameters are compared
-  with the baseline's (allclose, rtol 1e-5, atol 1e-6, on every rank); a
-  setting that differs is not timed.
+  with the baseline's (allclose, rtol 1e-5, atol 1e-6, on every rank; FSDP2's
+  gathered whole), and FSDP2's float32 reduced gradient with the ranks' mean
+  (:func:`~gradsync.bench.shard_memory_fsdp2.gradient_check`); a setting that
+  differs is not timed.
   Then ``--repeat`` repetitions, each timing every setting once (order
   rotated by one each repetition) on a fresh copy: ``--warmup`` untimed
   steps, then ``--steps`` timed ones, the slowest rank's time.
@@ -43,6 +49,7 @@ from torch import nn
 
 import gradsync
 from gradsync.bench.output import claim_json_path, write_json
+from gradsync.bench.shard_memory_fsdp2 import fsdp2_bytes, full_tensors, fully_shard_model, gradient_check
 from gradsync.bench.shard_memory_models import BENCH_MODELS, MODELS, BenchModel, build, loss_of, make_batch
 from gradsync.bench.shard_memory_rows import BASELINE, IMPL_SHARDS, Setting, memory_rows, settings_for, tables
 from gradsync.bench.shard_memory_texts import DEEPSPEED_NOTE
@@ -92,7 +99,15 @@ def _wrap_torch_zero(module: nn.Module, shard: str, options: Options):
     return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=optimizer_class, **hyper)
 
 
-IMPLS = {"gradsync": (_wrap_gradsync, _gradsync_bytes), "torch-zero": (_wrap_torch_zero, torch_zero_bytes)}
+def _wrap_torch_fsdp2(module: nn.Module, shard: str, options: Options):
+    optimizer_class, hyper = OPTIMIZERS[options.optimizer]
+    model = fully_shard_model(module)  # its units are the blocks: --bucket-cap-mb and --algorithm do not apply
+    return model, optimizer_class(model.parameters(), **hyper)
+
+
+IMPLS = {"gradsync": (_wrap_gradsync, _gradsync_bytes), "torch-zero": (_wrap_torch_zero, torch_zero_bytes),
+         "torch-fsdp2": (_wrap_torch_fsdp2, fsdp2_bytes)}
+GRADIENT_CHECKED = ("torch-fsdp2",)  # reduces float32 otherwise than float64: its float32 gradients checked too
 
 
 def wrap(setting: Setting, module: nn.Module, options: Options):
@@ -170,8 +185,10 @@ def _trained(spec: BenchModel, initial: nn.Module, setting: Setting, options: Op
 
 def check_equal(spec: BenchModel, initial: nn.Module, settings: list[Setting], options: Options) -> dict:
     """Per setting: ``equal_to_none`` (its parameters allclose to the baseline's after :data:`CHECK_STEPS`
-    identical steps in :data:`CHECK_DTYPE`, on every rank) and ``max_abs_diff`` (the largest difference over
-    ranks).
+    identical steps in :data:`CHECK_DTYPE`, on every rank; a sharded peer's gathered whole) and
+    ``max_abs_diff`` (the largest difference over ranks). An impl of :data:`GRADIENT_CHECKED` also gets
+    ``gradient_check`` (:func:`~gradsync.bench.shard_memory_fsdp2.gradient_check`, float32), and is
+    ``equal_to_none`` only when both hold.
 
     In float64, so that what is compared is the computation (the average of the gradients, the optimizer
     and its hyperparameters, each rank's shard), not float32 rounding: the implementations sum the ranks'
@@ -186,13 +203,17 @@ def check_equal(spec: BenchModel, initial: nn.Module, settings: list[Setting], o
         if setting == BASELINE:
             continue
         gc.collect()  # the copy before (its wrapper's hooks hold it in reference cycles)
-        params = list(_trained(spec, initial, setting, options, CHECK_STEPS, CHECK_DTYPE)[0].parameters())
+        params = full_tensors(_trained(spec, initial, setting, options, CHECK_STEPS, CHECK_DTYPE)[0].parameters())
         equal = all(torch.allclose(mine, theirs, rtol=CHECK_RTOL, atol=CHECK_ATOL)
                     for mine, theirs in zip(params, reference))
         diff = max(float((mine.detach() - theirs).abs().max()) for mine, theirs in zip(params, reference))
         gathered = torch.stack(gradsync.all_gather(torch.tensor([float(equal), diff], dtype=torch.float64)))
         checks[setting] = {"equal_to_none": bool(gathered[:, 0].min() > 0), "max_abs_diff": float(gathered[:, 1].max())}
         del params
+        if setting.impl in GRADIENT_CHECKED:
+            gc.collect()
+            gradients = checks[setting]["gradient_check"] = gradient_check(spec, initial)
+            checks[setting]["equal_to_none"] &= gradients["equal"]
     gc.collect()
     return checks
 
@@ -303,6 +324,11 @@ def measure_world(spec: BenchModel, world_size: int, settings: list[Setting], op
     timed = launch_local(world_size, rank_worker, check_and_time, spec, settings, options)[0] if throughput else None
     print(f"# {spec.name} at world size {world_size}: bytes {bytes_s:.0f} s, check and samples/s "
           f"{time.perf_counter() - started - bytes_s:.0f} s", flush=True)
+    for setting, check in (timed or {}).items():
+        if not check["equal_to_none"]:
+            print(f"# {spec.name} at world size {world_size}: {setting.impl} shard={setting.shard} computes something "
+                  f"else than shard=none (parameters differ by {check['max_abs_diff']:.1e}, gradients "
+                  f"{check.get('gradient_check', {}).get('max_abs_diff', 0.0):.1e}): not timed", flush=True)
     base = {"model": spec.name, "world_size": world_size, "optimizer": options.optimizer,
             "algorithm": options.algorithm, "bucket_cap_mb": options.bucket_cap_mb,
             "parameters": counted[BASELINE]["parameters"], "batch_per_rank": spec.batch_per_rank,

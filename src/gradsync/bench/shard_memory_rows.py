@@ -11,7 +11,9 @@ with min and max. Ratios (None where they do not apply):
   gradsync ``DataParallel`` with ``shard="none"`` and the same settings;
 * ``samples_per_s_vs_none``: samples/s over the baseline's, paired;
 * ``total_vs_torch_zero``, ``samples_per_s_vs_torch_zero``: the same against
-  torch's ``ZeroRedundancyOptimizer`` with ``DistributedDataParallel``.
+  torch's ``ZeroRedundancyOptimizer`` with ``DistributedDataParallel``;
+* ``total_vs_torch_fsdp2``, ``samples_per_s_vs_torch_fsdp2``: against PyTorch's
+  FSDP2 (``fully_shard``), on gradsync's rows.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 from typing import NamedTuple, Sequence
 
 from gradsync.bench.output import fmt_optional, format_rows
+from gradsync.bench.shard_memory_texts import TABLE_NOTES
 from gradsync.bench.spread import fmt_spread, paired_ratios, spread_cell, verdict, with_spread
 from gradsync.parallel.memory import PARTS
 
@@ -30,13 +33,16 @@ class Setting(NamedTuple):
     shard: str
 
 
-# What each implementation is measured at. Peers are added here (torch-fsdp2 with "parameters" next).
-IMPL_SHARDS = {"gradsync": ("none", "optimizer", "gradients"), "torch-zero": ("optimizer",)}
+# What each implementation is measured at. gradsync's "parameters" (ZeRO-3) joins its tuple once DataParallel has it.
+IMPL_SHARDS = {"gradsync": ("none", "optimizer", "gradients"), "torch-zero": ("optimizer",),
+               "torch-fsdp2": ("parameters",)}
 BASELINE = Setting("gradsync", "none")
 TORCH_ZERO = Setting("torch-zero", "optimizer")
+TORCH_FSDP2 = Setting("torch-fsdp2", "parameters")
+PEERS = {"torch_zero": TORCH_ZERO, "torch_fsdp2": TORCH_FSDP2}  # ratio suffix -> the peer gradsync's rows divide by
 ROW_FIELDS = {"parameters": "parameter_bytes", "gradients": "gradient_bytes",
               "optimizer_state": "optimizer_state_bytes", "buffers": "buffer_bytes"}  # part -> row field
-GOAL_AT = {"model": "gpt", "world_size": 4, "optimizer": "adamw"}   # issue 38's goals hold for these rows
+GOAL_AT = {"model": "gpt", "world_size": 4, "optimizer": "adamw"}   # issues 38's and 39's goals hold for these rows
 SHARDED = ("optimizer", "gradients")
 
 
@@ -57,7 +63,13 @@ GOALS = (Goal("optimizer-state bytes <= 1/4 of shard=none's + 1%", SHARDED, "opt
          Goal("samples/s >= 0.95x shard=none's (paired, median)", SHARDED, "samples_per_s_vs_none", 0.95, False),
          Goal("peak counted bytes <= ZeroRedundancyOptimizer's", SHARDED, "total_vs_torch_zero", 1.0, True),
          Goal("samples/s >= 1.0x ZeroRedundancyOptimizer's (paired, median)", SHARDED,
-              "samples_per_s_vs_torch_zero", 1.0, False))
+              "samples_per_s_vs_torch_zero", 1.0, False),
+         # issue 39: ZeRO-3 (shard="parameters") against shard=none and FSDP2
+         Goal("peak counted bytes >= 60% below shard=none's", ("parameters",), "total_vs_none", 0.40, True),
+         Goal("samples/s >= 0.8x shard=none's (paired, median)", ("parameters",), "samples_per_s_vs_none", 0.8, False),
+         Goal("peak counted bytes <= FSDP2's", ("parameters",), "total_vs_torch_fsdp2", 1.0, True),
+         Goal("samples/s >= 1.0x FSDP2's (paired, median)", ("parameters",), "samples_per_s_vs_torch_fsdp2", 1.0,
+              False))
 
 
 def settings_for(impls: Sequence[str], shards: Sequence[str]) -> list[Setting]:
@@ -84,6 +96,16 @@ def _paired(name: str, times: list[float] | None, reference: list[float] | None)
     return with_spread(name, paired_ratios(reference, times))
 
 
+def _peer_ratios(total: int | None, times: list[float] | None, totals: dict, seconds: dict) -> dict:
+    """``total_vs_<peer>`` and ``samples_per_s_vs_<peer>`` for every peer of :data:`PEERS` (None: not a
+    gradsync row, or the peer not measured)."""
+    ratios: dict = {}
+    for suffix, peer in PEERS.items():
+        ratios[f"total_vs_{suffix}"] = _ratio(total, totals.get(peer))
+        ratios.update(_paired(f"samples_per_s_vs_{suffix}", times, seconds.get(peer)))
+    return ratios
+
+
 def memory_rows(base: dict, counted: dict[Setting, dict], timed: dict[Setting, dict] | None) -> list[dict]:
     """One row per setting of ``counted``, in its order.
 
@@ -94,7 +116,8 @@ def memory_rows(base: dict, counted: dict[Setting, dict], timed: dict[Setting, d
             peak), ``peak_at``, ``total_bytes_per_rank``, ``optimizer_state_bytes_per_rank`` (optional),
             ``peak_rss_mib_per_rank``.
         timed: per setting, ``equal_to_none`` (its parameters matched the baseline's after the check
-            steps), ``max_abs_diff`` and ``elapsed_s`` (seconds of the timed steps per repetition, the
+            steps), ``max_abs_diff``, optionally ``gradient_check`` (``equal``, ``max_abs_diff``: FSDP2's
+            float32 gradients against the ranks' mean) and ``elapsed_s`` (seconds of the timed steps per repetition, the
             slowest rank's; None when it was not timed); None when nothing was timed.
     """
     timed = timed or {}
@@ -114,15 +137,16 @@ def memory_rows(base: dict, counted: dict[Setting, dict], timed: dict[Setting, d
                "peak_rss_mib_per_rank": entry["peak_rss_mib_per_rank"],
                "equal_to_none": None if setting == BASELINE else check.get("equal_to_none"),
                "max_abs_diff": None if setting == BASELINE else check.get("max_abs_diff"),
+               "gradient_equal_to_mean": (check.get("gradient_check") or {}).get("equal"),
+               "gradient_max_abs_diff": (check.get("gradient_check") or {}).get("max_abs_diff"),
                **({"samples_per_s": None} if samples is None else with_spread("samples_per_s", samples)),
                "total_vs_none": None if setting == BASELINE else _ratio(totals[setting], totals.get(BASELINE)),
                "optimizer_state_vs_none": None if setting == BASELINE else _ratio(
                    entry["parts"]["optimizer_state"], counted.get(BASELINE, {}).get("parts", {}).get("optimizer_state")),
                **_paired("samples_per_s_vs_none", None if setting == BASELINE else seconds[setting],
                          seconds.get(BASELINE)),
-               "total_vs_torch_zero": _ratio(totals[setting], totals.get(TORCH_ZERO)) if gradsync_row else None,
-               **_paired("samples_per_s_vs_torch_zero", seconds[setting] if gradsync_row else None,
-                         seconds.get(TORCH_ZERO))}
+               **_peer_ratios(totals[setting] if gradsync_row else None, seconds[setting] if gradsync_row else None,
+                              totals, seconds)}
         rows.append(row)
     return rows
 
@@ -155,10 +179,11 @@ def goal_lines(rows: list[dict]) -> list[str]:
 def _why_missing(row: dict, goal: Goal) -> str:
     if row.get("equal_to_none") is False:
         return "its parameters differed from shard=none's, so it was not timed"
-    if row.get("samples_per_s") is None:
+    if goal.field.startswith("samples") and row.get("samples_per_s") is None:
         return "not timed (--no-throughput)"
-    if goal.field.endswith("torch_zero"):
-        return "torch-zero not timed: not in --impls, or its parameters differed from shard=none's"
+    for suffix, peer in PEERS.items():
+        if goal.field.endswith(suffix):
+            return f"{peer.impl} not measured: not in --impls, or it differed from shard=none, so it was not timed"
     return "shard=none not timed"
 
 
@@ -167,34 +192,33 @@ def _mib(field: str):
 
 
 def _check(row: dict) -> str:
-    """The equality check before timing: ok, differs (with the largest difference), or - (baseline)."""
+    """The equality check before timing: ok, differs (with the largest parameter difference), grads differ
+    (FSDP2's float32 gradient check failed, with its largest difference), or - (baseline)."""
     if row.get("equal_to_none") is None:
         return "-"
-    return "ok" if row["equal_to_none"] else f"differs {row.get('max_abs_diff', float('nan')):.1e}"
+    if row["equal_to_none"]:
+        return "ok"
+    if row.get("gradient_equal_to_mean") is False:
+        return f"grads differ {row.get('gradient_max_abs_diff', float('nan')):.1e}"
+    return f"differs {row.get('max_abs_diff', float('nan')):.1e}"
 
 
 def format_table(rows: list[dict]) -> str:
     """The rows as text (bytes in MiB per rank, the rank with the largest peak), then the goals' verdicts."""
-    columns = [("model", 5, "{model}"), ("ws", 2, "{world_size}"), ("impl", 10, "{impl}"),
+    columns = [("model", 5, "{model}"), ("ws", 2, "{world_size}"), ("impl", 11, "{impl}"),
                ("shard", 9, "{shard}"), ("param MiB", 9, _mib("parameter_bytes")),
                ("grad MiB", 8, _mib("gradient_bytes")), ("optim MiB", 9, _mib("optimizer_state_bytes")),
                ("buffer MiB", 10, _mib("buffer_bytes")), ("total MiB", 9, _mib("total_bytes")),
                ("peak at", 8, "{peak_at}"), ("x none", 6, spread_cell("total_vs_none", ".2f")),
                ("x zero", 6, spread_cell("total_vs_torch_zero", ".2f")),
+               ("x fsdp2", 7, spread_cell("total_vs_torch_fsdp2", ".2f")),
                ("RSS MiB", 8, lambda row: f"{row['peak_rss_mib']:.0f}"),
                ("samples/s", 19, spread_cell("samples_per_s", ".1f")),
                ("samples/s x none", 19, spread_cell("samples_per_s_vs_none", ".2f")),
                ("samples/s x zero", 19, spread_cell("samples_per_s_vs_torch_zero", ".2f")),
+               ("samples/s x fsdp2", 19, spread_cell("samples_per_s_vs_torch_fsdp2", ".2f")),
                ("check", 14, _check)]
-    notes = ["# bytes: counted from the tensors each rank holds (parameters, gradients, optimizer state, "
-             "communication buffers; a storage once), sampled after forward, after backward and after the "
-             "optimizer step of one step; the point with the largest total (peak at) and its parts, for the rank "
-             "with the largest; x none / x zero: total bytes over shard=none's / torch-zero's",
-             "# RSS: peak resident set (getrusage ru_maxrss), max over ranks, of a fresh world per row; "
-             "samples/s: median (min-max) of the repetitions, every setting timed once in each; x none / x zero: "
-             "paired per repetition; check: parameters allclose (rtol 1e-5, atol 1e-6) to shard=none's after 3 float64 "
-             "steps, else not timed"]
-    return "\n".join([format_rows(rows, columns)] + notes + goal_lines(rows))
+    return "\n".join([format_rows(rows, columns)] + TABLE_NOTES + goal_lines(rows))
 
 
 def tables(rows: list[dict]) -> list[str]:

@@ -1,5 +1,23 @@
-"""The prose of ``bench memory``'s section of docs/benchmarks.md: its title, what it measures, how to read it,
-and whether a DeepSpeed row can be measured here."""
+"""The prose of ``bench memory``: its table's notes, its section of docs/benchmarks.md (title, what it measures,
+how to read it) and whether a DeepSpeed row can be measured here."""
+
+TABLE_NOTES = [
+    "# bytes: counted from the tensors each rank holds (parameters, gradients, optimizer state, communication "
+    "buffers; a storage once), sampled at three points of one step after a warm-up step, the same for every row: "
+    "after forward (the loss computed), after backward and after the optimizer step; the point with the largest "
+    "total (peak at) and its parts, for the rank with the largest. Inside forward and backward is not sampled "
+    "(FSDP2's gathered block and its unsharded gradients live only there); x none / x zero / x fsdp2: total bytes "
+    "over shard=none's / torch-zero's / torch-fsdp2's",
+    "# torch-fsdp2: PyTorch FSDP2, fully_shard on each gpt block (each mlp Linear), then on the root, defaults "
+    "(reshard_after_forward; the root stays unsharded after forward), AdamW built after sharding, Gloo; param: "
+    "its padded local shards plus the unsharded parameters alive at the point (after forward: the root's); grad, "
+    "optim: local shards; buffer: what it holds between collectives (none at these points); bucket cap and "
+    "algorithm do not apply",
+    "# RSS: peak resident set (getrusage ru_maxrss), max over ranks, of a fresh world per row; samples/s: median "
+    "(min-max) of the repetitions, every setting timed once in each; x none / x zero / x fsdp2: paired per "
+    "repetition; check: parameters allclose (rtol 1e-5, atol 1e-6) to shard=none's after 3 float64 steps "
+    "(torch-fsdp2's gathered whole with full_tensor, and its float32 reduced gradient of one step allclose to the "
+    "ranks' mean gradient: FSDP2 reduces float32 with AVG and float64 with a divided SUM), else not timed"]
 
 DEEPSPEED_NOTE = """\
 DeepSpeed: no row yet, though one is possible here. DeepSpeed's CPU path
@@ -19,15 +37,23 @@ MEMORY_ABOUT = {
 What each rank holds at every sharding level of `DataParallel` (`shard=`
 `none`, the baseline; `optimizer`, ZeRO-1; `gradients`, ZeRO-2; all with
 `--algorithm shm`, the fastest on one host: its AllReduce at `none`, its
-reduce-scatter and all-gather at the others) and with
-torch's `ZeroRedundancyOptimizer` (ZeRO-1, whole tensors per rank) over
+reduce-scatter and all-gather at the others) and with torch's
+`ZeroRedundancyOptimizer` (ZeRO-1, whole tensors per rank) over
 `DistributedDataParallel` on Gloo, built as its documentation shows
 (`parameters_as_bucket_view` and `overlap_with_ddp` off; DDP with the same
-`bucket_cap_mb`), all with the same optimizer. `gpt` is a decoder-only
-transformer over bytes, `gradsync train --model gpt` at the benches' size
-(width 512, depth 8, 8 heads, 128 bytes of context, ~25.4M parameters; 2
-windows of its corpus, Python's help texts, per rank), `mlp` the 1024-4096-4096-1024-10 MLP of
-`bench train` (batch 64 per rank; its 4096x4096 layer holds two thirds of
+`bucket_cap_mb`), and PyTorch's FSDP2 (`torch-fsdp2`,
+`torch.distributed.fsdp.fully_shard`, ZeRO-3-like: every parameter a
+`DTensor` sharded on its first dimension), applied as its documentation
+recommends for a transformer: `fully_shard` on each gpt block (on each of
+the MLP's `Linear` layers), then on the root, over a 1-D CPU `DeviceMesh` of
+the Gloo group, with its defaults (`reshard_after_forward=True`, which FSDP2
+turns off for the root; no mixed precision or offload), the optimizer built
+on the sharded parameters; `bucket_cap_mb` and `--algorithm` do not apply to
+it. All with the same optimizer. `gpt` is a decoder-only transformer over
+bytes, `gradsync train --model gpt` at the benches' size (width 512, depth
+8, 8 heads, 128 bytes of context, ~25.4M parameters; 2 windows of its
+corpus, Python's help texts, per rank), `mlp` the 1024-4096-4096-1024-10 MLP
+of `bench train` (batch 64 per rank; its 4096x4096 layer holds two thirds of
 the parameters, which is what a per-tensor partition like torch's cannot
 split). Bytes: after a warm-up step, one step is sampled after forward,
 after backward and after the optimizer step; at each point the tensors the
@@ -35,48 +61,72 @@ rank holds are counted (parameters, gradients, optimizer state,
 communication buffers; each storage once, a view charged its whole storage:
 `gradsync.parallel.memory`), the point with the largest total is the peak
 (`peak at`) and its parts are shown, for the rank with the largest peak.
-torch's peer is counted the same way from its parameters, their `.grad`,
-the local optimizer's state and DDP's gradient buckets (their bytes from
-DDP's logging data, `bucket_sizes`). `RSS MiB` is the peak resident set of
-each rank (`getrusage` `ru_maxrss`), max over ranks, each row in a fresh
-world. Activations, allocator slack and Python objects are in the RSS, not
-in the counted bytes. A shared-memory segment (the shm arena that holds
+torch's peer is counted the same way from its parameters, their `.grad`, the
+local optimizer's state and DDP's gradient buckets (their bytes from DDP's
+logging data, `bucket_sizes`). FSDP2 is counted from the local shards of its
+parameters (each padded to ceil(rows / world size) rows), the unsharded
+parameters alive at the point (each unit's all-gather output until it
+reshards: after forward, the root's, which FSDP2 keeps for backward), the
+local shards of the gradients (views of each unit's reduce-scatter output)
+and of AdamW's state, and the communication buffers it keeps between
+collectives (none at the three points). The three points are the same for
+every row; inside forward and backward, where FSDP2 holds one gathered block
+and its unsharded gradients, is not sampled. `RSS MiB` is the peak resident
+set of each rank (`getrusage` `ru_maxrss`), max over ranks, each row in a
+fresh world. Activations, allocator slack and Python objects are in the RSS,
+not in the counted bytes. A shared-memory segment (the shm arena that holds
 `shard=none`'s zero-copy buckets) is charged by the bytes of it the rank's
 tensors view, its own slot, not whole: every rank of the host maps all of
 it, and it exists once. Samples/s: every setting first trains 3 identical
 steps in float64 and its parameters are compared with the baseline's
-(allclose, rtol 1e-5, atol 1e-6, every rank; `check`); one that differs is
-not timed (in float32, AdamW turns the different summation orders of a
-gradient that nearly cancels across ranks into parameter differences of a
-few 1e-6 within 3 steps, above rtol 1e-5 of the gpt's weights). Then
-each repetition times every setting once, interleaved, on a fresh copy;
-`x none` and `x zero` divide by the baseline and by torch's peer, paired per
-repetition for samples/s. The goals (issue 38, gpt at world size 4 with
-AdamW) are judged under the table, each with met or missed.""",
+(allclose, rtol 1e-5, atol 1e-6, every rank; `check`; FSDP2's gathered whole
+with `full_tensor()`); one that differs is not timed, and the run says so
+(in float32, AdamW turns the different summation orders of a gradient that
+nearly cancels across ranks into parameter differences of a few 1e-6 within
+3 steps, above rtol 1e-5 of the gpt's weights). FSDP2 picks its gradient
+reduction by dtype: a reduce-scatter with `ReduceOp.AVG` in float32, a SUM
+between a pre- and a post-division in float64; so it is also checked in
+float32, the dtype it is timed in: one backward from the same weights, its
+reduced gradients gathered whole against the mean of every rank's gradient
+of a plain copy (same tolerances; `grads differ` when not). On this torch
+(2.13) both hold: it averages on Gloo. Then each repetition times every
+setting once, interleaved, on a fresh copy; `x none`, `x zero` and `x fsdp2`
+divide by the baseline and by torch's peers, paired per repetition for
+samples/s. The goals (issues 38 and 39, gpt at world size 4 with AdamW) are
+judged under the table, each with met or missed; issue 39's concern
+`shard="parameters"`, not measured until DataParallel has it.""",
     "memory_after": """\
 How to read it. With AdamW in float32 a replica holds 16 bytes a parameter
 before buffers: 4 of parameters, 4 of gradients, 8 of optimizer state, and
 `shard=none` adds its buckets, a second copy of the gradients. Sharding the
-optimizer divides the 8 by the world size, and each rank then keeps only
-its shard of the reduced gradients (the `.grad` of a parameter is released
-once copied into its bucket), but the buckets stay whole. Sharding the
-gradients replaces the buckets with two slabs used in turn, each as large
-as the largest bucket: on the gpt (buckets of 25 MiB) that is the second
-large saving; on the MLP, whose 4096x4096 layer is one 64 MiB bucket on its
-own, the two slabs hold more than the buckets they replace. torch's
+optimizer divides the 8 by the world size, and each rank then keeps only its
+shard of the reduced gradients (the `.grad` of a parameter is released once
+copied into its bucket), but the buckets stay whole. Sharding the gradients
+replaces the buckets with two slabs used in turn, each as large as the
+largest bucket: on the gpt (buckets of 25 MiB) that is the second large
+saving; on the MLP, whose 4096x4096 layer is one 64 MiB bucket on its own,
+the two slabs hold more than the buckets they replace. torch's
 `ZeroRedundancyOptimizer` assigns whole tensors to ranks, so the rank that
 gets that layer holds its whole optimizer state at every world size, and it
 keeps full gradients and DDP's buckets; gradsync cuts every bucket evenly.
-The RSS column counts more than the tensors: every page of the shm arena a
-rank touched (its peers' slots included), torch itself, the activations
-and the allocator's free lists. A world of 1 runs 2 threads per rank and
-the others 1, as `bench train`; on a machine shared with other programs, 2
-threads that wait for each other at every parallel region slow down most.
-On these 2 shared cores a world of 4 runs its ranks in turn, so samples/s
-compares the implementations' costs on the same cores rather than their
-scaling.
+FSDP2 shards all three parts, 16 bytes a parameter over the world size (plus
+the padding of first dimensions the world size does not divide), and holds
+no bucket between the sampled points; after forward it also holds the root's
+parameters whole (on the gpt the two embeddings and the final LayerNorm,
+0.75 MiB), less than the gradient shards it holds after backward, which is
+its peak. Its gathered block and unsharded gradients exist only inside
+forward and backward, where no row is sampled. A record made before the
+`torch-fsdp2` row existed shows no such row; `gradsync bench memory`
+measures it by default. The RSS column counts more than the tensors: every
+page of the shm arena a rank touched (its peers' slots included), torch
+itself, the activations and the allocator's free lists. A world of 1 runs 2
+threads per rank and the others 1, as `bench train`; on a machine shared
+with other programs, 2 threads that wait for each other at every parallel
+region slow down most. On these 2 shared cores a world of 4 runs its ranks
+in turn, so samples/s compares the implementations' costs on the same cores
+rather than their scaling.
 
 """ + DEEPSPEED_NOTE,
 }
 
-MEMORY_TITLES = {"memory": "Memory per rank: ZeRO-1 and ZeRO-2 against torch's ZeroRedundancyOptimizer"}
+MEMORY_TITLES = {"memory": "Memory per rank: ZeRO-1 and ZeRO-2 against torch's ZeroRedundancyOptimizer and FSDP2"}
