@@ -1,4 +1,4 @@
-"""ZeRO-1/2 (DataParallel(shard=...)): the same training as unsharded DataParallel, over thread ranks.
+"""ZeRO-1/2/3 (DataParallel(shard=...)): the same training as unsharded DataParallel, over thread ranks.
 
 Each case trains a small model for some steps on every rank's own batches and compares the parameters
 with a single-process run on the concatenated batches (the reference: plain torch, no gradsync), and
@@ -129,11 +129,13 @@ def test_accumulation_under_no_sync_matches_one_process(shard):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("shard", ["gradients", "parameters"])
 @pytest.mark.parametrize("compression", ["fp16", "bf16"])
-def test_low_precision_compression_combines_with_sharding(compression):
+def test_low_precision_compression_combines_with_sharding(compression, shard):
     batches = _batches(6, 2)
     expected = _reference("sgd", batches)
-    results = run_threads(2, lambda comm: _train(comm, "gradients", "sgd", batches, compression=compression))
+    results = run_threads(2, lambda comm: _train(comm, shard, "sgd", batches, compression=compression,
+                                                 bucket_cap_mb=1e-4))
     tolerance = 2e-3 if compression == "fp16" else 2e-2  # 11 and 8 bits of mantissa on the wire
     for got, want in zip(results[0], expected):
         torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)

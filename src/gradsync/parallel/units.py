@@ -131,7 +131,8 @@ def _named_paths(root: nn.Module, units) -> list[str]:
             if found is None:
                 raise ValueError(f"units: a {type(unit).__name__} that is not a submodule of the wrapped module")
         elif isinstance(unit, type) and issubclass(unit, nn.Module):
-            found = [path for path, sub in root.named_modules(remove_duplicate=False) if isinstance(sub, unit)]
+            found = [path for path, sub in root.named_modules(remove_duplicate=False)
+                     if isinstance(sub, unit) and path]  # the root is a unit anyway
             if not found:
                 raise ValueError(f"units: no submodule of the wrapped module is a {unit.__name__}")
         else:
