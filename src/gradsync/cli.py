@@ -14,9 +14,9 @@ from gradsync.bench.command_line import _add_bitwise_bench_options, bench_bitwis
 from gradsync.bench.command_line import (_add_allreduce_bench_options, _add_compression_bench_options,
                                          _add_deterministic_bench_options, _add_faults_bench_options,
                                          _add_modes_bench_options, _add_replicas_bench_options,
-                                         _add_train_bench_options, add_memory_bench_parser, bench_allreduce,
-                                         bench_compression, bench_deterministic, bench_faults, bench_memory,
-                                         bench_modes, bench_replicas, bench_train)
+                                         _add_train_bench_options, add_fit_bench_parser, add_memory_bench_parser,
+                                         bench_allreduce, bench_compression, bench_deterministic, bench_faults,
+                                         bench_fit, bench_memory, bench_modes, bench_replicas, bench_train)
 from gradsync.bench import report as bench_report
 from gradsync.bench.sim_commands import ENTRY_POINTS as SIM_COMMANDS
 from gradsync.bench.sim_commands import add_parsers as add_sim_parsers
@@ -223,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and world size, hash each run's model.pt tensors (sha256) and compare them with world size 1, --shard none; "
         "exit 1 if any differs."))
     add_memory_bench_parser(benches)
+    add_fit_bench_parser(benches)
     bench_report.add_parser(benches)
     bench_record.add_parser(benches)
     debug = commands.add_parser(
@@ -316,7 +317,7 @@ def _record(args: argparse.Namespace) -> int:
 
 _BENCHES = {"allreduce": bench_allreduce, "train": bench_train, "compression": bench_compression,
             "modes": bench_modes, "faults": bench_faults, "deterministic": bench_deterministic,
-            "replicas": bench_replicas, "bitwise": bench_bitwise, "memory": bench_memory,
+            "replicas": bench_replicas, "bitwise": bench_bitwise, "memory": bench_memory, "fit": bench_fit,
             "report": bench_report.run,
             "record": _record}
 

@@ -317,3 +317,31 @@ def bench_memory(args: argparse.Namespace) -> int:
               algorithm=args.algorithm, bucket_cap_mb=args.bucket_cap_mb, steps=args.steps, warmup=args.warmup,
               repeat=args.repeat, json_path=args.json, throughput=args.throughput)
     return 0
+
+
+def add_fit_bench_parser(benches: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``gradsync bench fit`` (a gpt that does not fit one replica under a memory limit: refused, then trained)."""
+    parser = benches.add_parser(
+        "fit", help="the model that does not fit one replica under --memory-limit-mib: refused unsharded by the "
+        "preflight, trained with --shard parameters",
+        description="Run gradsync train --model gpt three times (subprocesses): --shard none without a limit (the "
+                    "reference), --shard none under --memory-limit-mib M (the preflight must refuse it), --shard "
+                    "parameters under M (must end within 2%% of the reference's final test loss).")
+    add = parser.add_argument
+    add("--memory-limit-mib", type=int, default=400, metavar="M", help="the per-rank limit (default %(default)s)")
+    for option, default in (("--nproc", 4), ("--gpt-width", 256), ("--gpt-depth", 8), ("--gpt-heads", 8),
+                            ("--gpt-context", 64), ("--global-batch-size", 32)):
+        add(option, type=int, default=default, help=f"gradsync train {option} of every run (default %(default)s)")
+    add("--out", default=None, help="a folder for the run folders (default: a temporary one, removed)")
+    add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
+    return parser
+
+
+def bench_fit(args: argparse.Namespace) -> int:
+    """1 when a goal is missed: the bench checks a promise."""
+    from gradsync.bench.does_not_fit import run_bench
+
+    rows = run_bench(memory_limit_mib=args.memory_limit_mib, nproc=args.nproc, width=args.gpt_width,
+                     depth=args.gpt_depth, heads=args.gpt_heads, context=args.gpt_context,
+                     global_batch_size=args.global_batch_size, out=args.out, json_path=args.json)
+    return 0 if [row["outcome"] for row in rows] == ["trained", "refused", "trained"] else 1
