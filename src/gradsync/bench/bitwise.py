@@ -1,8 +1,8 @@
 """``gradsync bench bitwise``: ``gradsync train --deterministic`` at every shard level and world size, the same bits.
 
 ``--deterministic`` promises bitwise the same parameters at any world size
-and placement; with ZeRO sharding (``--shard optimizer|gradients``) the
-exact int64 sum is reduce-scattered and each rank steps only its chunk, so
+and placement; with ZeRO sharding (``--shard optimizer|gradients|parameters``)
+the exact int64 sum is reduce-scattered and each rank steps only its chunk, so
 the promise has to hold at every level too (docs/sharding.md). This bench
 checks it on the real command line: one ``gradsync train --deterministic``
 process tree per (model, world size, shard level), the same seed, global
