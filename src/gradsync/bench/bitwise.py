@@ -191,8 +191,9 @@ def compare(rows: list[dict]) -> list[dict]:
 
 def format_table(rows: list[dict]) -> str:
     """The table ``gradsync bench bitwise`` prints (and docs/benchmarks.md shows), with its verdict line."""
+    shard_width = max([9] + [len(row["shard"]) for row in rows])  # "parameters" widens it
     table = format_rows(rows, [
-        ("model", 5, "{model}"), ("world_size", 10, "{world_size}"), ("shard", 9, "{shard}"),
+        ("model", 5, "{model}"), ("world_size", 10, "{world_size}"), ("shard", shard_width, "{shard}"),
         ("steps", 5, optional("steps", "d")), ("clipped", 7, optional("clipped_steps", "d")),
         ("sha256", HASH_PREFIX, lambda row: (row["sha256"] or "-")[:HASH_PREFIX]),
         ("= (1, none)", 11, lambda row: "yes" if row["equal_to_reference"] else "NO"),
