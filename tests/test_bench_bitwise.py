@@ -121,7 +121,9 @@ def test_the_bench_exits_0_when_every_run_has_the_references_bits(monkeypatch, c
                              for shard in ("none", "optimizer", "gradients", "parameters")})
     result = run_cli(["bench", "bitwise", "--model", "mlp"], capsys)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[-1] == "# all 12 runs bitwise equal to their model's (1, none) run"
+    lines = result.stdout.splitlines()
+    assert lines[-1] == "# all 12 runs bitwise equal to their model's (1, none) run"
+    assert "  mlp          4 parameters    12       5 efefefefefefefef         yes    1.2" in lines  # widened
 
 
 @pytest.mark.parametrize("args, line", [
