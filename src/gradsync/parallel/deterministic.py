@@ -384,6 +384,11 @@ class DeterministicDataParallel(ShardedModel, nn.Module):
         return self._comm_seconds  # synchronize waits for all of it: nothing overlaps backward
 
     def bucket_algorithms(self) -> list[tuple[int, str]]:
-        """``[(bytes, algorithm)]`` of the one int64 AllReduce per step (``auto`` resolved for that size)."""
+        """``[(bytes, algorithm)]`` of the one int64 AllReduce per step (``auto`` resolved for that size); sharded,
+        of each bucket's int64 reduce-scatter (``"<algorithm> reduce_scatter"``, as DataParallel's)."""
+        if self._zero is not None:
+            return [(numel * 8, collectives.resolve_algorithm(self.comm, numel * 8, self.algorithm,
+                                                              collective="reduce_scatter") + " reduce_scatter")
+                    for numel in self._zero.layout.padded_numel]
         nbytes = self._accumulator.numel() * self._accumulator.element_size()
         return [(nbytes, collectives.resolve_algorithm(self.comm, nbytes, self.algorithm))]
