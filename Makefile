@@ -69,7 +69,7 @@ BENCH_faults ?= --epochs 3
 BENCH_faults_elastic ?= --elastic --epochs 3 --chaos-s 60 --kill-every 15 --repeat 3
 BENCH_deterministic ?= --nproc 2,4 --model cnn,mlp --micro-shards 4,12 --steps 20 --repeat 3
 # bitwise: --deterministic's model.pt at every --shard level and world size (exit 1 if any differs), ~4 min
-BENCH_bitwise ?= --nproc 1,2,4 --shard-levels none,optimizer,gradients --model mlp,cnn --epochs 1 --num-samples 2000
+BENCH_bitwise ?= --nproc 1,2,4 --shard-levels none,optimizer,gradients,parameters --model mlp,cnn --epochs 1 --num-samples 2000
 BENCH_replicas ?= --nproc 2,4 --model cnn,mlp
 # bytes per rank at every shard level and torch's ZeroRedundancyOptimizer; 5 repetitions of 2 timed steps (default 3)
 BENCH_memory ?= --model gpt,mlp --optimizer adamw --nproc 1,2,4 --algorithm shm --steps 2 --warmup 1 --repeat 5

@@ -118,20 +118,24 @@ def test_the_bench_exits_1_naming_the_rows_that_differ_and_writes_its_json(monke
 
 def test_the_bench_exits_0_when_every_run_has_the_references_bits(monkeypatch, capsys):
     _fake_runs(monkeypatch, {("mlp", size, shard): "ef" * 32 for size in (1, 2, 4)
-                             for shard in ("none", "optimizer", "gradients")})
+                             for shard in ("none", "optimizer", "gradients", "parameters")})
     result = run_cli(["bench", "bitwise", "--model", "mlp"], capsys)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[-1] == "# all 9 runs bitwise equal to their model's (1, none) run"
+    lines = result.stdout.splitlines()
+    assert lines[-1] == "# all 12 runs bitwise equal to their model's (1, none) run"
+    assert "  mlp          4 parameters    12       5 efefefefefefefef         yes    1.2" in lines  # widened
 
 
 @pytest.mark.parametrize("args, line", [
-    (["--shard-levels", "none,parameters"], "unknown 'parameters' in --shard-levels; choose from none, optimizer, "
-                                            "gradients"),
+    (["--shard-levels", "none,zero3"], "unknown 'zero3' in --shard-levels; choose from none, optimizer, "
+                                       "gradients, parameters"),
+    (["--shard-levels", "parameters", "--nproc", "3"], "--deterministic --shard parameters needs --micro-shards a "
+                                                       "multiple of the world size 3, got 4"),
     (["--nproc", "1,8"], "--deterministic with --micro-shards 4 runs at most 4 workers"),
     (["--nproc", "0"], "--nproc takes comma-separated world sizes >= 1, got '0'"),
     (["--clip-grad-norm", "-1"], "--clip-grad-norm must be >= 0 (0: no clipping), got -1.0"),
     (["--model", "resnet"], "unknown 'resnet' in --model; choose from"),
-], ids=["parameters", "micro-shards", "nproc", "clip", "model"])
+], ids=["level", "parameters-uneven", "micro-shards", "nproc", "clip", "model"])
 def test_bad_options_are_one_line_before_any_run(args, line, monkeypatch, capsys):
     calls = _fake_runs(monkeypatch, {})
     result = run_cli(["bench", "bitwise", *args], capsys)

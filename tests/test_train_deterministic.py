@@ -100,6 +100,8 @@ def _config(**options) -> TrainConfig:
     ({"micro_shards": 4}, 1, "--micro-shards applies to --deterministic"),
     ({"deterministic": True, "global_batch_size": 8, "micro_shards": 12}, 1, "--micro-shards 12 is more than"),
     ({"deterministic": True, "global_batch_size": 96, "micro_shards": 4}, 5, "runs at most 4 workers"),
+    ({"deterministic": True, "global_batch_size": 96, "micro_shards": 4, "shard": "parameters"}, 3,
+     "--deterministic --shard parameters needs --micro-shards a multiple of the world size 3, got 4"),
     ({"deterministic": True, "global_batch_size": 96, "mode": "local-sgd"}, 2,
      "--deterministic cannot be combined with --mode local-sgd"),
     ({"deterministic": True, "global_batch_size": 96, "compression": "onebit"}, 2,
@@ -109,7 +111,7 @@ def _config(**options) -> TrainConfig:
     ({"deterministic": True, "global_batch_size": 96, "gradient_as_bucket_view": True}, 2,
      "--deterministic cannot be combined with --gradient-as-bucket-view"),
 ], ids=["batch-size", "zero", "uneven", "uneven-accumulate", "async", "too-few-samples", "no-global",
-        "shards-alone", "shards-over-batch", "too-many-workers", "local-sgd", "compression", "accumulate",
+        "shards-alone", "shards-over-batch", "too-many-workers", "zero3-uneven", "local-sgd", "compression", "accumulate",
         "bucket-view"])
 def test_bad_trajectory_options_are_refused_naming_them(options, world_size, needle):
     """Every rank runs these checks (Trainer) as the launcher does (run_job): one ValueError naming the options."""

@@ -5,7 +5,8 @@ Two early jobs (``_early.py``: started with the session) train the MLP on 400 MN
 a global batch of 32, SGD with momentum, global-norm clipping at 0.5) at 2 workers, with ``--shard gradients``
 and with ``--shard none``, checkpointing every 4 steps. The sharded run's checkpoints are then resumed from
 step 4 by worlds of other sizes and levels (:func:`_dist.run_world`, the trainer in Gloo processes). Three more
-early jobs run ``--deterministic`` at (2, none), (2, gradients) and (1, optimizer): the same bits.
+early jobs run ``--deterministic`` at (2, none), (2, gradients), (1, optimizer) and (2, parameters): the same
+bits.
 """
 
 from __future__ import annotations
@@ -129,24 +130,27 @@ DETERMINISTIC = ["train", "--deterministic", "--global-batch-size", "32", "--mic
 DETERMINISTIC_RUNS = {(world_size, shard): early_job(f"deterministic-{world_size}-{shard}",
                                                      [*DETERMINISTIC, "--nproc", str(world_size), "--shard", shard],
                                                      env={"GRADSYNC_DATA_DIR": "{folder}"})
-                      for world_size, shard in ((2, "none"), (2, "gradients"), (1, "optimizer"))}
+                      for world_size, shard in ((2, "none"), (2, "gradients"), (1, "optimizer"), (2, "parameters"))}
 
 
 @pytest.mark.dist
 @pytest.mark.early_job(DETERMINISTIC_RUNS[2, "none"])
 @pytest.mark.early_job(DETERMINISTIC_RUNS[2, "gradients"])
 @pytest.mark.early_job(DETERMINISTIC_RUNS[1, "optimizer"])
+@pytest.mark.early_job(DETERMINISTIC_RUNS[2, "parameters"])
 @pytest.mark.timeout(240)
 def test_deterministic_model_pt_is_bitwise_the_same_at_every_shard_level_and_world_size(_early_jobs):
-    """--deterministic (AdamW, clipping at 0.5): model.pt of (2 workers, gradients) and of (1 worker,
-    optimizer) is torch.equal to (2 workers, none)'s on every tensor."""
+    """--deterministic (AdamW, clipping at 0.5): model.pt of (2 workers, gradients), of (1 worker, optimizer)
+    and of (2 workers, parameters) is torch.equal to (2 workers, none)'s on every tensor; the ZeRO-3 run's
+    summary counts the whole model's parameters (they are gathered for it)."""
     folders = {key: _finished(_early_jobs[name]) / "run" for key, name in DETERMINISTIC_RUNS.items()}
-    for (world_size, shard), folder in folders.items():
-        summary = json.loads((folder / "summary.json").read_text())
+    summaries = {key: json.loads((folder / "summary.json").read_text()) for key, folder in folders.items()}
+    for (world_size, shard), summary in summaries.items():
         assert (summary["world_size"], summary["shard"], summary["steps"]) == (world_size, shard, STEPS)
     models = {key: torch.load(folder / "model.pt") for key, folder in folders.items()}
     reference = models[2, "none"]
-    for key in ((2, "gradients"), (1, "optimizer")):
+    assert summaries[2, "parameters"]["num_parameters"] == sum(t.numel() for t in reference.values()) > 0
+    for key in ((2, "gradients"), (1, "optimizer"), (2, "parameters")):
         assert models[key].keys() == reference.keys()
         for name, tensor in reference.items():
             assert torch.equal(models[key][name], tensor), (key, name)

@@ -1,8 +1,8 @@
 """``gradsync bench bitwise``: ``gradsync train --deterministic`` at every shard level and world size, the same bits.
 
 ``--deterministic`` promises bitwise the same parameters at any world size
-and placement; with ZeRO sharding (``--shard optimizer|gradients``) the
-exact int64 sum is reduce-scattered and each rank steps only its chunk, so
+and placement; with ZeRO sharding (``--shard optimizer|gradients|parameters``)
+the exact int64 sum is reduce-scattered and each rank steps only its chunk, so
 the promise has to hold at every level too (docs/sharding.md). This bench
 checks it on the real command line: one ``gradsync train --deterministic``
 process tree per (model, world size, shard level), the same seed, global
@@ -191,8 +191,9 @@ def compare(rows: list[dict]) -> list[dict]:
 
 def format_table(rows: list[dict]) -> str:
     """The table ``gradsync bench bitwise`` prints (and docs/benchmarks.md shows), with its verdict line."""
+    shard_width = max([9] + [len(row["shard"]) for row in rows])  # "parameters" widens it
     table = format_rows(rows, [
-        ("model", 5, "{model}"), ("world_size", 10, "{world_size}"), ("shard", 9, "{shard}"),
+        ("model", 5, "{model}"), ("world_size", 10, "{world_size}"), ("shard", shard_width, "{shard}"),
         ("steps", 5, optional("steps", "d")), ("clipped", 7, optional("clipped_steps", "d")),
         ("sha256", HASH_PREFIX, lambda row: (row["sha256"] or "-")[:HASH_PREFIX]),
         ("= (1, none)", 11, lambda row: "yes" if row["equal_to_reference"] else "NO"),

@@ -52,7 +52,7 @@ def _add_deterministic_bench_options(parser: argparse.ArgumentParser) -> None:
 def _add_bitwise_bench_options(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     for option, default, meaning in (("--nproc", "1,2,4", "world sizes"),
-                                     ("--shard-levels", "none,optimizer,gradients", "--shard levels"),
+                                     ("--shard-levels", "none,optimizer,gradients,parameters", "--shard levels"),
                                      ("--model", "mlp,cnn", "gradsync train models")):
         add(option, default=default, help=f"comma-separated {meaning}; every combination runs (default %(default)s)")
     add("--clip-grad-norm", type=float, default=1.0, metavar="MAX", help="gradsync train --clip-grad-norm of "

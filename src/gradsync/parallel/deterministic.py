@@ -13,6 +13,8 @@ How it works (one optimizer step; every rank sees the same global batch):
    gradients into one int64 buffer as fixed point (:mod:`~gradsync.parallel.exact_sum`),
    one int64 AllReduce sums the ranks' buffers (exact in any order, so any
    algorithm), and every rank turns the sum back into floats divided by ``divisor``.
+   Sharded (``shard=``, ZeRO-1/2/3), the int64 sum is laid out as the ZeRO buckets and reduce-scattered
+   instead, and each rank converts its chunk only (:mod:`~gradsync.parallel.deterministic_shards`).
 
 Each step is either a computation on the same samples or an exact integer sum,
 so ``.grad`` has the same bits for 1, 2, 3, 4 ... ranks, any contiguous or
@@ -40,16 +42,16 @@ import torch
 from torch import nn
 
 from gradsync.collectives import ops as collectives
-from gradsync.collectives.scatter_gather import reduce_scatter_flat
 from gradsync.errors import CollectiveMismatchError
-from gradsync.parallel.exact_sum import (NO_VALUE, NON_FINITE, ZERO, add_fixed_point, add_fixed_point_many,
-                                         exponent_codes, from_fixed_point, precision_bits)
+from gradsync.parallel.deterministic_shards import UNIT_CAP_MB, ExactSumLayout
+from gradsync.parallel.exact_sum import (NO_VALUE, NON_FINITE, ZERO, add_fixed_point, exponent_codes,
+                                         from_fixed_point, precision_bits)
 from gradsync.parallel.micro_shards import (MicroShard, check_arguments, contiguous_placement,
                                             micro_shard_bounds, shard_seed)
 from gradsync.parallel.replica_check import check_replicas
 from gradsync.parallel.replicas import agree_on_arguments, broadcast_tensors, verify_parameters
 from gradsync.parallel.shard_layout import check_sharding
-from gradsync.parallel.zero import ShardedModel, ZeroState
+from gradsync.parallel.zero import ShardedModel, zero_units
 
 DEFAULT_MICRO_SHARDS = 12  # 1, 2, 3, 4, 6 and 12 ranks hold equal shares
 OWNER = "DeterministicDataParallel"
@@ -79,13 +81,19 @@ class DeterministicDataParallel(ShardedModel, nn.Module):
             the same bits.
         group: None (the default group), a Communicator or a torch ProcessGroup.
         seed: the RNG seed of micro-shard ``i`` at step ``s`` is a hash of ``(seed, s, i)``.
-        shard: ``"none"``, ``"optimizer"`` or ``"gradients"`` (ZeRO-1/2, see ``DataParallel``): the int64
-            sum is reduce-scattered and each rank converts its chunk only; the same bits at every level.
+        shard: ``"none"``, ``"optimizer"``, ``"gradients"`` or ``"parameters"`` (ZeRO-1/2/3, see
+            ``DataParallel``): the int64 sum is reduce-scattered and each rank converts its chunk only; the
+            same bits at every level. Train with ``optimizer = model.shard_optimizer(optimizer)``. At
+            ``"parameters"`` each unit is gathered for every micro-shard's forward and backward, so every
+            rank must run the same number of micro-shards: ``num_micro_shards`` a multiple of the world size.
+        units: ZeRO-3's units (:func:`~gradsync.parallel.units.choose_units`): None (by size, at most
+            25 MiB of parameters each), or submodule names, submodules or module classes.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``; a parameter that is not floating point.
-        ValueError: bad ``num_micro_shards``, ``algorithm`` or ``seed``; a BatchNorm tracking running
-            statistics (naming it).
+        ValueError: bad ``num_micro_shards``, ``algorithm``, ``seed``, ``shard`` or ``units``; a BatchNorm
+            tracking running statistics (naming it); ``shard="parameters"`` with ``num_micro_shards`` not a
+            multiple of the world size (on every rank).
         CollectiveMismatchError: replicas or arguments differ across ranks (on every rank, naming them).
 
     Example::
@@ -106,34 +114,39 @@ class DeterministicDataParallel(ShardedModel, nn.Module):
     """
 
     def __init__(self, module: nn.Module, num_micro_shards: int = DEFAULT_MICRO_SHARDS, *,
-                 algorithm: str = collectives.DEFAULT_ALGORITHM, group=None, seed: int = 0, shard: str = "none"):
+                 algorithm: str = collectives.DEFAULT_ALGORITHM, group=None, seed: int = 0, shard: str = "none",
+                 units=None):
         super().__init__()
-        settings = {"num_micro_shards": num_micro_shards, "algorithm": algorithm, "seed": seed, "shard": shard}
+        settings = {"num_micro_shards": num_micro_shards, "algorithm": algorithm, "seed": seed, "shard": shard,
+                    "units": None}
+        chosen = []  # ZeRO-3's units
 
         def check() -> None:
             check_arguments(module, num_micro_shards, algorithm, seed, OWNER)
             check_sharding(shard, None, False, algorithm)
+            chosen.extend(zero_units(module, shard, units, UNIT_CAP_MB))
+            settings["units"] = ",".join(unit.name for unit in chosen) if chosen else None
 
         self.comm = agree_on_arguments(OWNER, group, settings, check)
+        if shard == "parameters" and num_micro_shards % self.comm.world_size:  # agreed: every rank raises
+            raise ValueError(f"{OWNER}(shard='parameters'): num_micro_shards {num_micro_shards} is not a multiple "
+                             f"of the world size {self.comm.world_size}; every rank must run as many micro-shards "
+                             f"(each one's forward and backward gathers the parameters, a collective)")
         self.module, self.num_micro_shards, self.algorithm, self.seed = module, num_micro_shards, algorithm, seed
         verify_parameters(list(module.named_parameters()) + list(module.named_buffers()), self.comm, owner=OWNER)
         broadcast_tensors([p.data for p in module.parameters()] + list(module.buffers()), self.comm,
                           names=[n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()])
         self._named = [(name, param) for name, param in module.named_parameters() if param.requires_grad]
-        self._bounds, offset = [], 0
-        for _, param in self._named:  # the flat layout of the int64 sum; its last element is the loss
-            self._bounds.append((offset, offset + param.numel()))
-            offset += param.numel()
         self._bits = precision_bits(num_micro_shards)
-        self.shard, self._zero, self._padded = shard, None, offset
-        if shard != "none":  # one bucket of every parameter, registration order: the accumulator's layout
-            self._zero = ZeroState(module, self._named, [list(range(len(self._named)))], self.comm, algorithm, shard)
-            self._padded = self._zero.layout.padded_numel[0]
+        # the int64 sum's layout (the ZeRO buckets when sharded; ZeRO-3 frees the parameters here)
+        self._layout = ExactSumLayout(module, self._named, self.comm, algorithm, shard, chosen)
+        self.shard, self._zero, self._bounds = shard, self._layout.zero, self._layout.bounds
+        self._padded = self._layout.numel  # its last element is the loss
         self._accumulator = torch.zeros(self._padded + 1, dtype=torch.int64)  # allocated once, reused
-        largest = max([param.numel() for _, param in self._named] + [1])
-        # float64 for converting back (one tensor at a time), its bytes as float32 for scaling (all at once)
-        self._scratch = torch.empty(max(largest, (offset + 1) // 2), dtype=torch.float64)
-        self._integers = torch.empty(offset, dtype=torch.int64)
+        largest, segment = self._layout.largest_param, self._layout.largest_segment
+        # float64 for converting back (one tensor at a time), its bytes as float32 for scaling (a segment at once)
+        self._scratch = torch.empty(max(largest, (segment + 1) // 2, 1), dtype=torch.float64)
+        self._integers = torch.empty(segment, dtype=torch.int64)
         self._steps = 0
         self._comm_seconds = 0.0
         self.timeline = None
@@ -255,26 +268,27 @@ class DeterministicDataParallel(ShardedModel, nn.Module):
             codes, has_loss = self._check(gathered)
             self._accumulate(codes, has_loss)
             if self._zero is not None:
-                self._timed(reduce_scatter_flat, self._accumulator[:self._padded], self.comm,
-                            algorithm=self.algorithm, record=True)
+                self._layout.reduce_scatter(self._accumulator, self._timed)
                 self._timed(collectives.all_reduce, self._accumulator[self._padded:], self.comm,
                             algorithm=self.algorithm, verify=False)
-                self._write_shards(codes, float(divisor))
+                self._layout.write_shards(self._accumulator, codes, self._bits, float(divisor), self._scratch)
                 return self._loss(codes, float(divisor), has_loss)
             self._timed(collectives.all_reduce, self._accumulator, self.comm, algorithm=self.algorithm,
-                        verify=False, record=True)
+                        verify=False, bucket=0)
             return self._write_grads(codes, float(divisor), has_loss)
         finally:
             self._steps += 1
             self._new_step()
 
-    def _timed(self, collective, *args, record: bool = False, **kwargs):
+    def _timed(self, collective, *args, bucket: int | None = None, **kwargs):
+        """``collective(*args, **kwargs)``, its seconds counted; with a ``bucket``, a timeline span of
+        ``args[0]``'s bytes."""
         started = time.perf_counter()
         result = collective(*args, **kwargs)
         ended = time.perf_counter()
         self._comm_seconds += ended - started
-        if record and self.timeline is not None:
-            self.timeline.add("allreduce", started, ended, bucket=0, nbytes=self._accumulator.numel() * 8)
+        if bucket is not None and self.timeline is not None:
+            self.timeline.add("allreduce", started, ended, bucket=bucket, nbytes=args[0].numel() * 8)
         return result
 
     def _header(self, divisor) -> torch.Tensor:
@@ -320,8 +334,7 @@ class DeterministicDataParallel(ShardedModel, nn.Module):
         self._accumulator.zero_()
         work = self._scratch.view(torch.float32)
         for index, grads in self._grads.items():
-            add_fixed_point_many(self._accumulator[:self._bounds[-1][1] if self._bounds else 0], self._bounds,
-                                 grads, codes[:-1], self._bits, work, self._integers)
+            self._layout.accumulate(self._accumulator, grads, codes[:-1], self._bits, work, self._integers)
             if has_loss and ZERO < codes[-1] < NON_FINITE:
                 add_fixed_point(self._accumulator[-1:], self._losses[index], codes[-1], self._bits)
 
@@ -342,21 +355,6 @@ class DeterministicDataParallel(ShardedModel, nn.Module):
             return None
         return float(from_fixed_point(self._accumulator[-1:], codes[-1], self._bits, divisor, torch.float64))
 
-    def _write_shards(self, codes: list[int], divisor: float) -> None:
-        """ZeRO: this rank's chunk of the exact sum, as its pieces' ``.grad`` (the same bits, element for
-        element, as the whole gradient ``_write_grads`` gives)."""
-        zero = self._zero
-        for k, (piece, tensor) in enumerate(zip(zero.flat.pieces, zero.flat.piece_tensors)):
-            code = codes[piece.param]
-            if code == NO_VALUE:
-                tensor.grad = None
-                continue
-            from_fixed_point(self._accumulator[piece.flat_start:piece.flat_stop], code, self._bits, divisor,
-                             tensor.dtype, self._scratch, out=zero.grads.grad_views[k])
-            tensor.grad = zero.grads.grad_views[k]
-        for _, param in self._named:
-            param.grad = None
-
     def _reusable(self, position: int, param: torch.Tensor) -> torch.Tensor:
         """A kept gradient of ``param`` to write its result into (no new allocation), else a new tensor."""
         for grads in self._grads.values():
@@ -371,11 +369,11 @@ class DeterministicDataParallel(ShardedModel, nn.Module):
         """Raise ReplicaDivergenceError on every rank unless parameters, buffers and (given)
         ``optimizer`` state are bitwise equal: see :func:`gradsync.check_replicas`. ``step`` (None:
         this model's count of synchronized steps, quoted but not compared)."""
-        if self._zero is not None:  # parameters whole first; the optimizer state differs by design
-            self._zero.flat.wait_all()
+        if self._zero is not None:  # the optimizer state differs by design
             optimizer = None
-        return check_replicas(self.module, optimizer, group=self.comm, timeout=timeout,
-                              step=self._steps if step is None else step, compare_step=step is not None)
+        with self.full_parameters():  # parameters whole and equal first
+            return check_replicas(self.module, optimizer, group=self.comm, timeout=timeout,
+                                  step=self._steps if step is None else step, compare_step=step is not None)
 
     @property
     def comm_seconds(self) -> float:
@@ -386,6 +384,11 @@ class DeterministicDataParallel(ShardedModel, nn.Module):
         return self._comm_seconds  # synchronize waits for all of it: nothing overlaps backward
 
     def bucket_algorithms(self) -> list[tuple[int, str]]:
-        """``[(bytes, algorithm)]`` of the one int64 AllReduce per step (``auto`` resolved for that size)."""
+        """``[(bytes, algorithm)]`` of the one int64 AllReduce per step (``auto`` resolved for that size); sharded,
+        of each bucket's int64 reduce-scatter (``"<algorithm> reduce_scatter"``, as DataParallel's)."""
+        if self._zero is not None:
+            return [(numel * 8, collectives.resolve_algorithm(self.comm, numel * 8, self.algorithm,
+                                                              collective="reduce_scatter") + " reduce_scatter")
+                    for numel in self._zero.layout.padded_numel]
         nbytes = self._accumulator.numel() * self._accumulator.element_size()
         return [(nbytes, collectives.resolve_algorithm(self.comm, nbytes, self.algorithm))]

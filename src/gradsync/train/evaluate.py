@@ -22,6 +22,11 @@ def evaluate(model, data: Splits, rank: int, world_size: int,
     ``shards``: ``(micro_shards, this rank's shard indices)`` for ``--deterministic``: the split is cut
     into that many pieces, each scored on its own and gathered by piece, so the result does not depend
     on the world size either.
+
+    Under ``--shard parameters`` each forward gathers the units one at a time (collective), so every rank
+    runs as many forwards: one piece each, or ``micro_shards / world_size`` (``--deterministic --shard
+    parameters`` needs a multiple); the parameters are never all whole at once, so evaluation adds no
+    whole copy of the model to a rank's peak memory.
     """
     model.eval()
     pieces, mine = world_size, [rank]

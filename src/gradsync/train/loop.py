@@ -234,8 +234,8 @@ class Trainer:
             self._save_checkpoint()
         if self.elastic:
             self.model.check_replicas(self.optimizer, step=self.state.step)
-        summary = self._summary()
-        with resume.whole_parameters(self.model):  # ZeRO-3: every rank gathers them
+        with resume.whole_parameters(self.model):  # ZeRO-3: every rank gathers them (the summary counts them)
+            summary = self._summary()
             model_state = self.model.module.state_dict() if self.log else None
         if self.log:
             self.log.close()

@@ -266,6 +266,10 @@ def _validate_global_batch(config: TrainConfig, world_size: int, num_train: int)
             raise ValueError(f"--deterministic with --micro-shards {config.micro_shards} runs at most "
                              f"{config.micro_shards} workers (one micro-shard each at least), got world size "
                              f"{world_size}")
+        if config.shard == "parameters" and config.micro_shards % world_size:
+            raise ValueError(f"--deterministic --shard parameters needs --micro-shards a multiple of the world size "
+                             f"{world_size}, got {config.micro_shards}: every worker gathers the parameters for "
+                             f"each of its micro-shards, so all must run as many")
         return
     parts = world_size * config.accumulate
     if size % parts and not (config.elastic and config.mode == "sync"):
