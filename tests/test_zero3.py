@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 
+import torch.utils.checkpoint
+
 import pytest
 import torch
 from torch import nn
@@ -105,3 +107,43 @@ def test_state_dict_round_trip_loads_every_ranks_chunk():
     for state in run_threads(2, body):
         for name, tensor in other.items():
             assert torch.equal(state[name], tensor), name
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return self.head(x)
+
+
+def test_activation_checkpointing_recomputes_a_unit_while_it_is_whole():
+    torch.manual_seed(2)
+    base = _Checkpointed()
+    x, y = torch.randn(8, 8), torch.randn(8, 2)
+
+    def body(comm):
+        model = gradsync.DataParallel(copy.deepcopy(base), group=comm, shard="parameters",
+                                      units=["blocks.0", "blocks.1", "blocks.2"])
+        optimizer = model.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        rows = slice(comm.rank * 4, comm.rank * 4 + 4)
+        for _ in range(2):
+            nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        with model.full_parameters():
+            return [p.detach().clone() for p in model.module.parameters()]
+
+    reference = copy.deepcopy(base)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(2):
+        optimizer.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        optimizer.step()
+    for whole in run_threads(2, body):
+        for got, want in zip(whole, reference.parameters()):
+            torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)

@@ -45,6 +45,11 @@ from gradsync.parallel.debug_checks import tensors_in
 from gradsync.parallel.shard_layout import Piece, ShardLayout
 
 
+def _recomputing() -> bool:
+    """Whether a forward runs inside a backward (activation checkpointing recomputing it)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _weak(owner, method: str):
     """A hook that reaches ``owner.method`` through a weak reference (hooks on parameters live in C++)."""
     reference = weakref.ref(owner)
@@ -228,6 +233,11 @@ class UnitParameters:
     # -- forward and backward hooks ------------------------------------------------------------------
 
     def _root_pre_forward(self, module, args) -> None:
+        if _recomputing():
+            self._ensure(self.root)
+            return
+        if self._in_backward:  # the last backward raised before its end: forget it
+            self._end_backward()
         self._recording = not self._order and torch.is_grad_enabled()
         if self.keep_gathered:
             self.gather_all()
@@ -237,6 +247,8 @@ class UnitParameters:
             self._start(self._order[0])
 
     def _root_post_forward(self, module, args, output) -> None:
+        if _recomputing():
+            return
         self._recording = False
         needs_backward = torch.is_grad_enabled() and any(t.requires_grad for t in tensors_in(output))
         if not needs_backward:
@@ -247,6 +259,9 @@ class UnitParameters:
                 tensor.register_hook(partial(_weak(self, "_pre_backward"), self.root))
 
     def _pre_forward(self, u: int, module, args) -> None:
+        if _recomputing():  # activation checkpointing re-runs the forward inside backward: the unit stays
+            self._ensure(u)
+            return
         if self._recording and u not in self._order:
             self._order.append(u)
         self._ensure(u)
@@ -254,7 +269,7 @@ class UnitParameters:
             self._prefetch(u, +1)
 
     def _post_forward(self, u: int, module, args, output) -> None:
-        if self.keep_gathered:
+        if self.keep_gathered or _recomputing():
             return
         if torch.is_grad_enabled():
             for tensor in tensors_in(output):
