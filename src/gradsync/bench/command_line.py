@@ -297,8 +297,8 @@ def add_memory_bench_parser(benches: argparse._SubParsersAction) -> argparse.Arg
     add("--impls", default="gradsync,torch-zero,torch-fsdp2", help="comma-separated: gradsync (DataParallel), "
         "torch-zero (DDP + ZeroRedundancyOptimizer), torch-fsdp2 (FSDP2 fully_shard on each block, then the root) "
         "(default %(default)s)")
-    add("--shards", default="none,optimizer,gradients", help="gradsync's shard levels; none (the baseline) is "
-        "always measured (default %(default)s)")
+    add("--shards", default="none,optimizer,gradients,parameters", help="gradsync's shard levels; none (the "
+        "baseline) is always measured (default %(default)s)")
     add("--algorithm", default="shm", help="DataParallel's algorithm at every level: its AllReduce at shard none, "
         "its reduce-scatter and all-gather at the others (default %(default)s, the fastest on one host)")
     add("--bucket-cap-mb", type=float, default=25.0, help="bucket cap of DataParallel and DDP (default %(default)s)")
