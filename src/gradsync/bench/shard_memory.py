@@ -1,9 +1,9 @@
-"""Memory per rank at every sharding level (ZeRO-1, ZeRO-2), and what it costs in samples/s, against torch's ZeRO
-and FSDP2.
+"""Memory per rank at every sharding level (ZeRO-1, ZeRO-2, ZeRO-3), and what it costs in samples/s, against
+torch's ZeRO and FSDP2.
 
 ``gradsync bench memory --model gpt,mlp --optimizer adamw --nproc 1,2,4``:
 for each model and world size, gradsync ``DataParallel`` at every
-``shard`` level (``none``, the baseline; ``optimizer``; ``gradients``) and
+``shard`` level (``none``, the baseline; ``optimizer``; ``gradients``; ``parameters``) and
 torch's ``ZeroRedundancyOptimizer`` (ZeRO stage 1, Rajbhandari et al. 2020,
 arXiv 1910.02054) over ``DistributedDataParallel`` on Gloo, built as its
 docs show (``ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=...,
