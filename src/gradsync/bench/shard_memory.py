@@ -15,9 +15,10 @@ after sharding: :mod:`gradsync.bench.shard_memory_fsdp2`).
 * Bytes (one run per setting, a fresh world each, so its peak RSS is its
   own): after a warm-up step (buckets rebuilt, optimizer state created),
   one step is sampled inside the pass at every block's forward, at
-  backward's entry into and exit from every block, and after forward,
-  after backward and after the optimizer step, the same points for every
-  row (:mod:`gradsync.bench.shard_memory_points`); at each point the
+  backward's entry into every block and as each of its gradients is
+  accumulated, and after forward, after backward and after the optimizer
+  step, the same points for every row, and apart from the timed run
+  (:mod:`gradsync.bench.shard_memory_points`); at each point the
   tensors the rank holds are counted (:mod:`gradsync.parallel.memory`:
   ``DataParallel.held_tensors`` for gradsync,
   :func:`~gradsync.parallel.memory.torch_zero_bytes` and
