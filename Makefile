@@ -71,7 +71,8 @@ BENCH_deterministic ?= --nproc 2,4 --model cnn,mlp --micro-shards 4,12 --steps 2
 # bitwise: --deterministic's model.pt at every --shard level and world size (exit 1 if any differs), ~4 min
 BENCH_bitwise ?= --nproc 1,2,4 --shard-levels none,optimizer,gradients,parameters --model mlp,cnn --epochs 1 --num-samples 2000
 BENCH_replicas ?= --nproc 2,4 --model cnn,mlp
-# bytes per rank at every shard level and torch's ZeroRedundancyOptimizer; 5 repetitions of 2 timed steps (default 3)
+# bytes per rank at every shard level (ZeRO-1/2/3), torch's ZeroRedundancyOptimizer and FSDP2; 5 repetitions of 2
+# timed steps (default 3); ~23 min on the 2 shared cores (load 6)
 BENCH_memory ?= --model gpt,mlp --optimizer adamw --nproc 1,2,4 --algorithm shm --steps 2 --warmup 1 --repeat 5
 # the simulator: this machine's profile, predicted against measured here (calibrates itself; test hosts need
 # root), against published nccl-tests curves, and the at-scale table (the command docs/simulator.md shows)

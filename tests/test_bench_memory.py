@@ -122,33 +122,45 @@ def test_settings_put_the_baseline_first_and_add_each_peer_at_its_levels():
 
 
 OPTIMIZER, GRADIENTS = Setting("gradsync", "optimizer"), Setting("gradsync", "gradients")
+PARAMETERS = Setting("gradsync", "parameters")
 EVERY = [BASELINE, OPTIMIZER, GRADIENTS, TORCH_ZERO]
+# (vocabulary, context, width, depth, heads): 2 blocks of 3280 elements and 4256 outside them (embeddings, final
+# norm; the head is the token embedding); a bucket cap of 2**-6 MiB (4096 float32) makes each block a ZeRO-3 unit
+TINY_GPT_SIZES, UNIT_CAP_MB = (256, 8, 16, 2, 2), 2 ** -6
 
 
 def _rank_memory_world():
     """One world: the bench's byte run of every setting (2 steps each), then the check of each against the
-    baseline and their timing (1 repetition of 1 step)."""
+    baseline and their timing (1 repetition of 1 step); then the same for ZeRO-3 on the tiny gpt."""
     from gradsync.bench.shard_memory import Options, check_and_time, measure_bytes
     from gradsync.bench.shard_memory_models import BenchModel
 
     spec, options = BenchModel("mlp", TINY_MLP_WIDTHS, 4), Options(steps=1, warmup=0, repeat=1)
     counted = {setting: measure_bytes(spec, setting, options) for setting in EVERY}
-    return counted, check_and_time(spec, EVERY, options)
+    timed = check_and_time(spec, EVERY, options)
+    gpt, options = BenchModel("gpt", TINY_GPT_SIZES, 2), options._replace(bucket_cap_mb=UNIT_CAP_MB)
+    return counted, timed, measure_bytes(gpt, PARAMETERS, options), check_and_time(gpt, [BASELINE, PARAMETERS], options)
 
 
-def test_a_world_of_2_counts_bytes_by_formula_and_checks_every_setting_before_timing_it():
+@pytest.fixture(scope="module")
+def memory_world():
+    return run_world(2, _rank_memory_world, timeout_s=90)[0]
+
+
+def test_a_world_of_2_counts_bytes_by_formula_and_checks_every_setting_before_timing_it(memory_world):
     """AdamW holds exp_avg and exp_avg_sq (8 bytes a parameter) and a 4-byte step per tensor it steps. ZeRO's
     torch peer splits whole tensors between the ranks, so their states add up to the full state; DDP's
     buckets hold every gradient. gradsync's sharded levels step this rank's half of the flat parameters
     (3498 / 2 = 1749 elements), as pieces of at most 6 + 1 tensors."""
-    counted, timed = run_world(2, _rank_memory_world, timeout_s=60)[0]
+    counted, timed = memory_world[:2]
     none, zero = counted[BASELINE], counted[TORCH_ZERO]
     full_state, half = 8 * TINY_MLP_PARAMS + 4 * 6, TINY_MLP_PARAMS // 2
     assert none["parameters"] == zero["parameters"] == TINY_MLP_PARAMS
     assert none["parts"]["parameters"] == none["parts"]["gradients"] == 4 * TINY_MLP_PARAMS
     assert none["parts"]["optimizer_state"] == full_state
     assert none["parts"]["buffers"] >= 4 * TINY_MLP_PARAMS   # this rank's bucket (its slot of the shm arena)
-    assert none["peak_at"] in ("backward", "step") and len(none["peak_rss_mib_per_rank"]) == 2
+    # every gradient is there once the first layer's last one is: the first point that holds them all
+    assert none["peak_at"] == "grads 0" and len(none["peak_rss_mib_per_rank"]) == 2
     assert zero["parts"]["parameters"] == zero["parts"]["gradients"] == zero["parts"]["buffers"] == 4 * TINY_MLP_PARAMS
     states = zero["optimizer_state_bytes_per_rank"]
     assert sum(states) == full_state and 0 < min(states) and zero["parts"]["optimizer_state"] == max(states)
@@ -157,10 +169,76 @@ def test_a_world_of_2_counts_bytes_by_formula_and_checks_every_setting_before_ti
         assert sharded["parts"]["parameters"] == 4 * TINY_MLP_PARAMS   # every rank keeps the whole model
         for state in sharded["optimizer_state_bytes_per_rank"]:
             assert 8 * half < state <= 8 * half + 4 * 7
-    assert counted[GRADIENTS]["parts"]["gradients"] < none["parts"]["gradients"]
+    # ZeRO-2 copies the tiny MLP's one bucket into its slab at launch, once the bucket's last gradient is
+    # there: inside backward the rank holds every .grad beside its shard of the reduced gradients
+    assert counted[GRADIENTS]["parts"]["gradients"] == 4 * TINY_MLP_PARAMS + 4 * half
     for setting in EVERY[1:]:
         assert timed[setting]["equal_to_none"] and timed[setting]["max_abs_diff"] < 1e-9, setting  # float64
         assert len(timed[setting]["elapsed_s"]) == 1
+
+
+def _pieces(numels: list[int], rank: int, world: int = 2) -> int:
+    """Tensors of a unit (element counts, back to back) that reach into the equal chunk of rank ``rank``."""
+    chunk, offset, found = sum(numels) // world, 0, 0
+    for numel in numels:
+        found += offset < (rank + 1) * chunk and offset + numel > rank * chunk
+        offset += numel
+    return found
+
+
+def test_zero3_peaks_inside_backward_with_every_unit_whole_and_the_last_blocks_gradients(memory_world):
+    """The tiny gpt at world size 2 under ZeRO-3, units blocks.1, blocks.0 and the root (all of even size, so
+    no padding). Its peak is inside backward, at the last block's gradients (``grads 1``): the root whole since
+    its forward, blocks.1 gathered, blocks.0 prefetched, so every parameter whole beside the shards (4 N +
+    2 N bytes); gradients: the shards (2 N), the final norm's (the root's bucket is reduce-scattered last)
+    and all of blocks.1's, not yet reduce-scattered; AdamW: 8 bytes per element of the rank's half plus a
+    4-byte step per tensor reaching into it; buffers: the two slabs, each the largest bucket (the root's,
+    with a used flag per tensor and the status slots of every rank). Then ZeRO-3 trains shard=none's
+    parameters (float64, 3 steps) and is timed."""
+    from gradsync.bench.shard_memory_models import BenchModel, build
+    from gradsync.parallel.sync_round import SLOTS_PER_RANK
+
+    counted, checks = memory_world[2:]
+    named = list(build(BenchModel("gpt", TINY_GPT_SIZES, 2)).named_parameters())
+    units = [[p.numel() for name, p in named if name.startswith(prefix)] for prefix in ("blocks.1.", "blocks.0.")]
+    units.append([p.numel() for name, p in named if not name.startswith("blocks.")])
+    total, block, width = sum(map(sum, units)), sum(units[0]), TINY_GPT_SIZES[2]
+    assert (total, block, sum(units[2])) == (10816, 3280, 4256) and len(named) == 28
+    states = [8 * total // 2 + 4 * sum(_pieces(unit, rank) for unit in units) for rank in (0, 1)]
+    expected = {"parameters": 4 * total + 4 * total // 2, "gradients": 4 * total // 2 + 4 * 2 * width + 4 * block,
+                "optimizer_state": max(states), "buffers": 2 * 4 * (sum(units[2]) + 28 + 2 * SLOTS_PER_RANK)}
+    assert counted["peak_at"] == "grads 1"
+    assert counted["parts"] == expected
+    assert counted["optimizer_state_bytes_per_rank"] == states
+    assert checks[PARAMETERS]["equal_to_none"] and checks[PARAMETERS]["max_abs_diff"] < 1e-9
+    assert len(checks[PARAMETERS]["elapsed_s"]) == 1
+
+
+def test_the_pass_is_sampled_before_a_reducer_releases_a_gradient_and_the_hooks_leave_with_the_block():
+    """Two Linear blocks whose parameters carry a reducer-like hook, registered first, that releases each
+    gradient as soon as it is accumulated: the ``grads`` points still see each block's gradients (the
+    sampler's hook runs first), the forward points see none, and after the block the model is hook-free."""
+    from gradsync.bench.shard_memory_points import PassSampler, point_names
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(lambda param: setattr(param, "grad", None))
+
+    def count():
+        return {"gradients": sum(4 * p.grad.numel() for p in model.parameters() if p.grad is not None)}
+
+    inputs = torch.randn(5, 3, requires_grad=True)
+    with PassSampler(list(model), count) as sampler:
+        model(inputs).sum().backward()
+    assert list(sampler.counts) == ["fwd 0", "fwd 1", "bwd-in 1", "grads 1", "bwd-in 0", "grads 0"]
+    assert set(sampler.counts) < set(point_names(2))
+    # each parameter's gradient alone, released before the next: block 1's weight 4x2, block 0's weight 3x4
+    assert sampler.counts["grads 1"] == {"gradients": 4 * 8} and sampler.counts["grads 0"] == {"gradients": 4 * 12}
+    assert sampler.counts["fwd 0"] == sampler.counts["bwd-in 1"] == {"gradients": 0}
+    assert sampler.peak() == "grads 0"
+    assert all(not block._forward_hooks and not block._forward_pre_hooks for block in model)
+    assert all(len(param._post_accumulate_grad_hooks) == 1 for param in model.parameters())
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -168,7 +246,7 @@ def test_a_world_of_2_counts_bytes_by_formula_and_checks_every_setting_before_ti
     (["--optimizer", "lamb"], "--optimizer: unknown 'lamb'"),
     (["--nproc", "2,0"], "--nproc: '0' is not a world size"),
     (["--nproc", "2,2"], "--nproc: 2 given more than once"),
-    (["--shards", "parameters"], "--shards: unknown parameters"),
+    (["--shards", "none,layers"], "--shards: unknown layers; choose from none, optimizer, gradients, parameters"),
     (["--impls", "deepspeed"], "--impls: unknown deepspeed"),
     (["--repeat", "0"], "--repeat must be an integer >= 1"),
 ])

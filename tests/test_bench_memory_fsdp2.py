@@ -44,27 +44,32 @@ def _expected(rank: int) -> dict[str, dict[str, int]]:
     ceil(rows / WORLD) rows (rank r keeps rows [r c, (r + 1) c), the last rank fewer); a parameter's shard
     and its gradient's occupy a padded chunk, AdamW's exp_avg and exp_avg_sq the rows the rank owns, plus a
     4-byte step per parameter; after forward the root's parameters (those outside the blocks) are whole,
-    padded to WORLD chunks."""
-    shards = state = root = 0
+    padded to WORLD chunks. Inside the block's forward (``fwd 0``, before FSDP2 reshards it) the block is
+    whole too, and so is the all-gather output it was copied out of, which FSDP2 keeps for the next
+    all-gather: one more padded block, under buffers."""
+    shards = state = root = block = 0
     for name, param in build(TINY_GPT).named_parameters():  # the tied head is the token embedding: once
         rows, rest = param.shape[0], math.prod(param.shape[1:])
         chunk = math.ceil(rows / WORLD)
         shards += 4 * chunk * rest
         state += 8 * max(0, min(chunk, rows - rank * chunk)) * rest + 4
         root += 0 if name.startswith("blocks.") else 4 * WORLD * chunk * rest
+        block += 4 * WORLD * chunk * rest if name.startswith("blocks.") else 0
     after_backward = {"parameters": shards, "gradients": shards, "optimizer_state": state, "buffers": 0}
     return {"forward": {**after_backward, "parameters": shards + root, "gradients": 0},
-            "backward": after_backward, "step": after_backward}
+            "backward": after_backward, "step": after_backward,
+            "fwd 0": {**after_backward, "parameters": shards + root + block, "gradients": 0, "buffers": block}}
 
 
 def test_fsdp2_counts_its_shards_by_hand_and_trains_what_data_parallel_trains():
     points, counted, summed, checks = run_world(WORLD, _rank_fsdp2_world, timeout_s=60)[0]
-    assert points == _expected(0)
+    expected = _expected(0)
+    assert points == {point: expected[point] for point in ("forward", "backward", "step")}
     states = [_expected(rank)["step"]["optimizer_state"] for rank in range(WORLD)]
     assert states[0] > states[1]  # rank 0 owns the larger chunk of every odd first dimension
-    peaks = {point: sum(parts.values()) for point, parts in _expected(0).items()}
-    assert counted["peak_at"] == max(peaks, key=peaks.get) == "forward"  # the tiny gpt's root is its embedding
-    assert counted["parts"] == _expected(0)["forward"] and counted["optimizer_state_bytes_per_rank"] == states
+    # the tiny gpt's root is its embedding: the peak is while the block is whole beside it, in its forward
+    assert counted["peak_at"] == "fwd 0"
+    assert counted["parts"] == expected["fwd 0"] and counted["optimizer_state_bytes_per_rank"] == states
     assert counted["parameters"] == sum(param.numel() for param in build(TINY_GPT).parameters())
     assert not summed["equal"] and summed["max_abs_diff"] > 1e-3  # summing doubles the mean gradient
     fsdp2 = checks[TORCH_FSDP2]

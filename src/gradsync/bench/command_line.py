@@ -282,12 +282,12 @@ def bench_faults(args: argparse.Namespace) -> int:
 def add_memory_bench_parser(benches: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``gradsync bench memory`` (bytes per rank at every shard level, against torch's ZeRO and FSDP2)."""
     parser = benches.add_parser(
-        "memory", help="bytes per rank at every shard level (ZeRO-1/2) next to torch's ZeroRedundancyOptimizer "
+        "memory", help="bytes per rank at every shard level (ZeRO-1/2/3) next to torch's ZeroRedundancyOptimizer "
         "and FSDP2",
         description="Count the bytes each rank holds (parameters, gradients, optimizer state, communication "
                     "buffers) at the peak of one training step, with the peak RSS, for DataParallel at every shard "
                     "level, torch's ZeroRedundancyOptimizer with DDP and FSDP2 (fully_shard); check each against shard=none's parameters, "
-                    "then time them all, interleaved in each of --repeat repetitions; judge issue 38's goals.")
+                    "then time them all, interleaved in each of --repeat repetitions; judge issues 38's and 39's goals.")
     add = parser.add_argument
     add("--model", default="gpt,mlp", help="comma-separated: gpt (gradsync train's transformer, ~25.4M parameters, "
         "width 512, depth 8, 2 windows of 128 bytes of its corpus per rank), mlp (1024-4096-4096-1024-10, ~25.2M, batch 64 per rank) "
@@ -297,8 +297,8 @@ def add_memory_bench_parser(benches: argparse._SubParsersAction) -> argparse.Arg
     add("--impls", default="gradsync,torch-zero,torch-fsdp2", help="comma-separated: gradsync (DataParallel), "
         "torch-zero (DDP + ZeroRedundancyOptimizer), torch-fsdp2 (FSDP2 fully_shard on each block, then the root) "
         "(default %(default)s)")
-    add("--shards", default="none,optimizer,gradients", help="gradsync's shard levels; none (the baseline) is "
-        "always measured (default %(default)s)")
+    add("--shards", default="none,optimizer,gradients,parameters", help="gradsync's shard levels; none (the "
+        "baseline) is always measured (default %(default)s)")
     add("--algorithm", default="shm", help="DataParallel's algorithm at every level: its AllReduce at shard none, "
         "its reduce-scatter and all-gather at the others (default %(default)s, the fastest on one host)")
     add("--bucket-cap-mb", type=float, default=25.0, help="bucket cap of DataParallel and DDP (default %(default)s)")

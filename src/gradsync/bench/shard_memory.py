@@ -1,9 +1,9 @@
-"""Memory per rank at every sharding level (ZeRO-1, ZeRO-2), and what it costs in samples/s, against torch's ZeRO
-and FSDP2.
+"""Memory per rank at every sharding level (ZeRO-1, ZeRO-2, ZeRO-3), and what it costs in samples/s, against
+torch's ZeRO and FSDP2.
 
 ``gradsync bench memory --model gpt,mlp --optimizer adamw --nproc 1,2,4``:
 for each model and world size, gradsync ``DataParallel`` at every
-``shard`` level (``none``, the baseline; ``optimizer``; ``gradients``) and
+``shard`` level (``none``, the baseline; ``optimizer``; ``gradients``; ``parameters``) and
 torch's ``ZeroRedundancyOptimizer`` (ZeRO stage 1, Rajbhandari et al. 2020,
 arXiv 1910.02054) over ``DistributedDataParallel`` on Gloo, built as its
 docs show (``ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=...,
@@ -14,10 +14,14 @@ after sharding: :mod:`gradsync.bench.shard_memory_fsdp2`).
 
 * Bytes (one run per setting, a fresh world each, so its peak RSS is its
   own): after a warm-up step (buckets rebuilt, optimizer state created),
-  one step is sampled after forward, after backward and after the
-  optimizer step; at each point the tensors the rank holds are counted
-  (:mod:`gradsync.parallel.memory`: ``DataParallel.held_tensors`` for
-  gradsync, :func:`~gradsync.parallel.memory.torch_zero_bytes` and
+  one step is sampled inside the pass at every block's forward, at
+  backward's entry into every block and as each of its gradients is
+  accumulated, and after forward, after backward and after the optimizer
+  step, the same points for every row, and apart from the timed run
+  (:mod:`gradsync.bench.shard_memory_points`); at each point the
+  tensors the rank holds are counted (:mod:`gradsync.parallel.memory`:
+  ``DataParallel.held_tensors`` for gradsync,
+  :func:`~gradsync.parallel.memory.torch_zero_bytes` and
   :func:`~gradsync.bench.shard_memory_fsdp2.fsdp2_bytes` for the peers),
   the point with the largest total is the step's peak and its parts
   are reported, for the rank whose peak is largest. Peak RSS is each
@@ -25,8 +29,8 @@ after sharding: :mod:`gradsync.bench.shard_memory_fsdp2`).
 * Samples/s (one world per model and world size): first every setting
   trains ``CHECK_STEPS`` steps from the same weights on the same batches,
   in float64 (see :func:`check_equal`), and its parameters are compared
-  with the baseline's (allclose, rtol 1e-5, atol 1e-6, on every rank; FSDP2's
-  gathered whole), and FSDP2's float32 reduced gradient with the ranks' mean
+  with the baseline's (allclose, rtol 1e-5, atol 1e-6, on every rank; ZeRO-3's
+  and FSDP2's gathered whole), and FSDP2's float32 reduced gradient with the ranks' mean
   (:func:`~gradsync.bench.shard_memory_fsdp2.gradient_check`); a setting that
   differs is not timed.
   Then ``--repeat`` repetitions, each timing every setting once (order
@@ -38,6 +42,7 @@ Rows, ratios, goals and the table: :mod:`gradsync.bench.shard_memory_rows`.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import resource
@@ -49,8 +54,9 @@ from torch import nn
 
 import gradsync
 from gradsync.bench.output import claim_json_path, write_json
-from gradsync.bench.shard_memory_fsdp2 import fsdp2_bytes, full_tensors, fully_shard_model, gradient_check
+from gradsync.bench.shard_memory_fsdp2 import fsdp2_bytes, full_tensors, fully_shard_model, gradient_check, units
 from gradsync.bench.shard_memory_models import BENCH_MODELS, MODELS, BenchModel, build, loss_of, make_batch
+from gradsync.bench.shard_memory_points import PassSampler, point_names
 from gradsync.bench.shard_memory_rows import BASELINE, IMPL_SHARDS, Setting, memory_rows, settings_for, tables
 from gradsync.bench.shard_memory_texts import DEEPSPEED_NOTE
 from gradsync.bench.spread import check_repeat
@@ -59,7 +65,6 @@ from gradsync.parallel.memory import PARTS, count_bytes, torch_zero_bytes
 from gradsync.train.setup import threads_per_worker
 
 OPTIMIZERS = {"adamw": (torch.optim.AdamW, {"lr": 1e-3}), "sgd": (torch.optim.SGD, {"lr": 0.01, "momentum": 0.9})}
-POINTS = ("forward", "backward", "step")   # where a step is sampled
 CHECK_STEPS = 3                            # identical steps before the parameters are compared
 CHECK_RTOL, CHECK_ATOL = 1e-5, 1e-6
 CHECK_DTYPE = torch.float64               # the check compares computations, not float32 rounding
@@ -125,7 +130,8 @@ def settle(model) -> None:
 
 
 def train_step(model, optimizer, inputs, targets, sample=None) -> None:
-    """zero_grad, forward, loss, backward, optimizer step; ``sample(point)`` after each of :data:`POINTS`."""
+    """zero_grad, forward, loss, backward, optimizer step; ``sample(point)`` after each of
+    :data:`~gradsync.bench.shard_memory_points.POINTS`."""
     optimizer.zero_grad(set_to_none=True)
     loss = loss_of(model(inputs), targets)
     if sample:
@@ -143,7 +149,8 @@ def train_step(model, optimizer, inputs, targets, sample=None) -> None:
 def measure_bytes(spec: BenchModel, setting: Setting, options: Options) -> dict:
     """Count what every rank holds over one step (after a warm-up step); the rank with the largest peak's parts.
 
-    Returns (on every rank): ``parts`` ({part: bytes}), ``peak_at`` (a point of :data:`POINTS`),
+    Returns (on every rank): ``parts`` ({part: bytes}), ``peak_at`` (a point of
+    :func:`~gradsync.bench.shard_memory_points.point_names`),
     ``total_bytes_per_rank`` and ``optimizer_state_bytes_per_rank`` (at each rank's own peak),
     ``peak_rss_mib_per_rank`` (ru_maxrss, MiB) and ``parameters`` (elements).
     """
@@ -152,18 +159,18 @@ def measure_bytes(spec: BenchModel, setting: Setting, options: Options) -> dict:
     model, optimizer = wrap(setting, module, options)
     inputs, targets = make_batch(spec, gradsync.rank())
     train_step(model, optimizer, inputs, targets)
-    counts: dict[str, dict[str, int]] = {}
-    train_step(model, optimizer, inputs, targets,
-               sample=lambda point: counts.__setitem__(point, IMPLS[setting.impl][1](model, optimizer)))
-    peak_at = max(POINTS, key=lambda point: sum(counts[point].values()))
+    blocks = units(module)
+    with PassSampler(blocks, lambda: IMPLS[setting.impl][1](model, optimizer)) as sampler:
+        train_step(model, optimizer, inputs, targets, sample=sampler.sample)
+    peak_at, names = sampler.peak(), point_names(len(blocks))
     rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    mine = torch.tensor([counts[peak_at][part] for part in PARTS] + [POINTS.index(peak_at), rss_mib],
+    mine = torch.tensor([sampler.counts[peak_at][part] for part in PARTS] + [names.index(peak_at), rss_mib],
                         dtype=torch.float64)
     gathered = torch.stack(gradsync.all_gather(mine))  # (world_size, parts + 2)
     totals = gathered[:, :len(PARTS)].sum(dim=1)
     top = int(totals.argmax())
     return {"parts": {part: int(gathered[top, index]) for index, part in enumerate(PARTS)},
-            "peak_at": POINTS[int(gathered[top, len(PARTS)])], "total_bytes_per_rank": [int(x) for x in totals],
+            "peak_at": names[int(gathered[top, len(PARTS)])], "total_bytes_per_rank": [int(x) for x in totals],
             "optimizer_state_bytes_per_rank": [int(x) for x in gathered[:, PARTS.index("optimizer_state")]],
             "peak_rss_mib_per_rank": gathered[:, -1].tolist(),
             "parameters": sum(param.numel() for param in module.parameters())}
@@ -181,6 +188,13 @@ def _trained(spec: BenchModel, initial: nn.Module, setting: Setting, options: Op
         train_step(model, optimizer, inputs, targets)
     settle(model)
     return module, model, optimizer
+
+
+def whole_parameters(module: nn.Module, model) -> list[torch.Tensor]:
+    """Copies of ``module``'s parameters, each whole: gradsync's ZeRO-3 units gathered
+    (``model.full_parameters()``), FSDP2's ``DTensor`` with ``full_tensor()``. Collective: every rank."""
+    with getattr(model, "full_parameters", contextlib.nullcontext)():
+        return [tensor.detach().clone() for tensor in full_tensors(module.parameters())]
 
 
 def check_equal(spec: BenchModel, initial: nn.Module, settings: list[Setting], options: Options) -> dict:
@@ -203,7 +217,7 @@ def check_equal(spec: BenchModel, initial: nn.Module, settings: list[Setting], o
         if setting == BASELINE:
             continue
         gc.collect()  # the copy before (its wrapper's hooks hold it in reference cycles)
-        params = full_tensors(_trained(spec, initial, setting, options, CHECK_STEPS, CHECK_DTYPE)[0].parameters())
+        params = whole_parameters(*_trained(spec, initial, setting, options, CHECK_STEPS, CHECK_DTYPE)[:2])
         equal = all(torch.allclose(mine, theirs, rtol=CHECK_RTOL, atol=CHECK_ATOL)
                     for mine, theirs in zip(params, reference))
         diff = max(float((mine.detach() - theirs).abs().max()) for mine, theirs in zip(params, reference))

@@ -116,7 +116,8 @@ def fsdp2_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
       one has freed its storage and counts 0): after forward, the root's (FSDP2 keeps the root unsharded
       for backward), none after backward or the step;
     * gradients: the local shards of ``.grad`` (views of each group's reduce-scatter output, counted whole),
-      plus unsharded gradients kept for accumulation;
+      plus unsharded gradients: those kept for accumulation, and inside backward those autograd has
+      accumulated into the unsharded parameters of a unit not yet reduce-scattered;
     * optimizer state: the local shards of the optimizer's state tensors (and its ``step`` scalars);
     * buffers: the communication buffers it holds between collectives (:func:`_comm_buffers`).
 
@@ -129,8 +130,9 @@ def fsdp2_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
     sharded = [fsdp_param.sharded_param for fsdp_param in fsdp_params] + list(model.parameters())
     unsharded = [tensor for fsdp_param in fsdp_params for tensor in fsdp_param.all_gather_outputs]
     accumulated = [getattr(fsdp_param, "unsharded_accumulated_grad", None) for fsdp_param in fsdp_params]
+    in_backward = [getattr(getattr(fsdp_param, "_unsharded_param", None), "grad", None) for fsdp_param in fsdp_params]
     return count_bytes({"parameters": [local(param) for param in sharded] + unsharded,
-                        "gradients": [local(param.grad) for param in sharded] + accumulated,
+                        "gradients": [local(param.grad) for param in sharded] + accumulated + in_backward,
                         "optimizer_state": [local(tensor) for tensor in state_tensors(optimizer)],
                         "buffers": _comm_buffers(groups)})
 

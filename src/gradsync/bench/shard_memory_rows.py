@@ -33,8 +33,8 @@ class Setting(NamedTuple):
     shard: str
 
 
-# What each implementation is measured at. gradsync's "parameters" (ZeRO-3) joins its tuple once DataParallel has it.
-IMPL_SHARDS = {"gradsync": ("none", "optimizer", "gradients"), "torch-zero": ("optimizer",),
+# What each implementation is measured at.
+IMPL_SHARDS = {"gradsync": ("none", "optimizer", "gradients", "parameters"), "torch-zero": ("optimizer",),
                "torch-fsdp2": ("parameters",)}
 BASELINE = Setting("gradsync", "none")
 TORCH_ZERO = Setting("torch-zero", "optimizer")
