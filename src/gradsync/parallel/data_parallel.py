@@ -22,7 +22,7 @@ from gradsync.parallel.bucketing import bucket_cap_bytes
 from gradsync.parallel.debug_checks import DebugChecks, resolve_debug, tensors_in
 from gradsync.parallel.reducer import Reducer
 from gradsync.parallel.shard_layout import check_sharding
-from gradsync.parallel.zero import ZERO2_SLABS, ShardedModel, ZeroState, held_tensors, unit_assignment, zero_units
+from gradsync.parallel.zero import ZERO2_SLABS, ZERO3_SLABS, ShardedModel, ZeroState, held_tensors, unit_assignment, zero_units
 from gradsync.parallel.join import join_step, sync_final_model
 from gradsync.parallel.replica_check import ReplicaCheck, check_replicas
 from gradsync.parallel.replicas import (ParameterWatch, agree_on_arguments, broadcast_tensors, buffer_signature,
@@ -158,7 +158,7 @@ class DataParallel(ShardedModel, nn.Module):
         self._reducer = Reducer(named, self.comm, algorithm, bucket_cap_bytes(bucket_cap_mb),
                                 gradient_as_bucket_view, should_sync=lambda: not self._sync_disabled,
                                 compression=compression, sharded=shard != "none",
-                                slabs=ZERO2_SLABS if shard in ("gradients", "parameters") else 0,
+                                slabs={"gradients": ZERO2_SLABS, "parameters": ZERO3_SLABS}.get(shard, 0),
                                 assignment=assignment)
         self.shard = shard
         self._zero = None

@@ -111,7 +111,7 @@ class ExactSumLayout:
                 continue
             start = self.bases[piece.bucket] + piece.flat_start
             from_fixed_point(accumulator[start:start + piece.numel], code, bits, divisor, tensor.dtype, scratch,
-                             out=zero.grads.grad_views[k])
-            tensor.grad = zero.grads.grad_views[k]
+                             out=zero.grads.grad_view(k))
+            tensor.grad = zero.grads.grad_view(k)
         for param in zero.params:
             param.grad = None

@@ -35,14 +35,29 @@ class ShardGradients:
         self.layout, self.comm, self.algorithm = layout, comm, algorithm
         self.compression, self.layouts = compression, layouts
         self.pieces, self.piece_tensors = pieces, piece_tensors
-        dtypes = dtypes or [torch.float32] * len(layout.chunk_numel)
-        self.buffers = [torch.zeros(numel, dtype=dtype) for numel, dtype in zip(layout.chunk_numel, dtypes)]
+        self.dtypes = dtypes or [torch.float32] * len(layout.chunk_numel)
+        # allocated when a bucket's first chunk arrives, dropped once none of its pieces holds a gradient
+        self.buffers: list[torch.Tensor | None] = [None] * len(layout.chunk_numel)
         self.by_bucket: list[list[int]] = [[] for _ in layout.chunk_numel]  # piece indices per bucket
-        self.grad_views = []
         for k, piece in enumerate(pieces):
-            start = layout.chunk(piece.bucket, comm.rank)[0]
             self.by_bucket[piece.bucket].append(k)
-            self.grad_views.append(self.buffers[piece.bucket][piece.flat_start - start:piece.flat_stop - start])
+
+    def _buffer(self, bucket: int) -> torch.Tensor:
+        if self.buffers[bucket] is None:
+            self.buffers[bucket] = torch.zeros(self.layout.chunk_numel[bucket], dtype=self.dtypes[bucket])
+        return self.buffers[bucket]
+
+    def grad_view(self, k: int) -> torch.Tensor:
+        """Piece ``k``'s gradient: its 1-D view of its bucket's shard buffer (allocated on first use)."""
+        piece = self.pieces[k]
+        start = self.layout.chunk(piece.bucket, self.comm.rank)[0]
+        return self._buffer(piece.bucket)[piece.flat_start - start:piece.flat_stop - start]
+
+    def release(self) -> None:
+        """Drop the shard buffers none of whose pieces holds a gradient (after ``zero_grad(set_to_none)``)."""
+        for bucket, members in enumerate(self.by_bucket):
+            if all(self.piece_tensors[k].grad is None for k in members):
+                self.buffers[bucket] = None
 
     def reduce(self, flat: torch.Tensor, bucket: int, divisor: int) -> None:
         """Reduce-scatter bucket ``bucket``'s ``flat`` (gradients, padding, then any flags) and keep this
@@ -70,20 +85,19 @@ class ShardGradients:
         """Write ``chunk`` into the bucket's shard, or add it where a piece still holds an unconsumed
         gradient (two synchronised backwards without a ``zero_grad`` in between accumulate, as ``.grad`` does)."""
         members = self.by_bucket[bucket]
-        buffer = self.buffers[bucket]
         if not any(self.piece_tensors[k].grad is not None for k in members):
-            buffer.copy_(chunk)
+            self._buffer(bucket).copy_(chunk)
         else:
             start = self.layout.chunk(bucket, self.comm.rank)[0]
             for k in members:
                 piece, tensor = self.pieces[k], self.piece_tensors[k]
                 part = chunk[piece.flat_start - start:piece.flat_stop - start]
                 if tensor.grad is None:
-                    self.grad_views[k].copy_(part)
+                    self.grad_view(k).copy_(part)
                 else:
-                    self.grad_views[k].add_(part)
+                    self.grad_view(k).add_(part)
         for k in members:
-            self.piece_tensors[k].grad = self.grad_views[k]
+            self.piece_tensors[k].grad = self.grad_view(k)
 
     def drop_unused(self, used_anywhere: list[bool], fresh: list[bool]) -> None:
         """Pieces of parameters no rank had a gradient for: ``.grad`` None again where it was None before the

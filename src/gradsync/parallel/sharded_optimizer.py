@@ -109,6 +109,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the pieces' gradients and the model's local ones (accumulated under ``no_sync``)."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        self.shards.grads.release()
         for param in self.shards.params:
             if param.grad is not None:
                 if set_to_none:

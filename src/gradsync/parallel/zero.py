@@ -104,6 +104,7 @@ def unit_assignment(units: list[Unit], params: list[torch.Tensor]) -> tuple[list
 
 
 ZERO2_SLABS = 2  # ZeRO-2's bucket buffers: one filling while the one before it is reduce-scattered
+ZERO3_SLABS = 1  # ZeRO-3's: a unit's copy-in waits for the unit before it (reduce-scattered during its backward)
 
 
 class ZeroState:
@@ -159,6 +160,7 @@ class ZeroState:
                 tensor.grad.zero_()
             else:
                 tensor.grad = None
+        self.grads.release()
 
     def require_optimizer(self) -> None:
         """Refuse a training forward before the optimizer is sharded (every rank raises the same, at once)."""
@@ -173,6 +175,7 @@ class ZeroState:
         backward; its own gradients of before are dropped first (the shard must hold only this round's)."""
         for tensor in self.flat.piece_tensors:
             tensor.grad = None
+        self.grads.release()
         shadow_round()
         if self.optimizer is not None:
             self.optimizer.step()
@@ -183,7 +186,7 @@ class ZeroState:
                  for value in entry.values() if isinstance(value, torch.Tensor)]
         grads = [tensor.grad for tensor in self.flat.piece_tensors if tensor.grad is not None]
         shards = getattr(self.flat, "shards", [])
-        return {"parameters": list(self.flat.flats) + shards, "gradients": list(self.grads.buffers) + grads,
+        return {"parameters": list(self.flat.flats) + shards, "gradients": [b for b in self.grads.buffers if b is not None] + grads,
                 "optimizer_state": state}
 
 
