@@ -13,7 +13,8 @@ TABLE_NOTES = [
     "# gradsync parameters (ZeRO-3): DataParallel(shard='parameters'), units by size (bucket cap 25 MB: one per gpt "
     "block; the root unit keeps the embeddings and final norm); param: its shards plus the units whole at the point "
     "(the root from its forward to the end of backward, a block while it runs, the next one prefetched); grad: its "
-    "gradient shards plus the .grad of a unit not yet copied into a slab; buffer: two slabs of the largest unit",
+    "gradient shards (each unit's allocated when it is reduce-scattered, dropped by zero_grad) plus the .grad of a "
+    "unit not yet copied into its slab; buffer: one slab of the largest unit",
     "# torch-fsdp2: PyTorch FSDP2, fully_shard on each gpt block (each mlp Linear), then on the root, defaults "
     "(reshard_after_forward; the root stays unsharded after forward), AdamW built after sharding, Gloo; param: "
     "its padded local shards plus the unsharded parameters alive at the point; grad: local shards plus the "
@@ -88,8 +89,9 @@ way from its parameters, their `.grad`, the local optimizer's state and
 DDP's gradient buckets (their bytes from DDP's logging data,
 `bucket_sizes`). gradsync's ZeRO-3 holds its parameter shards, the flat
 buffers of the units whole at the point (their storage is freed otherwise),
-its gradient shards, the `.grad` of parameters not yet copied into a slab,
-and two slabs the size of its largest unit. FSDP2 is counted from the local
+its gradient shards (a unit's allocated when it is reduce-scattered, dropped
+by `zero_grad`), the `.grad` of parameters not yet copied into the slab, and
+one slab the size of its largest unit. FSDP2 is counted from the local
 shards of its parameters (each padded to ceil(rows / world size) rows), the
 unsharded parameters alive at the point (each unit's all-gather output
 until it reshards), the local shards of the gradients (views of each unit's
