@@ -27,7 +27,8 @@ keeps at each shard level (:mod:`~gradsync.parallel.zero`; docs/sharding.md's ta
 
 DeepSpeed's ``estimate_zero2_model_states_mem_needs`` / ``estimate_zero3_...`` and Accelerate's
 ``estimate-memory`` give the model states only; this adds activations and communication buffers and
-compares them with the memory available (:mod:`~gradsync.parallel.preflight_fit`).
+compares them with the memory available (:mod:`~gradsync.parallel.preflight_fit`, where
+``gradsync.preflight`` lives).
 """
 
 from __future__ import annotations
@@ -223,47 +224,3 @@ def estimate(module: nn.Module, optimizer: torch.optim.Optimizer, sample_batch, 
     return estimate_from(module, state_slots(optimizer), measure_pass(module, sample_batch, loss_fn), world_size,
                          shard, bucket_cap_mb=bucket_cap_mb, algorithm=algorithm, one_host=one_host,
                          gradient_as_bucket_view=gradient_as_bucket_view)
-
-
-def preflight(module: nn.Module, optimizer: torch.optim.Optimizer, sample_batch, world_size: int,
-              shard: str = "none", *, available_bytes: int | None = None, bucket_cap_mb: float = 25.0,
-              loss_fn=None, algorithm: str = "ring", one_host: bool = True, gradient_as_bucket_view: bool = False,
-              accumulate: int = 1) -> MemoryEstimate:
-    """:func:`estimate`, checked against ``available_bytes`` per rank (None: what this process may still
-    take, :func:`~gradsync.parallel.preflight_fit.available_memory`).
-
-    When it does not fit, the shard levels above ``shard``, then (while activations are the largest part,
-    and only with the default loss, which takes any batch size: a ``loss_fn`` may hold targets of
-    ``sample_batch``'s size) smaller micro-batches (``sample_batch``'s tensors cut along their first
-    dimension, halved each time, with ``accumulate`` raised to keep the step's samples), then world sizes
-    doubled up to 64 are estimated, and the message names the first that fits.
-
-    Raises:
-        MemoryPreflightError: the estimate exceeds ``available_bytes``; the one-line message names the
-            largest part and what would fit, or that nothing does (the model then needs tensor or pipeline
-            parallelism beyond gradsync).
-        ValueError / TypeError: as :func:`estimate`.
-    """
-    from gradsync.parallel.preflight_fit import Trial, available_memory, check_fit
-
-    check_level(shard)
-    check_world_size(world_size)
-    bucket_cap_bytes(bucket_cap_mb)
-    available = available_memory(module) if available_bytes is None else available_bytes
-    settings = {"bucket_cap_mb": bucket_cap_mb, "algorithm": algorithm, "one_host": one_host,
-                "gradient_as_bucket_view": gradient_as_bucket_view}
-    pass_at = (lambda size: measure_pass(module, _cut(sample_batch, size))) if loss_fn is None else None
-    return check_fit(module, optimizer, Trial(world_size, shard, _batch_size(sample_batch), accumulate), available,
-                     settings, measure_pass(module, sample_batch, loss_fn), pass_at)
-
-
-def _batch_size(sample_batch) -> int:
-    tensors = sample_batch if isinstance(sample_batch, (tuple, list)) else (sample_batch,)
-    return next((t.shape[0] for t in tensors if isinstance(t, torch.Tensor) and t.dim() > 0), 1)
-
-
-def _cut(sample_batch, size: int):
-    if isinstance(sample_batch, (tuple, list)):
-        return type(sample_batch)(t[:size] if isinstance(t, torch.Tensor) and t.dim() > 0 else t
-                                  for t in sample_batch)
-    return sample_batch[:size]

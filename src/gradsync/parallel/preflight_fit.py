@@ -1,4 +1,4 @@
-"""Does the estimate fit, and if not, what would: the memory available and the preflight's one-line refusal.
+"""``gradsync.preflight``: does the estimate fit, and if not, what would; the memory available; the one-line refusal.
 
 :func:`check_fit` compares one rank's :class:`~gradsync.parallel.preflight.MemoryEstimate`
 with the bytes available and, when it does not fit, looks for what would,
@@ -22,7 +22,10 @@ from torch import nn
 
 from gradsync.errors import MemoryPreflightError
 from gradsync.hosts import memory_cgroup
-from gradsync.parallel.preflight import MemoryEstimate, estimate_from, state_slots
+from gradsync.parallel.bucketing import bucket_cap_bytes
+from gradsync.parallel.pass_memory import measure_pass
+from gradsync.parallel.preflight import (MemoryEstimate, check_level, check_world_size, estimate_from,
+                                         state_slots)
 from gradsync.parallel.shard_layout import SHARD_LEVELS
 
 MAX_WORLD_SIZE = 64  # the largest world size the refusal suggests
@@ -183,3 +186,45 @@ def check_fit(module: nn.Module, optimizer, base: Trial, available: int | None, 
         return found
     fit = _first_fit(search, base, found, available)
     raise MemoryPreflightError(refusal(found, base, available, fit, options), estimate=found)
+
+
+def preflight(module: nn.Module, optimizer: torch.optim.Optimizer, sample_batch, world_size: int,
+              shard: str = "none", *, available_bytes: int | None = None, bucket_cap_mb: float = 25.0,
+              loss_fn=None, algorithm: str = "ring", one_host: bool = True, gradient_as_bucket_view: bool = False,
+              accumulate: int = 1) -> MemoryEstimate:
+    """:func:`~gradsync.parallel.preflight.estimate`, checked against ``available_bytes`` per rank (None: what this process may still
+    take, :func:`~gradsync.parallel.preflight_fit.available_memory`).
+
+    When it does not fit, the shard levels above ``shard``, then (while activations are the largest part,
+    and only with the default loss, which takes any batch size: a ``loss_fn`` may hold targets of
+    ``sample_batch``'s size) smaller micro-batches (``sample_batch``'s tensors cut along their first
+    dimension, halved each time, with ``accumulate`` raised to keep the step's samples), then world sizes
+    doubled up to 64 are estimated, and the message names the first that fits.
+
+    Raises:
+        MemoryPreflightError: the estimate exceeds ``available_bytes``; the one-line message names the
+            largest part and what would fit, or that nothing does (the model then needs tensor or pipeline
+            parallelism beyond gradsync).
+        ValueError / TypeError: as :func:`~gradsync.parallel.preflight.estimate`.
+    """
+    check_level(shard)
+    check_world_size(world_size)
+    bucket_cap_bytes(bucket_cap_mb)
+    available = available_memory(module) if available_bytes is None else available_bytes
+    settings = {"bucket_cap_mb": bucket_cap_mb, "algorithm": algorithm, "one_host": one_host,
+                "gradient_as_bucket_view": gradient_as_bucket_view}
+    pass_at = (lambda size: measure_pass(module, _cut(sample_batch, size))) if loss_fn is None else None
+    return check_fit(module, optimizer, Trial(world_size, shard, _batch_size(sample_batch), accumulate), available,
+                     settings, measure_pass(module, sample_batch, loss_fn), pass_at)
+
+
+def _batch_size(sample_batch) -> int:
+    tensors = sample_batch if isinstance(sample_batch, (tuple, list)) else (sample_batch,)
+    return next((t.shape[0] for t in tensors if isinstance(t, torch.Tensor) and t.dim() > 0), 1)
+
+
+def _cut(sample_batch, size: int):
+    if isinstance(sample_batch, (tuple, list)):
+        return type(sample_batch)(t[:size] if isinstance(t, torch.Tensor) and t.dim() > 0 else t
+                                  for t in sample_batch)
+    return sample_batch[:size]
