@@ -135,12 +135,6 @@ class MemoryReport:
         if self.estimate is not None:
             fields["estimate_parts_mib"] = {part.replace("_bytes", ""): getattr(self.estimate, part) / 2**20
                                             for part in PARTS}
-        if os.environ.get("GRADSYNC_MEMDEBUG"):
-            now = process_memory.snapshot()
-            raw = torch.tensor([self.before.rss, process_memory.peak_resident_bytes(), now.rss, self.before.file, now.file,
-                                self.before.shmem, now.shmem, self.before.shmem_share, now.shmem_share,
-                                self.before.cgroup_usage or 0, now.cgroup_usage or 0], dtype=torch.int64)
-            fields["debug"] = [[round(int(v) / 2**20, 2) for v in row] for row in api.all_gather(raw)]
         return {"preflight": fields}
 
 
