@@ -171,3 +171,22 @@ def test_the_library_call_refuses_with_the_default_loss():
     with pytest.raises(gradsync.MemoryPreflightError, match="tensor or pipeline parallelism"):
         gradsync.preflight(model, adamw, torch.randn(4, 10), 2, available_bytes=100)
     assert gradsync.preflight(model, adamw, torch.randn(4, 10), 2, available_bytes=2**40).parameter_bytes == 880
+
+
+def test_the_resident_peak_is_measured_and_survives_a_reset():
+    """64 MiB touched then freed: the peak above the baseline holds them, and a reset of the high-water mark
+    (the preflight's, before each measured pass) does not lose them from the process's whole peak."""
+    from gradsync.hosts import resident
+    from gradsync.train.process_memory import measured_peak, snapshot
+
+    before = snapshot()
+    block = torch.ones(16 * 2**20)  # 64 MiB, every page written
+    peak = resident.peak_resident_bytes()
+    del block
+    if not resident.reset_peak():
+        pytest.skip("this kernel does not let a process reset its peak resident set")
+    # the kernel's counters lag by up to a few hundred KiB (proc(5): VmHWM "is inaccurate")
+    assert resident.peak_resident_bytes(since_reset=True) < peak - 32 * MiB
+    assert resident.peak_resident_bytes() >= peak - MiB
+    found = measured_peak(before)
+    assert found.source in ("rss", "cgroup") and found.bytes >= 60 * MiB

@@ -57,8 +57,11 @@ def resolved_algorithm(algorithm: str, nbytes: int, world_size: int, one_host: b
     if algorithm != AUTO:
         return algorithm
     sizes = None if one_host else (1,) * world_size
-    return auto.choose(nbytes, world_size, world_size if one_host else 1, shm_available=one_host or None,
-                       host_sizes=sizes)
+    try:
+        return auto.choose(nbytes, world_size, world_size if one_host else 1, shm_available=one_host or None,
+                           host_sizes=sizes)
+    except ValueError:  # the profile in use knows no link between hosts: the ring's buffers then
+        return "ring"
 
 
 def bucket_bytes(numels: list[int], itemsize: int, world_size: int, padded: bool, num_params: int) -> list[int]:

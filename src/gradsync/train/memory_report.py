@@ -38,7 +38,7 @@ import os
 import torch
 
 from gradsync import api
-from gradsync.errors import MemoryPreflightError
+from gradsync.errors import GradsyncError, MemoryPreflightError
 from gradsync.hosts import resident
 from gradsync.parallel.pass_memory import measure_pass, scaled
 from gradsync.parallel.preflight import PARTS, MemoryEstimate, state_slots
@@ -77,14 +77,18 @@ class MemoryReport:
         gathered = [int(value) for value in api.all_gather(torch.tensor([_NO_LIMIT if mine is None else mine]))]
         known = [value for value in gathered if value != _NO_LIMIT]
         available = min(known) if known else None
-        message, found = "", None
+        message, found, failed = "", None, False
         if rank() == 0:
             try:
                 found = self._estimate(model, optimizer, data, world_size, available)
             except MemoryPreflightError as exc:
                 message, found = str(exc), exc.estimate
+            except Exception as exc:  # noqa: BLE001 - said on every rank, not left to time out on the others
+                message, failed = f"gradsync preflight could not estimate: {type(exc).__name__}: {exc}", True
         resident.trim_heap()  # the measured passes' freed blocks go back: the run starts from a trimmed heap
-        self.estimate, message = _share(found, message)
+        self.estimate, message, failed = _share(found, message, failed)
+        if failed:
+            raise GradsyncError(f"{message} (--no-preflight skips the preflight)")
         if message:
             raise MemoryPreflightError(message, estimate=self.estimate)
 
@@ -148,17 +152,17 @@ def _probed(measure, size: int):
     return lambda count: scaled(first, second, small, 2 * small, count)
 
 
-def _share(found: MemoryEstimate | None, message: str) -> tuple[MemoryEstimate, str]:
-    """Rank 0's estimate and refusal (empty: it fits) on every rank (collective: two broadcasts)."""
+def _share(found: MemoryEstimate | None, message: str, failed: bool) -> tuple[MemoryEstimate, str, bool]:
+    """Rank 0's estimate, its refusal (empty: it fits) and whether it failed, on every rank (collective)."""
     encoded = message.encode()
-    head = torch.tensor([getattr(found, part) if found is not None else 0 for part in PARTS] + [len(encoded)],
-                        dtype=torch.int64)
+    parts = [getattr(found, part) if found is not None else 0 for part in PARTS]
+    head = torch.tensor(parts + [int(failed), len(encoded)], dtype=torch.int64)
     api.broadcast(head, src=0)
     text = torch.tensor(list(encoded), dtype=torch.uint8) if rank() == 0 else \
         torch.zeros(int(head[-1]), dtype=torch.uint8)
     if int(head[-1]):
         api.broadcast(text, src=0)
-    return MemoryEstimate(*(int(value) for value in head[:-1])), bytes(text.tolist()).decode()
+    return MemoryEstimate(*(int(value) for value in head[:-2])), bytes(text.tolist()).decode(), bool(head[-2])
 
 
 def preflight_line(summary: dict) -> str | None:
@@ -169,6 +173,6 @@ def preflight_line(summary: dict) -> str | None:
     how = "its own cgroup's peak usage" if fields["measured_by"] == "cgroup" else "peak RSS less shared pages"
     measured = f"measured peak {fields['measured_peak_mib']:.1f} MiB (max over ranks, {how}, above the baseline)"
     if fields["estimate_mib"] is None:
-        return f"gradsync: memory per rank: no estimate (--no-preflight); {measured}"
+        return f"gradsync: memory per rank: no estimate (the preflight did not run); {measured}"
     error = 100 * (fields["estimate_mib"] - fields["measured_peak_mib"]) / max(fields["measured_peak_mib"], 1e-9)
     return f"gradsync: memory per rank: estimated {fields['estimate_mib']:.1f} MiB, {measured}: {error:+.1f}%"
