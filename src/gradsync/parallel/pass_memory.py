@@ -27,7 +27,9 @@ What that exceeds the tensors by is the allocator's own: glibc's heap keeps
 freed blocks for reuse and cannot always reuse them for the next sizes
 asked (a block freed inside the heap is not given back, and its dynamic
 mmap threshold sends a size to the heap once a chunk that large was freed),
-and torch's CUDA allocator rounds and caches blocks.
+and torch's CUDA allocator rounds and caches blocks. The heap is trimmed
+first (:func:`gradsync.hosts.resident.trim_heap`), so the pass starts from
+what it would start from in a run that trims before it.
 
 Like PyTorch's ``torch.distributed._tools.mem_tracker.MemTracker``
 (operator outputs by storage, weak references for frees), reduced to the
@@ -210,10 +212,13 @@ def _load_code() -> None:
 
 
 def _resident_start(device) -> int | None:
-    """Where the resident count stands before the pass, its peak reset (None: it cannot be reset)."""
+    """Where the resident count stands before the pass, its peak reset (None: it cannot be reset). On the
+    CPU the heap's free blocks are given back first (``malloc_trim``), so that what the pass takes is its
+    own and not what earlier work left free: ``gradsync train`` gives them back before each evaluation too."""
     if device is not None:
         torch.cuda.reset_peak_memory_stats(device)
         return torch.cuda.memory_reserved(device)
+    resident.trim_heap()
     return resident.resident_bytes() if resident.reset_peak() else None
 
 
