@@ -22,20 +22,20 @@ size ([sharding.md](sharding.md#memory-preflight)).""",
     "preflight_after": """\
 How to read it. On the gpt the largest pass is the evaluation: each rank
 scores its half of the test split (364 windows) in one forward, about 230
-MiB of tensors against 140 for a training micro-batch; the parameters,
-gradients and AdamW's moments are 50 MiB. The tensors themselves are
-estimated closely (with glibc's dynamic mmap threshold off,
-`MALLOC_MMAP_THRESHOLD_=1048576`, so that every large tensor goes back to
-the kernel when freed, the gpt's estimate came 7% under its measured
-peak); what is left is glibc's heap. Freed blocks stay in the heap for
-reuse, and once a freed chunk was mmapped the threshold rises to its size,
-so the same sizes then come from the heap, where a block freed between two
-live ones cannot be given back: the peak resident set carries tens of MiB
-more than the tensors, differently on each rank (the two ranks of one run
-differ by up to 40 MiB) and in each run. The estimate adds what the
-allocator kept during its own measured passes, which covers part of it. The
-CNN and the MLP hold a few MiB: Python objects and small allocations
-dominate there, which the estimate does not count.""",
+MiB of tensors against 143 for a training micro-batch, and glibc's heap
+holds some 140 MiB more than those tensors while it runs (freed blocks stay
+in the heap, and once a freed chunk was mmapped its dynamic threshold sends
+that size to the heap, where a block freed between two live ones cannot be
+given back). The parameters, gradients and AdamW's moments are 50 MiB. So
+`gradsync train` gives the heap back to the kernel (`malloc_trim`) before
+each evaluation and before each pass the preflight measures, and the
+estimate adds what the allocator held beyond the tensors during its own
+measured passes. What still moves is that allocator part: measured on rank
+0's one evaluation pass, it varies by up to 70 MiB from run to run (the
+spread of the estimate), against some 15 MiB for the measured peaks. The
+CNN and the MLP hold a few MiB: Python objects and small allocations, which
+the estimate does not count, weigh as much as their tensors there (the
+error is 0.3 to 3 MiB).""",
 }
 
 PREFLIGHT_TITLES = {"preflight": "Memory preflight: the estimate against the measured peak"}
