@@ -15,6 +15,7 @@ import torch
 from _early import early_job
 from gradsync.cli import main
 from gradsync.train import data
+from gradsync.train.models import MLP
 
 
 def _gradsync(*args: str, env: dict | None = None, timeout_s: float = 120) -> subprocess.CompletedProcess:
@@ -191,6 +192,20 @@ def _check_trace(events, steps, micro_batches):
         assert all(e["dur"] >= 0 for e in mine)
 
 
+def _check_preflight(summary: dict, stdout: str) -> None:
+    """The memory preflight's fields (issue 39): the MLP's parameters, whole gradients and AdamW's two
+    moments counted from the model's own sizes; the measured peak, the largest of the two ranks'."""
+    fields = summary["preflight"]
+    numel = sum(p.numel() for p in MLP().parameters())
+    parts = fields["estimate_parts_mib"]
+    assert parts["parameter"] == parts["gradient"] == numel * 4 / 2**20
+    assert parts["optimizer_state"] == 2 * numel * 4 / 2**20
+    assert fields["estimate_mib"] == pytest.approx(sum(parts.values()))
+    assert len(fields["measured_peak_mib_per_rank"]) == 2 and fields["measured_by"] in ("rss", "cgroup")
+    assert fields["measured_peak_mib"] == max(fields["measured_peak_mib_per_rank"]) > 0
+    assert f"gradsync: memory per rank: estimated {fields['estimate_mib']:.1f} MiB, measured peak " in stdout
+
+
 def assert_private(*paths: Path) -> None:
     """Every folder under ``paths`` is 0700 and every file 0600 (issue 16: they were 0755 / 0644)."""
     found = [path for top in paths for path in [top, *(top.rglob("*") if top.is_dir() else [])]]
@@ -252,6 +267,7 @@ def test_cli_small_run_writes_metrics_summary_and_plots(early):
     assert len(summary["algorithms"]) >= 2 and {e["algorithm"] for e in summary["algorithms"]} == {"ring"}
     assert all(e["bucket_nbytes"] > 0 for e in summary["algorithms"])
     assert f"gradsync: AllReduce algorithm: ring for {len(summary['algorithms'])} buckets of " in result.stdout
+    _check_preflight(summary, result.stdout)
     for name in ("loss.png", "accuracy.png", "time.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert_private(out, tmp_path / "trace.json")

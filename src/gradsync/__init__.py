@@ -14,7 +14,8 @@ from gradsync.errors import (CheckpointFolderError, CollectiveMismatchError, Col
                              ReplicaDivergenceError, ShmSetupError)
 from gradsync.parallel import AsyncWorker, DataParallel, DeterministicDataParallel, LocalSGD, ParameterServer
 from gradsync.parallel.clip import clip_grad_norm_
-from gradsync.parallel.preflight import MemoryEstimate, preflight
+from gradsync.parallel.preflight import MemoryEstimate
+from gradsync.parallel.preflight_fit import preflight
 from gradsync.parallel.replica_check import ReplicaCheck, check_replicas
 from gradsync.parallel.shard_layout import SHARD_LEVELS
 from gradsync.parallel.sharded_optimizer import ShardedOptimizer

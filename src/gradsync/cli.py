@@ -11,6 +11,7 @@ import sys
 from gradsync import __version__
 from gradsync.bench import record as bench_record
 from gradsync.bench.command_line import _add_bitwise_bench_options, bench_bitwise
+from gradsync.bench.command_line import add_preflight_bench_parser, bench_preflight
 from gradsync.bench.command_line import (_add_allreduce_bench_options, _add_compression_bench_options,
                                          _add_deterministic_bench_options, _add_faults_bench_options,
                                          _add_modes_bench_options, _add_replicas_bench_options,
@@ -118,6 +119,10 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
     add("--memory-limit-mib", type=int, default=None, metavar="M", help="run each rank in a memory cgroup of its "
         "own (a child of this run's cgroup, removed afterwards) limited to M MiB: the kernel OOM-kills a rank that "
         "needs more (needs a writable memory cgroup controller, i.e. root)")
+    add("--no-preflight", dest="preflight", action="store_false", help="skip the memory preflight: before step 1 "
+        "every run estimates one rank's memory (parameters, gradients, optimizer state, buffers, activations of "
+        "one measured micro-batch) and stops with one line naming what would fit when it exceeds the memory "
+        "available (default: on)")
     add("--max-restarts", type=int, default=d.max_restarts, help="restart the workers from the newest "
         "checkpoint up to this many times when one fails or hangs (default %(default)s)")
     add("--checkpoint-dir", default=None, metavar="DIR", help="write checkpoints here and resume from the "
@@ -224,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
         "exit 1 if any differs."))
     add_memory_bench_parser(benches)
     add_fit_bench_parser(benches)
+    add_preflight_bench_parser(benches)
     bench_report.add_parser(benches)
     bench_record.add_parser(benches)
     debug = commands.add_parser(
@@ -269,6 +275,7 @@ def _given(argv: list[str] | None) -> set[str]:
 
 def train(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     from gradsync.jobs.job import run_job
+    from gradsync.train.memory_report import preflight_line
     from gradsync.train.summary import algorithm_line
 
     config = _config_from_args(args)
@@ -276,6 +283,8 @@ def train(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     # across hosts under torchrun, host 0's rank 0 printed it (relayed); an elastic run's job has the summary
     if summary is not None and (args.hosts is None or args.elastic):
         print(algorithm_line(summary))
+        if preflight_line(summary):
+            print(preflight_line(summary))
         print(f"test accuracy {100 * summary['final_test_accuracy']:.2f}% | "
               f"{summary['samples_per_s']:.0f} samples/s | {summary['wall_s']:.1f} s | "
               f"run folder {summary['config']['out']}")
@@ -318,6 +327,7 @@ def _record(args: argparse.Namespace) -> int:
 _BENCHES = {"allreduce": bench_allreduce, "train": bench_train, "compression": bench_compression,
             "modes": bench_modes, "faults": bench_faults, "deterministic": bench_deterministic,
             "replicas": bench_replicas, "bitwise": bench_bitwise, "memory": bench_memory, "fit": bench_fit,
+            "preflight": bench_preflight,
             "report": bench_report.run,
             "record": _record}
 

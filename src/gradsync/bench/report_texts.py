@@ -3,6 +3,7 @@
 :mod:`gradsync.bench.report` renders the page from these and the recorded rows.
 """
 
+from gradsync.bench.memory_estimate_texts import PREFLIGHT_ABOUT, PREFLIGHT_TITLES
 from gradsync.bench.shard_memory_texts import MEMORY_ABOUT, MEMORY_TITLES
 from gradsync.bench.sim_texts import SIM_ABOUT, SIM_TITLES
 
@@ -393,6 +394,8 @@ TITLES = {"allreduce": "AllReduce sweep", "allreduce_shm2": "Shared memory again
            "replicas": "Replica checks: the cost of one check against one training step"}
 
 ABOUT.update(MEMORY_ABOUT)
+ABOUT.update(PREFLIGHT_ABOUT)
 ABOUT.update(SIM_ABOUT)
 TITLES.update(MEMORY_TITLES)
+TITLES.update(PREFLIGHT_TITLES)
 TITLES.update(SIM_TITLES)

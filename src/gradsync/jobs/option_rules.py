@@ -136,6 +136,9 @@ RULES: dict[str, Rule] = {
                              why="gradsync train's own launcher puts each rank of a fixed group on this machine in "
                                  "a memory cgroup (torchrun and test hosts start their ranks themselves; elastic "
                                  "workers come and go)"),
+    "preflight": Rule(modes=("sync", "local-sgd"), memberships=("static",),
+                      why="the preflight runs where the trainer builds a fixed group's replicas (a parameter "
+                          "server's roles and an elastic membership's hand-over do not run it)"),
     "max_restarts": Rule(modes=("sync", "local-sgd"), memberships=("static",), placements=("local", "test hosts"),
                          why="torch's agent restarts a static sync or local-sgd job (torchrun: give it to torchrun;"
                              " --elastic: survivors go on)"),

@@ -238,7 +238,7 @@ class UnitParameters:
             return
         if self._in_backward:  # the last backward raised before its end: forget it
             self._end_backward()
-        self._recording = not self._order and torch.is_grad_enabled()
+        self._recording = not self._order and torch.is_grad_enabled() and not self._pinned
         if self.keep_gathered:
             self.gather_all()
             return

@@ -59,6 +59,7 @@ class TrainConfig:
     seed: int = 0                   # model init, shuffling
     timeout: float = 300.0          # seconds any collective may wait for a peer
     memory_limit_mib: int | None = None  # each rank in its own memory cgroup with this limit (local, static)
+    preflight: bool = True          # estimate one rank's memory before step 1 and refuse a run that cannot fit
     max_restarts: int = 0           # times the elastic agent restarts the workers after a failure
     checkpoint_dir: str | None = None  # checkpoints (default <out>/checkpoints when --max-restarts > 0)
     checkpoint_every: int = 100     # optimizer steps between checkpoints

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from gradsync import api
+from gradsync.hosts import resident
 from gradsync.parallel.timeline import Timeline, trace_events, write_trace
 from gradsync.train.data import Splits
 from gradsync.train.task import position_counts
@@ -29,6 +30,9 @@ def evaluate(model, data: Splits, rank: int, world_size: int,
     whole copy of the model to a rank's peak memory.
     """
     model.eval()
+    # the training steps' freed blocks go back to the kernel first: glibc's heap would otherwise keep them
+    # while the one large forward below takes its own (the memory preflight measures it the same way)
+    resident.trim_heap()
     pieces, mine = world_size, [rank]
     if shards is not None:
         pieces, mine = shards[0], list(shards[1])

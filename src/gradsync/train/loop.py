@@ -1,21 +1,18 @@
 """The one training loop: shard, forward, backward + AllReduce, step, for every run but the parameter server's.
 
-Each optimizer step consumes ``accumulate`` micro-batches of ``batch_size``
-samples per worker; all but the last run under ``no_sync()`` and the loss is
-scaled by 1/accumulate, so one step equals one batch of
-``batch_size * accumulate * world_size`` samples. With ``global_batch_size``
-the step's samples are fixed instead, and ``deterministic`` computes them as
-micro-shards whose exact sum is the same at any world size (:mod:`~gradsync.train.forward_backward`);
-timing in :class:`~gradsync.train.meter.StepMeter`, progress in :class:`~gradsync.train.state.TrainState`.
+Each optimizer step consumes ``accumulate`` micro-batches of ``batch_size`` samples per worker; all but the last
+run under ``no_sync()`` and the loss is scaled by 1/accumulate, so one step equals one batch of ``batch_size *
+accumulate * world_size`` samples. With ``global_batch_size`` the step's samples are fixed instead, and
+``deterministic`` computes them as micro-shards whose exact sum is the same at any world size
+(:mod:`~gradsync.train.forward_backward`); timing in :class:`~gradsync.train.meter.StepMeter`, progress in
+:class:`~gradsync.train.state.TrainState`.
 
-Who takes part is a membership's answer (:mod:`~gradsync.elastic.membership`):
-a static run's never changes; an elastic run's is asked at every step
-boundary, and each new membership starts with rank 0's state handed to
-every member (:meth:`Trainer._adopt`), so survivors, replacements and a
-member that missed a step continue from the same bits. An elastic run
-always takes fixed global batches (``--global-batch-size``, else
-``--batch-size`` x ``--accumulate`` x ``--nproc``), cut over the members of
-the moment; a step interrupted by a failure is redone on the same batch.
+Who takes part is a membership's answer (:mod:`~gradsync.elastic.membership`): a static run's never changes; an
+elastic run's is asked at every step boundary, and each new membership starts with rank 0's state handed to
+every member (:meth:`Trainer._adopt`), so survivors, replacements and a member that missed a step continue from
+the same bits. An elastic run always takes fixed global batches (``--global-batch-size``, else ``--batch-size``
+x ``--accumulate`` x ``--nproc``), cut over the members of the moment; a step interrupted by a failure is redone
+on the same batch.
 """
 
 from __future__ import annotations
@@ -39,6 +36,7 @@ from gradsync.train import resume
 from gradsync.train.config import TrainConfig
 from gradsync.train.validation import validate_against_data
 from gradsync.train.data import load
+from gradsync.train.memory_report import MemoryReport
 from gradsync.train.meter import StepMeter
 from gradsync.train.metrics import METRICS_FILE, MODEL_FILE, MetricsLog
 from gradsync.train.task import make_model
@@ -66,6 +64,7 @@ class Trainer:
         set_threads(config.nproc if self.elastic else gradsync.world_size(), deterministic=config.deterministic)
         seed_everything(self.membership.seed(config.seed))
         self.data = load(data_path)
+        self.memory = MemoryReport(config)  # the baseline: after the data, before the model
         self.num_train = len(self.data.y_train)
         self.local_sgd = config.mode == "local-sgd"
         self.global_loss = config.deterministic or self.elastic  # a step's loss is the global batch's already
@@ -117,6 +116,7 @@ class Trainer:
         validate_against_data(self.config, self.world_size, self.num_train)
         self.model = build_replica(self.config)
         self._optimizer()
+        self.memory.check(self.model, self.optimizer, self.data, self.world_size)  # before step 1, on every rank
         self.state, metrics_text, self.resumed_from = resume.load_latest(
             self.checkpoint_root, self.config, self.replica, self.out_dir / METRICS_FILE if self.is_main else None)
         self.world_change = self._resharded()
@@ -392,6 +392,7 @@ class Trainer:
     def _summary(self) -> dict | None:
         """Gather every rank's counters and timeline (collective); rank 0 returns the summary, others None."""
         totals, extra = gather_totals(self.state, self.model.comm.stats, self.world_size, self.elapsed_s())
+        extra.update(self.memory.summary_fields())  # collective: every rank's measured peak
         gather_trace(self.timeline, self.config.trace, self.is_main)
         if not self.is_main:
             return None

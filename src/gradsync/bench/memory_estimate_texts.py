@@ -1,0 +1,41 @@
+"""The words of ``bench preflight``'s section in docs/benchmarks.md: what it measures, and how to read it."""
+
+from __future__ import annotations
+
+PREFLIGHT_ABOUT = {
+    "preflight": """\
+The memory preflight of `gradsync train` (issue 39) against what the run
+then took: one `gradsync train --epochs 1` process tree per model and
+`--shard` level (2 ranks; the gpt at width 256 and depth 4, 3.3M
+parameters, batch 32 windows of 64 bytes per rank; MNIST-1D's CNN and MLP
+on 4000 samples, batch 32), each repetition running every case once.
+`estimate` is one rank's, computed before step 1 (`gradsync.preflight`:
+parameters, gradients, optimizer state, buffers, and the activations of one
+measured micro-batch and of the rank's piece of the test split, with what
+the allocator kept beyond their tensors); `measured` the largest rank's
+peak above its baseline (peak resident set less the shared-memory pages
+beyond its share and less file-backed pages; in a cgroup of its own, its
+peak usage), both from `summary.json`. `error %` is (estimate - measured) /
+measured, each cell the median with the min-max over the repetitions; the
+goal (within 15% on the gpt at every level) is judged on the median of its
+size ([sharding.md](sharding.md#memory-preflight)).""",
+    "preflight_after": """\
+How to read it. On the gpt the largest pass is the evaluation: each rank
+scores its half of the test split (364 windows) in one forward, about 230
+MiB of tensors against 143 for a training micro-batch, and glibc's heap
+holds some 140 MiB more than those tensors while it runs (freed blocks stay
+in the heap, and once a freed chunk was mmapped its dynamic threshold sends
+that size to the heap, where a block freed between two live ones cannot be
+given back). The parameters, gradients and AdamW's moments are 50 MiB. So
+`gradsync train` gives the heap back to the kernel (`malloc_trim`) before
+each evaluation and before each pass the preflight measures, and the
+estimate adds what the allocator held beyond the tensors during its own
+measured passes. What still moves is that allocator part: measured on rank
+0's one evaluation pass, it varies by up to 70 MiB from run to run (the
+spread of the estimate), against some 15 MiB for the measured peaks. The
+CNN and the MLP hold a few MiB: Python objects and small allocations, which
+the estimate does not count, weigh as much as their tensors there (the
+error is 0.3 to 3 MiB).""",
+}
+
+PREFLIGHT_TITLES = {"preflight": "Memory preflight: the estimate against the measured peak"}
