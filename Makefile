@@ -45,7 +45,7 @@ test-slow: $(STAMP)
 BENCH_DIR := docs/bench
 BENCHES ?= allreduce allreduce_shm2 allreduce_shm4 allreduce_hosts_1g allreduce_hosts_10g allreduce_rs allreduce_ag \
 	train compression modes faults \
-	faults_elastic deterministic bitwise replicas memory preflight \
+	faults_elastic deterministic bitwise replicas memory preflight fit \
 	sim_calibrate sim_validate sim_reproduce sim_scale
 BENCH_allreduce ?= --nproc 4 --sizes 4K,64K,1M,16M,64M --algorithms ring,tree,halving_doubling,hierarchical,shm,shm_zero_copy,native,auto
 # shared memory against MPICH and Open MPI (`make setup` installs both; one run and table each, every installed MPI)
@@ -75,7 +75,9 @@ BENCH_replicas ?= --nproc 2,4 --model cnn,mlp
 # timed steps (default 3); ~23 min on the 2 shared cores (load 6)
 BENCH_memory ?= --model gpt,mlp --optimizer adamw --nproc 1,2,4 --algorithm shm --steps 2 --warmup 1 --repeat 5
 # preflight: the memory estimate against the measured peak, gradsync train per model and level, ~25 min
-BENCH_preflight ?= --model gpt,cnn,mlp --shard-levels none,optimizer,gradients --nproc 2 --repeat 2
+BENCH_preflight ?= --model gpt,cnn,mlp --shard-levels none,optimizer,gradients,parameters --nproc 2 --repeat 2
+# fit: a gpt (width 256, depth 8) under --memory-limit-mib at 4 ranks: refused unsharded, trained at --shard parameters, ~15 min
+BENCH_fit ?= --memory-limit-mib 450
 # the simulator: this machine's profile, predicted against measured here (calibrates itself; test hosts need
 # root), against published nccl-tests curves, and the at-scale table (the command docs/simulator.md shows)
 BENCH_sim_calibrate ?= --settings full

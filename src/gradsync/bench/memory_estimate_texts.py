@@ -1,4 +1,4 @@
-"""The words of ``bench preflight``'s section in docs/benchmarks.md: what it measures, and how to read it."""
+"""The words of ``bench preflight``'s and ``bench fit``'s sections in docs/benchmarks.md: what they measure, how to read them."""
 
 from __future__ import annotations
 
@@ -39,3 +39,22 @@ error is 0.3 to 3 MiB).""",
 }
 
 PREFLIGHT_TITLES = {"preflight": "Memory preflight: the estimate against the measured peak"}
+
+FIT_ABOUT = {
+    "fit": """\
+The model that does not fit one replica, trained (issue 39): `gradsync
+bench fit` runs `gradsync train --model gpt` (width 256, depth 8, 8 heads,
+64 bytes of context: 6.3M parameters; AdamW; one epoch of its corpus at a
+global batch of 32) at 4 ranks three times: `--shard none` without a
+limit (the reference), `--shard none --memory-limit-mib M` (each rank in
+a child memory cgroup the kernel enforces, at a limit below what one
+unsharded replica needs), and `--shard parameters` under the same limit.
+The preflight must refuse the second before step 1, in one line naming
+what would fit, and the third must end within 2% of the reference's final
+test loss after the same steps. `estimate MiB` and `peak MiB` are the
+preflight's per-rank estimate and the measured peak from summary.json.
+Each setting runs once: results, not times, are compared.
+""",
+}
+
+FIT_TITLES = {"fit": "The model that does not fit: refused unsharded, trained with ZeRO-3 under a memory limit"}

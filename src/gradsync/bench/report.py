@@ -35,7 +35,7 @@ from gradsync.bench.sim_report import tables as sim_tables
 # Record names: a bench, or "<bench>_<label>" for a second setting of one (the test-host sweeps).
 BENCHES = ("allreduce", "allreduce_shm2", "allreduce_shm4", "allreduce_hosts_1g", "allreduce_hosts_10g",
            "allreduce_rs", "allreduce_ag", "train", "compression", "modes", "faults", "faults_elastic",
-           "deterministic", "bitwise", "replicas", "memory", "preflight")
+           "deterministic", "bitwise", "replicas", "memory", "preflight", "fit")
 BENCHES = BENCHES + tuple(SIM_COMMANDS)  # the simulator's records: calibrate, --validate, --reproduce, scale
 DEFAULT_BENCH_DIR = "docs/bench"
 DEFAULT_OUT = "docs/benchmarks.md"
@@ -170,6 +170,9 @@ def tables(name: str, rows: list[dict]) -> list[str]:
     if name == "memory":
         from gradsync.bench.shard_memory_rows import tables as memory_tables
         return memory_tables(rows)
+    if name == "fit":
+        from gradsync.bench.does_not_fit import format_table as fit_table
+        return [fit_table(rows)]
     if name == "preflight":
         from gradsync.bench.memory_estimate import format_table as preflight_table
         return [preflight_table(rows)]

@@ -3,7 +3,7 @@
 :mod:`gradsync.bench.report` renders the page from these and the recorded rows.
 """
 
-from gradsync.bench.memory_estimate_texts import PREFLIGHT_ABOUT, PREFLIGHT_TITLES
+from gradsync.bench.memory_estimate_texts import FIT_ABOUT, FIT_TITLES, PREFLIGHT_ABOUT, PREFLIGHT_TITLES
 from gradsync.bench.shard_memory_texts import MEMORY_ABOUT, MEMORY_TITLES
 from gradsync.bench.sim_texts import SIM_ABOUT, SIM_TITLES
 
@@ -395,7 +395,9 @@ TITLES = {"allreduce": "AllReduce sweep", "allreduce_shm2": "Shared memory again
 
 ABOUT.update(MEMORY_ABOUT)
 ABOUT.update(PREFLIGHT_ABOUT)
+ABOUT.update(FIT_ABOUT)
 ABOUT.update(SIM_ABOUT)
 TITLES.update(MEMORY_TITLES)
 TITLES.update(PREFLIGHT_TITLES)
+TITLES.update(FIT_TITLES)
 TITLES.update(SIM_TITLES)
