@@ -173,6 +173,24 @@ def test_bad_memory_limit_is_refused_in_one_line(value, needle, tmp_path, capsys
     assert not (tmp_path / "run").exists() and not (tmp_path / "data").exists()
 
 
+@needs_cgroups
+@pytest.mark.parametrize("shard, limit, line", [
+    ("none", "50", "--memory-limit-mib 50 is below the gpt model's parameters alone: 96.8 MiB per rank at --shard "
+                   "none and --nproc 4; --shard parameters keeps 1/4 of them per rank"),
+    ("parameters", "20", "--memory-limit-mib 20 is below the gpt model's parameters alone: 24.2 MiB per rank at "
+                         "--shard parameters and --nproc 4"),
+])
+def test_a_limit_below_the_parameters_alone_is_refused_before_any_process(shard, limit, line, tmp_path, capsys):
+    """The 25.4M-parameter gpt (4 bytes each: 96.8 MiB; a quarter per rank at ZeRO-3 and 4 ranks), counted on the
+    meta device, against the limit: one line, nothing started."""
+    result = run_cli(["train", "--model", "gpt", "--gpt-width", "512", "--gpt-depth", "8", "--gpt-heads", "8",
+                      "--nproc", "4", "--shard", shard, "--memory-limit-mib", limit, "--out", str(tmp_path / "run")],
+                     capsys)
+    lines = [text for text in result.stderr.splitlines() if text.strip()]
+    assert result.returncode not in (0, None) and lines == [f"gradsync train: error: {line}"], result.stderr
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("extra, needle", [
     (["--hosts", "2"], "with --hosts"),
     (["--elastic"], "--elastic"),

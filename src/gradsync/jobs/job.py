@@ -14,6 +14,7 @@ import time
 import warnings
 from pathlib import Path
 
+from gradsync.train.memory_report import limit_below_parameters
 from gradsync.fault import checkpoint
 from gradsync.fault.injection import attempt, check_environment
 from gradsync.hosts import memory_children
@@ -173,7 +174,7 @@ def _run_job(config: TrainConfig, given) -> dict | None:
     check_options(config, where, given)
     check_environment()
     if config.memory_limit_mib is not None:
-        problem = memory_children.limit_problem(config.memory_limit_mib)
+        problem = memory_children.limit_problem(config.memory_limit_mib) or limit_below_parameters(config)
         if problem:
             raise ValueError(problem)
     if config.join is not None:

@@ -34,7 +34,6 @@ rank's estimate is the same).
 from __future__ import annotations
 
 import contextlib
-
 import os
 
 import torch
@@ -48,9 +47,27 @@ from gradsync.parallel.preflight_fit import Trial, check_fit
 from gradsync.process_group import default_communicator, rank
 from gradsync.train import process_memory
 from gradsync.train.setup import make_optimizer
-from gradsync.train.task import position_counts, sample_loss
+from gradsync.train.task import make_model, position_counts, sample_loss
 
 _NO_LIMIT = -1
+
+
+def limit_below_parameters(config) -> str | None:
+    """Why ``--memory-limit-mib`` cannot hold even one rank's parameters at ``config``'s ``--shard`` and
+    ``--nproc`` (the model built on the meta device: no memory, no data), or None. Said before any process
+    starts; what else fits is the preflight's, in each rank."""
+    if config.memory_limit_mib is None:
+        return None
+    with torch.device("meta"):
+        model = make_model(config)
+    whole = sum(param.numel() * param.element_size() for param in model.parameters())
+    per_rank = -(-whole // config.nproc) if config.shard == "parameters" else whole
+    if per_rank < config.memory_limit_mib * 2**20:
+        return None
+    hint = "" if config.shard == "parameters" or -(-whole // config.nproc) >= config.memory_limit_mib * 2**20 \
+        else f"; --shard parameters keeps 1/{config.nproc} of them per rank"
+    return (f"--memory-limit-mib {config.memory_limit_mib} is below the {config.model} model's parameters alone: "
+            f"{per_rank / 2**20:.1f} MiB per rank at --shard {config.shard} and --nproc {config.nproc}{hint}")
 
 
 class MemoryReport:
