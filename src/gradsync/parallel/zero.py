@@ -75,6 +75,14 @@ class ShardedModel:
         return self._zero.flat.full()
 
 
+    def _read_check(self):
+        """The context DataParallel calls its module in: ZeRO-3's check of the first forward for reads of
+        parameters whose unit is not gathered (:class:`~gradsync.parallel.unit_params.FreedReadCheck`)."""
+        if self._zero is None or self._zero.level != "parameters":
+            return contextlib.nullcontext()
+        return self._zero.flat.first_forward_check(self._zero.names)
+
+
 def zero_units(module, shard: str, units, bucket_cap_mb: float) -> list[Unit]:
     """ZeRO-3's units of ``module`` (empty below ``shard="parameters"``; ``units`` given elsewhere is refused).
 
