@@ -132,3 +132,37 @@ def test_a_memory_limit_below_what_any_rank_needs_is_refused_before_a_process_st
     assert result.returncode not in (0, None) and len(lines) == 1, result.stderr
     assert "gradsync preflight: --memory-limit-mib 1 is below the" in lines[0] and "--no-preflight" in lines[0]
     assert not (tmp_path / "run").exists() and not (tmp_path / "data").exists()
+
+
+def test_what_a_block_writes_inside_full_parameters_is_kept_as_at_the_other_levels():
+    """Weight surgery inside ``model.full_parameters()`` (as FSDP's ``summon_full_params(writeback=True)``) used to
+    be silently dropped at ZeRO-3 (the gathered copy was freed, the shards kept their old values)."""
+    torch.manual_seed(3)
+    base = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)), nn.Linear(4, 2))
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+
+    def surgery(net):
+        with torch.no_grad():
+            net[1].weight.mul_(-2.0)
+            net[0][0].bias.fill_(0.25)
+
+    def body(comm):
+        model = gradsync.DataParallel(copy.deepcopy(base), group=comm, shard="parameters", units=[nn.Linear])
+        optimizer = model.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        with model.full_parameters():
+            surgery(model.module)
+        rows = slice(comm.rank * 4, comm.rank * 4 + 4)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        optimizer.step()
+        with model.full_parameters():
+            return [p.detach().clone() for p in model.module.parameters()]
+
+    reference = copy.deepcopy(base)
+    surgery(reference)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    nn.functional.mse_loss(reference(x), y).backward()
+    optimizer.step()
+    for whole in run_threads(2, body):
+        for got, want in zip(whole, reference.parameters()):
+            torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)

@@ -188,7 +188,7 @@ class DataParallel(ShardedModel, nn.Module):
             self._reducer.report_change(change, 0 if change is None else self._name_code(change))
         if self._joining:
             self._join_step(active=True, will_sync=will_sync, sync_buffers=training)
-        if training:  # evaluation under no_grad does not communicate (ranks may evaluate unevenly)
+        if training:  # evaluation under no_grad does not communicate here (ZeRO-3's gathers aside)
             self._sync_buffers()
         with self._read_check():  # ZeRO-3's first forward: a read of a unit not gathered is named
             if training and self._debug is not None:  # one small all_gather; DebugCheckError on every rank

@@ -281,14 +281,27 @@ class UnitParameters:
 
     @contextmanager
     def full(self):
-        """Every unit whole inside the block (collective on entry), freed after it."""
+        """Every unit whole inside the block (collective on entry), freed after it; what the block wrote into
+        the parameters is kept (this rank's chunk of each unit written back, as FSDP's
+        ``summon_full_params(writeback=True)``), as at the other levels, whose parameters are always whole."""
         self.gather_all()
         self._pinned += 1
         try:
             yield
         finally:
             self._pinned -= 1
+            if not self._pinned:
+                self._write_back()
             self.free_all()
+
+    def _write_back(self) -> None:
+        """Copy this rank's chunk of every whole unit's flat buffer into its shard (what persists)."""
+        with torch.no_grad():
+            for u, whole in enumerate(self.gathered):
+                for bucket in self.unit_buckets[u] if whole else ():
+                    self._wait(u)
+                    start, stop = self.layout.chunk(bucket, self.comm.rank)
+                    self.shards[bucket].copy_(self.flats[bucket][start:stop])
 
     def first_forward_check(self, names: dict[int, str]):
         """A context for the module's call: :class:`FreedReadCheck` at the first forward, nothing after it
@@ -399,9 +412,6 @@ class UnitParameters:
         self._pinned += 1
 
     def _load_post(self, module, incompatible_keys) -> None:
-        with torch.no_grad():
-            for bucket, flat in enumerate(self.flats):
-                start, stop = self.layout.chunk(bucket, self.comm.rank)
-                self.shards[bucket].copy_(flat[start:stop])
+        self._write_back()
         self._pinned -= 1
         self.free_all()

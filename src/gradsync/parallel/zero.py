@@ -68,7 +68,8 @@ class ShardedModel:
         """A context manager in which every parameter is whole and equal on every rank (collective on entry).
 
         At ``shard="parameters"`` it all-gathers every unit and frees them after the block (save or compare
-        parameters inside it); at the other levels it waits for the step's all-gather.
+        parameters inside it; what the block writes into them is kept); at the other levels it waits for the
+        step's all-gather.
         """
         if self._zero is None:
             return contextlib.nullcontext()
