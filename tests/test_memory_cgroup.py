@@ -230,7 +230,7 @@ def test_train_runs_each_rank_in_its_own_limited_cgroup_and_removes_it(early):
 
 OOM_RUN = early_job("memory-oom-run", [
     "train", "--nproc", "2", "--model", "logreg", "--epochs", "1", "--num-samples", "200", "--batch-size", "16",
-    "--memory-limit-mib", "8", "--out", "{folder}/run", "--no-progress"],
+    "--memory-limit-mib", "8", "--no-preflight", "--out", "{folder}/run", "--no-progress"],
     env={"GRADSYNC_DATA_DIR": "{folder}"})
 
 
@@ -240,7 +240,8 @@ OOM_RUN = early_job("memory-oom-run", [
 @pytest.mark.early_job(OOM_RUN)
 @pytest.mark.timeout(120)
 def test_train_rank_over_its_limit_is_oom_killed_and_the_error_says_so(early):
-    """--memory-limit-mib 8 is below what a rank allocates (torch's buffers alone): the kernel kills it, the job
+    """--memory-limit-mib 8 --no-preflight (the preflight refuses it in the launcher, test_zero3_user.py) is below
+    what a rank allocates (torch's buffers alone): the kernel kills it, the job
     fails naming the limit, and no gradsync-* cgroup of the run is left."""
     result = early.wait(110)
     assert result.returncode == 1, result.stdout + result.stderr

@@ -29,6 +29,10 @@ from gradsync.hosts.memory_cgroup import MemoryController, controller, limit_byt
 RUN_PREFIX = "gradsync-"
 RANK_PREFIX = "rank-"
 REMOVE_TIMEOUT_S = 5.0  # how long removal waits for the ranks' processes to leave
+# What a rank of gradsync train charges to its cgroup before its model exists (its data, torch's and the
+# collectives' first allocations, Python objects): 15-25 MiB measured (--model mlp, a 2-block gpt). Below
+# this the rank is OOM-killed before the preflight can run, so the preflight refuses it in the launcher.
+MIN_RANK_MIB = 32
 _RUN_NAME = re.compile(r"^gradsync-(\d+)-[0-9a-f]+$")
 _RANK_NAME = re.compile(r"^rank-\d+$")
 
@@ -71,6 +75,16 @@ def limit_problem(limit_mib, option: str = "--memory-limit-mib") -> str | None:
         return (f"{option} {limit_mib} is more than this run's own memory cgroup allows ({own // 2**20} MiB "
                 f"in {ctl.directory}): a child cannot have more than its parent")
     return None
+
+
+def floor_problem(limit_mib: int, option: str = "--memory-limit-mib") -> str | None:
+    """The preflight's one-line refusal of a per-rank limit under ``MIN_RANK_MIB`` (None at or above it):
+    a rank needs that much before its model is built, so no model fits and the kernel would kill it first."""
+    if limit_mib >= MIN_RANK_MIB:
+        return None
+    return (f"gradsync preflight: {option} {limit_mib} is below the {MIN_RANK_MIB} MiB a rank takes before "
+            f"its model is built (its data, torch's and the collectives' first buffers, Python objects), so "
+            f"nothing fits; give at least {MIN_RANK_MIB} (or --no-preflight to let the kernel's OOM killer decide)")
 
 
 def _write(path: str, value: str) -> None:

@@ -174,7 +174,8 @@ def _run_job(config: TrainConfig, given) -> dict | None:
     check_options(config, where, given)
     check_environment()
     if config.memory_limit_mib is not None:
-        problem = memory_children.limit_problem(config.memory_limit_mib) or limit_below_parameters(config)
+        problem = memory_children.limit_problem(config.memory_limit_mib) or limit_below_parameters(config) or (
+            config.preflight and memory_children.floor_problem(config.memory_limit_mib))
         if problem:
             raise ValueError(problem)
     if config.join is not None:

@@ -188,12 +188,13 @@ class DataParallel(ShardedModel, nn.Module):
             self._reducer.report_change(change, 0 if change is None else self._name_code(change))
         if self._joining:
             self._join_step(active=True, will_sync=will_sync, sync_buffers=training)
-        if training:  # evaluation under no_grad does not communicate (ranks may evaluate unevenly)
+        if training:  # evaluation under no_grad does not communicate here (ZeRO-3's gathers aside)
             self._sync_buffers()
-        if training and self._debug is not None:  # one small all_gather; DebugCheckError on every rank
-            output = self._debug.forward(self.module, args, kwargs)
-        else:
-            output = self.module(*args, **kwargs)
+        with self._read_check():  # ZeRO-3's first forward: a read of a unit not gathered is named
+            if training and self._debug is not None:  # one small all_gather; DebugCheckError on every rank
+                output = self._debug.forward(self.module, args, kwargs)
+            else:
+                output = self.module(*args, **kwargs)
         if will_sync:
             self._hook_outputs(output)
         if self._zero is not None:

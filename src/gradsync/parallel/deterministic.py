@@ -155,7 +155,8 @@ class DeterministicDataParallel(ShardedModel, nn.Module):
     exact_norm = True  # gradsync.clip_grad_norm_ sums the squares exactly: the same bits at any world size
 
     def forward(self, *args, **kwargs):
-        output = self.module(*args, **kwargs)
+        with self._read_check():  # ZeRO-3's first forward: a read of a unit not gathered is named
+            output = self.module(*args, **kwargs)
         if self._zero is not None:
             self._zero.flat.wait_all()
         return output

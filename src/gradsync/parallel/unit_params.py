@@ -34,13 +34,16 @@ from __future__ import annotations
 
 import weakref
 from concurrent.futures import Future
+import contextlib
 from contextlib import contextmanager
 from functools import partial
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from gradsync.collectives.scatter_gather import all_gather_flat
+from gradsync.errors import GradsyncError
 from gradsync.parallel.debug_checks import tensors_in
 from gradsync.parallel.shard_layout import Piece, ShardLayout
 
@@ -59,6 +62,62 @@ def _weak(owner, method: str):
         return None if alive is None else getattr(alive, method)(*args)
 
     return hook
+
+
+GATHER_HINT = ("under shard='parameters' every forward gathers the units, evaluation under no_grad included, "
+               "and so do state_dict(), load_state_dict(), full_parameters() and check_replicas(): every rank "
+               "must run them, in the same order (evaluate on every rank, each its share; save rank 0's copy "
+               "of a state_dict every rank made)")
+
+# what may touch a freed parameter harmlessly: attribute reads and writes (``.dtype``, ``.device``, gradsync's own
+# ``.data`` swaps), hashing (sets and dicts of parameters), and questions its empty tensor answers correctly
+_HARMLESS = frozenset({"__get__", "__set__", "__hash__", "__repr__", "is_floating_point", "is_complex",
+                       "element_size", "get_device", "requires_grad_"})
+
+
+@contextmanager
+def _checked_once(owner: "UnitParameters", mode: TorchFunctionMode):
+    with mode:
+        yield
+    owner._read_checked = True
+
+
+class FreedReadCheck(TorchFunctionMode):
+    """Raises a clear GradsyncError when an operator takes a ZeRO-3 parameter whose unit is not gathered.
+
+    Such a parameter is an empty tensor: without the check, the forward of a module that reads another
+    unit's parameter without calling that unit (``x @ self.proj.weight``) fails in the operator with a
+    shape error naming nothing, or silently computes with no elements. DataParallel runs its first
+    forward under this mode (once: the forward order is fixed by then), as FSDP's debug mode checks.
+
+    Args:
+        whole_numel: ``id(parameter) -> (its numel when whole, its name, its unit's name)``.
+    """
+
+    def __init__(self, whole_numel: dict[int, tuple[int, str, str]]):
+        super().__init__()
+        self.whole_numel = whole_numel
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") not in _HARMLESS:
+            for value in (*args, *kwargs.values()):
+                for tensor in (value if isinstance(value, (list, tuple)) else (value,)):
+                    self._check(tensor, func)
+        return func(*args, **kwargs)
+
+    def _check(self, tensor, func) -> None:
+        entry = self.whole_numel.get(id(tensor)) if isinstance(tensor, nn.Parameter) else None
+        if entry is None or tensor.numel() == entry[0]:
+            return
+        numel, name, unit = entry
+        where = "the root unit" if not unit else f"unit {unit!r}"
+        raise GradsyncError(
+            f"DataParallel(shard='parameters'): {getattr(func, '__name__', func)} read parameter {name!r} "
+            f"({numel} elements) while {where}, which holds it, was not gathered: a module's forward read it "
+            f"without calling the module that owns it, so it was an empty tensor here; put the reading module "
+            f"and that parameter's module in one unit (name their common parent in units=, or leave the "
+            f"parameter's module out of units=)")
 
 
 class UnitParameters:
@@ -111,6 +170,7 @@ class UnitParameters:
         self._in_backward = False
         self._seen: set[int] = set()
         self._done = [0] * len(units)
+        self._read_checked = False
         for bucket in range(len(self.flats)):
             self._release_storage(bucket)
         self._hooks = self._register(module, params)
@@ -175,6 +235,10 @@ class UnitParameters:
             return
         try:
             future.result()
+        except GradsyncError as exc:  # most often a collective some rank ran alone: say which ones are
+            if exc.args and isinstance(exc.args[0], str) and GATHER_HINT not in exc.args[0]:
+                exc.args = (f"{exc.args[0]} [while gathering a ZeRO-3 unit: {GATHER_HINT}]", *exc.args[1:])
+            raise
         finally:
             if not self._futures and self._hold is not None:
                 self.comm.lane.release(self._hold)
@@ -217,14 +281,37 @@ class UnitParameters:
 
     @contextmanager
     def full(self):
-        """Every unit whole inside the block (collective on entry), freed after it."""
+        """Every unit whole inside the block (collective on entry), freed after it; what the block wrote into
+        the parameters is kept (this rank's chunk of each unit written back, as FSDP's
+        ``summon_full_params(writeback=True)``), as at the other levels, whose parameters are always whole."""
         self.gather_all()
         self._pinned += 1
         try:
             yield
         finally:
             self._pinned -= 1
+            if not self._pinned:
+                self._write_back()
             self.free_all()
+
+    def _write_back(self) -> None:
+        """Copy this rank's chunk of every whole unit's flat buffer into its shard (what persists)."""
+        with torch.no_grad():
+            for u, whole in enumerate(self.gathered):
+                for bucket in self.unit_buckets[u] if whole else ():
+                    self._wait(u)
+                    start, stop = self.layout.chunk(bucket, self.comm.rank)
+                    self.shards[bucket].copy_(self.flats[bucket][start:stop])
+
+    def first_forward_check(self, names: dict[int, str]):
+        """A context for the module's call: :class:`FreedReadCheck` at the first forward, nothing after it
+        (``names``: ``id(parameter) -> name``). The check stays armed until a forward completes."""
+        if self._read_checked:
+            return contextlib.nullcontext()
+        whole = {id(param): (view.numel(), names.get(id(param), "?"), self.units[u].name)
+                 for u, unit_buckets in enumerate(self.unit_buckets) for bucket in unit_buckets
+                 for param, view in self._views[bucket]}
+        return _checked_once(self, FreedReadCheck(whole))
 
     @property
     def in_flight(self) -> bool:
@@ -325,9 +412,6 @@ class UnitParameters:
         self._pinned += 1
 
     def _load_post(self, module, incompatible_keys) -> None:
-        with torch.no_grad():
-            for bucket, flat in enumerate(self.flats):
-                start, stop = self.layout.chunk(bucket, self.comm.rank)
-                self.shards[bucket].copy_(flat[start:stop])
+        self._write_back()
         self._pinned -= 1
         self.free_all()

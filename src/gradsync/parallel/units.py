@@ -115,6 +115,9 @@ def _named_paths(root: nn.Module, units) -> list[str]:
     """Module paths of user-named units (names, instances or classes)."""
     if isinstance(units, (str, nn.Module, type)):
         units = [units]
+    if not hasattr(units, "__iter__"):
+        raise TypeError(f"units takes a list of submodule names, submodules or module classes (or one of them), "
+                        f"got {type(units).__name__}")
     paths_of = {}
     for path, sub in root.named_modules(remove_duplicate=False):
         paths_of.setdefault(id(sub), []).append(path)

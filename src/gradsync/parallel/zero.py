@@ -68,11 +68,20 @@ class ShardedModel:
         """A context manager in which every parameter is whole and equal on every rank (collective on entry).
 
         At ``shard="parameters"`` it all-gathers every unit and frees them after the block (save or compare
-        parameters inside it); at the other levels it waits for the step's all-gather.
+        parameters inside it; what the block writes into them is kept); at the other levels it waits for the
+        step's all-gather.
         """
         if self._zero is None:
             return contextlib.nullcontext()
         return self._zero.flat.full()
+
+
+    def _read_check(self):
+        """The context DataParallel calls its module in: ZeRO-3's check of the first forward for reads of
+        parameters whose unit is not gathered (:class:`~gradsync.parallel.unit_params.FreedReadCheck`)."""
+        if self._zero is None or self._zero.level != "parameters":
+            return contextlib.nullcontext()
+        return self._zero.flat.first_forward_check(self._zero.names)
 
 
 def zero_units(module, shard: str, units, bucket_cap_mb: float) -> list[Unit]:
