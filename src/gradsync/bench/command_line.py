@@ -362,9 +362,9 @@ def bench_fit(args: argparse.Namespace) -> int:
     """The goals are judged in the table's last lines (met or MISSED), as bench memory's; 0 once the runs ran."""
     from gradsync.bench.does_not_fit import run_bench
 
-    run_bench(memory_limit_mib=args.memory_limit_mib, nproc=args.nproc, width=args.gpt_width,
-                     depth=args.gpt_depth, heads=args.gpt_heads, context=args.gpt_context,
-              global_batch_size=args.global_batch_size, out=args.out, json_path=args.json)
+    run_bench(memory_limit_mib=args.memory_limit_mib, nproc=args.nproc, width=args.gpt_width, depth=args.gpt_depth,
+              heads=args.gpt_heads, context=args.gpt_context, global_batch_size=args.global_batch_size,
+              out=args.out, json_path=args.json)
     return 0
 
 
