@@ -42,7 +42,7 @@ from torch import nn
 from gradsync.parallel import comm_buffers
 from gradsync.parallel.bucketing import DEFAULT_FIRST_BUCKET_CAP_BYTES, assign_buckets, bucket_cap_bytes
 from gradsync.parallel.pass_memory import PassMemory, measure_pass
-from gradsync.parallel.shard_layout import SHARD_LEVELS
+from gradsync.parallel.shard_layout import check_shard
 from gradsync.parallel.zero import zero_units
 
 PARTS = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "buffer_bytes", "activation_bytes")
@@ -185,16 +185,12 @@ def estimate_from(module: nn.Module, slots: int, passed: PassMemory, world_size:
 
 
 def check_level(shard) -> str:
-    """``shard`` if it names a level the estimate knows (every :data:`SHARD_LEVELS`, ZeRO-3 included).
+    """``shard`` if it names a level the estimate knows (every :data:`~gradsync.parallel.shard_layout.SHARD_LEVELS`, ZeRO-3 included).
 
     Raises:
         TypeError: not a string; ValueError: unknown.
     """
-    if not isinstance(shard, str):
-        raise TypeError(f"shard must be one of {', '.join(SHARD_LEVELS)}, got {type(shard).__name__}")
-    if shard not in SHARD_LEVELS:
-        raise ValueError(f"unknown shard level {shard!r}; choose one of {', '.join(SHARD_LEVELS)}")
-    return shard
+    return check_shard(shard)
 
 
 def check_world_size(world_size) -> int:
