@@ -105,3 +105,7 @@ class SharedStorage:
 
 ZERO_COPY: dict[str, SharedStorage] = {"shm": SharedStorage(shm.allocate_shared, shm.IN_PLACE_DTYPES,
                                                            shm.ARENA_ALIGN)}
+
+SEGMENTED = frozenset({"ring"})
+"""Algorithms that receive into their own segments (``chunking.DEFAULT_SEGMENT_BYTES`` each, a few in flight)
+beside the bucket: what a rank's communication buffers add for them (the memory preflight)."""

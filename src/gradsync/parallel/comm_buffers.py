@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from gradsync.collectives import auto
 from gradsync.collectives.chunking import DEFAULT_SEGMENT_BYTES
-from gradsync.collectives.registry import AUTO
+from gradsync.collectives.registry import AUTO, DEFAULT_ALGORITHM, SEGMENTED, ZERO_COPY
 from gradsync.collectives.shm import ARENA_ALIGN
 from gradsync.collectives.shm_setup import DEFAULT_CELL_BYTES, MAILBOX_BYTES
 from gradsync.parallel.bucketing import padded_numel
@@ -59,8 +59,8 @@ def resolved_algorithm(algorithm: str, nbytes: int, world_size: int, one_host: b
     try:
         return auto.choose(nbytes, world_size, world_size if one_host else 1, shm_available=one_host or None,
                            host_sizes=sizes)
-    except ValueError:  # the profile in use knows no link between hosts: the ring's buffers then
-        return "ring"
+    except ValueError:  # the profile in use knows no link between hosts: the default algorithm's buffers then
+        return DEFAULT_ALGORITHM
 
 
 def bucket_bytes(numels: list[int], itemsize: int, world_size: int, padded: bool, num_params: int) -> list[int]:
@@ -103,14 +103,14 @@ def buffer_bytes(shard: str, buckets: list[int], largest_unit: int, world_size: 
         return slabs
     names = {resolved_algorithm(algorithm, size, world_size, one_host) for size in buckets}
     total, largest = slabs, max(buckets)
-    if "shm" in names and one_host:
+    if names & set(ZERO_COPY) and one_host:
         in_arena = shard == "none" and dtype_ok  # zero-copy: the buckets live in the arena, laid out twice
         total += group_segment_share(0 if in_arena else largest)
         if in_arena:
             total += 2 * arena_share(buckets) - slabs
-    if "ring" in names:
+    if names & SEGMENTED:
         total += RING_IN_FLIGHT * min(DEFAULT_SEGMENT_BYTES, -(-largest // world_size))
-    if names - {"shm", "ring"}:
+    if names - set(ZERO_COPY) - SEGMENTED:
         total += largest
     return total
 

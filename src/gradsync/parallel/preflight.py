@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from gradsync.collectives.registry import DEFAULT_ALGORITHM
 from gradsync.parallel import comm_buffers
 from gradsync.parallel.bucketing import DEFAULT_FIRST_BUCKET_CAP_BYTES, assign_buckets, bucket_cap_bytes
 from gradsync.parallel.pass_memory import PassMemory, measure_pass
@@ -149,7 +150,7 @@ def _held_gradients(shard: str, layout: _Layout, passed: PassMemory, world_size:
 
 
 def estimate_from(module: nn.Module, slots: int, passed: PassMemory, world_size: int, shard: str = "none", *,
-                  bucket_cap_mb: float = 25.0, algorithm: str = "ring", one_host: bool = True,
+                  bucket_cap_mb: float = 25.0, algorithm: str = DEFAULT_ALGORITHM, one_host: bool = True,
                   gradient_as_bucket_view: bool = False, evaluated: PassMemory | None = None) -> MemoryEstimate:
     """:func:`estimate` from a measured pass (``passed``) and the optimizer's ``slots`` (:func:`state_slots`),
     so that levels and world sizes can be compared without measuring again.
@@ -200,7 +201,7 @@ def check_world_size(world_size) -> int:
 
 
 def estimate(module: nn.Module, optimizer: torch.optim.Optimizer, sample_batch, world_size: int,
-             shard: str = "none", *, bucket_cap_mb: float = 25.0, loss_fn=None, algorithm: str = "ring",
+             shard: str = "none", *, bucket_cap_mb: float = 25.0, loss_fn=None, algorithm: str = DEFAULT_ALGORITHM,
              one_host: bool = True, gradient_as_bucket_view: bool = False) -> MemoryEstimate:
     """One rank's :class:`MemoryEstimate` for ``module`` trained with ``optimizer`` on micro-batches like
     ``sample_batch`` (one rank's: a tensor or a tuple of the forward's arguments), ``loss_fn(output)``

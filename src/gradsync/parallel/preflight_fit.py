@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from gradsync.collectives.registry import DEFAULT_ALGORITHM
 from gradsync.errors import MemoryPreflightError
 from gradsync.hosts import memory_cgroup
 from gradsync.parallel.bucketing import bucket_cap_bytes
@@ -190,7 +191,7 @@ def check_fit(module: nn.Module, optimizer, base: Trial, available: int | None, 
 
 def preflight(module: nn.Module, optimizer: torch.optim.Optimizer, sample_batch, world_size: int,
               shard: str = "none", *, available_bytes: int | None = None, bucket_cap_mb: float = 25.0,
-              loss_fn=None, algorithm: str = "ring", one_host: bool = True, gradient_as_bucket_view: bool = False,
+              loss_fn=None, algorithm: str = DEFAULT_ALGORITHM, one_host: bool = True, gradient_as_bucket_view: bool = False,
               accumulate: int = 1) -> MemoryEstimate:
     """:func:`~gradsync.parallel.preflight.estimate`, checked against ``available_bytes`` per rank (None: what this process may still
     take, :func:`~gradsync.parallel.preflight_fit.available_memory`).
