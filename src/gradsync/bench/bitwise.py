@@ -38,7 +38,7 @@ from typing import Mapping
 
 import torch
 
-from gradsync.bench.output import claim_json_path, format_rows, optional, write_json
+from gradsync.bench.output import claim_json_path, comma_names, format_rows, optional, write_json
 from gradsync.parallel.shard_layout import IMPLEMENTED_LEVELS
 from gradsync.train import data
 from gradsync.train.config import TrainConfig
@@ -72,16 +72,6 @@ def state_dict_sha256(state: Mapping[str, torch.Tensor]) -> str:
         digest.update(f"{name}\0{flat.dtype}\0{tuple(tensor.shape)}\0".encode())
         digest.update(flat.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
-
-
-def _names(text: str, option: str, allowed: tuple[str, ...]) -> list[str]:
-    names = list(dict.fromkeys(item.strip() for item in text.split(",") if item.strip()))
-    if not names:
-        raise ValueError(f"{option} needs at least one value")
-    for name in names:
-        if name not in allowed:
-            raise ValueError(f"unknown {name!r} in {option}; choose from {', '.join(allowed)}")
-    return names
 
 
 def _world_sizes(text: str) -> list[int]:
@@ -127,8 +117,8 @@ def parse_options(*, nproc: str, shard_levels: str, models: str, clip_grad_norm:
         ValueError: a bad option, named (``--clip-grad-norm`` must be >= 0; 0 turns clipping off).
     """
     world_sizes = _world_sizes(nproc)
-    levels = _names(shard_levels, "--shard-levels", IMPLEMENTED_LEVELS)
-    names = _names(models, "--model", tuple(name for name in MODELS if name != "gpt"))  # MNIST-1D's models
+    levels = comma_names(shard_levels, "--shard-levels", IMPLEMENTED_LEVELS)
+    names = comma_names(models, "--model", tuple(name for name in MODELS if name != "gpt"))  # MNIST-1D's models
     if not clip_grad_norm >= 0:
         raise ValueError(f"--clip-grad-norm must be >= 0 (0: no clipping), got {clip_grad_norm}")
     train = {"epochs": epochs, "num_samples": num_samples, "global_batch_size": global_batch_size,

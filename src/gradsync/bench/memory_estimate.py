@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gradsync.bench.output import claim_json_path, format_rows, write_json
+from gradsync.bench.output import claim_json_path, comma_names, format_rows, write_json
 from gradsync.bench.spread import check_repeat, spread_cell, verdict, with_spread
 from gradsync.parallel.shard_layout import IMPLEMENTED_LEVELS
 from gradsync.train.metrics import SUMMARY_FILE
@@ -34,16 +34,6 @@ GOAL_PCT = 15.0           # issue 39: the estimate within 15% of the measured pe
 GOAL_MODEL = "gpt"
 RUN_TIMEOUT_S = 1200.0    # one training run, start-up included
 PARTS = ("parameter", "gradient", "optimizer_state", "buffer", "activation")
-
-
-def _names(text: str, option: str, allowed) -> list[str]:
-    names = list(dict.fromkeys(item.strip() for item in text.split(",") if item.strip()))
-    if not names:
-        raise ValueError(f"{option} needs at least one value")
-    for name in names:
-        if name not in allowed:
-            raise ValueError(f"unknown {name!r} in {option}; choose from {', '.join(allowed)}")
-    return names
 
 
 def train_argv(model: str, shard: str, nproc: int, sizes: dict, out: Path) -> list[str]:
@@ -129,8 +119,8 @@ def run_bench(*, models: str = "gpt,cnn,mlp", shard_levels: str = ",".join(IMPLE
     Raises:
         ValueError: a bad option (named).
     """
-    names = _names(models, "--model", tuple(MODELS))
-    levels = _names(shard_levels, "--shard-levels", IMPLEMENTED_LEVELS)
+    names = comma_names(models, "--model", tuple(MODELS))
+    levels = comma_names(shard_levels, "--shard-levels", IMPLEMENTED_LEVELS)
     check_repeat(repeat)
     for option, value in (("--nproc", nproc), ("--gpt-width", gpt_width), ("--gpt-depth", gpt_depth),
                           ("--num-samples", num_samples), ("--batch-size", batch_size)):

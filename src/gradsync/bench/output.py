@@ -9,6 +9,21 @@ from typing import Callable, Sequence, Union
 Cell = Union[str, Callable[[object], str]]
 
 
+def comma_names(text: str, option: str, allowed: Sequence[str]) -> list[str]:
+    """The comma-separated names of ``text`` (an option's value), each once, in order.
+
+    Raises:
+        ValueError: none given, or one not in ``allowed`` (naming ``option``).
+    """
+    names = list(dict.fromkeys(item.strip() for item in text.split(",") if item.strip()))
+    if not names:
+        raise ValueError(f"{option} needs at least one value")
+    for name in names:
+        if name not in allowed:
+            raise ValueError(f"unknown {name!r} in {option}; choose from {', '.join(allowed)}")
+    return names
+
+
 def claim_json_path(path: str | None, option: str = "--json") -> None:
     """Create ``path`` (and its folders) now, so a bad path fails before the benchmark runs; an
     existing file is kept as it is until the run writes it (``option``: what the error names).

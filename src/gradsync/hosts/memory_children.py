@@ -117,32 +117,27 @@ def _procs(directory: str) -> list[int]:
         return []
 
 
+def _rmdir(path: str) -> bool:
+    """Remove the empty cgroup ``path`` (gone already counts); False while processes keep it busy."""
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        if exc.errno not in (errno.EBUSY, errno.ENOTEMPTY):
+            raise
+        return False
+    return True
+
+
 def _remove_run_folder(directory: str) -> bool:
     """rmdir each ``rank-*`` child then the run folder itself; False when one still holds processes."""
     try:
         names = [name for name in os.listdir(directory) if _RANK_NAME.match(name)]
     except FileNotFoundError:
         return True
-    removed = True
-    for name in names:
-        try:
-            os.rmdir(os.path.join(directory, name))
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            if exc.errno not in (errno.EBUSY, errno.ENOTEMPTY):
-                raise
-            removed = False
-    if removed:
-        try:
-            os.rmdir(directory)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            if exc.errno not in (errno.EBUSY, errno.ENOTEMPTY):
-                raise
-            removed = False
-    return removed
+    removed = all([_rmdir(os.path.join(directory, name)) for name in names])  # every child tried
+    return removed and _rmdir(directory)
 
 
 def sweep_stale(ctl: MemoryController, alive=_pid_alive) -> list[str]:
