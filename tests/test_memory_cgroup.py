@@ -248,3 +248,39 @@ def test_train_rank_over_its_limit_is_oom_killed_and_the_error_says_so(early):
     assert "the kernel's OOM killer killed it: the rank needed more than --memory-limit-mib 8" in result.stderr
     own = memory_cgroup.controller().directory
     assert not [name for name in os.listdir(own) if name.startswith(f"gradsync-{early.process.pid}-")]
+
+
+_COPY_ON_WRITE = """
+import os, sys
+from gradsync.hosts import memory_children
+from gradsync.train import process_memory
+block = bytearray(64 * 2**20)
+block[::4096] = b"a" * len(block[::4096])  # the parent's pages, charged to the parent's cgroup
+pid = os.fork()
+if pid == 0:
+    memory_children.join(sys.argv[1])
+    before = process_memory.snapshot()
+    fresh = bytearray(32 * 2**20)
+    fresh[::4096] = b"b" * len(fresh[::4096])  # its own growth: in its resident set and its cgroup alike
+    print(process_memory.copied_bytes(before), process_memory.own_growth(before, process_memory.snapshot()))
+    block[::4096] = b"c" * len(block[::4096])  # every shared page copied: charged here, the resident set unchanged
+    print(process_memory.copied_bytes(before), process_memory.own_growth(before, process_memory.snapshot()),
+          flush=True)
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+@needs_cgroups
+@pytest.mark.timeout(60)
+def test_copy_on_write_pages_charged_to_a_forked_rank_cgroup_are_counted_apart_from_its_own_growth():
+    """A process forked into its own cgroup: 32 MiB it allocates are its own growth (nothing copied); then
+    writing the 64 MiB it shares with its parent copies them, charged to its cgroup while its resident set
+    stays: ``copied_bytes`` (what the preflight adds under ``--memory-limit-mib``) sees them."""
+    with ChildCgroups(1, 512 * MIB) as cgroups:
+        done = _python(_COPY_ON_WRITE, cgroups.rank_directory(0), timeout_s=50)
+    assert done.returncode == 0, done.stderr
+    (copied_fresh, own_fresh), (copied, own) = [map(int, line.split()) for line in done.stdout.split("\n")[:2]]
+    assert copied_fresh < 8 * MIB and 30 * MIB <= own_fresh < 40 * MIB
+    assert 60 * MIB <= copied < 72 * MIB and 30 * MIB <= own < 40 * MIB

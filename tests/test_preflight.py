@@ -190,3 +190,22 @@ def test_the_resident_peak_is_measured_and_survives_a_reset():
     assert resident.peak_resident_bytes() >= peak - MiB
     found = measured_peak(before)
     assert found.source in ("rss", "cgroup") and found.bytes >= 60 * MiB
+
+
+def test_copied_pages_join_every_estimate_and_the_refusal():
+    """``copied``: pages a cgroup charges beyond the rank's own growth, the same at every setting tried."""
+    model = _mlp()
+    adamw = torch.optim.AdamW(model.parameters())
+    passed = _pass([4096] + [0] * 16, range(16), [p.numel() * 4 for p in model.parameters()])
+    settings = {"bucket_cap_mb": 0.02, "algorithm": "ring", "one_host": True, "gradient_as_bucket_view": False}
+    base = Trial(4, "none", 2)
+    plain = check_fit(model, adamw, base, None, settings, passed)
+    copied = check_fit(model, adamw, base, None, settings, passed, copied=5 * MiB)
+    assert plain.copied_bytes == 0 and copied.total_bytes == plain.total_bytes + 5 * MiB
+    zero1 = estimate_from(model, 2, passed, 4, "optimizer", **settings)
+    assert check_fit(model, adamw, base, zero1.total_bytes + 5 * MiB, settings, passed).total_bytes == \
+        plain.total_bytes  # fits without the copies
+    with pytest.raises(gradsync.MemoryPreflightError, match=r"copy-on-write pages 5\.0 MiB.*shard='optimizer' would "
+                                                           rf"need {(zero1.total_bytes + 5 * MiB) / MiB:.1f} MiB"):
+        check_fit(model, adamw, base, zero1.total_bytes + 5 * MiB, settings, passed, copied=5 * MiB)
+    assert "copy-on-write" not in refusal(plain, base, 1, None)

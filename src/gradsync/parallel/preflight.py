@@ -46,19 +46,27 @@ from gradsync.parallel.pass_memory import PassMemory, measure_pass
 from gradsync.parallel.shard_layout import check_shard
 from gradsync.parallel.zero import zero_units
 
-PARTS = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "buffer_bytes", "activation_bytes")
+PARTS = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "buffer_bytes", "activation_bytes",
+         "copied_bytes")
 ZERO3_UNITS_IN_FLIGHT = 2  # ZeRO-3: the unit running and the one prefetched, gathered besides the root unit
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes one rank holds at its peak, by part (``total_bytes`` = their sum)."""
+    """Bytes one rank holds at its peak, by part (``total_bytes`` = their sum).
+
+    ``copied_bytes`` is 0 but for a rank alone in a memory cgroup (``gradsync train --memory-limit-mib``):
+    the pages the kernel charges it beyond its own growth, mostly copy-on-write copies of the pages it
+    shares with the forkserver it was forked from (torch's imported modules), measured after the
+    preflight's passes (:func:`gradsync.train.process_memory.copied_bytes`).
+    """
 
     parameter_bytes: int
     gradient_bytes: int
     optimizer_state_bytes: int
     buffer_bytes: int
     activation_bytes: int
+    copied_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:

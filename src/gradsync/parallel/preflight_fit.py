@@ -82,7 +82,8 @@ def _mib(nbytes: int) -> str:
 
 
 PART_NAMES = {"parameter_bytes": "parameters", "gradient_bytes": "gradients",
-              "optimizer_state_bytes": "optimizer state", "buffer_bytes": "buffers", "activation_bytes": "activations"}
+              "optimizer_state_bytes": "optimizer state", "buffer_bytes": "buffers", "activation_bytes": "activations",
+              "copied_bytes": "copy-on-write pages"}
 
 
 def _name(part: str) -> str:
@@ -103,8 +104,9 @@ def _suggestion(trial: Trial, base: Trial, options: bool) -> str:
 class _Search:
     """Estimates of other settings for one module and optimizer (a pass asked once per micro-batch)."""
 
-    def __init__(self, module, optimizer, settings: dict, passed, pass_at, evaluated):
+    def __init__(self, module, optimizer, settings: dict, passed, pass_at, evaluated, copied: int = 0):
         self.module, self.settings, self.pass_at, self.evaluated = module, settings, pass_at, evaluated
+        self.copied = copied
         self.slots = state_slots(optimizer)
         self.passes = {}
         self.first = passed
@@ -116,8 +118,9 @@ class _Search:
                 self.passes[trial.micro_batch] = self.pass_at(trial.micro_batch)
             passed = self.passes[trial.micro_batch]
         evaluated = self.evaluated(trial.world_size) if callable(self.evaluated) else self.evaluated
-        return estimate_from(self.module, self.slots, passed, trial.world_size, trial.shard,
-                             evaluated=evaluated, **self.settings)
+        found = estimate_from(self.module, self.slots, passed, trial.world_size, trial.shard,
+                              evaluated=evaluated, **self.settings)
+        return replace(found, copied_bytes=self.copied)
 
 
 def _levels_from(shard: str) -> tuple[str, ...]:
@@ -152,7 +155,8 @@ def _first_fit(search: _Search, base: Trial, found: MemoryEstimate, available: i
 
 def refusal(found: MemoryEstimate, base: Trial, available: int, fit, options: bool = False) -> str:
     """The one-line refusal: what one rank needs by part, what is available, the largest part, what fits."""
-    parts = ", ".join(f"{_name(part)} {getattr(found, part) / 2**20:.1f}" for part in found.__dataclass_fields__)
+    parts = ", ".join(f"{_name(part)} {getattr(found, part) / 2**20:.1f}" for part in found.__dataclass_fields__
+                      if part != "copied_bytes" or found.copied_bytes)
     setting = (f"--nproc {base.world_size} --shard {base.shard}" if options
                else f"world size {base.world_size} with shard={base.shard!r}")
     largest = found.largest_part()
@@ -168,7 +172,7 @@ def refusal(found: MemoryEstimate, base: Trial, available: int, fit, options: bo
 
 
 def check_fit(module: nn.Module, optimizer, base: Trial, available: int | None, settings: dict, passed,
-              pass_at=None, *, evaluated=None, options: bool = False) -> MemoryEstimate:
+              pass_at=None, *, evaluated=None, options: bool = False, copied: int = 0) -> MemoryEstimate:
     """``base``'s estimate from the measured pass ``passed`` if it fits ``available`` bytes (None: no
     limit known, so it fits).
 
@@ -176,12 +180,13 @@ def check_fit(module: nn.Module, optimizer, base: Trial, available: int | None, 
     :class:`~gradsync.parallel.pass_memory.PassMemory` of a micro-batch of ``size`` samples, measured or
     :func:`~gradsync.parallel.pass_memory.scaled` (None: smaller micro-batches are not tried);
     ``evaluated``: an evaluation pass (see ``estimate_from``), or ``world_size -> PassMemory`` where
-    the evaluation's share shrinks with more ranks; ``options``: name what fits as ``gradsync train`` options.
+    the evaluation's share shrinks with more ranks; ``options``: name what fits as ``gradsync train`` options;
+    ``copied``: the estimate's ``copied_bytes`` at every setting (see :class:`MemoryEstimate`).
 
     Raises:
         MemoryPreflightError: it does not fit (the message: :func:`refusal`).
     """
-    search = _Search(module, optimizer, settings, passed, pass_at, evaluated)
+    search = _Search(module, optimizer, settings, passed, pass_at, evaluated, copied)
     found = search.at(base, base)
     if available is None or found.total_bytes <= available:
         return found

@@ -18,7 +18,10 @@ rank has available. It first probes: two passes of each at a sixteenth and
 an eighth of the size, scaled linearly (:func:`~gradsync.parallel.pass_memory.scaled`),
 so that a run whose activations cannot fit is refused without running them;
 only then are the passes measured at their real size (the tensors exactly,
-and what the allocator keeps beyond them). Both checks compare with the
+and what the allocator keeps beyond them). Under ``--memory-limit-mib`` the
+estimate also counts the pages the rank's cgroup was charged beyond its own
+growth once those passes ran (copy-on-write copies of the forkserver's pages:
+:func:`~gradsync.train.process_memory.copied_bytes`). Both checks compare with the
 smallest :func:`~gradsync.train.process_memory.available_bytes` of any
 rank; rank 0 then gives its heap back (``malloc_trim``) and broadcasts
 the verdict: every rank raises the same one-line
@@ -136,10 +139,11 @@ class MemoryReport:
                     "gradient_as_bucket_view": config.gradient_as_bucket_view}
         base = Trial(world_size, config.shard, size, config.accumulate)
         check_fit(module, optimizer, base, available, settings, train_at(size), train_at, evaluated=eval_for,
-                  options=True)
-        measured = eval_pass(len(piece))
-        return check_fit(module, optimizer, base, available, settings, train_pass(size), train_at,
-                         evaluated=lambda ranks: measured if ranks == world_size else eval_for(ranks), options=True)
+                  options=True, copied=process_memory.copied_bytes(self.before))
+        measured, passed = eval_pass(len(piece)), train_pass(size)
+        return check_fit(module, optimizer, base, available, settings, passed, train_at,
+                         evaluated=lambda ranks: measured if ranks == world_size else eval_for(ranks), options=True,
+                         copied=process_memory.copied_bytes(self.before))
 
     def _test_piece(self, num_test: int, world_size: int) -> torch.Tensor:
         """The largest piece of the test split one rank scores at once (:func:`~gradsync.train.evaluate.evaluate`)."""

@@ -103,6 +103,30 @@ def measured_peak(before: Snapshot) -> MeasuredPeak:
     return MeasuredPeak(max(peak_resident_bytes() - before.rss - shared - file_growth, 0), "rss", file_growth)
 
 
+def own_growth(before: Snapshot, now: Snapshot) -> int:
+    """Bytes this process's own pages grew from ``before`` to ``now``: its resident set, less the shared-memory
+    pages beyond its share and the file-backed pages (see the module's docstring)."""
+    shared = now.shared_excess - before.shared_excess
+    return now.rss - before.rss - shared - max(now.file - before.file, 0)
+
+
+def copied_bytes(before: Snapshot) -> int:
+    """Bytes the kernel charged this process's own memory cgroup since ``before`` beyond its own growth;
+    0 when it is not alone in a cgroup.
+
+    A rank forked from gradsync's forkserver shares torch's imported modules with it (~230 MiB of
+    anonymous pages, in its resident set from the start and charged to the forkserver's cgroup). Each
+    page the rank writes (a reference count, a garbage collection) is copied, and the copy is charged
+    to the rank's cgroup while its resident set does not grow: ~80 MiB once a gpt has run a forward,
+    backward and step. Measured after the preflight's passes, which run that code, it joins the estimate
+    (``MemoryEstimate.copied_bytes``), since the cgroup's limit holds it.
+    """
+    now = snapshot()
+    if before.cgroup_usage is None or now.cgroup_usage is None:
+        return 0
+    return max(now.cgroup_usage - before.cgroup_usage - own_growth(before, now), 0)
+
+
 def available_bytes(before: Snapshot, local_ranks: int) -> int | None:
     """The memory one rank may still use above ``before``, in bytes; None when nothing says.
 
