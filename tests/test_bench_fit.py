@@ -13,18 +13,28 @@ def _row(shard, limit, outcome, loss=None, steps=None, line=None):
             "estimate_mib": None, "measured_peak_mib": None, "line": line, "wall_s": 1.0}
 
 
-def test_the_goals_are_met_only_by_a_refusal_and_a_loss_within_two_percent():
+def test_the_goals_are_met_only_by_a_refusal_and_a_loss_within_two_percent_of_the_reference_median():
     refused = _row("none", 300, "refused", line="gradsync preflight: one rank needs 500 MiB ...")
-    good = [_row("none", None, "trained", 2.00, 100), refused, _row("parameters", 300, "trained", 2.03, 100)]
+    references = [_row("none", None, "trained", loss, 100) for loss in (2.00, 2.40, 1.90)]  # median 2.00
+    good = [references[0], refused, _row("parameters", 300, "trained", 2.03, 100), *references[1:]]
     assert [": met (" in line for line in does_not_fit.judge(good)] == [True, True]
-    too_far = [good[0], refused, _row("parameters", 300, "trained", 2.05, 100)]  # 2.5% above
-    assert "MISSED (ratio 1.0250" in does_not_fit.judge(too_far)[1]
-    fewer_steps = [good[0], refused, _row("parameters", 300, "trained", 2.00, 99)]
+    assert "the 3 reference runs span 1.9000 to 2.4000, 25.0% of their median" in does_not_fit.judge(good)[1]
+    too_far = [references[0], refused, _row("parameters", 300, "trained", 2.05, 100), *references[1:]]
+    assert "MISSED (ratio 1.0250 to the median 2.0000" in does_not_fit.judge(too_far)[1]
+    against_one = [references[1], refused, good[2]]  # one reference run: its loss is the median
+    assert "MISSED (ratio 0.8458 to the median 2.4000" in does_not_fit.judge(against_one)[1]
+    fewer_steps = [references[0], refused, _row("parameters", 300, "trained", 2.00, 99)]
     assert "MISSED" in does_not_fit.judge(fewer_steps)[1]
-    trained_anyway = [good[0], _row("none", 300, "trained", 2.0, 100), good[2]]
+    trained_anyway = [references[0], _row("none", 300, "trained", 2.0, 100), good[2]]
     assert "MISSED (trained" in does_not_fit.judge(trained_anyway)[0]
     table = does_not_fit.format_table(good)
     assert "refused" in table and "2.0300" in table and "# none under 300 MiB: gradsync preflight" in table
+
+
+def test_the_reference_runs_first_and_again_after_the_limited_settings():
+    assert does_not_fit._order(3) == [("none", False), ("none", True), ("parameters", True), ("none", False),
+                                      ("none", False)]
+    assert does_not_fit._order(1) == list(does_not_fit.SETTINGS)
 
 
 def test_every_setting_runs_the_same_training_but_its_shard_and_limit():
@@ -41,3 +51,5 @@ def test_every_setting_runs_the_same_training_but_its_shard_and_limit():
 def test_a_bad_limit_is_refused_in_one_line(capsys):
     assert main(["bench", "fit", "--memory-limit-mib", "0"]) != 0
     assert "--memory-limit-mib must be a positive int" in capsys.readouterr().err
+    assert main(["bench", "fit", "--reference-runs", "0"]) != 0
+    assert "--reference-runs must be an int >= 1" in capsys.readouterr().err

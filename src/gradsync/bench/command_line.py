@@ -324,14 +324,17 @@ def add_fit_bench_parser(benches: argparse._SubParsersAction) -> argparse.Argume
     parser = benches.add_parser(
         "fit", help="the model that does not fit one replica under --memory-limit-mib: refused unsharded by the "
         "preflight, trained with --shard parameters",
-        description="Run gradsync train --model gpt three times (subprocesses): --shard none without a limit (the "
+        description="Run gradsync train --model gpt (subprocesses): --shard none without a limit (the "
                     "reference), --shard none under --memory-limit-mib M (the preflight must refuse it), --shard "
-                    "parameters under M (must end within 2%% of the reference's final test loss).")
+                    "parameters under M (must end within 2%% of the median of the reference's final test losses "
+                    "over --reference-runs runs).")
     add = parser.add_argument
     add("--memory-limit-mib", type=int, default=400, metavar="M", help="the per-rank limit (default %(default)s)")
     for option, default in (("--nproc", 4), ("--gpt-width", 256), ("--gpt-depth", 8), ("--gpt-heads", 8),
                             ("--gpt-context", 64), ("--global-batch-size", 32)):
         add(option, type=int, default=default, help=f"gradsync train {option} of every run (default %(default)s)")
+    add("--reference-runs", type=int, default=3, metavar="K", help="runs of the unlimited --shard none reference, "
+        "whose median final test loss the goal compares with (default %(default)s)")
     add("--out", default=None, help="a folder for the run folders (default: a temporary one, removed)")
     add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
     return parser
@@ -364,7 +367,7 @@ def bench_fit(args: argparse.Namespace) -> int:
 
     run_bench(memory_limit_mib=args.memory_limit_mib, nproc=args.nproc, width=args.gpt_width, depth=args.gpt_depth,
               heads=args.gpt_heads, context=args.gpt_context, global_batch_size=args.global_batch_size,
-              out=args.out, json_path=args.json)
+              reference_runs=args.reference_runs, out=args.out, json_path=args.json)
     return 0
 
 
