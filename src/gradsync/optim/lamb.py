@@ -17,8 +17,9 @@ Why gradsync has its own rather than pytorch-optimizer's ``Lamb`` (4.1.0, which 
 where the two agree): under ZeRO (``--shard``) gradsync's optimizer steps flat pieces of parameters, so
 ``||x||`` and ``||u||`` must be reduced across the ranks holding a parameter's pieces, and under
 ``--deterministic`` exactly, so that every world size gives the same bits; the library's follows the
-paper's v3 instead (no bias correction, weight decay applied before the step and outside ``u``, ``||x||``
-clipped at 10) and applies the ratio to every parameter.
+paper's v3 instead (no bias correction of ``r``, but the step divided by ``1 - b1^t`` unless
+``adam_debias``; weight decay applied before the step and outside ``u``; ``||x||`` clipped at 10) and
+applies the ratio to every parameter.
 """
 
 from __future__ import annotations
