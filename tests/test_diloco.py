@@ -273,3 +273,30 @@ def test_outer_sync_payload_counts_encoded_bytes():
     outer = OuterSync(list(module.named_parameters()), comm, sync_every=1, outer=gradsync.parallel.outer_optimizer
                       .ParameterAveraging(), compression="int8", fragments=1, delay=0, algorithm="ring", timeout=None)
     assert outer.fragment_payload_nbytes(outer.fragments[0]) == 4 + 12  # 4 + 9 rounded up to 4 bytes
+
+
+def test_outer_state_at_another_world_size_keeps_the_shared_part_and_means_the_rest():
+    """2 -> 3 ranks: θ_g, momentum, position and results in flight rank 0's; in-flight own deltas the mean;
+    residuals mean(worker) + sum(server), so the pending error of the average is unchanged."""
+    from gradsync.train.reshard import reshard_local_sgd
+
+    def state(rank: int) -> dict:
+        value = float(rank + 1)
+        outer = {"steps": 9, "rounds": 4, "payload_nbytes": 100 * value, "global": [torch.ones(2)],
+                 "dirty": [True], "optimizer": {"momentum": {0: torch.full((2,), 0.5)}},
+                 "worker_residual": {"w": torch.full((2,), value)},
+                 "server_residual": {"w": torch.tensor([value, 0.0]) if rank == 0 else torch.tensor([0.0, value])},
+                 "pending": [{"key": 0, "launched_at": 9, "apply_at": 10, "own_delta": torch.full((2,), value),
+                              "averaged": torch.full((2,), 1.5)}]}
+        return {"local_steps": 3, "averages": 4, "payload_nbytes": 7, "outer": outer}
+
+    old = [state(0), state(1)]
+    kept, new = reshard_local_sgd(old, old[1]), reshard_local_sgd(old, None)
+    for entry in (kept, new):
+        outer = entry["outer"]
+        assert entry["local_steps"] == 3 and outer["steps"] == 9 and torch.equal(outer["global"][0], torch.ones(2))
+        torch.testing.assert_close(outer["pending"][0]["own_delta"], torch.full((2,), 1.5))
+        assert torch.equal(outer["pending"][0]["averaged"], torch.full((2,), 1.5))
+        torch.testing.assert_close(outer["worker_residual"]["w"], torch.tensor([1.5 + 1.0, 1.5 + 2.0]))
+        assert outer["server_residual"] == {}
+    assert kept["outer"]["payload_nbytes"] == 200 and new["outer"]["payload_nbytes"] == 0
