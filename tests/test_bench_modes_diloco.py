@@ -80,6 +80,10 @@ def test_goal_lines_pair_repetitions_and_judge_each_goal():
     assert goals[2] == "diloco H=64 int8 vs diloco H=64: accuracy -0.30 pp (-0.30--0.30) (goal >= -0.5 pp: met)"
     assert goals[3] == ("diloco H=64 vs torchft diloco H=64 (bytes 1.00x theirs): accuracy +0.30 pp (+0.10-+0.50) "
                         "(goal >= 0: met); samples/s 1.15x (0.80-1.50) (goal >= 1x: met, straddles)")
+    straggling = [modes.setting_row(setting, 3.0, run, runs[0], 0.85) for setting, run in zip(settings, runs)]
+    assert [line.split(":")[0] for line in modes_diloco.goal_lines(rows + straggling)[4:]] == [
+        "diloco H=64 with a 3x straggler", "diloco H=64 int8 with a 3x straggler",
+        "torchft diloco H=64 with a 3x straggler"]  # samples/s against sync's, for the DiLoCo rows only
     table = modes.format_table(rows)
     assert "0.006 (0.006-0.006)" in table and "64x (64-64)" in table and "int8" in table
 

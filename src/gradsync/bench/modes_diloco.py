@@ -78,7 +78,8 @@ def check_torchft() -> None:
 
 
 def is_diloco(setting: dict) -> bool:
-    return setting["mode"] == TORCHFT or setting.get("outer_optimizer", "none") != "none"
+    """Whether a setting (or a row) is a DiLoCo one: torchft's, or local SGD with an outer optimizer."""
+    return setting["mode"] == TORCHFT or setting.get("outer_optimizer") not in (None, "none")
 
 
 def label(setting: dict) -> str:
