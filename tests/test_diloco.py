@@ -300,3 +300,23 @@ def test_outer_state_at_another_world_size_keeps_the_shared_part_and_means_the_r
         torch.testing.assert_close(outer["worker_residual"]["w"], torch.tensor([1.5 + 1.0, 1.5 + 2.0]))
         assert outer["server_residual"] == {}
     assert kept["outer"]["payload_nbytes"] == 200 and new["outer"]["payload_nbytes"] == 0
+
+
+@pytest.mark.timeout(30)
+def test_silent_peer_of_an_overlapped_fragment_times_out_at_its_application():
+    """τ = 1: the AllReduce runs on the lane; a peer that never sends makes step() raise, never hang."""
+    def body(comm):
+        model = gradsync.LocalSGD(make_model(), sync_every=2, group=comm, timeout=0.5, outer_fragments=2,
+                                  outer_compression="int8")
+        if comm.rank == 1:
+            return None
+        try:
+            for _ in range(3):  # fragment 0 sent after step 1, applied after step 2
+                model.step()
+        except gradsync.CollectiveTimeoutError as exc:
+            return exc, model.comm.lane.held
+        return None
+
+    exc, held = run_threads(2, body, timeout_s=20)[0]
+    assert isinstance(exc, gradsync.CollectiveTimeoutError) and "peer rank 1" in str(exc), exc
+    assert not held  # the lane is given back: later collectives are not queued behind a dead round

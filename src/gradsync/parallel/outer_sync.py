@@ -178,10 +178,10 @@ class OuterSync:
             collectives.all_reduce(values, self.comm, op="avg", algorithm=self.algorithm, timeout=self.timeout,
                                    verify=fragment.key not in self._verified)
             self._verified.add(fragment.key)
-            nbytes = values.numel() * values.element_size()
         else:
             two_phase.reduce(values, fragment.layout, self.comm, self.comm.world_size, self.codec,
-                             worker_feedback=self.worker_feedback, server_feedback=self.server_feedback)
+                             worker_feedback=self.worker_feedback, server_feedback=self.server_feedback,
+                             timeout=self.timeout)
         self.payload_nbytes += self.fragment_payload_nbytes(fragment)
         self.comm_seconds += time.perf_counter() - started
 
@@ -213,16 +213,12 @@ class OuterSync:
 
     def _apply(self, pending: Pending) -> None:
         """Wait for ``pending``'s AllReduce, step θ_g, move the local parameters (see the module docstring)."""
-        if pending.future is not None:
-            started = time.perf_counter()
-            try:
-                pending.future.result()
-            finally:
-                self.exposed_comm_seconds += time.perf_counter() - started
-                pending.future = None
-        self.pending.remove(pending)
-        if not any(p.future is not None for p in self.pending):
-            self._release()
+        try:
+            self._wait(pending)
+        finally:  # a failed AllReduce is raised here, once; the lane is not left held
+            self.pending.remove(pending)
+            if not any(p.future is not None for p in self.pending):
+                self._release()
         fragment = self.fragments[pending.key]
         old_global = fragment.global_params.clone()
         self.outer.step(fragment.key, fragment.global_params, pending.averaged)
@@ -239,17 +235,24 @@ class OuterSync:
             self.comm.lane.release(self._hold)
             self._hold = None
 
+    def _wait(self, pending: Pending) -> None:
+        """Wait for ``pending``'s AllReduce if it is in flight (counted as exposed); re-raises its error."""
+        if pending.future is None:
+            return
+        started = time.perf_counter()
+        try:
+            pending.future.result()
+        finally:
+            self.exposed_comm_seconds += time.perf_counter() - started
+            pending.future = None
+
     def wait(self) -> None:
         """Wait for every AllReduce in flight (results kept, applied when due); re-raises a failed one."""
-        for pending in self.pending:
-            if pending.future is not None:
-                started = time.perf_counter()
-                try:
-                    pending.future.result()
-                finally:
-                    self.exposed_comm_seconds += time.perf_counter() - started
-                    pending.future = None
-        self._release()
+        try:
+            for pending in self.pending:
+                self._wait(pending)
+        finally:
+            self._release()
 
     def sync_all(self) -> None:
         """Apply what is in flight, then one blocking round of every fragment with inner steps since it was
