@@ -320,3 +320,22 @@ def test_silent_peer_of_an_overlapped_fragment_times_out_at_its_application():
     exc, held = run_threads(2, body, timeout_s=20)[0]
     assert isinstance(exc, gradsync.CollectiveTimeoutError) and "peer rank 1" in str(exc), exc
     assert not held  # the lane is given back: later collectives are not queued behind a dead round
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"outer_optimizer": "nesterov"}, "--outer-optimizer is not honoured with --mode sync: DiLoCo's outer rounds "
+                                      "replace local SGD's parameter averages"),
+    ({"mode": "local-sgd", "outer_lr": 0.5}, "--outer-lr needs --outer-optimizer nesterov"),
+    ({"mode": "local-sgd", "outer_compression": "int4"}, "unknown --outer-compression 'int4'"),
+    ({"mode": "local-sgd", "outer_fragments": 9, "sync_every": 9}, "--outer-fragments 9 is more than the model's 8"),
+    ({"mode": "local-sgd", "outer_fragments": 3}, "--outer-fragments 3 must divide --sync-every 4"),
+    ({"mode": "local-sgd", "outer_optimizer": "nesterov", "elastic": True}, "--elastic runs --mode sync or async"),
+])
+def test_gradsync_train_refuses_bad_outer_options_in_one_line(fields, message):
+    """Checked before any process starts (the option table and the value checks), one line naming the option."""
+    from gradsync.jobs.job import check_options
+    from gradsync.train.config import TrainConfig
+
+    with pytest.raises(ValueError) as caught:
+        check_options(TrainConfig(**fields), "local")
+    assert str(caught.value).startswith(message) and "\n" not in str(caught.value)
