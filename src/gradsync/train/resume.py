@@ -148,7 +148,9 @@ def rank_state(state: TrainState, replica: Replica) -> dict:
         own["model"] = replica.model.module.state_dict()
         own["optimizer"] = replica.optimizer.state_dict()
         own["local_steps"] = replica.model.local_steps
-        own["local_sgd"] = replica.model.sync_state_dict()  # DiLoCo: θ_g, outer momentum, residuals, in flight
+        sync_state = getattr(replica.model, "sync_state_dict", None)  # LocalSGD's; DiLoCo's outer state in it
+        if sync_state is not None:
+            own["local_sgd"] = sync_state()
     own.update(sharded_checkpoint.rank_entries(replica.optimizer))
     return own
 
