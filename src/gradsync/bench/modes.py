@@ -145,7 +145,7 @@ def format_table(rows: list[dict]) -> str:
             {**row, "samples_per_s_vs_sync": row["samples_per_s"] / sync[row["straggler"]]
              if row["straggler"] in sync else None} for row in rows]
     return format_rows(rows, [
-        ("run", 17, "{label}"), ("straggler", 9, "{straggler:g}x"),
+        ("run", 19, "{label}"), ("straggler", 9, "{straggler:g}x"),
         ("samples/s", 17, spread_cell("samples_per_s", ".0f")),
         ("vs sync", 18, spread_cell("samples_per_s_vs_sync", ".2f", "x")), (f"s to {target}%", 22, _to_target),
         ("t vs sync", 18, spread_cell("seconds_to_target_vs_sync", ".2f", "x")),
