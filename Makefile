@@ -36,7 +36,8 @@ test-slow: $(STAMP)
 # and the generated section of docs/simulator.md (`gradsync bench report`). Benches that compare run
 # `--repeat` repetitions (default 5) and report median and min-max. The benchmarks run smaller options than
 # their defaults (fewer sizes, steps and epochs; compression without bf16, fp16's twin; modes: sync, async as
-# `gradsync train --mode async` runs it, and local SGD H=16, each with and without a straggler); the
+# `gradsync train --mode async` runs it, local SGD H=16, DiLoCo H=64 fp32 and int8 and torchft's DiLoCo, each with
+# and without a straggler); the
 # simulator's records (sim_*: `gradsync calibrate`, `gradsync simulate --validate` on one host and 2 test
 # hosts with --repeat 5, `--reproduce`, the scale sweep 8-4096 GPUs) run their defaults; the whole set is
 # meant to end within 90 minutes on this 2-core machine (docs/benchmarks.md sums the records' times).
@@ -63,7 +64,10 @@ BENCH_allreduce_ag ?= --collective all_gather $(BENCH_RSAG)
 BENCH_train ?= --nproc 2 --model cnn,mlp --algorithms auto,shm,shm_zero_copy,ring,native --steps 50 --repeat 3
 BENCH_compression ?= --compressions none,fp16,onebit,topk,powersgd --epochs 5 --compression-warmup-steps 125 \
 	--throughput-steps 2 --repeat 2
-BENCH_modes ?= --epochs 5 --staleness-bounds none+lr --sync-every 16 --repeat 3
+# modes: 26 epochs = 3250 steps, 50 outer rounds at DiLoCo's H = 64; outer momentum 0.5 (the paper's 0.9 overshoots
+# at this H and inner lr: docs/async-and-local-sgd.md); torchft's DiLoCo beside gradsync's
+BENCH_modes ?= --epochs 26 --staleness-bounds none+lr --sync-every 16 --diloco 64,64:int8 --torchft-diloco \
+	--outer-momentum 0.5 --repeat 3
 BENCH_faults ?= --epochs 3
 # faults_elastic: 60 s chaos runs, 3 repetitions (the defaults: 150 s, 5)
 BENCH_faults_elastic ?= --elastic --epochs 3 --chaos-s 60 --kill-every 15 --repeat 3

@@ -36,7 +36,8 @@ import options_table  # noqa: E402
 
 AXES = {"mode", "elastic", "hosts"}  # the combination itself
 SAMPLES = {
-    "nproc": 2, "max_staleness": 1, "staleness_lr": False, "sync_every": 2, "straggler": "1:2.0", "model": "mlp",
+    "nproc": 2, "max_staleness": 1, "staleness_lr": False, "sync_every": 2, "outer_optimizer": "nesterov",
+    "outer_lr": 0.5, "outer_momentum": 0.8, "outer_compression": "int8", "outer_fragments": 2, "straggler": "1:2.0", "model": "mlp",
     "gpt_width": 64, "gpt_depth": 2, "gpt_heads": 2, "gpt_context": 32,
     "epochs": 2, "batch_size": 16, "accumulate": 2, "global_batch_size": 64, "deterministic": True,
     "micro_shards": 4, "lr": 0.05, "lr_schedule": "constant", "optimizer": "sgd", "weight_decay": 0.01,

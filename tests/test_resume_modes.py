@@ -59,11 +59,14 @@ def _epoch_records(out_dir: Path) -> list[dict]:
 
 @pytest.mark.parametrize("extra", [
     {"mode": "local-sgd", "sync_every": 3},
+    # fragment 0 is sent after step 21 (its offset 3 of H = 6) and applied after 22: in flight at the checkpoint
+    {"mode": "local-sgd", "sync_every": 6, "outer_optimizer": "nesterov", "outer_compression": "int8",
+     "outer_fragments": 2},
     {"compression": "onebit", "compression_warmup_steps": 5},
     {"compression": "powersgd", "powersgd_rank": 1},
     {"accumulate": 2, "optimizer": "sgd", "lr_schedule": "constant", "lr": 0.05},
     {"deterministic": True, "global_batch_size": 64, "micro_shards": 4},
-], ids=["local-sgd", "onebit", "powersgd", "accumulate-sgd", "deterministic"])
+], ids=["local-sgd", "diloco-int8-fragments", "onebit", "powersgd", "accumulate-sgd", "deterministic"])
 @pytest.mark.timeout(120)
 def test_resumed_world_ends_bitwise_equal_to_the_uninterrupted_one(extra, data_path, tmp_path):
     batch_size = BATCH_SIZE // extra.get("accumulate", 1)

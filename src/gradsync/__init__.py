@@ -12,7 +12,7 @@ from gradsync.errors import (CheckpointFolderError, CollectiveMismatchError, Col
                              EpochOrderWarning, GradsyncError, GroupClosedError, MemoryPreflightError,
                              NotInitializedError,
                              ReplicaDivergenceError, ShmSetupError)
-from gradsync.parallel import AsyncWorker, DataParallel, DeterministicDataParallel, LocalSGD, ParameterServer
+from gradsync.parallel import AsyncWorker, DataParallel, DeterministicDataParallel, DiLoCo, LocalSGD, ParameterServer
 from gradsync.parallel.clip import clip_grad_norm_
 from gradsync.parallel.preflight import MemoryEstimate
 from gradsync.parallel.preflight_fit import preflight
@@ -27,7 +27,7 @@ __version__ = "0.1.0"  # the one version source: pyproject.toml reads it (dynami
 
 __all__ = [
     "ALGORITHMS", "AsyncWorker", "CheckpointFolderError", "CollectiveMismatchError",
-    "CollectiveTimeoutError", "Communicator", "DataParallel", "DebugCheckError", "DeterministicDataParallel",
+    "CollectiveTimeoutError", "Communicator", "DataParallel", "DebugCheckError", "DeterministicDataParallel", "DiLoCo",
     "EpochOrderWarning", "GradsyncError", "GroupClosedError", "HierarchicalOptions", "LocalSGD", "MemoryEstimate",
     "MemoryPreflightError",
     "NotInitializedError", "OPS", "ParameterServer", "ReplicaCheck", "ReplicaDivergenceError", "SHARD_LEVELS",

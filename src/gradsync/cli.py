@@ -24,6 +24,8 @@ from gradsync.bench.sim_commands import add_parsers as add_sim_parsers
 from gradsync.collectives.ops import ALGORITHMS
 from gradsync.compression import COMPRESSIONS
 from gradsync.errors import CollectiveMismatchError, CollectiveTimeoutError, GradsyncError
+from gradsync.parallel.outer_optimizer import OUTER_OPTIMIZERS
+from gradsync.parallel.outer_sync import OUTER_COMPRESSIONS
 from gradsync.parallel.shard_layout import IMPLEMENTED_LEVELS
 from gradsync.train.config import GPT_LR, LR_SCALINGS, LR_SCHEDULES, MODES, OPTIMIZERS, TrainConfig, default_lr
 from gradsync.train.models import MODELS
@@ -53,6 +55,19 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         "--no-staleness-lr applies every gradient at the full lr, as Downpour SGD (default: on)")
     add("--sync-every", type=int, default=d.sync_every, metavar="H", help="local-sgd: optimizer steps between "
         "parameter averages (default %(default)s)")
+    add("--outer-optimizer", default=d.outer_optimizer, metavar="{" + ",".join(OUTER_OPTIMIZERS) + "}",
+        help="local-sgd: none averages the parameters every H steps; nesterov steps them with Nesterov momentum "
+        "on the averaged pseudo-gradient (DiLoCo, Douillard et al. 2023) (default %(default)s)")
+    add("--outer-lr", type=float, default=d.outer_lr, help="--outer-optimizer nesterov: outer learning rate "
+        "(default %(default)s, the DiLoCo paper's)")
+    add("--outer-momentum", type=float, default=d.outer_momentum, help="--outer-optimizer nesterov: outer "
+        "momentum (default %(default)s, the DiLoCo paper's)")
+    add("--outer-compression", default=d.outer_compression, metavar="{" + ",".join(OUTER_COMPRESSIONS) + "}",
+        help="local-sgd: the outer deltas travel as fp32 (exact, --algorithm) or bf16, fp16, int8 (one absmax "
+        "scale per chunk) with error feedback (default %(default)s)")
+    add("--outer-fragments", type=int, default=d.outer_fragments, metavar="F", help="local-sgd: Streaming "
+        "DiLoCo: F fragments of the parameters, each synced once per H steps at its own staggered step, its "
+        "AllReduce overlapping the next inner step; F divides H (default %(default)s)")
     add("--straggler", default=None, metavar="RANK:FACTOR", help="make worker RANK's compute take FACTOR "
         "times as long (it sleeps in proportion), e.g. 1:3")
     add("--model", default=d.model, metavar="{" + ",".join(MODELS) + "}", help="model: logreg, mlp, cnn on "

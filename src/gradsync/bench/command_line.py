@@ -119,6 +119,15 @@ def _add_modes_bench_options(parser: argparse.ArgumentParser) -> None:
     add("--num-samples", type=int, default=None, help="MNIST-1D samples (default: the main job's)")
     add("--target", type=float, default=0.85, help="test accuracy whose first crossing is timed "
         "(default %(default)s)")
+    add("--diloco", default="", metavar="H[:COMPRESSION[:F]],...", help="DiLoCo rows: local SGD with the outer "
+        "Nesterov step every H steps, outer deltas as fp32/bf16/fp16/int8, F fragments (e.g. 64,64:int8); "
+        "empty: none (default)")
+    add("--outer-lr", type=float, default=_DEFAULTS.outer_lr, help="the DiLoCo rows' outer lr (default "
+        "%(default)s, the paper's)")
+    add("--outer-momentum", type=float, default=_DEFAULTS.outer_momentum, help="the DiLoCo rows' outer momentum "
+        "(default %(default)s, the paper's)")
+    add("--torchft-diloco", action="store_true", help="add torchft's DiLoCo (its Lighthouse, Managers, Gloo) at "
+        "the H of each fp32 one-fragment --diloco row, same outer optimizer")
     add_repeat_option(parser, what="repetitions, each training every setting in turn (repetition k with seed k)")
     add("--out", default=None, help="folder for the run folders and the plot (default: a new temporary folder)")
     add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
@@ -254,7 +263,8 @@ def bench_modes(args: argparse.Namespace) -> int:
     run_bench(staleness_bounds=args.staleness_bounds, sync_every=args.sync_every,
               straggler_factor=args.straggler_factor, nproc=args.nproc, epochs=args.epochs,
               num_samples=args.num_samples, lr=args.lr, staleness_lr=args.staleness_lr, target=args.target,
-              repeat=args.repeat, out=args.out, json_path=args.json)
+              repeat=args.repeat, out=args.out, json_path=args.json, diloco=args.diloco, outer_lr=args.outer_lr,
+              outer_momentum=args.outer_momentum, torchft_diloco=args.torchft_diloco)
     return 0
 
 

@@ -25,8 +25,10 @@ import json
 import tempfile
 from pathlib import Path
 
+from gradsync.bench import modes_diloco
 from gradsync.bench.output import claim_json_path, format_rows, write_json
 from gradsync.bench.spread import check_repeat, fmt_spread, paired_ratios, scaled_cell, spread, spread_cell, with_spread
+from gradsync.parallel.outer_optimizer import DILOCO_OUTER_LR, DILOCO_OUTER_MOMENTUM
 from gradsync.train.config import TrainConfig
 from gradsync.train.validation import validate
 from gradsync.train.metrics import METRICS_FILE
@@ -64,6 +66,8 @@ def _int(text: str, option: str, low: int) -> int:
 
 
 def label(setting: dict) -> str:
+    if modes_diloco.is_diloco(setting):
+        return modes_diloco.label(setting)
     if setting["mode"] == "async":
         bound = setting["max_staleness"]
         return ("async" + ("" if bound is None else f" s<={bound}")
@@ -84,6 +88,8 @@ def run_setting(setting: dict, factor: float, out_dir: Path, options: dict, targ
 
     name = label(setting).replace(" ", "_").replace("<=", "").replace("/", "_") + f"_straggler{factor:g}"
     straggler = f"{STRAGGLER_RANK}:{factor:g}" if factor > 1 else None
+    if setting["mode"] == modes_diloco.TORCHFT:  # torchft's DiLoCo, its own processes
+        return modes_diloco.run_torchft(setting, {"straggler": straggler, "seed": seed, **options}, out_dir / name)
     config = TrainConfig(progress=False, out=str(out_dir / name), straggler=straggler, seed=seed, **setting,
                          **options)
     summary = run_job(config)
@@ -94,7 +100,7 @@ def run_setting(setting: dict, factor: float, out_dir: Path, options: dict, targ
             "best_test_accuracy": summary["best_test_accuracy"], "staleness_mean": summary["staleness_mean"],
             "staleness_max": summary["staleness_max"], "wall_s": summary["wall_s"], "steps": summary["steps"],
             "samples": summary["samples"], "accuracy_curve": [[r["elapsed_s"], r["test_accuracy"]] for r in epochs],
-            "run_folder": str(out_dir / name)}
+            "run_folder": str(out_dir / name), "bytes_per_rank": modes_diloco.bytes_per_rank(summary)}
 
 
 def setting_row(setting: dict, factor: float, runs: list[dict], sync_runs: list[dict], target: float) -> dict:
@@ -126,7 +132,8 @@ def setting_row(setting: dict, factor: float, runs: list[dict], sync_runs: list[
             "staleness_max": max(run["staleness_max"] for run in runs),
             **with_spread("wall_s", [run["wall_s"] for run in runs]), "steps": first["steps"],
             "samples": first["samples"], "accuracy_curve": first["accuracy_curve"], "run_folder": first["run_folder"],
-            "run_folders": [run["run_folder"] for run in runs], "repeat": len(runs)}
+            "run_folders": [run["run_folder"] for run in runs], "repeat": len(runs),
+            **modes_diloco.row_fields(setting, runs, sync_runs)}
 
 
 def format_table(rows: list[dict]) -> str:
@@ -138,13 +145,14 @@ def format_table(rows: list[dict]) -> str:
             {**row, "samples_per_s_vs_sync": row["samples_per_s"] / sync[row["straggler"]]
              if row["straggler"] in sync else None} for row in rows]
     return format_rows(rows, [
-        ("run", 17, "{label}"), ("straggler", 9, "{straggler:g}x"),
+        ("run", 19, "{label}"), ("straggler", 9, "{straggler:g}x"),
         ("samples/s", 17, spread_cell("samples_per_s", ".0f")),
         ("vs sync", 18, spread_cell("samples_per_s_vs_sync", ".2f", "x")), (f"s to {target}%", 22, _to_target),
         ("t vs sync", 18, spread_cell("seconds_to_target_vs_sync", ".2f", "x")),
         ("test acc %", 20, scaled_cell("test_accuracy", 100, ".2f")),
         ("best %", 6, lambda row: f"{100 * row['best_test_accuracy']:.2f}"), ("stale mean", 10, "{staleness_mean:.2f}"),
-        ("stale max", 9, "{staleness_max:d}"), ("wall s", 17, spread_cell("wall_s", ".1f"))])
+        ("stale max", 9, "{staleness_max:d}"), ("wall s", 17, spread_cell("wall_s", ".1f")),
+        *(modes_diloco.columns() if any(row.get("bytes_per_rank") is not None for row in rows) else [])])
 
 
 def _to_target(row: dict) -> str:
@@ -177,7 +185,8 @@ def plot_curves(rows: list[dict], path: Path, target: float) -> Path:
 def run_bench(*, staleness_bounds: str = "none,4,none+lr", sync_every: str = "4,16", straggler_factor: float = 3.0,
               nproc: int = 4, epochs: int = 15, num_samples: int | None = None, lr: float | None = None,
               staleness_lr: bool = False, target: float = 0.85, repeat: int = 5, out: str | None = None,
-              json_path: str | None = None) -> list[dict]:
+              json_path: str | None = None, diloco: str = "", outer_lr: float = DILOCO_OUTER_LR,
+              outer_momentum: float = DILOCO_OUTER_MOMENTUM, torchft_diloco: bool = False) -> list[dict]:
     """Validate, train every setting with and without the straggler ``repeat`` times, print the table and
     plot, write JSON.
 
@@ -185,6 +194,9 @@ def run_bench(*, staleness_bounds: str = "none,4,none+lr", sync_every: str = "4,
         ValueError: a bad option, naming it, before any run.
     """
     settings = parse_settings(staleness_bounds, sync_every)
+    settings += modes_diloco.parse_diloco(diloco, outer_lr, outer_momentum, torchft_diloco)
+    if torchft_diloco:
+        modes_diloco.check_torchft()
     if not 1 <= straggler_factor < float("inf"):
         raise ValueError(f"--straggler-factor must be a finite number >= 1 (1: no straggler runs), "
                          f"got {straggler_factor}")
@@ -201,7 +213,7 @@ def run_bench(*, staleness_bounds: str = "none,4,none+lr", sync_every: str = "4,
     for setting in settings:  # every run's options, before any run
         if staleness_lr and setting["mode"] == "async":
             setting["staleness_lr"] = True  # else as the list says: plain Downpour unless "+lr"
-        validate(TrainConfig(**setting, **options))
+        validate(modes_diloco.train_config(setting, **options))
     claim_json_path(json_path)
     out_dir = Path(out) if out else Path(tempfile.mkdtemp(prefix="gradsync-bench-modes-"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -213,6 +225,8 @@ def run_bench(*, staleness_bounds: str = "none,4,none+lr", sync_every: str = "4,
     rows = [setting_row(setting, factor, runs[factor, index], runs[factor, 0], target)
             for factor in factors for index, setting in enumerate(settings)]  # settings[0] is sync
     print(format_table(rows))
+    for line in modes_diloco.goal_lines(rows):
+        print(f"# goal: {line}")
     print(f"# plot: {plot_curves(rows, out_dir / 'modes_accuracy.png', target)}", flush=True)
     if json_path:
         write_json(json_path, rows)

@@ -157,7 +157,9 @@ def tables(name: str, rows: list[dict]) -> list[str]:
                 + ([format_throughput_table(throughput)] if throughput else []))
     if name == "modes":
         from gradsync.bench.modes import format_table
-        return [format_table(rows)]
+        from gradsync.bench.modes_diloco import goal_lines
+        goals = goal_lines(rows)  # DiLoCo's goals, when the record has its rows
+        return [format_table(rows)] + (["\n".join(goals)] if goals else [])
     if name == "deterministic":
         from gradsync.bench.determinism import format_table
         return [format_table(rows)]

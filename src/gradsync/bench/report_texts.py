@@ -242,7 +242,19 @@ at or above the target accuracy, over the repetitions that reached it (`in
 2/3` when not all did); staleness is 0 for sync, the server versions a
 gradient missed for async, and the local steps since the last average for
 local SGD (`stale mean` the median, `stale max` the largest). The plot shows
-the first repetition.""",
+the first repetition.
+
+DiLoCo rows (`--diloco H[:COMPRESSION[:F]]`) are local SGD with DiLoCo's outer
+Nesterov step (`outer`) on the averaged pseudo-gradient every H steps, the
+outer deltas sent as `delta` (fp32, or bf16/fp16/int8 with error feedback),
+F fragments (Streaming DiLoCo); `torchft diloco` is torchft's own `DiLoCo`
+(its Lighthouse and Managers, on Gloo) training the same model, samples and
+schedule at the same H and outer optimizer, evaluated once at the end.
+`MB/rank` is what each worker sent to keep the replicas in sync, one
+definition for every row: each AllReduce of n payload bytes (encoded, as
+sent) counts 2(p-1)/p·n (a ring's volume, whatever algorithm ran), a
+parameter-server push n; `bytes ÷ sync` is sync's bytes over the row's. The
+`goal` lines judge DiLoCo's goals on paired repetitions.""",
     "modes_after": """\
 How to read it. With a straggler, fast async workers take the straggler's
 share of the batches while sync and local SGD wait for it (local SGD only at

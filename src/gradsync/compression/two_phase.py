@@ -51,13 +51,15 @@ def row_nbytes(codec: Codec, numel: int) -> int:
 
 
 def reduce(flat: torch.Tensor, layout: BucketLayout, comm: Communicator, divisor: int, codec: Codec,
-           worker_feedback: ErrorFeedback | None = None, server_feedback: ErrorFeedback | None = None) -> None:
+           worker_feedback: ErrorFeedback | None = None, server_feedback: ErrorFeedback | None = None,
+           timeout: float | None = None) -> None:
     """Average ``flat`` (``(numel,)`` float, in place) over ranks in two compressed phases.
 
     ``worker_feedback`` keeps each rank's residual of phase 1 (whole bucket),
-    ``server_feedback`` the chunk owner's residual of phase 3 (its chunk only).
+    ``server_feedback`` the chunk owner's residual of phase 3 (its chunk only);
+    ``timeout``: seconds each phase's collective may take (None: the communicator's).
     """
-    chunks, average, sends = _scatter_phase(flat, layout, comm, divisor, codec, worker_feedback)
+    chunks, average, sends = _scatter_phase(flat, layout, comm, divisor, codec, worker_feedback, timeout)
     start = chunks[comm.rank][0]
     mine = sends[0]  # phase 1 is over: reuse its buffer for the outgoing row
     if server_feedback is None:
@@ -65,7 +67,7 @@ def reduce(flat: torch.Tensor, layout: BucketLayout, comm: Communicator, divisor
     else:
         server_feedback.step(layout, average, lambda values: codec.decode(_encoded(codec, values, mine),
                                                                           values.numel()), start)
-    gathered = collectives.all_gather(mine, comm, verify=False)
+    gathered = collectives.all_gather(mine, comm, verify=False, timeout=timeout)
     for row, (start, stop) in zip(gathered, chunks):
         codec.decode(row, stop - start, out=flat[start:stop])
 
@@ -85,7 +87,7 @@ def reduce_scatter(flat: torch.Tensor, layout: BucketLayout, comm: Communicator,
 
 
 def _scatter_phase(flat: torch.Tensor, layout: BucketLayout, comm: Communicator, divisor: int, codec: Codec,
-                   worker_feedback: ErrorFeedback | None):
+                   worker_feedback: ErrorFeedback | None, timeout: float | None = None):
     """Phases 1-2: encode every chunk, all-to-all, decode and average this rank's chunk.
     Returns (chunks, this rank's average (a workspace buffer), the send rows)."""
     world_size, rank = comm.world_size, comm.rank
@@ -107,7 +109,8 @@ def _scatter_phase(flat: torch.Tensor, layout: BucketLayout, comm: Communicator,
             codec.encode(flat[start:stop], row)
     else:
         worker_feedback.step(layout, flat, encode_chunks)
-    collectives.all_to_all(list(sends), list(receives), comm, verify=False)  # sizes from the agreed layout
+    collectives.all_to_all(list(sends), list(receives), comm, verify=False,  # sizes from the agreed layout
+                           timeout=timeout)
     start, stop = chunks[rank]
     average = space.get(stop - start, flat.dtype, flat.device, "compress-average").zero_()
     part = space.get(stop - start, flat.dtype, flat.device, "compress-part")

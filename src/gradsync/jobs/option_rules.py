@@ -98,6 +98,8 @@ _TORCHRUN_HOSTS = Rule(memberships=("static",), placements=("test hosts",), need
 ELASTIC = Rule(memberships=("elastic",), needs=(("elastic", True),), why="it sets an elastic run's membership")
 CHECKPOINTS = Rule(needs=(("checkpoint_dir", None), ("max_restarts", None)), why="it sets how checkpoints are kept")
 FAULTS = Rule(modes=("sync", "local-sgd"), why="a parameter server's faults are injected by killing its PID")
+OUTER = Rule(modes=("local-sgd",), why="DiLoCo's outer rounds replace local SGD's parameter averages")
+NESTEROV = Rule(modes=("local-sgd",), needs=(("outer_optimizer", "nesterov"),), why="it sets the outer Nesterov step")
 GPT_SIZE = Rule(needs=(("model", "gpt"),), why="it sizes the gpt (the other models have fixed sizes)")
 
 RULES: dict[str, Rule] = {
@@ -106,6 +108,8 @@ RULES: dict[str, Rule] = {
     "max_staleness": Rule(modes=("async",), why="only a parameter server has stale gradients"),
     "staleness_lr": Rule(modes=("async",), why="only a parameter server has stale gradients"),
     "sync_every": Rule(modes=("local-sgd",), why="only local SGD averages every H steps"),
+    "outer_optimizer": OUTER, "outer_compression": OUTER, "outer_fragments": OUTER,
+    "outer_lr": NESTEROV, "outer_momentum": NESTEROV,
     "straggler": EVERYWHERE,
     "model": EVERYWHERE, "gpt_width": GPT_SIZE, "gpt_depth": GPT_SIZE, "gpt_heads": GPT_SIZE,
     "gpt_context": GPT_SIZE, "epochs": EVERYWHERE, "batch_size": EVERYWHERE, "accumulate": EVERYWHERE,

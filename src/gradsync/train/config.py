@@ -6,6 +6,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from gradsync.parallel.deterministic import DEFAULT_MICRO_SHARDS
+from gradsync.parallel.outer_optimizer import DILOCO_OUTER_LR, DILOCO_OUTER_MOMENTUM
 from gradsync.train.data import DEFAULT_NUM_SAMPLES
 from gradsync.train.gpt import GPT_DEFAULT
 
@@ -33,6 +34,11 @@ class TrainConfig:
     max_staleness: int | None = None  # async: bound on an applied gradient's staleness (None: unbounded)
     staleness_lr: bool = True       # async: divide the lr by the gradient's staleness (Zhang et al. 2016)
     sync_every: int = 4             # local-sgd: optimizer steps between parameter averages (H)
+    outer_optimizer: str = "none"   # local-sgd: none (average the parameters) | nesterov (DiLoCo's outer step)
+    outer_lr: float = DILOCO_OUTER_LR  # local-sgd --outer-optimizer nesterov: outer lr (DiLoCo paper's 0.7)
+    outer_momentum: float = DILOCO_OUTER_MOMENTUM  # ... and its momentum (the paper's 0.9)
+    outer_compression: str = "fp32"  # local-sgd: outer deltas sent as fp32 | bf16 | fp16 | int8 (error feedback)
+    outer_fragments: int = 1        # local-sgd: Streaming DiLoCo's fragments, each synced at its own step of H
     straggler: str | None = None    # "RANK:FACTOR": worker RANK's compute takes FACTOR times as long
     model: str = "cnn"              # logreg | mlp | cnn (MNIST-1D) | gpt (the corpus of gradsync.train.corpus)
     gpt_width: int = GPT_DEFAULT["width"]      # --model gpt: embedding width (a multiple of gpt_heads)

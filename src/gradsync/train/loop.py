@@ -17,6 +17,7 @@ on the same batch.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from pathlib import Path
@@ -345,11 +346,13 @@ class Trainer:
         loss_sum = self.state.epoch_loss()
         if not self.global_loss:
             gradsync.all_reduce(loss_sum, op="sum")
-        if self.local_sgd and self.model.local_steps:  # evaluate the average, as the paper does
-            self.model.average()
         eval_started = time.perf_counter()
         shards = (self.config.micro_shards, self.model.local_shards()) if self.config.deterministic else None
-        test_loss, test_accuracy = evaluate(self.model, self.data, self.rank, self.world_size, shards)
+        # local SGD: the average (as Lin et al. evaluate); DiLoCo: the global parameters, or at the end of the
+        # run one more outer round of every fragment stepped since it was sent
+        final = self.state.epoch == self.config.epochs - 1
+        with self.model.evaluation(final) if self.local_sgd else contextlib.nullcontext():
+            test_loss, test_accuracy = evaluate(self.model, self.data, self.rank, self.world_size, shards)
         self.meter.record("eval", eval_started, time.perf_counter())
         self.state.eval_s += time.perf_counter() - eval_started
         record = {"kind": "epoch", "epoch": self.state.epoch, "train_loss": float(loss_sum[0] / loss_sum[1]),
@@ -404,5 +407,7 @@ class Trainer:
                       **self.membership.summary_fields()})
         if self.elastic:
             extra["replicas_equal"] = True  # checked before the summary (ReplicaDivergenceError otherwise)
+        if self.local_sgd:
+            extra["local_sgd"] = self.model.summary_fields()
         return build_summary(self.config, self.state.epoch_records, totals, self.state.staleness.as_dict(),
                              self.model.bucket_algorithms(), self.model.module, self.data, extra)

@@ -25,6 +25,12 @@ by anything that changes the world between steps. ``states[r]`` is old rank
 - **Local SGD**: every rank starts from the mean of the old replicas (an
   average at the checkpoint; ``local_steps`` 0); optimizer state: ranks in
   both keep theirs, a new rank gets the old ranks' elementwise mean.
+- **DiLoCo's outer state** (equal on every rank: the global parameters, the
+  outer momentum, the round's position and the averaged results in flight)
+  is rank 0's; what is per rank is linear in the replicas, so it is the old
+  ranks' mean as the replicas are: each in-flight fragment's own
+  pseudo-gradient, and the worker residuals with the chunk owners' server
+  residuals folded in (``mean(worker) + sum(server)``, as OneBit's).
 """
 
 from __future__ import annotations
@@ -157,6 +163,8 @@ def reshard_rank_states(states: list[dict], new_world_size: int, seed: int, dete
             own["compression"] = compression
         if local_sgd:
             own.update(model=model, optimizer=kept["optimizer"] if kept else optimizer, local_steps=0)
+        if "local_sgd" in states[0]:
+            own["local_sgd"] = reshard_local_sgd([s["local_sgd"] for s in states], kept and kept["local_sgd"])
         new.append(own)
     return new
 
@@ -198,3 +206,26 @@ def world_change(old_world_size: int, new_world_size: int, config, samples_in_ep
         parts.append(residuals)
     return {"world_size_from": old, "world_size_to": new, "sample": samples_in_epoch,
             "line": f"written by {old} workers, now {new}: " + "; ".join(parts)}
+
+
+def reshard_local_sgd(states: list[dict], kept: dict | None) -> dict:
+    """A new rank's ``LocalSGD.sync_state_dict()`` from the old ranks' (``kept``: its own old one, if any):
+    plain averaging restarts its H steps (the replicas were averaged); DiLoCo's outer state per the
+    module's rules; the byte counter is the rank's own (0 for a new rank)."""
+    first = states[0]
+    new = {"local_steps": 0, "averages": int(first["averages"]),
+           "payload_nbytes": int(kept["payload_nbytes"]) if kept else 0, "outer": None}
+    if first["outer"] is None:
+        return new
+    outers = [state["outer"] for state in states]
+    outer = {**outers[0], "payload_nbytes": int(kept["outer"]["payload_nbytes"]) if kept else 0}
+    worker = mean_tensors([o["worker_residual"] for o in outers]) if outers[0]["worker_residual"] else {}
+    server = _sum_exact([o["server_residual"] for o in outers])
+    outer["worker_residual"] = {name: value + server[name] if name in server else value
+                                for name, value in worker.items()}
+    outer["server_residual"] = {}
+    outer["pending"] = [{**pending, "own_delta": mean_tensors([{"d": o["pending"][i]["own_delta"]}
+                                                               for o in outers])["d"]}
+                        for i, pending in enumerate(outers[0]["pending"])]
+    new["local_steps"] = int(first["local_steps"])  # the round's position: the fragments' schedule goes on
+    return {**new, "outer": outer}

@@ -9,7 +9,9 @@ where ``metrics.jsonl`` ends at that step (its length and SHA-256, not its text:
 file is cut back to it on resume), the epoch records, wall times. Per rank: the epoch's running loss, RNG
 states (torch, numpy, python), compressor state (error feedback), this
 rank's time and byte counters, and in local-SGD mode its own model and
-optimizer (replicas differ between averages).
+optimizer (replicas differ between averages) and its averaging state (DiLoCo's
+global parameters, outer momentum, error-feedback residuals and the outer
+AllReduces not yet applied).
 
 A checkpoint resumes at any world size: the same one continues bitwise as
 if nothing happened; another one continues from the same sample of the
@@ -53,10 +55,12 @@ RESUME_FIELDS = ("mode", "model", "epochs", "batch_size", "accumulate", "lr", "l
                  "powersgd_rank", "compression_warmup_steps", "algorithm", "bucket_cap_mb",
                  "gradient_as_bucket_view", "global_batch_size", "deterministic", "micro_shards",
                  "clip_grad_norm", "gpt_width", "gpt_depth", "gpt_heads", "gpt_context", "lr_scaling",
-                 "base_batch_size", "warmup_steps", "warmup_epochs")
+                 "base_batch_size", "warmup_steps", "warmup_epochs", "outer_optimizer", "outer_lr", "outer_momentum",
+                 "outer_compression", "outer_fragments")
 # Added after checkpoints existed: a checkpoint without them was written with their defaults.
 _LATER_FIELDS = ("global_batch_size", "deterministic", "micro_shards", "clip_grad_norm", "gpt_width", "gpt_depth",
-                 "gpt_heads", "gpt_context", "lr_scaling", "base_batch_size", "warmup_steps", "warmup_epochs")
+                 "gpt_heads", "gpt_context", "lr_scaling", "base_batch_size", "warmup_steps", "warmup_epochs",
+                 "outer_optimizer", "outer_lr", "outer_momentum", "outer_compression", "outer_fragments")
 # Not among them: --shard (ZeRO shards the same step; the optimizer state is consolidated and cut again), like
 # the world size.
 STATE_FORMAT = 2  # 2: "metrics" (length + SHA-256 of metrics.jsonl) instead of 1's "metrics_text" (still read)
@@ -146,6 +150,9 @@ def rank_state(state: TrainState, replica: Replica) -> dict:
         own["model"] = replica.model.module.state_dict()
         own["optimizer"] = replica.optimizer.state_dict()
         own["local_steps"] = replica.model.local_steps
+        sync_state = getattr(replica.model, "sync_state_dict", None)  # LocalSGD's; DiLoCo's outer state in it
+        if sync_state is not None:
+            own["local_sgd"] = sync_state()
     own.update(sharded_checkpoint.rank_entries(replica.optimizer))
     return own
 
@@ -181,7 +188,9 @@ def restore_replica(replica: Replica, shared: dict, own: dict, states: list[dict
     else:
         replica.optimizer.load_state_dict(sharded_checkpoint.optimizer_state(shared, own, states))
     replica.scheduler.load_state_dict(shared["scheduler"])
-    if replica.local_sgd:
+    if replica.local_sgd and "local_sgd" in own:
+        replica.model.load_sync_state_dict(own["local_sgd"])
+    elif replica.local_sgd:
         replica.model.local_steps = int(own["local_steps"])
     elif shared.get("bucket_layout") and not replica.sharded:
         replica.model.bucket_layout = shared["bucket_layout"]

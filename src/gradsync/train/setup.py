@@ -111,7 +111,7 @@ def straggle(factor: float, compute_s: float) -> float:
 def build_replica(config: TrainConfig, model_state: dict | None = None,
                   compression_state: dict | None = None) -> torch.nn.Module:
     """The model wrapped for the mode: DataParallel (sync), DeterministicDataParallel (``deterministic``)
-    or LocalSGD (local-sgd) (collective); sync ones sharded at ``config.shard`` (ZeRO-1/2; then train with
+    or LocalSGD (local-sgd, with DiLoCo's outer options) (collective); sync ones sharded at ``config.shard`` (ZeRO-1/2; then train with
     :func:`make_replica_optimizer`'s sharded optimizer).
 
     ``model_state``: the module's ``state_dict`` to start from (an elastic hand-over), loaded before
@@ -124,7 +124,10 @@ def build_replica(config: TrainConfig, model_state: dict | None = None,
         return gradsync.DeterministicDataParallel(module, config.micro_shards, algorithm=config.algorithm,
                                                   seed=config.seed, shard=config.shard)
     if config.mode == "local-sgd":
-        return gradsync.LocalSGD(module, sync_every=config.sync_every, algorithm=config.algorithm)
+        return gradsync.LocalSGD(module, sync_every=config.sync_every, algorithm=config.algorithm,
+                                 outer_optimizer=config.outer_optimizer, outer_lr=config.outer_lr,
+                                 outer_momentum=config.outer_momentum, outer_compression=config.outer_compression,
+                                 outer_fragments=config.outer_fragments)
     compressor = make_compressor(config.compression, config.topk_ratio, config.powersgd_rank,
                                  config.compression_warmup_steps)
     if compressor is not None and compression_state is not None:

@@ -6,13 +6,19 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from gradsync.collectives.ops import ALGORITHMS
 from gradsync.compression import COMPRESSIONS, make as make_compressor
 from gradsync.hosts.netns import link_options_problem
+from gradsync.parallel.fragments import check_fragments
+from gradsync.parallel.outer_optimizer import check_outer_options
+from gradsync.parallel.outer_sync import make_codec
 from gradsync.parallel.shard_layout import IMPLEMENTED_LEVELS, SHARD_LEVELS, sharding_algorithm_problem
 from gradsync.train.config import LR_SCALINGS, LR_SCHEDULES, MODES, OPTIMIZER_ALIASES, OPTIMIZERS, TrainConfig, total_steps
 from gradsync.train.gpt import size_problem
 from gradsync.train.models import MODELS
+from gradsync.train.task import make_model
 
 MAX_NUM_SAMPLES = 500_000
 MAX_BUCKET_CAP_MB = 2**20  # 1 TiB: beyond any model, and keeps the byte count an int
@@ -74,6 +80,7 @@ def validate(config: TrainConfig) -> None:
         raise ValueError(size_problem(config.gpt_width, config.gpt_depth, config.gpt_heads, config.gpt_context))
     _validate_mode(config)
     _validate_lr(config)
+    _validate_outer(config)
     _validate_sharding(config)
     _validate_trajectory(config)
     _validate_fault_tolerance(config)
@@ -236,6 +243,17 @@ def _validate_mode(config: TrainConfig) -> None:
     if config.mode != "sync" and config.bucket_cap_mb != d.bucket_cap_mb:
         raise ValueError(f"--bucket-cap-mb applies to --mode sync, not --mode {config.mode}")
     config.straggler_rank_factor()
+
+
+def _validate_outer(config: TrainConfig) -> None:
+    """DiLoCo's options: the outer optimizer and its lr / momentum, the compression, the fragments (they
+    divide --sync-every and cut the model's parameter tensors)."""
+    check_outer_options(config.outer_optimizer, config.outer_lr, config.outer_momentum)
+    make_codec(config.outer_compression)
+    if config.outer_fragments != 1:
+        with torch.random.fork_rng(devices=[]):  # building the model draws from the global RNG
+            tensors = sum(1 for p in make_model(config).parameters() if p.dtype.is_floating_point)
+        check_fragments(config.outer_fragments, config.sync_every, tensors)
 
 
 def validate_against_data(config: TrainConfig, world_size: int, num_train: int) -> None:
