@@ -157,6 +157,8 @@ class _Waiter:
         """``ready()`` -> a value or None; ``alive()`` raises ShmPeerTimeout for a gone peer; returns the value."""
         next_liveness = time.monotonic() + LIVENESS_EVERY_S
         while True:
+            if on_ring is not None:  # rings already queued first: they order what ready() finds
+                self._drain(on_ring)
             found = ready()
             if found is not None:
                 return found
@@ -173,7 +175,6 @@ class _Waiter:
                 continue
             if on_ring is not None:
                 on_ring(data)
-                self._drain(on_ring)
 
     def _drain(self, on_ring) -> None:
         self.sock.setblocking(False)
