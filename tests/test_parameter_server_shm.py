@@ -67,6 +67,26 @@ def test_channels_carry_requests_in_ring_order_and_replies_with_payload():
             side.close()
 
 
+def test_an_answer_that_came_just_before_its_sender_left_is_taken(monkeypatch):
+    """Trigger: the server's last stop and its close fell between a waiting worker's two looks; before: the
+    worker raised "peer left" instead of taking the stop."""
+    import socket
+
+    from gradsync.transport import shm_channels
+
+    monkeypatch.setattr(shm_channels, "LIVENESS_EVERY_S", 0.0)  # look at the peer at every turn
+    looks = iter([None, "the stop"])
+
+    def gone():
+        raise ShmPeerTimeout(SERVER, died=True, left=True)
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        waiter = shm_channels._Waiter(sock)
+        assert waiter.wait(lambda: next(looks), gone, time.monotonic() + 5) == "the stop"
+        with pytest.raises(ShmPeerTimeout):  # nothing came: the peer's departure is raised
+            waiter.wait(lambda: None, gone, time.monotonic() + 5)
+
+
 def test_attach_refuses_another_layout():
     server = ShmServerChannels.create(1, push_bytes=64, params_bytes=64)
     try:

@@ -164,7 +164,13 @@ class _Waiter:
                 return found
             now = time.monotonic()
             if now >= next_liveness:
-                alive()
+                try:
+                    alive()
+                except ShmPeerTimeout:  # it may have answered, then left (the server after its last stop)
+                    found = ready()
+                    if found is None:
+                        raise
+                    return found
                 next_liveness = now + LIVENESS_EVERY_S
             if now >= deadline:
                 return None
