@@ -34,7 +34,7 @@ from gradsync.bench.sim_report import tables as sim_tables
 
 # Record names: a bench, or "<bench>_<label>" for a second setting of one (the test-host sweeps).
 BENCHES = ("allreduce", "allreduce_shm2", "allreduce_shm4", "allreduce_hosts_1g", "allreduce_hosts_10g",
-           "allreduce_rs", "allreduce_ag", "train", "compression", "modes", "faults", "faults_elastic",
+           "allreduce_rs", "allreduce_ag", "train", "compression", "modes", "modes_compute", "faults", "faults_elastic",
            "deterministic", "bitwise", "replicas", "memory", "preflight", "fit")
 BENCHES = BENCHES + tuple(SIM_COMMANDS)  # the simulator's records: calibrate, --validate, --reproduce, scale
 DEFAULT_BENCH_DIR = "docs/bench"
@@ -157,7 +157,8 @@ def tables(name: str, rows: list[dict]) -> list[str]:
                 + ([format_throughput_table(throughput)] if throughput else []))
     if name == "modes":
         from gradsync.bench.modes import format_table
-        return [format_table(rows)]
+        from gradsync.bench.modes_compute import goal_lines
+        return [format_table(rows)] + (["\n".join(goal_lines(rows))] if goal_lines(rows) else [])
     if name == "deterministic":
         from gradsync.bench.determinism import format_table
         return [format_table(rows)]
