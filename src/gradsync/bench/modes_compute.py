@@ -83,8 +83,8 @@ def goal_lines(rows: list[dict]) -> list[str]:
     lines = []
     slow = factors[-1] if factors[-1] > 1 else None
     if slow is not None and 1.0 in sync:
-        lines.append(f"# goal check: sync slows {sync[1.0]['samples_per_s'] / sync[slow]['samples_per_s']:.2f}x "
-                     f"under the {slow:g}x straggler (compute-dominated: about {slow:g}x)")
+        lines.append(f"# the {slow:g}x straggler slows sync {sync[1.0]['samples_per_s'] / sync[slow]['samples_per_s']:.2f}x "
+                     f"(medians; {slow:g}x where compute is all of a step)")
         locals_, name = diloco_rows([row for row in rows if row["straggler"] == slow])
         for row in [r for r in rows if r["straggler"] == slow and r["mode"] == "async"]:
             lines.append(f"# goal: {row['label']}, {slow:g}x straggler: {_throughput(row, ASYNC_STRAGGLER_GOAL)}; "
