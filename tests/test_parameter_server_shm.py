@@ -67,24 +67,46 @@ def test_channels_carry_requests_in_ring_order_and_replies_with_payload():
             side.close()
 
 
-def test_an_answer_that_came_just_before_its_sender_left_is_taken(monkeypatch):
-    """Trigger: the server's last stop and its close fell between a waiting worker's two looks; before: the
-    worker raised "peer left" instead of taking the stop."""
-    import socket
-
+def test_an_answer_sent_just_before_its_sender_left_is_taken(monkeypatch):
+    """Trigger: the server's last stop, then its close, came before the worker looked at the server;
+    before: the worker raised "peer left" instead of taking the stop. The same holds for a request."""
     from gradsync.transport import shm_channels
 
-    monkeypatch.setattr(shm_channels, "LIVENESS_EVERY_S", 0.0)  # look at the peer at every turn
-    looks = iter([None, "the stop"])
+    monkeypatch.setattr(shm_channels, "LIVENESS_EVERY_S", 0.0)  # look at the peer before anything else
+    server = ShmServerChannels.create(1, push_bytes=64, params_bytes=64)
+    client = ShmClientChannel.attach(server.name, 0, 1, 64, 64)
+    client.request([2, 0, 0, 0])
+    client.close()
+    assert server.wait_request([0], time.monotonic() + 5) == (0, [2, 0, 0, 0])
+    with pytest.raises(ShmPeerTimeout):  # nothing more from it: now it is gone
+        server.wait_request([0], time.monotonic() + 5)
+    client = ShmClientChannel.attach(server.name, 0, 1, 64, 64)
+    server.reply(0, [2, 5, 0, 0])
+    server.close()
+    assert client.wait_reply(time.monotonic() + 5) == [2, 5, 0, 0]
+    with pytest.raises(ShmPeerTimeout):
+        client.wait_reply(time.monotonic() + 5)
+    client.close()
 
-    def gone():
-        raise ShmPeerTimeout(SERVER, died=True, left=True)
 
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        waiter = shm_channels._Waiter(sock)
-        assert waiter.wait(lambda: next(looks), gone, time.monotonic() + 5) == "the stop"
-        with pytest.raises(ShmPeerTimeout):  # nothing came: the peer's departure is raised
-            waiter.wait(lambda: None, gone, time.monotonic() + 5)
+def test_a_dead_client_is_named_while_another_keeps_the_server_busy():
+    """Trigger: one worker pushing every few ms kept each of the server's waits under the liveness period;
+    before: a dead worker was named only at its timeout."""
+    server = ShmServerChannels.create(2, push_bytes=64, params_bytes=64)
+    clients = [ShmClientChannel.attach(server.name, c, 2, 64, 64) for c in (0, 1)]
+    server.unlink()
+    clients[1].close()
+    started = time.monotonic()
+    try:
+        with pytest.raises(ShmPeerTimeout) as raised:
+            while time.monotonic() - started < 5:
+                clients[0].request([2, 0, 0, 0])
+                assert server.wait_request([0, 1], time.monotonic() + 5)[0] == 0
+                time.sleep(0.002)
+        assert raised.value.peer == 1 and time.monotonic() - started < 1
+    finally:
+        for side in (*clients, server):
+            side.close()
 
 
 def test_attach_refuses_another_layout():

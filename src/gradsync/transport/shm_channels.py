@@ -148,33 +148,29 @@ def _socket(address: str) -> socket.socket:
 
 
 class _Waiter:
-    """Block on a doorbell until ``ready()`` or the deadline, checking ``alive()`` now and then."""
+    """Block on a doorbell until ``ready()`` or the deadline, checking ``alive()`` every ``LIVENESS_EVERY_S``
+    on a clock that runs across waits (a server whose other clients keep it busy still looks at them all)."""
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
+        self.next_liveness = time.monotonic() + LIVENESS_EVERY_S
 
     def wait(self, ready, alive, deadline: float, on_ring=None):
-        """``ready()`` -> a value or None; ``alive()`` raises ShmPeerTimeout for a gone peer; returns the value."""
-        next_liveness = time.monotonic() + LIVENESS_EVERY_S
+        """``ready()`` -> a value or None; ``alive()`` raises ShmPeerTimeout for a peer that is gone with
+        nothing left to read from it; returns the value, or None at ``deadline``."""
         while True:
             if on_ring is not None:  # rings already queued first: they order what ready() finds
                 self._drain(on_ring)
+            now = time.monotonic()
+            if now >= self.next_liveness:
+                self.next_liveness = now + LIVENESS_EVERY_S
+                alive()
             found = ready()
             if found is not None:
                 return found
-            now = time.monotonic()
-            if now >= next_liveness:
-                try:
-                    alive()
-                except ShmPeerTimeout:  # it may have answered, then left (the server after its last stop)
-                    found = ready()
-                    if found is None:
-                        raise
-                    return found
-                next_liveness = now + LIVENESS_EVERY_S
             if now >= deadline:
                 return None
-            self.sock.settimeout(max(min(deadline, next_liveness) - now, 1e-4))
+            self.sock.settimeout(max(min(deadline, self.next_liveness) - now, 1e-4))
             try:
                 data = self.sock.recv(64)
             except (TimeoutError, socket.timeout):
@@ -256,10 +252,11 @@ class ShmServerChannels:
                     return self._take(client)
             return None
 
-        def alive():
+        def alive():  # a request it announced before it went is still taken
             for client in clients:
                 pid = words[lines[client] + _PID_WORD]
-                if pid == _LEFT_PID or (pid > 0 and not pid_alive(pid)):
+                gone = pid == _LEFT_PID or (pid > 0 and not pid_alive(pid))
+                if gone and words[lines[client]] <= self._seen[client]:
                     raise ShmPeerTimeout(client, died=True, left=pid == _LEFT_PID)
 
         def on_ring(data: bytes):
@@ -361,9 +358,10 @@ class ShmClientChannel:
                 return self.map.read_header(self._reply_line)
             return None
 
-        def alive():
+        def alive():  # a reply it announced before it went (the last stop) is still taken
             pid = words[_PID_WORD]
-            if pid == _LEFT_PID or (pid > 0 and not pid_alive(pid)):
+            gone = pid == _LEFT_PID or (pid > 0 and not pid_alive(pid))
+            if gone and words[self._reply_line] <= self._replies:
                 raise ShmPeerTimeout(SERVER, died=True, left=pid == _LEFT_PID)
 
         return self._waiter.wait(ready, alive, deadline)
