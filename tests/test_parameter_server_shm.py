@@ -196,6 +196,37 @@ def test_a_declining_worker_makes_every_worker_use_the_transport_threads():
     assert [r["link"] for r in results[1:]] == ["tcp", "tcp"]
 
 
+@pytest.mark.timeout(60)
+def test_a_segment_that_does_not_fit_dev_shm_falls_back_to_the_transport(monkeypatch):
+    """``/dev/shm`` too small (ENOSPC when its pages are reserved): every worker uses TCP, the reason is kept."""
+    import errno
+
+    from gradsync.transport import shm_channels
+
+    def full(fd, offset, nbytes):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shm_channels.os, "posix_fallocate", full)
+    total_steps, seen = 7, {}
+
+    def body(comm):
+        if comm.rank == 0:
+            model = Vector(total_steps)
+            server = gradsync.ParameterServer(model, torch.optim.SGD(model.parameters(), lr=1.0), total_steps,
+                                              group=comm, shared_memory=True)
+            server.serve()
+            seen["server"] = (server.link, server.link_fallback)
+            return model.weight.detach().clone()
+        return _onehot_worker(comm, total_steps)
+
+    results = run_threads(3, body, timeout_s=40)
+    link, why = seen["server"]
+    assert link == "tcp" and "could not create the shared memory" in why and "No space left" in why, seen
+    assert torch.equal(results[0], torch.full((total_steps,), -1.0))
+    assert [r["link"] for r in results[1:]] == ["tcp", "tcp"]
+    assert _names(os.getpid()) == []
+
+
 def test_shared_memory_true_refuses_workers_on_another_host():
     from gradsync.collectives import Communicator
     from gradsync.transport.locality import Locality

@@ -212,8 +212,10 @@ class ShmServerChannels:
             raise ValueError(f"num_clients must be >= 1, got {num_clients}")
         remove_leftovers()
         name = f"gradsync-{os.getpid()}-{secrets.token_hex(12)}"
-        mapping = _map(name, segment_bytes(num_clients, push_bytes, params_bytes))
+        nbytes = segment_bytes(num_clients, push_bytes, params_bytes)
+        mapping = _map(name, nbytes)
         try:
+            _reserve(name, nbytes)
             sock = _socket(_doorbell(name, "s"))
         except OSError:
             _unlink(name)
@@ -375,6 +377,18 @@ class ShmClientChannel:
         self.map.release()
         self.sock.close()
         self._sender.close()
+
+
+def _reserve(name: str, nbytes: int) -> None:
+    """Allocate the segment's pages now: a ``/dev/shm`` too small for it (a container's 64 MiB) fails here
+    with ``OSError`` (ENOSPC), which the caller can fall back from, instead of a SIGBUS at the first touch."""
+    import _posixshmem
+
+    fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    finally:
+        os.close(fd)
 
 
 def _unlink(name: str) -> None:
