@@ -45,7 +45,7 @@ test-slow: $(STAMP)
 # 15"`; a bench's full-length defaults: `gradsync bench NAME` (`gradsync bench record NAME` keeps it).
 BENCH_DIR := docs/bench
 BENCHES ?= allreduce allreduce_shm2 allreduce_shm4 allreduce_hosts_1g allreduce_hosts_10g allreduce_rs allreduce_ag \
-	train compression modes faults \
+	train compression modes modes_compute faults \
 	faults_elastic deterministic bitwise replicas memory preflight fit \
 	sim_calibrate sim_validate sim_reproduce sim_scale
 BENCH_allreduce ?= --nproc 4 --sizes 4K,64K,1M,16M,64M --algorithms ring,tree,halving_doubling,hierarchical,shm,shm_zero_copy,native,auto
@@ -68,6 +68,9 @@ BENCH_compression ?= --compressions none,fp16,onebit,topk,powersgd --epochs 5 --
 # at this H and inner lr: docs/async-and-local-sgd.md); torchft's DiLoCo beside gradsync's
 BENCH_modes ?= --epochs 26 --staleness-bounds none+lr --sync-every 16 --diloco 64,64:int8 --torchft-diloco \
 	--outer-momentum 0.5 --repeat 3
+# the modes where compute dominates a step (bench/modes_compute.py): 2 workers, 512 samples each per step
+BENCH_modes_compute ?= --nproc 2 --batch-size 512 --num-samples 80000 --epochs 4 --staleness-bounds none+lr \
+	--sync-every 16 --repeat 3
 BENCH_faults ?= --epochs 3
 # faults_elastic: 60 s chaos runs, 3 repetitions (the defaults: 150 s, 5)
 BENCH_faults_elastic ?= --elastic --epochs 3 --chaos-s 60 --kill-every 15 --repeat 3

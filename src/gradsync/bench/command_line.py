@@ -117,6 +117,9 @@ def _add_modes_bench_options(parser: argparse.ArgumentParser) -> None:
     add("--epochs", type=int, default=_DEFAULTS.epochs, help="(default %(default)s)")
     add("--lr", type=float, default=None, help="learning rate of every run (default: the main job's)")
     add("--num-samples", type=int, default=None, help="MNIST-1D samples (default: the main job's)")
+    add("--model", default="cnn", help="model of every run, as gradsync train's --model (default %(default)s)")
+    add("--batch-size", type=int, default=None, help="samples per worker per step (default: the main job's; "
+        "a larger batch makes compute dominate a step, see bench/modes_compute.py)")
     add("--target", type=float, default=0.85, help="test accuracy whose first crossing is timed "
         "(default %(default)s)")
     add("--diloco", default="", metavar="H[:COMPRESSION[:F]],...", help="DiLoCo rows: local SGD with the outer "
@@ -264,7 +267,8 @@ def bench_modes(args: argparse.Namespace) -> int:
               straggler_factor=args.straggler_factor, nproc=args.nproc, epochs=args.epochs,
               num_samples=args.num_samples, lr=args.lr, staleness_lr=args.staleness_lr, target=args.target,
               repeat=args.repeat, out=args.out, json_path=args.json, diloco=args.diloco, outer_lr=args.outer_lr,
-              outer_momentum=args.outer_momentum, torchft_diloco=args.torchft_diloco)
+              outer_momentum=args.outer_momentum, torchft_diloco=args.torchft_diloco, model=args.model,
+              batch_size=args.batch_size)
     return 0
 
 

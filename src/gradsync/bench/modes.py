@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 from gradsync.bench import modes_diloco
+from gradsync.bench.modes_compute import describe, goal_lines, model_options
 from gradsync.bench.output import claim_json_path, format_rows, write_json
 from gradsync.bench.spread import check_repeat, fmt_spread, paired_ratios, scaled_cell, spread, spread_cell, with_spread
 from gradsync.parallel.outer_optimizer import DILOCO_OUTER_LR, DILOCO_OUTER_MOMENTUM
@@ -177,7 +178,8 @@ def plot_curves(rows: list[dict], path: Path, target: float) -> Path:
                   label=row["label"] + (f", straggler {row['straggler']:g}x" if straggling else ""))
     axes.axhline(100 * target, color="grey", lw=0.8, ls=":")
     axes.set(xlabel="wall time (s)", ylabel="test accuracy (%)", ylim=(0, 100))
-    set_title(axes, f"MNIST-1D CNN, {rows[0]['num_workers']} workers: sync vs async vs local SGD")
+    set_title(axes, f"{rows[0].get('model_text', 'MNIST-1D CNN')}, {rows[0]['num_workers']} workers: "
+                    f"sync vs async vs local SGD")
     axes.legend(fontsize=7, ncol=2, loc="center right")
     return save(figure, path, dpi=120)
 
@@ -186,7 +188,8 @@ def run_bench(*, staleness_bounds: str = "none,4,none+lr", sync_every: str = "4,
               nproc: int = 4, epochs: int = 15, num_samples: int | None = None, lr: float | None = None,
               staleness_lr: bool = False, target: float = 0.85, repeat: int = 5, out: str | None = None,
               json_path: str | None = None, diloco: str = "", outer_lr: float = DILOCO_OUTER_LR,
-              outer_momentum: float = DILOCO_OUTER_MOMENTUM, torchft_diloco: bool = False) -> list[dict]:
+              outer_momentum: float = DILOCO_OUTER_MOMENTUM, torchft_diloco: bool = False, model: str = "cnn",
+              batch_size: int | None = None) -> list[dict]:
     """Validate, train every setting with and without the straggler ``repeat`` times, print the table and
     plot, write JSON.
 
@@ -210,6 +213,7 @@ def run_bench(*, staleness_bounds: str = "none,4,none+lr", sync_every: str = "4,
     options = {"nproc": nproc, "epochs": epochs}
     options.update({} if num_samples is None else {"num_samples": num_samples})
     options.update({} if lr is None else {"lr": lr})
+    options.update(model_options(model, batch_size, lr))  # a compute-dominated setting (bench/modes_compute.py)
     for setting in settings:  # every run's options, before any run
         if staleness_lr and setting["mode"] == "async":
             setting["staleness_lr"] = True  # else as the list says: plain Downpour unless "+lr"
@@ -218,15 +222,16 @@ def run_bench(*, staleness_bounds: str = "none,4,none+lr", sync_every: str = "4,
     out_dir = Path(out) if out else Path(tempfile.mkdtemp(prefix="gradsync-bench-modes-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     factors = [1.0] + ([straggler_factor] if straggler_factor > 1 else [])
-    print(f"# gradsync bench modes: MNIST-1D CNN, {nproc} workers (+1 server process for async), {epochs} epochs, "
+    print(f"# gradsync bench modes: {describe(options)}, {nproc} workers (+1 server process for async), {epochs} epochs, "
           f"lr {options.get('lr', TrainConfig.lr)}; straggler = worker rank {STRAGGLER_RANK}; median (min-max) of "
           f"{repeat} repetitions of alternating runs, repetition k with seed k; runs in {out_dir}", flush=True)
     runs = _alternate(settings, factors, out_dir, options, target, repeat)
-    rows = [setting_row(setting, factor, runs[factor, index], runs[factor, 0], target)
-            for factor in factors for index, setting in enumerate(settings)]  # settings[0] is sync
+    rows = [{**setting_row(setting, factor, runs[factor, index], runs[factor, 0], target),
+             "model_text": describe(options)} for factor in factors for index, setting in enumerate(settings)]
     print(format_table(rows))
     for line in modes_diloco.goal_lines(rows):
         print(f"# goal: {line}")
+    print("\n".join(goal_lines(rows)), flush=True)
     print(f"# plot: {plot_curves(rows, out_dir / 'modes_accuracy.png', target)}", flush=True)
     if json_path:
         write_json(json_path, rows)

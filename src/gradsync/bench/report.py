@@ -34,7 +34,7 @@ from gradsync.bench.sim_report import tables as sim_tables
 
 # Record names: a bench, or "<bench>_<label>" for a second setting of one (the test-host sweeps).
 BENCHES = ("allreduce", "allreduce_shm2", "allreduce_shm4", "allreduce_hosts_1g", "allreduce_hosts_10g",
-           "allreduce_rs", "allreduce_ag", "train", "compression", "modes", "faults", "faults_elastic",
+           "allreduce_rs", "allreduce_ag", "train", "compression", "modes", "modes_compute", "faults", "faults_elastic",
            "deterministic", "bitwise", "replicas", "memory", "preflight", "fit")
 BENCHES = BENCHES + tuple(SIM_COMMANDS)  # the simulator's records: calibrate, --validate, --reproduce, scale
 DEFAULT_BENCH_DIR = "docs/bench"
@@ -157,8 +157,9 @@ def tables(name: str, rows: list[dict]) -> list[str]:
                 + ([format_throughput_table(throughput)] if throughput else []))
     if name == "modes":
         from gradsync.bench.modes import format_table
-        from gradsync.bench.modes_diloco import goal_lines
-        goals = goal_lines(rows)  # DiLoCo's goals, when the record has its rows
+        from gradsync.bench.modes_compute import goal_lines as straggler_goals
+        from gradsync.bench.modes_diloco import goal_lines as diloco_goals
+        goals = [f"# goal: {line}" for line in diloco_goals(rows)] + straggler_goals(rows)
         return [format_table(rows)] + (["\n".join(goals)] if goals else [])
     if name == "deterministic":
         from gradsync.bench.determinism import format_table

@@ -31,7 +31,10 @@ Protocol (workers: :class:`~gradsync.elastic.ps_worker.ElasticAsyncWorker`):
 * to leave a membership the server answers each live worker's next request
   with ``CHANGE`` (a push is applied first), so no push is left half-sent.
 
-One membership's exchange is :class:`~gradsync.elastic.ps_session.Session`.
+One membership's exchange is :class:`~gradsync.elastic.ps_session.Session`. It talks over the
+membership group's transport (Gloo's TCP pairs), never offers the static server's shared memory
+(:mod:`~gradsync.parallel.ps_links`): each membership is a new group whose workers may come and go
+mid-way, which TCP's closed connections already report.
 """
 
 from __future__ import annotations

@@ -31,8 +31,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from gradsync.parallel.ps_protocol import (PARAMS, PULL, PUSH, REJECT, STOP, TAG_GRADIENT, TAG_PARAMETERS, TAG_REPLY,
-                                           TAG_REQUEST, SharedModel, check_transport, new_header, peer_error)
+from gradsync.parallel.ps_links import TcpServerLink, offer_shared_memory, wants_shared_memory
+from gradsync.parallel.ps_protocol import (PARAMS, PULL, PUSH, REJECT, STOP, TAG_REPLY, SharedModel, check_transport,
+                                           new_header, peer_error)
 from gradsync.parallel.staleness import StalenessGate, StalenessStats
 from gradsync.process_group import resolve_group
 from gradsync.transport.base import PeerFailure
@@ -89,10 +90,20 @@ class ParameterServer:
             pushing its gradient (default: the group's timeout); time the
             server itself spends applying gradients or in ``on_update`` is not
             held against a worker whose request is already waiting.
+        shared_memory: move pushes and parameters through shared memory
+            (:mod:`~gradsync.parallel.ps_links`): None (default) when the
+            group is a process group whose locality puts the server and every
+            worker on one host, else over the group's transport; True also over
+            threads (ValueError when the locality says several hosts); False
+            never. The server then first waits for every worker's first
+            request; a worker that cannot map the segment makes every worker
+            use the transport (``link_fallback`` says why).
 
     Attributes:
         version: gradients applied so far (the parameters' version).
         staleness: a :class:`~gradsync.parallel.staleness.StalenessStats`.
+        link: ``"shm"`` or ``"tcp"``: how pushes and parameters travel (known once ``serve`` set up).
+        link_fallback: why shared memory was wanted but not used, else None.
         applied_per_worker: ``{worker rank: gradients applied}``.
         losses: the loss each worker sent with each applied gradient, in order.
 
@@ -107,7 +118,8 @@ class ParameterServer:
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, total_steps: int, group=None,
                  workers: list[int] | None = None, max_staleness: int | None = None,
-                 staleness_aware_lr: bool = False, scheduler=None, timeout: float | None = None):
+                 staleness_aware_lr: bool = False, scheduler=None, timeout: float | None = None,
+                 shared_memory: bool | None = None):
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 0:
             raise ValueError(f"total_steps must be an int >= 0, got {total_steps!r}")
         self.comm = resolve_group(group)
@@ -120,8 +132,9 @@ class ParameterServer:
         self.named_params = [(names[id(param)], param) for param in self.params]
         _check_optimizer(optimizer, self.params)
         self._request, self._reply_header = new_header(), new_header()  # reused: each exchange finishes first
-        self.push_buffer = torch.zeros(self.shared.push_numel, dtype=self.flat.dtype, device=self.flat.device)
-        self.grad_views = self._grad_views()
+        self._link = TcpServerLink(self.comm, self.shared.push_numel, self.flat.dtype, self._grad_views)
+        self._shared_memory = wants_shared_memory(self.comm, self.rank, self.workers, shared_memory)
+        self.link_fallback: str | None = None
         self.optimizer, self.scheduler = optimizer, scheduler
         self.last_lr = math.nan  # the lr of the last applied gradient (after any staleness scaling)
         self.total_steps = total_steps
@@ -153,10 +166,14 @@ class ParameterServer:
                              f"({self.rank}), got {workers}")
         return workers
 
-    def _grad_views(self) -> list[torch.Tensor]:
+    @property
+    def link(self) -> str:
+        return self._link.kind
+
+    def _grad_views(self, push: torch.Tensor) -> list[torch.Tensor]:
         views, offset = [], 0
         for param in self.params:
-            views.append(self.push_buffer[offset:offset + param.numel()].view_as(param))
+            views.append(push[offset:offset + param.numel()].view_as(param))
             offset += param.numel()
         return views
 
@@ -181,12 +198,33 @@ class ParameterServer:
         self._served = True
         self._replied_at = {w: (time.monotonic(), self._busy_s) for w in self.workers}
         try:
+            if self._shared_memory:
+                self._start_shared_memory()
             self._serve(on_update)
         except PeerFailure as failure:  # a transfer that could not even start: a worker's connection is closed
             raise peer_error(failure, "serve", self.rank, self.world_size, self.timeout_s) from None
+        finally:
+            self._link.close()  # workers still waiting learn at once that the server is gone
         return {name: param.detach().clone() for name, param in self.named_params}
 
+    def _start_shared_memory(self) -> None:
+        """Take every worker's first request over the transport, then offer them shared memory
+        (:func:`~gradsync.parallel.ps_links.offer_shared_memory`); the pulls wait in ``_waiting``."""
+        while len(self._waiting) < len(self.workers):
+            worker, header = self._next_request()
+            if header[0] != PULL or worker in self._waiting:
+                raise ValueError(f"parameter server: worker rank {worker} sent {header.tolist()} before "
+                                 f"its first request was answered")
+            self._admit(worker, header[1:].tolist())
+            self._waiting.append(worker)
+        link, self.link_fallback = offer_shared_memory(
+            self.comm, list(self._waiting), self.shared.push_numel, self.flat.dtype, self.flat.numel(),
+            self._grad_views, self.timeout_s)
+        if link is not None:
+            self._link = link
+
     def _serve(self, on_update) -> None:
+        self._answer_waiting()
         while len(self._stopped) < len(self.workers):
             worker, header = self._next_request()
             if header[0] == PULL:
@@ -225,13 +263,11 @@ class ParameterServer:
         if left_s[late] <= 0:  # even while the other workers keep pushing
             raise peer_error(silent, "serve", self.rank, self.world_size, self.timeout_s)
         header = self._request
-        handle = self.comm.transport.irecv_any(header, TAG_REQUEST)
         try:
-            handle.wait(left_s[late])
+            worker = self._link.next_request(header, list(left_s), left_s[late])
         except PeerFailure as failure:
             failure = silent if failure.timed_out else failure  # a failed any-source receive names no peer
             raise peer_error(failure, "serve", self.rank, self.world_size, self.timeout_s) from None
-        worker = handle.source
         if worker not in left_s:
             raise ValueError(f"parameter server: unexpected request from rank {worker} "
                              f"({'already stopped' if worker in self._stopped else 'not a worker'})")
@@ -241,26 +277,29 @@ class ParameterServer:
         """Receive ``worker``'s gradient and take one optimizer step with it."""
         if worker not in self.gate.in_flight:
             raise ValueError(f"parameter server: worker rank {worker} pushed a gradient it was not asked for")
-        handle = self.comm.transport.irecv_tagged(self.push_buffer, worker, TAG_GRADIENT)
-        self._wait(handle, worker, "receive gradient")
+        try:
+            push, grad_views = self._link.receive_push(worker, self.timeout_s)
+        except PeerFailure as failure:
+            raise peer_error(failure, "receive gradient", self.rank, self.world_size, self.timeout_s,
+                             peer=worker) from None
         expected = self.gate.finish(worker)
         if version_read != expected:
             raise ValueError(f"parameter server: worker rank {worker} computed on version {version_read}, "
                              f"it was sent version {expected}")
         staleness = self.version - version_read
         start, end = self.shared.params_numel, self.shared.params_numel + self.shared.buffers_numel
-        self.flat[start:end].copy_(self.push_buffer[start:end])  # the pusher's buffers
-        self._step(staleness)
+        self.flat[start:end].copy_(push[start:end])  # the pusher's buffers
+        self._step(staleness, grad_views)
         self.staleness.record(staleness)
         self.applied_per_worker[worker] += 1
-        loss = float(self.push_buffer[-1])
+        loss = float(push[-1])
         self.losses.append(loss)
         self.version += 1
         return staleness, loss
 
-    def _step(self, staleness: int) -> None:
+    def _step(self, staleness: int, grad_views: list[torch.Tensor]) -> None:
         scale = 1.0 / staleness if self.staleness_aware_lr and staleness > 1 else 1.0
-        self.last_lr = optimizer_step(self.optimizer, self.scheduler, self.params, self.grad_views, scale)
+        self.last_lr = optimizer_step(self.optimizer, self.scheduler, self.params, grad_views, scale)
 
     def _answer_waiting(self) -> None:
         """Give parameters (or stop) to waiting workers, oldest first, as far as the gate allows."""
@@ -283,15 +322,9 @@ class ParameterServer:
         """Send ``kind`` and the parameters (to compute on, or the final ones with STOP)."""
         header = self._reply_header
         header[0], header[1], header[2] = kind, self.version, self.next_step
-        transport = self.comm.transport
-        handles = [transport.isend_tagged(header, worker, TAG_REPLY),
-                   transport.isend_tagged(self.flat, worker, TAG_PARAMETERS)]
-        for handle in handles:  # the parameters change with the next gradient: finish sending first
-            self._wait(handle, worker, "send parameters")
-        self._replied_at[worker] = (time.monotonic(), self._busy_s)
-
-    def _wait(self, handle, worker: int, what: str) -> None:
-        try:
-            handle.wait(self.timeout_s)
+        try:  # the parameters change with the next gradient: the link has sent them when this returns
+            self._link.reply(worker, header, self.flat, self.timeout_s)
         except PeerFailure as failure:
-            raise peer_error(failure, what, self.rank, self.world_size, self.timeout_s, peer=worker) from None
+            raise peer_error(failure, "send parameters", self.rank, self.world_size, self.timeout_s,
+                             peer=worker) from None
+        self._replied_at[worker] = (time.monotonic(), self._busy_s)

@@ -232,7 +232,7 @@ class StaticGroup:
             bytes_sent_per_rank=[int(v) for v in rows[:, 2].tolist()],
             bytes_received_per_rank=[int(v) for v in rows[:, 3].tolist()],
             per_rank_compute_s=rows[:, 0].tolist(), per_rank_communication_s=rows[:, 1].tolist())
-        extra = {"server_rank": server.rank, **shared,
+        extra = {"server_rank": server.rank, **shared, "ps_link": server.link, "ps_link_fallback": server.link_fallback,
                  "gradients_pushed": sum(pushes), "gradients_pushed_per_worker": pushes,
                  "updates_applied_per_worker": [server.applied_per_worker[w] for w in workers],
                  "eval_s": eval_s, "straggler_sleep_s": rows[workers, 5].tolist()}
