@@ -69,7 +69,7 @@ BENCH_compression ?= --compressions none,fp16,onebit,topk,powersgd --epochs 5 --
 BENCH_modes ?= --epochs 26 --staleness-bounds none+lr --sync-every 16 --diloco 64,64:int8 --torchft-diloco \
 	--outer-momentum 0.5 --repeat 3
 # the modes where compute dominates a step (bench/modes_compute.py): 2 workers, 512 samples each per step
-BENCH_modes_compute ?= --nproc 2 --batch-size 512 --num-samples 80000 --epochs 4 --staleness-bounds none+lr \
+BENCH_modes_compute ?= --nproc 2 --batch-size 512 --num-samples 80000 --epochs 4 --staleness-bounds none+lr --diloco 16 \
 	--sync-every 16 --repeat 3
 BENCH_faults ?= --epochs 3
 # faults_elastic: 60 s chaos runs, 3 repetitions (the defaults: 150 s, 5)
