@@ -84,6 +84,8 @@ def test_goal_lines_pair_repetitions_and_judge_each_goal():
     assert [line.split(":")[0] for line in modes_diloco.goal_lines(rows + straggling)[4:]] == [
         "diloco H=64 with a 3x straggler", "diloco H=64 int8 with a 3x straggler",
         "torchft diloco H=64 with a 3x straggler"]  # samples/s against sync's, for the DiLoCo rows only
+    other_h = [modes.setting_row({**settings[1], "sync_every": 16}, 1.0, runs[1], runs[0], 0.85), rows[0]]
+    assert modes_diloco.goal_lines(other_h) == []  # the sync goal is H = 64's: another H is reported, not judged
     table = modes.format_table(rows)
     assert "0.006 (0.006-0.006)" in table and "64x (64-64)" in table and "int8" in table
 
