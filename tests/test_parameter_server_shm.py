@@ -165,12 +165,12 @@ def test_every_update_applied_once_through_shared_memory_threads(max_staleness):
         return _onehot_worker(comm, total_steps)
 
     results = run_threads(4, body, timeout_s=40)
-    assert links["server"] == ("shm", None)
+    assert links["server"] == ("shared_memory", None)
     expected = torch.full((total_steps,), -1.0)  # SGD lr 1 on e_0 .. e_28, each exactly once
     assert torch.equal(results[0]["weight"], expected)
     assert sorted(s for r in results[1:] for s in r["steps"]) == list(range(total_steps))
     for worker in results[1:]:
-        assert worker["link"] == "shm" and torch.equal(worker["weight"], expected)
+        assert worker["link"] == "shared_memory" and torch.equal(worker["weight"], expected)
     if max_staleness is not None:
         assert results[0]["staleness"] <= max_staleness
 
@@ -291,7 +291,7 @@ def test_gloo_processes_take_shared_memory_and_match_tcp_bitwise():
     total_steps = 40
     results = run_world(3, _both_links, total_steps, timeout_s=90, collective_timeout_s=COLLECTIVE_TIMEOUT_S)
     shm, tcp = [r["shm"] for r in results], [r["tcp"] for r in results]
-    assert [r["link"] for r in shm] == ["shm"] * 3 and shm[-1]["fallback"] is None
+    assert [r["link"] for r in shm] == ["shared_memory"] * 3 and shm[-1]["fallback"] is None
     assert [r["link"] for r in tcp] == ["tcp"] * 3
     assert shm[-1]["names"] == []  # unlinked right after the set-up
     assert shm[-1]["losses"] == tcp[-1]["losses"] and len(tcp[-1]["losses"]) == total_steps
@@ -343,7 +343,7 @@ def test_killed_worker_or_server_is_named_at_once_and_leaves_no_segment(victim, 
     survivors = [r for r in range(3) if r != victim]
     for rank in survivors:
         name, message, peer, seconds, link = results[rank]
-        assert name == "CollectiveTimeoutError" and link == "shm", results[rank]
+        assert name == "CollectiveTimeoutError" and link == "shared_memory", results[rank]
         if rank == 0 or victim == 0:  # the server names the dead worker; workers name the dead server
             assert peer == victim and f"peer rank {victim} died" in message, message
             assert seconds < 5, seconds  # not the 30 s timeout

@@ -46,7 +46,7 @@ class AsyncWorker:
         pushes: gradients pushed.
         wait_s: seconds spent waiting for replies to pushes (communication plus
             staleness-bound waits; the first pull's wait for the server to start is not counted).
-        link: ``"shm"`` or ``"tcp"`` (after ``pull``): how pushes and parameters travel.
+        link: ``"shared_memory"`` or ``"tcp"`` (after ``pull``): how pushes and parameters travel.
 
     Raises:
         ValueError: ``server_rank`` is this rank or outside the group; bad module.

@@ -102,7 +102,7 @@ class ParameterServer:
     Attributes:
         version: gradients applied so far (the parameters' version).
         staleness: a :class:`~gradsync.parallel.staleness.StalenessStats`.
-        link: ``"shm"`` or ``"tcp"``: how pushes and parameters travel (known once ``serve`` set up).
+        link: ``"shared_memory"`` or ``"tcp"``: how pushes and parameters travel (known once ``serve`` set up).
         link_fallback: why shared memory was wanted but not used, else None.
         applied_per_worker: ``{worker rank: gradients applied}``.
         losses: the loss each worker sent with each applied gradient, in order.

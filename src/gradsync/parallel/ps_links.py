@@ -123,7 +123,7 @@ class TcpServerLink:
 class ShmServerLink:
     """The server's messages through one shared-memory channel per worker (the workers mapped it)."""
 
-    kind = "shm"
+    kind = "shared_memory"
 
     def __init__(self, comm, channels: ShmServerChannels, workers: list[int], push_numel: int, dtype: torch.dtype,
                  flat_numel: int, grad_views):
@@ -243,7 +243,7 @@ class TcpWorkerLink:
 class ShmWorkerLink:
     """A worker's messages through its shared-memory channel; ``send_buffer`` is its push region."""
 
-    kind = "shm"
+    kind = "shared_memory"
 
     def __init__(self, comm, channel: ShmClientChannel, server_rank: int, push_numel: int, dtype: torch.dtype,
                  flat_numel: int):
