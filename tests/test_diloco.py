@@ -238,20 +238,39 @@ def test_outer_state_resumes_bitwise_with_an_allreduce_in_flight():
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"outer_compression": "int4"}, "unknown --outer-compression 'int4'; choose one of fp32, bf16, fp16, int8"),
-    ({"outer_optimizer": "adam"}, "unknown --outer-optimizer 'adam'; choose one of none, nesterov"),
-    ({"outer_fragments": 5}, "--outer-fragments 5 is more than the model's 4 parameter tensors"),
-    ({"outer_fragments": 4}, "--outer-fragments 4 must divide --sync-every 6"),
-    ({"outer_lr": 0.0}, "--outer-lr must be a finite number > 0, got 0.0"),
-    ({"outer_momentum": 1.0}, "--outer-momentum must be a number in [0, 1), got 1.0"),
+    ({"outer_compression": "int4"}, "unknown outer_compression='int4'; choose one of fp32, bf16, fp16, int8"),
+    ({"outer_optimizer": "adam"}, "unknown outer_optimizer='adam'; choose one of none, nesterov"),
+    ({"outer_fragments": 5}, "outer_fragments=5 is more than the model's 4 parameter tensors"),
+    ({"outer_fragments": 4}, "outer_fragments=4 must divide sync_every=6"),
+    ({"outer_optimizer": "nesterov", "outer_lr": 0.0}, "outer_lr must be a finite number > 0, got 0.0"),
+    ({"outer_optimizer": "nesterov", "outer_lr": float("nan")}, "outer_lr must be a finite number > 0, got nan"),
+    ({"outer_optimizer": "nesterov", "outer_momentum": 1.0}, "outer_momentum must be a number in [0, 1), got 1.0"),
+    ({"outer_lr": 0.3}, "outer_lr=0.3 needs outer_optimizer='nesterov' (outer_optimizer='none' averages"),
+    ({"outer_momentum": 0.5}, "outer_momentum=0.5 needs outer_optimizer='nesterov' (outer_optimizer='none' averages"),
     ({"outer_fragments": 2, "outer_delay": 6}, "outer_delay must be an int in [0, sync_every) = [0, 6), got 6"),
 ])
 def test_bad_outer_options_raise_one_line(options, message):
-    """Each bad outer option is a ValueError naming it, before any communication."""
+    """Each bad outer option is a ValueError naming its keyword argument (no CLI flag), before any communication."""
     comm = gradsync.Communicator(ThreadWorld(1).transport(0))
     with pytest.raises(ValueError) as caught:
         gradsync.LocalSGD(make_model(), sync_every=6, group=comm, **options)
     assert str(caught.value).startswith(message) and "\n" not in str(caught.value)
+    assert "--" not in str(caught.value)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"outer_lr": float("nan")}, "outer_lr must be a finite number > 0, got nan"),
+    ({"outer_compression": "int4"}, "unknown outer_compression='int4'"),
+    ({"outer_fragments": 3}, "outer_fragments=3 must divide sync_every=4"),
+])
+def test_diloco_names_its_keyword_arguments(options, message):
+    """DiLoCo (Nesterov by default) refuses with the keyword's name; its default outer lr and momentum are accepted."""
+    comm = gradsync.Communicator(ThreadWorld(1).transport(0))
+    with pytest.raises(ValueError) as caught:
+        gradsync.DiLoCo(make_model(), sync_every=4, group=comm, **options)
+    assert str(caught.value).startswith(message) and "--" not in str(caught.value)
+    model = gradsync.DiLoCo(make_model(), sync_every=4, group=comm)
+    assert (model.settings["outer_lr"], model.settings["outer_momentum"]) == (0.7, 0.9)  # the paper's
 
 
 @pytest.mark.timeout(30)
@@ -329,6 +348,10 @@ def test_silent_peer_of_an_overlapped_fragment_times_out_at_its_application():
     ({"mode": "local-sgd", "outer_compression": "int4"}, "unknown --outer-compression 'int4'"),
     ({"mode": "local-sgd", "outer_fragments": 9, "sync_every": 9}, "--outer-fragments 9 is more than the model's 8"),
     ({"mode": "local-sgd", "outer_fragments": 3}, "--outer-fragments 3 must divide --sync-every 4"),
+    ({"mode": "local-sgd", "outer_optimizer": "nesterov", "outer_lr": float("nan")},
+     "--outer-lr must be a finite number > 0, got nan"),
+    ({"mode": "local-sgd", "outer_optimizer": "nesterov", "outer_momentum": 1.0},
+     "--outer-momentum must be a number in [0, 1), got 1.0"),
     ({"mode": "local-sgd", "outer_optimizer": "nesterov", "elastic": True}, "--elastic runs --mode sync or async"),
 ])
 def test_gradsync_train_refuses_bad_outer_options_in_one_line(fields, message):

@@ -92,6 +92,45 @@ def test_bad_hyperparameters_are_refused_naming_them():
         LAMB(params, lr=-1.0)
 
 
+@pytest.mark.parametrize("make, error, message", [
+    (lambda w: LARS([{"params": [w], "lr": math.nan}], lr=1.0), ValueError,
+     "param group 0: lr must be a finite number >= 0, got nan"),
+    (lambda w: LARS([{"params": [w], "momentum": 1.0}], lr=1.0), ValueError,
+     "param group 0: momentum must be in [0.0, 1.0), got 1.0"),
+    (lambda w: LARS([{"params": [w], "trust_coefficient": 0.0}], lr=1.0), ValueError,
+     "param group 0: trust_coefficient must be in"),
+    (lambda w: LAMB([{"params": [w], "betas": (2.0, 0.9)}], lr=1.0), ValueError,
+     "param group 0: betas[0] must be in [0.0, 1.0), got 2.0"),
+    (lambda w: LAMB([{"params": [w], "weight_decay": -1}], lr=1.0), ValueError,
+     "param group 0: weight_decay must be a finite number >= 0, got -1"),
+    (lambda w: LAMB([{"params": [w], "eps": math.inf}], lr=1.0), ValueError,
+     "param group 0: eps must be a finite number >= 0, got inf"),
+    (lambda w: LAMB([{"params": [w], "betas": (0.9,)}], lr=1.0), ValueError,
+     "param group 0: betas must be a pair (b1, b2), got (0.9,)"),
+    (lambda w: LARS([w], lr=1.0, momentum="0.9"), TypeError, "momentum must be a number, got '0.9'"),
+    (lambda w: LARS([w], lr="1"), TypeError, "lr must be a number, got '1'"),
+    (lambda w: LAMB([w], lr=1.0, betas=(0.9, None)), TypeError, "betas[1] must be a number, got None"),
+    (lambda w: LAMB([{"params": [w], "weight_decay": True}], lr=1.0), TypeError,
+     "param group 0: weight_decay must be a number, got True"),
+    (lambda w: LAMB([w], lr=1.0, exclude_1d="no"), TypeError, "exclude_1d must be a bool, got 'no'"),
+])
+def test_every_param_group_is_checked_naming_the_hyperparameter_and_group(make, error, message):
+    """A group's override is checked as its defaults are: the step would otherwise make the weights NaN."""
+    with pytest.raises(error) as caught:
+        make(torch.zeros(2, 2, requires_grad=True))
+    assert str(caught.value).startswith(message) and type(caught.value) is error
+
+
+def test_a_group_added_later_is_checked_and_a_good_override_is_kept():
+    weight, bias = torch.zeros(2, 2, requires_grad=True), torch.zeros(2, requires_grad=True)
+    optimizer = LARS([weight], lr=1.0)
+    with pytest.raises(ValueError, match=r"^param group 1: momentum must be in \[0.0, 1.0\), got -0.5"):
+        optimizer.add_param_group({"params": [bias], "momentum": -0.5})
+    assert len(optimizer.param_groups) == 1
+    optimizer.add_param_group({"params": [bias], "lr": 0.25})
+    assert optimizer.param_groups[1]["lr"] == 0.25 and optimizer.param_groups[1]["momentum"] == 0.9
+
+
 def test_state_slots_deepcopy_and_state_dict_round_trip():
     """The preflight measures LARS at 1 slot and LAMB at 2 (momentum; two moments); a state dict loads into a
     fresh optimizer that then steps as the original (deep copies too)."""
@@ -135,3 +174,10 @@ def test_lamb_matches_pytorch_optimizer_without_weight_decay():
     theirs = _run(library.Lamb, lr=0.01, eps=1e-12, weight_decay=0.0, adam_debias=True)
     for got, want in zip(ours, theirs):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_group_may_carry_keys_of_its_own():
+    """Keys the optimizer does not know (a group's name) are torch's business, not refused."""
+    weight = torch.zeros(2, 2, requires_grad=True)
+    optimizer = LAMB([{"params": [weight], "name": "encoder", "lr": 0.5}], lr=1.0)
+    assert optimizer.param_groups[0]["name"] == "encoder" and optimizer.param_groups[0]["betas"] == (0.9, 0.999)

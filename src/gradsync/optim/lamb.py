@@ -46,18 +46,23 @@ class LAMB(LayerwiseOptimizer):
     it steps) between computing the norms and applying them.
 
     Raises:
-        ValueError: a hyperparameter out of range (named).
+        ValueError: a hyperparameter out of range; TypeError: not a number (``exclude_1d``: not a bool). Named,
+            with the group (``param group <index>: ``) for a group's override, at construction and in
+            ``add_param_group``.
     """
 
     def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.01, exclude_1d: bool = True):
-        betas = tuple(betas)
-        if len(betas) != 2:
-            raise ValueError(f"betas must be a pair (b1, b2), got {betas!r}")
-        check_hyperparameters(lr, weight_decay, eps, **{"betas[0]": (betas[0], 0.0, 1.0),
-                                                       "betas[1]": (betas[1], 0.0, 1.0)})
+        betas = tuple(betas) if isinstance(betas, list) else betas
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "exclude_1d": exclude_1d}
         super().__init__(params, defaults)
+
+    @staticmethod
+    def _check(*, where: str, lr, betas, eps, weight_decay, exclude_1d) -> None:
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"{where}betas must be a pair (b1, b2), got {betas!r}")
+        check_hyperparameters(lr, weight_decay, eps, where=where, **{"betas[0]": (betas[0], 0.0, 1.0),
+                                                                     "betas[1]": (betas[1], 0.0, 1.0)})
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -47,16 +47,21 @@ class LARS(LayerwiseOptimizer):
     State per parameter: ``momentum_buffer`` (its shape) when ``momentum`` > 0.
 
     Raises:
-        ValueError: a hyperparameter out of range (named).
+        ValueError: a hyperparameter out of range; TypeError: not a number (``exclude_1d``: not a bool). Named,
+            with the group (``param group <index>: ``) for a group's override, at construction and in
+            ``add_param_group``.
     """
 
     def __init__(self, params, lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
                  trust_coefficient: float = 0.001, eps: float = 1e-8, exclude_1d: bool = True):
-        check_hyperparameters(lr, weight_decay, eps, momentum=(momentum, 0.0, 1.0),
-                              trust_coefficient=(trust_coefficient, 1e-300, float("inf")))
         defaults = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay,
                     "trust_coefficient": trust_coefficient, "eps": eps, "exclude_1d": exclude_1d}
         super().__init__(params, defaults)
+
+    @staticmethod
+    def _check(*, where: str, lr, momentum, weight_decay, trust_coefficient, eps, exclude_1d) -> None:
+        check_hyperparameters(lr, weight_decay, eps, where=where, momentum=(momentum, 0.0, 1.0),
+                              trust_coefficient=(trust_coefficient, 1e-300, float("inf")))
 
     @torch.no_grad()
     def step(self, closure=None):

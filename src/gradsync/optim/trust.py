@@ -21,7 +21,8 @@ is on, as You et al. 2017 (LARS), You et al. 2019 (LAMB, BERT's
 from __future__ import annotations
 
 import math
-from typing import Sequence
+import numbers
+from typing import Callable, Sequence
 
 import torch
 
@@ -104,8 +105,19 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params, defaults: dict):
+        check_group(defaults, defaults, None, self._check)
         super().__init__(params, defaults)
         self.norms: TensorNorms = TensorNorms()
+
+    @staticmethod
+    def _check(*, where: str, **hyperparameters) -> None:
+        """Raise TypeError/ValueError naming a bad hyperparameter (prefixed by ``where``); the subclass's."""
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, after checking the group's hyperparameters (the defaults with its overrides): TypeError or
+        ValueError naming the hyperparameter and the group (``param group <index>: ...``)."""
+        check_group(param_group, self.defaults, len(self.param_groups), self._check)
+        super().add_param_group(param_group)
 
     def use_norms(self, norms: TensorNorms) -> None:
         """Take the parameters' norms from ``norms`` (a sharded or exact :class:`TensorNorms`)."""
@@ -129,15 +141,36 @@ def norms_of(sums: torch.Tensor) -> list[list[float]]:
     return [[math.sqrt(value) if value >= 0 else math.nan for value in row] for row in sums.tolist()]
 
 
-def check_hyperparameters(lr: float, weight_decay: float, eps: float, **ranges: tuple[float, float, float]) -> None:
-    """Raise ValueError naming the first bad hyperparameter; ``ranges``: ``name=(value, low, high)`` with
+def check_number(name: str, value: object, low: float, high: float, *, closed_low: bool = True,
+                 where: str = "") -> None:
+    """TypeError unless ``value`` is a real number (not a bool); ValueError unless ``low <= value < high``
+    (``low < value`` when not ``closed_low``; NaN is refused). ``where`` prefixes the message (a group)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{where}{name} must be a number, got {value!r}")
+    if not ((low <= value if closed_low else low < value) and value < high):
+        raise ValueError(f"{where}{name} must be in {'[' if closed_low else '('}{low}, {high}), got {value!r}")
+
+
+def check_hyperparameters(lr: float, weight_decay: float, eps: float, *, where: str = "",
+                          **ranges: tuple[float, float, float]) -> None:
+    """Raise TypeError (not a number) or ValueError (out of range) naming the first bad hyperparameter,
+    prefixed by ``where`` (e.g. ``"param group 1: "``); ``ranges``: ``name=(value, low, high)`` with
     ``low <= value < high``."""
-    if not (isinstance(lr, (int, float)) and 0.0 <= lr < math.inf):
-        raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
-    if not 0.0 <= weight_decay < math.inf:
-        raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
-    if not 0.0 <= eps < math.inf:
-        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    for name, value in (("lr", lr), ("weight_decay", weight_decay), ("eps", eps)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{where}{name} must be a number, got {value!r}")
+        if not 0.0 <= value < math.inf:
+            raise ValueError(f"{where}{name} must be a finite number >= 0, got {value!r}")
     for name, (value, low, high) in ranges.items():
-        if not low <= value < high:
-            raise ValueError(f"{name} must be in [{low}, {high}), got {value!r}")
+        check_number(name, value, low, high, where=where)
+
+
+def check_group(group: dict, defaults: dict, index: int | None, check: Callable[..., None]) -> None:
+    """Check a parameter group's hyperparameters (``defaults`` overridden by ``group``'s; keys not in
+    ``defaults``, a user's own, are left alone) with ``check`` (called with them as keyword arguments and
+    ``where``); ``index`` None: the defaults (no prefix). ``exclude_1d`` must be a bool (TypeError)."""
+    where = "" if index is None else f"param group {index}: "
+    options = {key: group.get(key, default) for key, default in defaults.items()}
+    if not isinstance(options.get("exclude_1d", True), bool):
+        raise TypeError(f"{where}exclude_1d must be a bool, got {options['exclude_1d']!r}")
+    check(where=where, **options)

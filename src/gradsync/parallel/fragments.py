@@ -21,18 +21,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from gradsync.parallel.option_names import KEYWORDS, Spelling
 
-def check_fragments(fragments: int, sync_every: int, num_parameters: int) -> None:
-    """ValueError (one line naming the option) unless ``fragments`` can cut ``num_parameters`` tensors
-    and divides ``sync_every``."""
+
+def check_fragments(fragments: int, sync_every: int, num_parameters: int, *, spelling: Spelling = KEYWORDS) -> None:
+    """ValueError (one line naming the option as ``spelling`` does: keyword arguments, or the CLI's flags)
+    unless ``fragments`` can cut ``num_parameters`` tensors and divides ``sync_every``."""
     if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1:
-        raise ValueError(f"--outer-fragments must be an int >= 1, got {fragments!r}")
+        raise ValueError(f"{spelling.name('outer_fragments')} must be an int >= 1, got {fragments!r}")
     if fragments > num_parameters:
-        raise ValueError(f"--outer-fragments {fragments} is more than the model's {num_parameters} parameter "
-                         f"tensors (a fragment is a run of whole tensors)")
+        raise ValueError(f"{spelling.setting('outer_fragments', fragments)} is more than the model's {num_parameters} "
+                         f"parameter tensors (a fragment is a run of whole tensors)")
     if sync_every % fragments:
-        raise ValueError(f"--outer-fragments {fragments} must divide --sync-every {sync_every} (each fragment is "
-                         f"sent every --sync-every steps, the fragments evenly staggered)")
+        raise ValueError(f"{spelling.setting('outer_fragments', fragments)} must divide "
+                         f"{spelling.setting('sync_every', sync_every)} (each fragment is sent every "
+                         f"{spelling.name('sync_every')} steps, the fragments evenly staggered)")
 
 
 def plan_fragments(numels: Sequence[int], fragments: int) -> list[tuple[int, int]]:

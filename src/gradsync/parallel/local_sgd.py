@@ -56,7 +56,8 @@ class LocalSGD(nn.Module):
         timeout: seconds an average may take (None: the group's timeout).
         outer_optimizer: "none" (the average: plain local SGD) or "nesterov" (DiLoCo's outer step on
             the averaged pseudo-gradient, :mod:`~gradsync.parallel.outer_optimizer`).
-        outer_lr, outer_momentum: Nesterov's (defaults: the DiLoCo paper's 0.7 and 0.9).
+        outer_lr, outer_momentum: Nesterov's (None: the DiLoCo paper's 0.7 and 0.9); with
+            ``outer_optimizer="none"`` leave them None (a value would be ignored: ValueError).
         outer_compression: how the outer deltas travel: "fp32" (exact, ``algorithm``), "bf16", "fp16" or
             "int8" (two-phase exchange with error feedback; int8 with one absmax scale per chunk).
         outer_fragments: F, Streaming DiLoCo's fragments (divides ``sync_every``, at most the parameter tensors).
@@ -75,7 +76,8 @@ class LocalSGD(nn.Module):
     Raises:
         TypeError: ``module`` is not an ``nn.Module``, ``group`` is not a group,
             ``timeout`` is not a number.
-        ValueError: bad ``sync_every``, ``algorithm`` or ``timeout`` (finite, > 0).
+        ValueError: bad ``sync_every``, ``algorithm`` or ``timeout`` (finite, > 0), or a bad ``outer_*`` option
+            (named by its keyword; ``outer_lr`` / ``outer_momentum`` given with ``outer_optimizer="none"``).
         CollectiveMismatchError: parameter shapes or dtypes differ across ranks,
             ranks disagree on ``sync_every`` or ``algorithm``, or another rank
             was given a bad argument (at once, naming that rank and the
@@ -84,8 +86,8 @@ class LocalSGD(nn.Module):
     """
 
     def __init__(self, module: nn.Module, sync_every: int, group=None, algorithm: str = collectives.DEFAULT_ALGORITHM,
-                 timeout: float | None = None, *, outer_optimizer: str = "none", outer_lr: float = DILOCO_OUTER_LR,
-                 outer_momentum: float = DILOCO_OUTER_MOMENTUM, outer_compression: str = "fp32", outer_fragments: int = 1,
+                 timeout: float | None = None, *, outer_optimizer: str = "none", outer_lr: float | None = None,
+                 outer_momentum: float | None = None, outer_compression: str = "fp32", outer_fragments: int = 1,
                  outer_delay: int | None = None):
         super().__init__()
         fragments = outer_fragments
@@ -108,7 +110,9 @@ class LocalSGD(nn.Module):
                 raise ValueError(f"outer_delay must be an int in [0, sync_every) = [0, {sync_every}), got {delay!r}")
 
         settings = {"sync_every": sync_every, "algorithm": algorithm,  # timeout may differ per rank
-                    "outer_optimizer": outer_optimizer, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
+                    "outer_optimizer": outer_optimizer,
+                    "outer_lr": DILOCO_OUTER_LR if outer_lr is None else outer_lr,
+                    "outer_momentum": DILOCO_OUTER_MOMENTUM if outer_momentum is None else outer_momentum,
                     "outer_compression": outer_compression, "outer_fragments": fragments, "outer_delay": delay}
         self.comm = agree_on_arguments("LocalSGD", group, settings, check)
         self.module = module

@@ -27,6 +27,8 @@ import math
 
 import torch
 
+from gradsync.parallel.option_names import KEYWORDS, Spelling
+
 OUTER_OPTIMIZERS = ("none", "nesterov")
 DILOCO_OUTER_LR = 0.7        # Douillard et al. 2023, Table 8's best outer lr for Nesterov
 DILOCO_OUTER_MOMENTUM = 0.9  # ... and its momentum
@@ -79,22 +81,34 @@ class Nesterov:
                         for key, tensor in state.get("momentum", {}).items()}
 
 
-def check_outer_options(name: str, lr: float, momentum: float) -> None:
-    """ValueError (one line naming the option) for an unknown outer optimizer or a bad lr / momentum."""
+def check_outer_options(name: str, lr: float | None, momentum: float | None, *,
+                        spelling: Spelling = KEYWORDS) -> None:
+    """ValueError (one line naming the option as ``spelling`` does: keyword arguments, or the CLI's flags) for an
+    unknown outer optimizer or a bad lr / momentum (None: the default, accepted)."""
     if name not in OUTER_OPTIMIZERS:
-        raise ValueError(f"unknown --outer-optimizer {name!r}; choose one of {', '.join(OUTER_OPTIMIZERS)}")
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < math.inf:
-        raise ValueError(f"--outer-lr must be a finite number > 0, got {lr!r}")
-    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
-        raise ValueError(f"--outer-momentum must be a number in [0, 1), got {momentum!r}")
+        raise ValueError(f"unknown {spelling.setting('outer_optimizer', name)}; "
+                         f"choose one of {', '.join(OUTER_OPTIMIZERS)}")
+    if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < math.inf):
+        raise ValueError(f"{spelling.name('outer_lr')} must be a finite number > 0, got {lr!r}")
+    if momentum is not None and (isinstance(momentum, bool) or not isinstance(momentum, (int, float))
+                                 or not 0 <= momentum < 1):
+        raise ValueError(f"{spelling.name('outer_momentum')} must be a number in [0, 1), got {momentum!r}")
 
 
-def make_outer_optimizer(name: str, lr: float = DILOCO_OUTER_LR,
-                         momentum: float = DILOCO_OUTER_MOMENTUM) -> ParameterAveraging | Nesterov:
-    """The outer optimizer called ``name`` (``OUTER_OPTIMIZERS``); ``lr`` and ``momentum`` are Nesterov's.
+def make_outer_optimizer(name: str, lr: float | None = None,
+                         momentum: float | None = None) -> ParameterAveraging | Nesterov:
+    """The outer optimizer called ``name`` (``OUTER_OPTIMIZERS``); ``lr`` and ``momentum`` are Nesterov's
+    (None: the DiLoCo paper's 0.7 and 0.9).
 
     Raises:
-        ValueError: see :func:`check_outer_options`.
+        ValueError: see :func:`check_outer_options`; or ``lr`` / ``momentum`` given (not None) with ``"none"``
+            (parameter averaging has neither: the value would be ignored).
     """
     check_outer_options(name, lr, momentum)
-    return ParameterAveraging() if name == "none" else Nesterov(lr, momentum)
+    if name == "none":
+        for option, value in (("outer_lr", lr), ("outer_momentum", momentum)):
+            if value is not None:
+                raise ValueError(f"{option}={value!r} needs outer_optimizer='nesterov' (outer_optimizer='none' "
+                                 f"averages the parameters: it has no outer lr or momentum)")
+        return ParameterAveraging()
+    return Nesterov(DILOCO_OUTER_LR if lr is None else lr, DILOCO_OUTER_MOMENTUM if momentum is None else momentum)

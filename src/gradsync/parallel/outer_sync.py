@@ -50,16 +50,19 @@ from gradsync.compression.error_feedback import ErrorFeedback
 from gradsync.compression.int8 import Int8Codec
 from gradsync.compression.low_precision import CastCodec
 from gradsync.parallel.fragments import launch_offsets, plan_fragments
+from gradsync.parallel.option_names import KEYWORDS, Spelling
 
 OUTER_COMPRESSIONS = ("fp32", "bf16", "fp16", "int8")
 
 
-def make_codec(compression: str):
-    """The two-phase codec of ``compression`` (None for fp32). ValueError on an unknown name."""
+def make_codec(compression: str, *, spelling: Spelling = KEYWORDS):
+    """The two-phase codec of ``compression`` (None for fp32). ValueError on an unknown name (named as
+    ``spelling`` does: ``outer_compression``, or the CLI's flag)."""
     codecs = {"fp32": lambda: None, "bf16": lambda: CastCodec(torch.bfloat16, scaled=False),
               "fp16": lambda: CastCodec(torch.float16, scaled=True), "int8": Int8Codec}
     if compression not in codecs:
-        raise ValueError(f"unknown --outer-compression {compression!r}; choose one of {', '.join(OUTER_COMPRESSIONS)}")
+        raise ValueError(f"unknown {spelling.setting('outer_compression', compression)}; "
+                         f"choose one of {', '.join(OUTER_COMPRESSIONS)}")
     return codecs[compression]()
 
 

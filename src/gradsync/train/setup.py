@@ -124,10 +124,11 @@ def build_replica(config: TrainConfig, model_state: dict | None = None,
         return gradsync.DeterministicDataParallel(module, config.micro_shards, algorithm=config.algorithm,
                                                   seed=config.seed, shard=config.shard)
     if config.mode == "local-sgd":
+        nesterov = config.outer_optimizer == "nesterov"  # plain averaging takes no outer lr or momentum
         return gradsync.LocalSGD(module, sync_every=config.sync_every, algorithm=config.algorithm,
-                                 outer_optimizer=config.outer_optimizer, outer_lr=config.outer_lr,
-                                 outer_momentum=config.outer_momentum, outer_compression=config.outer_compression,
-                                 outer_fragments=config.outer_fragments)
+                                 outer_optimizer=config.outer_optimizer, outer_lr=config.outer_lr if nesterov else None,
+                                 outer_momentum=config.outer_momentum if nesterov else None,
+                                 outer_compression=config.outer_compression, outer_fragments=config.outer_fragments)
     compressor = make_compressor(config.compression, config.topk_ratio, config.powersgd_rank,
                                  config.compression_warmup_steps)
     if compressor is not None and compression_state is not None:

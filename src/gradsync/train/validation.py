@@ -12,6 +12,7 @@ from gradsync.collectives.ops import ALGORITHMS
 from gradsync.compression import COMPRESSIONS, make as make_compressor
 from gradsync.hosts.netns import link_options_problem
 from gradsync.parallel.fragments import check_fragments
+from gradsync.parallel.option_names import FLAGS
 from gradsync.parallel.outer_optimizer import check_outer_options
 from gradsync.parallel.outer_sync import make_codec
 from gradsync.parallel.shard_layout import IMPLEMENTED_LEVELS, SHARD_LEVELS, sharding_algorithm_problem
@@ -248,12 +249,12 @@ def _validate_mode(config: TrainConfig) -> None:
 def _validate_outer(config: TrainConfig) -> None:
     """DiLoCo's options: the outer optimizer and its lr / momentum, the compression, the fragments (they
     divide --sync-every and cut the model's parameter tensors)."""
-    check_outer_options(config.outer_optimizer, config.outer_lr, config.outer_momentum)
-    make_codec(config.outer_compression)
+    check_outer_options(config.outer_optimizer, config.outer_lr, config.outer_momentum, spelling=FLAGS)
+    make_codec(config.outer_compression, spelling=FLAGS)
     if config.outer_fragments != 1:
         with torch.random.fork_rng(devices=[]):  # building the model draws from the global RNG
             tensors = sum(1 for p in make_model(config).parameters() if p.dtype.is_floating_point)
-        check_fragments(config.outer_fragments, config.sync_every, tensors)
+        check_fragments(config.outer_fragments, config.sync_every, tensors, spelling=FLAGS)
 
 
 def validate_against_data(config: TrainConfig, world_size: int, num_train: int) -> None:
