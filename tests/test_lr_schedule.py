@@ -13,7 +13,7 @@ import gradsync
 from gradsync.cli import main
 from gradsync.train import data, resume
 from gradsync.train.config import TrainConfig
-from gradsync.train.schedule import LrSchedule
+from gradsync.train.schedule import LrSchedule, lr_fields
 from gradsync.train.setup import make_optimizer, make_scheduler
 from gradsync.train.validation import validate, validate_against_data
 from _dist import run_threads
@@ -133,3 +133,86 @@ def test_bad_lr_options_are_refused_in_one_line(options, needle):
 def test_the_command_line_refuses_lr_scaling_without_a_base_batch(capsys):
     assert main(["train", "--lr-scaling", "sqrt", "--nproc", "1"]) == 2
     assert "--lr-scaling sqrt needs --base-batch-size B" in capsys.readouterr().err
+
+
+def _drops(factors: list[float]) -> list[int]:
+    """The steps at which the factor falls tenfold from the step before."""
+    return [t for t in range(1, len(factors)) if factors[t] == pytest.approx(0.1 * factors[t - 1])]
+
+
+@pytest.mark.parametrize("old_total,anchor,new_total,expected", [
+    (100, 47, 200, [33, 133, 178]),  # longer run (fewer workers): one milestone passed, two at the new T's
+    (200, 100, 150, [67, 100, 133]),  # shorter: 2/3 of 150 = step 100 is already reached, so it drops there
+    (90, 85, 180, [30, 60, 80]),      # all three passed before the resume: no fourth
+], ids=["longer", "shorter", "all-passed"])
+def test_a_step_schedule_stretched_at_a_resume_still_drops_three_times(old_total, anchor, new_total, expected):
+    """--lr-schedule step resumed at another world size: the milestones passed under the old T keep their
+    drops, the others come at round(f T') of the new T' (at the resume step if already past), so the run
+    drops x0.1 three times (STEP_FRACTIONS), not once more per milestone the new T' re-counts."""
+    schedule = LrSchedule(scale=1.0, warmup_steps=0, total_steps=old_total, kind="step")
+    factors = [schedule(t) for t in range(anchor)]
+    schedule.stretch(new_total, anchor)
+    restored = LrSchedule(scale=1.0, warmup_steps=0, total_steps=old_total, kind="step")
+    restored.__dict__.update(schedule.__dict__)  # what LambdaLR's state dict saves and restores
+    factors += [restored(t) for t in range(anchor, new_total)]
+    assert _drops(factors) == expected and factors[-1] == pytest.approx(0.001)
+
+
+def test_summary_lr_names_the_global_batch_its_scale_came_from_after_a_resume_at_another_nproc():
+    """Started on 2 workers (G = 64, linear from B = 32: scale 2), resumed on 1 (G = 32): the restored
+    schedule keeps scale 2, so "global_batch_size" is 64 and the current one is reported beside it."""
+    config = TrainConfig(optimizer="sgd", lr=0.05, lr_scaling="linear", base_batch_size=32, batch_size=32)
+    fresh = lambda workers: make_scheduler(  # noqa: E731
+        make_optimizer([nn.Parameter(torch.zeros(2))], config), config, 100, workers=workers)
+    first = fresh(2)
+    _lrs(first, 5)
+    second = fresh(1)
+    second.load_state_dict(first.state_dict())
+    fields = lr_fields(second, config, 1)
+    assert fields["scaled"] == pytest.approx(0.1) and fields["scale"] == 2.0
+    assert fields["global_batch_size"] == 64 and fields["current_global_batch_size"] == 32
+    assert fields["scale"] == fields["global_batch_size"] / fields["base_batch_size"]
+
+
+@pytest.mark.parametrize("options,needle", [
+    ({"optimizer": "lamb", "lr": 1e300}, "--lr must be a finite float32 > 0 (at most 3.4e+38), got 1e+300"),
+    ({"optimizer": "sgd", "lr": 1e308}, "--lr must be a finite float32 > 0 (at most 3.4e+38), got 1e+308"),
+    ({"optimizer": "lars", "lr": 1e39}, "--lr must be a finite float32 > 0 (at most 3.4e+38), got 1e+39"),
+    ({"lr": 1e-46}, "--lr must be a finite float32 > 0 (at most 3.4e+38), got 1e-46 (0 in float32)"),
+    ({"optimizer": "sgd", "lr": 1e38, "lr_scaling": "linear", "base_batch_size": 1},
+     "--lr 1e+38 x --lr-scaling linear's scale 32 = 3.2e+39 is not a finite float32 > 0"),
+    ({"lr": 1e-45, "lr_scaling": "linear", "base_batch_size": 800},
+     "--lr 1e-45 x --lr-scaling linear's scale 0.04 = 4e-47 is not a finite float32 > 0"),
+    ({"lr_scaling": "linear", "base_batch_size": 10 ** 400}, "--base-batch-size 1000"),
+    ({"lr_scaling": "sqrt", "base_batch_size": 801},
+     "--base-batch-size 801 is larger than the 800 training samples"),
+], ids=["lamb-1e300", "sgd-1e308", "lars-1e39", "underflow", "scaled-overflow", "scaled-underflow",
+        "base-huge", "base-over-data"])
+def test_an_lr_float32_cannot_hold_is_refused_before_the_run(options, needle):
+    """The optimizers keep the lr in float32 tensors: --lr and --lr x scale must be finite and non-zero there."""
+    config = TrainConfig(num_samples=NUM_SAMPLES, epochs=1, **options)
+    with pytest.raises(ValueError) as raised:
+        validate(config)
+        validate_against_data(config, 1, data.num_train_samples(NUM_SAMPLES))
+    assert needle in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_the_largest_float32_lr_and_a_base_batch_of_the_whole_set_are_accepted():
+    validate_against_data(TrainConfig(num_samples=NUM_SAMPLES, lr=3.4e38), 1, 800)
+    config = TrainConfig(num_samples=NUM_SAMPLES, lr_scaling="linear", base_batch_size=800)
+    validate(config)
+    validate_against_data(config, 1, 800)
+
+
+def test_diloco_sync_every_longer_than_the_run_is_refused_but_plain_local_sgd_is_not():
+    """50 optimizer steps (800 samples / 32, 2 epochs): DiLoCo's H = 51 would take its one outer step only at
+    the end; plain local SGD also averages at each epoch end, so its long H stays accepted."""
+    nesterov = TrainConfig(num_samples=NUM_SAMPLES, epochs=2, mode="local-sgd", outer_optimizer="nesterov",
+                           sync_every=51)
+    with pytest.raises(ValueError) as raised:
+        validate_against_data(nesterov, 1, 800)
+    assert str(raised.value) == ("--sync-every 51 is longer than the run's 50 optimizer steps: --outer-optimizer "
+                                 "nesterov would take no outer step before the end")
+    validate_against_data(TrainConfig(num_samples=NUM_SAMPLES, epochs=2, mode="local-sgd", outer_optimizer="nesterov",
+                                      sync_every=50), 1, 800)
+    validate_against_data(TrainConfig(num_samples=NUM_SAMPLES, epochs=2, mode="local-sgd", sync_every=1000), 1, 800)

@@ -16,9 +16,10 @@ from gradsync.parallel.option_names import FLAGS
 from gradsync.parallel.outer_optimizer import check_outer_options
 from gradsync.parallel.outer_sync import make_codec
 from gradsync.parallel.shard_layout import IMPLEMENTED_LEVELS, SHARD_LEVELS, sharding_algorithm_problem
-from gradsync.train.config import LR_SCALINGS, LR_SCHEDULES, MODES, OPTIMIZER_ALIASES, OPTIMIZERS, TrainConfig, total_steps
+from gradsync.train.config import LR_SCHEDULES, MODES, OPTIMIZER_ALIASES, OPTIMIZERS, TrainConfig, total_steps
 from gradsync.train.gpt import size_problem
 from gradsync.train.models import MODELS
+from gradsync.train.schedule import lr_problem, validate_lr_options, validate_scaled_lr
 from gradsync.train.task import make_model
 
 MAX_NUM_SAMPLES = 500_000
@@ -45,7 +46,7 @@ def validate(config: TrainConfig) -> None:
         (config.hosts is None or config.mode == "sync", "--hosts runs --mode sync only (for now)"),
         (config.batch_size >= 1, f"--batch-size must be >= 1, got {config.batch_size}"),
         (config.accumulate >= 1, f"--accumulate must be >= 1, got {config.accumulate}"),
-        (0 < config.lr < math.inf, f"--lr must be a finite number > 0, got {config.lr}"),
+        (lr_problem(config.lr) is None, lr_problem(config.lr)),
         (0 <= config.weight_decay < math.inf,
          f"--weight-decay must be a finite number >= 0, got {config.weight_decay}"),
         (0 < config.bucket_cap_mb <= MAX_BUCKET_CAP_MB,
@@ -80,7 +81,7 @@ def validate(config: TrainConfig) -> None:
                                               config.gpt_context):
         raise ValueError(size_problem(config.gpt_width, config.gpt_depth, config.gpt_heads, config.gpt_context))
     _validate_mode(config)
-    _validate_lr(config)
+    validate_lr_options(config)
     _validate_outer(config)
     _validate_sharding(config)
     _validate_trajectory(config)
@@ -96,30 +97,6 @@ def validate(config: TrainConfig) -> None:
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _validate_lr(config: TrainConfig) -> None:
-    """``--lr-scaling`` / ``--base-batch-size`` and ``--warmup-steps`` / ``--warmup-epochs``: their values, and
-    that each pair is given as it must be (a warm-up longer than the run: :func:`validate_against_data`)."""
-    base, steps, epochs = config.base_batch_size, config.warmup_steps, config.warmup_epochs
-    if config.lr_scaling not in LR_SCALINGS:
-        raise ValueError(f"unknown --lr-scaling {config.lr_scaling!r}; choose one of {', '.join(LR_SCALINGS)}")
-    if base is not None and (not _is_int(base) or base < 1):
-        raise ValueError(f"--base-batch-size must be an int >= 1 (samples), got {base!r}")
-    if config.lr_scaling != "none" and base is None:
-        raise ValueError(f"--lr-scaling {config.lr_scaling} needs --base-batch-size B: the global batch --lr was "
-                         f"tuned for, which the lr is scaled from")
-    if config.lr_scaling == "none" and base is not None:
-        raise ValueError("--base-batch-size applies to --lr-scaling linear or sqrt (the lr is not scaled without it)")
-    if steps is not None and epochs is not None:
-        raise ValueError(f"--warmup-steps {steps} and --warmup-epochs {epochs} exclude each other: give one")
-    if steps is not None and (not _is_int(steps) or steps < 0):
-        raise ValueError(f"--warmup-steps must be an int >= 0 (optimizer steps), got {steps!r}")
-    if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, (int, float))
-                               or not 0 <= epochs < math.inf):
-        raise ValueError(f"--warmup-epochs must be a finite number >= 0, got {epochs!r}")
-    if epochs is not None and epochs > config.epochs:
-        raise ValueError(f"--warmup-epochs {epochs} is longer than the run's --epochs {config.epochs}")
 
 
 def _validate_sharding(config: TrainConfig) -> None:
@@ -262,6 +239,7 @@ def validate_against_data(config: TrainConfig, world_size: int, num_train: int) 
     if config.mode == "async" and world_size < 2:
         raise ValueError("--mode async needs a server and at least one worker: 2 or more processes")
     world_size = config.num_workers(world_size)  # the data is shared among the workers only
+    validate_scaled_lr(config, world_size, num_train)
     straggler = config.straggler_rank_factor()
     if straggler is not None and straggler[0] >= world_size:
         raise ValueError(f"--straggler rank {straggler[0]} is not a worker: workers are ranks 0..{world_size - 1}")
@@ -284,6 +262,7 @@ def validate_against_data(config: TrainConfig, world_size: int, num_train: int) 
                              f"--batch-size {config.batch_size} x --accumulate {config.accumulate} = {needed}")
     last_step = total_steps(config, world_size, num_train)
     _validate_warmup_steps(config, run_steps(config, world_size, num_train))
+    _validate_outer_rounds(config, last_step)
     for which in ("fail_at", "hang_at"):
         fault = config.fault_rank_step(which)
         flag = "--" + which.replace("_", "-")
@@ -306,6 +285,14 @@ def run_steps(config: TrainConfig, workers: int, num_train: int) -> int:
     if config.elastic and config.mode == "sync":
         return num_train // config.elastic_global_batch() * config.epochs
     return total_steps(config, workers, num_train)
+
+
+def _validate_outer_rounds(config: TrainConfig, steps: int) -> None:
+    """DiLoCo (``--outer-optimizer nesterov``) needs an outer round within the run's ``steps`` optimizer steps;
+    plain local SGD also averages at each epoch end, so its ``--sync-every`` may exceed the run."""
+    if config.mode == "local-sgd" and config.outer_optimizer == "nesterov" and config.sync_every > steps:
+        raise ValueError(f"--sync-every {config.sync_every} is longer than the run's {steps} optimizer steps: "
+                         f"--outer-optimizer nesterov would take no outer step before the end")
 
 
 def _validate_warmup_steps(config: TrainConfig, steps: int) -> None:
