@@ -1,0 +1,255 @@
+"""``gradsync bench large-batch``: one model trained to one sample budget at growing global batches, per recipe.
+
+Issue 40's question: how far can the global batch grow before accuracy falls,
+and which recipe holds it longest (Goyal et al. 2017: linear lr scaling +
+warm-up; You et al. 2017, LARS; You et al. 2019, LAMB). Every run is
+``gradsync train --nproc 2`` (in this process, as ``bench modes`` runs it; a
+run gets ``--run-timeout`` seconds) on the same MNIST-1D data for the same
+epochs, so every batch sees the same samples and fewer steps: steps =
+epochs x train samples // batch. Each (recipe, batch) trains once per seed;
+the runs of a seed go in a rotated order, so a busy moment of the machine
+hits different cells in different seeds.
+
+The recipes (:data:`RECIPES`), each one setting for every batch, its base lr
+given at the base batch (128) and scaled by ``gradsync train
+--lr-scaling`` to the run's global batch:
+
+* ``sgd-linear``: SGD (momentum 0.9), lr scaled linearly, no warm-up (the
+  baseline; at batch 128 it is the reference accuracy);
+* ``sgd-warmup``: the same with a linear warm-up (Goyal et al.);
+* ``lars-warmup``: LARS, layer-wise trust ratio, with warm-up (You et al. 2017);
+* ``lamb-warmup``: LAMB, Adam's moments with the trust ratio, sqrt lr
+  scaling and warm-up (You et al. 2019).
+
+The model and budget (the defaults) fit the whole bench, 5 batches x 4
+recipes x 3 seeds = 60 runs, in 30 minutes on this 2-core machine: the
+MNIST-1D CNN (the main job's model; see :data:`DEFAULT_OPTIONS` for the
+budget and why). Prints the table (median test accuracy with its min-max over
+the seeds, steps, wall time, samples/s), the goal lines and where each
+recipe breaks, and a PNG of accuracy against the batch; ``--json`` writes
+one row per run (:mod:`gradsync.bench.large_batch_rows`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from gradsync.bench.large_batch_rows import BREAK_BATCH, GOAL_BATCH, format_table, plot
+from gradsync.bench.output import claim_json_path, comma_names, write_json
+from gradsync.train.config import TrainConfig
+from gradsync.train.data import num_train_samples
+from gradsync.train.metrics import METRICS_FILE
+
+PLOT_FILE = "large_batch_accuracy.png"
+DEFAULT_BATCHES = (128, 512, 2048, GOAL_BATCH, BREAK_BATCH)
+# One setting per recipe for every batch (module docstring; docs/benchmarks.md says how each was chosen).
+RECIPES: dict[str, dict] = {
+    "sgd-linear": {"optimizer": "sgd", "lr": 0.1, "lr_scaling": "linear"},
+    "sgd-warmup": {"optimizer": "sgd", "lr": 0.1, "lr_scaling": "linear", "warmup_epochs": 5},
+    "lars-warmup": {"optimizer": "lars", "lr": 0.1, "lr_scaling": "linear", "warmup_epochs": 5},
+    "lamb-warmup": {"optimizer": "lamb", "lr": 0.01, "lr_scaling": "sqrt", "warmup_epochs": 5},
+}
+# The default budget: 16384 train samples (= 2 x 8192: the largest batch takes 2 steps per epoch) x 40 epochs.
+DEFAULT_OPTIONS = {"model": "cnn", "epochs": 40, "num_samples": 20480, "nproc": 2, "base_batch_size": 128}
+RUN_TIMEOUT_S = 600.0
+
+
+class RunTimeout(Exception):
+    """A run took longer than ``--run-timeout``."""
+
+
+def scaled_lr(recipe: dict, batch: int, base_batch: int) -> float:
+    """The peak lr a recipe runs at ``batch``: its lr x (batch / base), x sqrt of it, or as it is."""
+    ratio = batch / base_batch
+    return recipe["lr"] * {"linear": ratio, "sqrt": math.sqrt(ratio), "none": 1.0}[recipe.get("lr_scaling", "none")]
+
+
+def train_options(recipe_name: str, batch: int, options: dict, seed: int) -> dict:
+    """The :class:`TrainConfig` fields of one run (what ``gradsync train`` would be given)."""
+    recipe = dict(RECIPES[recipe_name])
+    fields = {"model": options["model"], "nproc": options["nproc"], "epochs": options["epochs"],
+              "num_samples": options["num_samples"], "global_batch_size": batch, "seed": seed, "progress": False,
+              "lr_schedule": "cosine", "optimizer": recipe["optimizer"], "lr": recipe["lr"],
+              "weight_decay": recipe.get("weight_decay", 0.0)}
+    if "lr_scaling" in TrainConfig.__dataclass_fields__:
+        fields.update(lr_scaling=recipe.get("lr_scaling", "none"), base_batch_size=options["base_batch_size"])
+        if recipe.get("warmup_epochs"):
+            fields["warmup_epochs"] = recipe["warmup_epochs"]
+    else:  # a gradsync train without --lr-scaling: the bench scales the lr itself (no warm-up there)
+        fields["lr"] = scaled_lr(recipe, batch, options["base_batch_size"])
+    return fields
+
+
+def train_command(recipe_name: str, options: dict) -> str:
+    """The ``gradsync train`` options a recipe adds to every run (for the header and the docs)."""
+    recipe = RECIPES[recipe_name]
+    parts = [f"--optimizer {recipe['optimizer']}", f"--lr {recipe['lr']:g}",
+             f"--lr-scaling {recipe.get('lr_scaling', 'none')} --base-batch-size {options['base_batch_size']}"]
+    if recipe.get("warmup_epochs"):
+        parts.append(f"--warmup-epochs {recipe['warmup_epochs']:g}")
+    if recipe.get("weight_decay"):
+        parts.append(f"--weight-decay {recipe['weight_decay']:g}")
+    return " ".join(parts)
+
+
+def parse_batches(text: str, nproc: int, num_train: int) -> list[int]:
+    """The ``--batch-sizes`` list, ascending.
+
+    Raises:
+        ValueError: empty, not an integer, not positive, not divisible by ``nproc``, or more than the
+            ``num_train`` training samples (naming ``--batch-sizes`` and the value).
+    """
+    batches = []
+    for item in dict.fromkeys(part.strip() for part in text.split(",") if part.strip()):
+        try:
+            batch = int(item)
+        except ValueError:
+            raise ValueError(f"--batch-sizes: {item!r} is not an integer") from None
+        if batch < 1 or batch % nproc:
+            raise ValueError(f"--batch-sizes: {batch} is not a positive multiple of --nproc {nproc} (each worker "
+                             f"takes batch / nproc samples)")
+        if batch > num_train:
+            raise ValueError(f"--batch-sizes: {batch} is more than the {num_train} training samples of "
+                             f"--num-samples; generate more")
+        batches.append(batch)
+    if not batches:
+        raise ValueError("--batch-sizes needs at least one batch size")
+    return sorted(batches)
+
+
+def check_options(recipes: list[str], batches: list[int], seeds: int, options: dict, run_timeout: float) -> None:
+    """Every run's options, before any run (ValueError in one line naming the option)."""
+    from gradsync.jobs.job import check_options as check_train_options
+    from gradsync.train.validation import validate_against_data
+
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+        raise ValueError(f"--seeds must be an integer >= 1, got {seeds!r}")
+    if options["model"] not in ("mlp", "cnn"):
+        raise ValueError(f"--model must be mlp or cnn (MNIST-1D), got {options['model']!r}")
+    if options["base_batch_size"] < 1:
+        raise ValueError(f"--base-batch-size must be >= 1, got {options['base_batch_size']}")
+    if not 0 < run_timeout < math.inf:
+        raise ValueError(f"--run-timeout must be a positive number of seconds, got {run_timeout}")
+    for recipe in recipes:
+        for batch in batches:
+            config = TrainConfig(**train_options(recipe, batch, options, 0))
+            check_train_options(config, "local")
+            validate_against_data(config, config.world_size(), num_train_samples(options["num_samples"]))
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """Raise :class:`RunTimeout` in this (the main) thread after ``seconds``; torch's agent then stops the
+    workers. Off the main thread there is no limit (signals reach the main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise RunTimeout(f"timed out after {seconds:g} s (--run-timeout)")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def run_one(recipe: str, batch: int, seed: int, options: dict, folder: Path, run_timeout: float) -> dict:
+    """Train one (recipe, batch, seed) in ``folder``; its run row (see :mod:`gradsync.bench.large_batch_rows`)."""
+    from gradsync.jobs.job import run_job
+    from gradsync.launch import WorkerFailedError
+
+    config = TrainConfig(out=str(folder), **train_options(recipe, batch, options, seed))
+    row = {"recipe": recipe, "global_batch_size": batch, "seed": seed, "final_test_accuracy": None,
+           "steps": None, "samples_per_s": None, "wall_s": None, "final_train_loss": math.nan,
+           "lr": scaled_lr(RECIPES[recipe], batch, options["base_batch_size"]), "accuracy_curve": [],
+           "outcome": "trained", "line": None, "run_folder": str(folder)}
+    started = time.perf_counter()
+    try:
+        with time_limit(run_timeout):
+            summary = run_job(config)
+    except RunTimeout as exc:
+        return {**row, "outcome": "timed out", "line": str(exc), "wall_s": time.perf_counter() - started}
+    except WorkerFailedError as exc:
+        return {**row, "outcome": "failed", "line": str(exc).splitlines()[0][:200],
+                "wall_s": time.perf_counter() - started}
+    records = [json.loads(line) for line in (folder / METRICS_FILE).read_text().splitlines()]
+    step_lrs = [record["lr"] for record in records if record["kind"] == "step" and "lr" in record]
+    return {**row, "final_test_accuracy": summary["final_test_accuracy"], "steps": summary["steps"],
+            "samples_per_s": summary["samples_per_s"], "wall_s": summary["wall_s"],
+            "final_train_loss": summary["final_train_loss"], "lr": max(step_lrs, default=row["lr"]),
+            "accuracy_curve": [record["test_accuracy"] for record in records if record["kind"] == "epoch"]}
+
+
+def run_all(recipes: list[str], batches: list[int], seeds: int, options: dict, out_dir: Path,
+            run_timeout: float) -> list[dict]:
+    """Every (recipe, batch) once per seed; seed k's runs start k places further along the list."""
+    keys = [(recipe, batch) for batch in batches for recipe in recipes]
+    runs = []
+    for seed in range(seeds):
+        shift = seed % len(keys)
+        for recipe, batch in keys[shift:] + keys[:shift]:
+            row = run_one(recipe, batch, seed, options, out_dir / f"seed{seed}" / f"{recipe}-b{batch}", run_timeout)
+            runs.append(row)
+            accuracy = "-" if row["final_test_accuracy"] is None else f"{100 * row['final_test_accuracy']:.2f}%"
+            print(f"# done: {recipe} at {batch}, seed {seed}: {row['outcome']}, {accuracy}, {row['steps']} steps, "
+                  f"{row['wall_s']:.1f} s", flush=True)
+    return runs
+
+
+def run_bench(*, recipes: str = ",".join(RECIPES), batch_sizes: str = ",".join(map(str, DEFAULT_BATCHES)),
+              seeds: int = 3, model: str = DEFAULT_OPTIONS["model"], epochs: int = DEFAULT_OPTIONS["epochs"],
+              num_samples: int = DEFAULT_OPTIONS["num_samples"], nproc: int = DEFAULT_OPTIONS["nproc"],
+              base_batch_size: int = DEFAULT_OPTIONS["base_batch_size"], run_timeout: float = RUN_TIMEOUT_S,
+              out: str | None = None, json_path: str | None = None) -> list[dict]:
+    """Validate, train every (recipe, batch, seed), print the table, goal lines and plot, write the run rows.
+
+    Raises:
+        ValueError: a bad option, naming it, before any run.
+    """
+    names = comma_names(recipes, "--recipes", tuple(RECIPES))
+    options = {"model": model, "epochs": epochs, "num_samples": num_samples, "nproc": nproc,
+               "base_batch_size": base_batch_size}
+    batches = parse_batches(batch_sizes, nproc, num_train_samples(num_samples))
+    check_options(names, batches, seeds, options, run_timeout)
+    if out and Path(out).exists() and not Path(out).is_dir():
+        raise ValueError(f"--out {out} exists and is not a folder")
+    claim_json_path(json_path)
+    out_dir = Path(out) if out else Path(tempfile.mkdtemp(prefix="gradsync-bench-large-batch-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    train_samples = num_train_samples(num_samples)
+    print(f"# gradsync bench large-batch: MNIST-1D {model}, --nproc {nproc}, {epochs} epochs of {train_samples} "
+          f"train samples at every batch (steps = {epochs} x {train_samples} // batch), cosine schedule; "
+          f"{seeds} seeds per cell, runs rotated per seed", flush=True)
+    for name in names:
+        print(f"#   {name}: gradsync train {train_command(name, options)}", flush=True)
+    try:
+        from gradsync.launch import start_forkserver
+        from gradsync.jobs.worker import run_worker
+        from gradsync.train.task import prepare_data
+
+        prepare_data(TrainConfig(**train_options(names[0], batches[0], options, 0)))  # generated before any run
+        start_forkserver(run_worker)  # every run's workers start the same way
+        runs = run_all(names, batches, seeds, options, out_dir, run_timeout)
+        print(format_table(runs), flush=True)
+        title = (f"MNIST-1D {model}, {nproc} workers, {epochs} epochs of {train_samples} samples: final test "
+                 f"accuracy (median, min-max over {seeds} seeds)")
+        print(f"# plot: {plot(runs, out_dir / PLOT_FILE, title)}", flush=True)
+        if json_path:
+            shutil.copyfile(out_dir / PLOT_FILE, Path(json_path).with_suffix(".png"))
+            write_json(json_path, runs)
+    finally:
+        if not out:
+            shutil.rmtree(out_dir, ignore_errors=True)
+    return runs
