@@ -213,5 +213,6 @@ def plot(runs: list[dict], path: Path, title: str) -> Path:
     axes.set_xticks(batches, [str(batch) for batch in batches])
     axes.set(xlabel="global batch (samples per step)", ylabel="final test accuracy (%)")
     set_title(axes, title)
-    axes.legend(fontsize=8, loc="lower left")
+    if table:
+        axes.legend(fontsize=8, loc="lower left")
     return save(figure, path, dpi=120)
