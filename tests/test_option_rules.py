@@ -40,6 +40,7 @@ SAMPLES = {
     "gpt_width": 64, "gpt_depth": 2, "gpt_heads": 2, "gpt_context": 32,
     "epochs": 2, "batch_size": 16, "accumulate": 2, "global_batch_size": 64, "deterministic": True,
     "micro_shards": 4, "lr": 0.05, "lr_schedule": "constant", "optimizer": "sgd", "weight_decay": 0.01,
+    "lr_scaling": "linear", "base_batch_size": 128, "warmup_steps": 2, "warmup_epochs": 1.0,
     "algorithm": "ring", "bucket_cap_mb": 1.0, "gradient_as_bucket_view": True, "debug": True,
     "compression": "fp16", "topk_ratio": 0.05, "powersgd_rank": 3, "compression_warmup_steps": 5,
     "shard": "gradients", "clip_grad_norm": 1.0,

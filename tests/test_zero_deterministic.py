@@ -3,7 +3,7 @@ size 1, 2, 4.
 
 DeterministicDataParallel sums micro-shard gradients exactly; with sharding the int64 sum is
 reduce-scattered and each rank converts and steps only its chunk. The parameters after several
-AdamW steps with clipping must be bitwise equal to the unsharded single-rank run's. At "parameters"
+AdamW, LARS or LAMB steps with clipping must be bitwise equal to the unsharded single-rank run's. At "parameters"
 (ZeRO-3) the model has three units (two named layers and the root's LayerNorm), each gathered for
 every micro-shard's forward and backward.
 """
@@ -34,12 +34,17 @@ _INITIAL = _build().state_dict()
 _DATA = [(torch.randn(BATCH, 6), torch.randint(0, 5, (BATCH,))) for _ in range(STEPS)]
 
 
-def _train(comm, shard: str, clip: float | None):
+OPTIMIZERS = {"adamw": lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1),
+              "lars": lambda params: gradsync.optim.LARS(params, lr=1.0, weight_decay=1e-3),
+              "lamb": lambda params: gradsync.optim.LAMB(params, lr=0.01, weight_decay=0.01)}
+
+
+def _train(comm, shard: str, clip: float | None, name: str = "adamw"):
     module = _build()
     module.load_state_dict(_INITIAL)  # threads share torch's RNG: the same initial model from outside
     model = gradsync.DeterministicDataParallel(module, num_micro_shards=MICRO_SHARDS, group=comm, shard=shard,
                                                units=UNITS if shard == "parameters" else None)
-    optimizer = model.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1))
+    optimizer = model.shard_optimizer(OPTIMIZERS[name](model.parameters()))
     for step, (x, y) in enumerate(_DATA):
         bounds = model.shard_bounds(len(x))
         for index in model.local_shards():
@@ -56,14 +61,16 @@ def _train(comm, shard: str, clip: float | None):
         return [p.detach().clone() for p in model.module.parameters()]
 
 
-@pytest.mark.parametrize("clip", [None, 0.05])
-def test_the_same_bits_at_every_shard_level_and_world_size(clip):
-    reference = run_threads(1, lambda comm: _train(comm, "none", clip))[0]
+@pytest.mark.parametrize("clip,name", [(None, "adamw"), (0.05, "adamw"), (None, "lars"), (0.05, "lamb")])
+def test_the_same_bits_at_every_shard_level_and_world_size(clip, name):
+    """AdamW, LARS and LAMB (whose trust ratios sum each parameter's squares exactly across its pieces):
+    bitwise the unsharded single rank's parameters at every level and world size 1, 2, 4."""
+    reference = run_threads(1, lambda comm: _train(comm, "none", clip, name))[0]
     for world_size in (1, 2, 4):
         for shard in ("none", "optimizer", "gradients", "parameters"):
             if (world_size, shard) == (1, "none"):
                 continue
-            results = run_threads(world_size, lambda comm: _train(comm, shard, clip))
+            results = run_threads(world_size, lambda comm: _train(comm, shard, clip, name))
             for params in results:
                 assert all(torch.equal(got, want) for got, want in zip(params, reference)), (world_size, shard)
 

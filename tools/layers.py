@@ -30,6 +30,8 @@ ROWS = (
      "above and for users"),
     ("parallel/", ("parallel",), "bucketing, the reducer (hooks, overlap), DataParallel and its sharding, "
      "ParameterServer, LocalSGD"),
+    ("optim/", ("optim",), "LARS and LAMB: torch optimizers whose trust ratios take whole-parameter norms "
+     "(the sharded and exact norms come from parallel/)"),
     ("api.py, launch.py", ("api", "forkserver_preload", "launch", "process_group", "rendezvous"),
      "left to right: api (the public calls over the default group), forkserver_preload, launch (workers "
      "through torch's elastic agent), process_group (group set-up), rendezvous (the store)"),

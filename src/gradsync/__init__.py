@@ -5,7 +5,7 @@
 ('ring', 'tree', 'halving_doubling', 'hierarchical', 'shm', 'native', 'auto')
 """
 
-from gradsync import compression
+from gradsync import compression, optim
 from gradsync.api import all_gather, all_reduce, all_to_all, broadcast, comm_stats, flight_records, reduce_scatter
 from gradsync.collectives import ALGORITHMS, OPS, Communicator, HierarchicalOptions, SegmentOptions
 from gradsync.errors import (CheckpointFolderError, CollectiveMismatchError, CollectiveTimeoutError, DebugCheckError,
@@ -33,5 +33,5 @@ __all__ = [
     "NotInitializedError", "OPS", "ParameterServer", "ReplicaCheck", "ReplicaDivergenceError", "SHARD_LEVELS",
     "SegmentOptions", "ShardedOptimizer", "ShmSetupError", "ThreadTransport", "ThreadWorld", "TorchP2PTransport", "__version__", "all_gather",
     "all_reduce", "all_to_all", "broadcast", "check_replicas", "clip_grad_norm_", "comm_stats", "compression", "flight_records",
-    "init", "is_initialized", "preflight", "rank", "reduce_scatter", "shutdown", "world_size",
+    "init", "is_initialized", "optim", "preflight", "rank", "reduce_scatter", "shutdown", "world_size",
 ]

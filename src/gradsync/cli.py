@@ -26,7 +26,7 @@ from gradsync.collectives.ops import ALGORITHMS
 from gradsync.compression import COMPRESSIONS
 from gradsync.errors import CollectiveMismatchError, CollectiveTimeoutError, GradsyncError
 from gradsync.parallel.shard_layout import IMPLEMENTED_LEVELS
-from gradsync.train.config import GPT_LR, LR_SCHEDULES, MODES, OPTIMIZERS, TrainConfig, default_lr
+from gradsync.train.config import GPT_LR, LR_SCALINGS, LR_SCHEDULES, MODES, OPTIMIZERS, TrainConfig, default_lr
 from gradsync.train.models import MODELS
 
 _DEFAULTS = TrainConfig()
@@ -80,11 +80,27 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         "--micro-shards pieces, one backward each, summed exactly (1 torch thread per worker)")
     add("--micro-shards", type=int, default=d.micro_shards, metavar="M", help="--deterministic: pieces of each "
         "global batch; up to M workers, equal shares when the world size divides M (default %(default)s)")
-    add("--lr", type=float, default=None, help=f"peak learning rate (default {d.lr}; {GPT_LR} with --model gpt)")
+    add("--lr", type=float, default=None, help=f"peak learning rate before --lr-scaling (default {d.lr}; {GPT_LR} "
+        "with --model gpt)")
     add("--lr-schedule", default=d.lr_schedule, metavar="{" + ",".join(LR_SCHEDULES) + "}",
-        help="learning-rate schedule (default %(default)s)")
+        help="after the warm-up: cosine decay towards 0 at the last step, constant, or step (x0.1 at 1/3, 2/3 and "
+        "8/9 of the run's steps, Goyal et al.'s epochs 30, 60, 80 of 90) (default %(default)s)")
+    add("--lr-scaling", default=d.lr_scaling, metavar="{" + ",".join(LR_SCALINGS) + "}",
+        help="scale --lr from --base-batch-size B to the global batch G: x G/B (linear, Goyal et al. 2017) or x "
+        "sqrt(G/B); G = samples per optimizer step over all workers (--batch-size x --accumulate x workers, or "
+        "--global-batch-size); --elastic keeps G fixed whatever the membership, so the lr does not change when "
+        "workers leave or join; async: one worker's batch x --accumulate (default %(default)s)")
+    add("--base-batch-size", type=int, default=None, metavar="B", help="--lr-scaling: the global batch --lr was "
+        "tuned for")
+    add("--warmup-steps", type=int, default=None, metavar="N", help="linear warm-up over the first N optimizer "
+        "steps, from lr/N at step 0 to the (scaled) lr at step N-1, then --lr-schedule")
+    add("--warmup-epochs", type=float, default=None, metavar="E", help="the same warm-up over E epochs' optimizer "
+        "steps (instead of --warmup-steps; Goyal et al. warm up over 5 epochs)")
     add("--optimizer", default=d.optimizer, metavar="{" + ",".join(OPTIMIZERS) + "}",
-        help="optimizer: sgd (momentum 0.9) or adam (AdamW) (default %(default)s)")
+        help="sgd (momentum 0.9), adamw (adam is accepted as its alias), lars (You et al. 2017: SGD with "
+        "momentum 0.9 and per-layer trust ratios, coefficient 0.001: give a large --lr, ~1-10), lamb (You et al. "
+        "2019: AdamW's update with per-layer trust ratios); lars and lamb exempt biases and normalisation "
+        "weights from weight decay and trust ratio (default %(default)s)")
     add("--weight-decay", type=float, default=d.weight_decay, help="(default %(default)s)")
     add("--algorithm", default=d.algorithm, metavar="{" + ",".join(ALGORITHMS) + "}",
         help="AllReduce algorithm for gradients (sync) or parameter averages (local-sgd); auto picks the "

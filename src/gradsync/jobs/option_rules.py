@@ -114,6 +114,11 @@ RULES: dict[str, Rule] = {
                           why="the exact sum of a fixed global batch is --mode sync's"),
     "micro_shards": Rule(modes=("sync",), needs=(("deterministic", True),), why="it cuts --deterministic's batch"),
     "lr": EVERYWHERE, "lr_schedule": EVERYWHERE, "optimizer": EVERYWHERE, "weight_decay": EVERYWHERE,
+    "lr_scaling": Rule(needs=(("base_batch_size", None),),
+                       why="it scales --lr from the global batch --lr was tuned for (an elastic run's global "
+                           "batch is fixed, async's is one worker's batch x --accumulate)"),
+    "base_batch_size": Rule(needs=(("lr_scaling", None),), why="it is the batch --lr-scaling scales --lr from"),
+    "warmup_steps": EVERYWHERE, "warmup_epochs": EVERYWHERE,
     "algorithm": NOT_ASYNC,
     "bucket_cap_mb": SYNC,
     "gradient_as_bucket_view": SYNC,

@@ -9,8 +9,10 @@ pieces (views of the parameters: the model is updated in place) and starts the a
 rank the others' updates; the next forward waits for it bucket by bucket.
 
 Per-element optimizers (SGD with or without momentum, Adam, AdamW, RMSprop, Adagrad, ...) give the same
-bits on a piece as on the whole tensor; optimizers that look across a tensor's elements (LARS/LAMB's
-trust ratio, Shampoo) would need reductions across pieces and are not served by this wrapper.
+bits on a piece as on the whole tensor. LARS and LAMB (:mod:`gradsync.optim`) look across a parameter's
+elements (its norms): the wrapper gives them :class:`~gradsync.parallel.shard_norms.ShardNorms`, which
+reduces each parameter's sums of squares across the ranks holding its pieces (exactly under
+``DeterministicDataParallel``). Other optimizers that look across a tensor (Shampoo) are not served.
 """
 
 from __future__ import annotations
@@ -20,7 +22,17 @@ from collections import OrderedDict
 import torch
 
 from gradsync.errors import GradsyncError
+from gradsync.optim.trust import LayerwiseOptimizer
+from gradsync.parallel.shard_norms import ShardNorms
 from gradsync.parallel.sharded_state import piece_entries, shard_of_full
+
+
+def piece_norms(shards, exact: bool) -> ShardNorms:
+    """The :class:`ShardNorms` of ``shards``' pieces (a ``ZeroState``): each piece's parameter, the
+    parameters' own dimensions and element counts, the model's group."""
+    segment_of = {id(tensor): piece.param for piece, tensor in zip(shards.flat.pieces, shards.flat.piece_tensors)}
+    ndims = [len(shards.shapes[id(param)]) for param in shards.params]
+    return ShardNorms(segment_of, ndims, shards.layout.numels, shards.comm, exact)
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -33,6 +45,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             some, frozen ones included; groups and their hyperparameters are kept). State it already has
             (Adagrad's initial sums, an optimizer that stepped) is cut to this rank's pieces.
         shards: the model's sharded state (a ``ZeroState``).
+        exact_norms: a :class:`~gradsync.optim.trust.LayerwiseOptimizer`'s norms summed exactly (the
+            same bits at any world size: ``DeterministicDataParallel`` asks for it).
 
     Raises:
         TypeError: ``optimizer`` is not a torch optimizer.
@@ -42,7 +56,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         optimizer: the wrapped optimizer (its ``param_groups`` list the pieces).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, shards):  # noqa: super().__init__ would copy the groups
+    def __init__(self, optimizer: torch.optim.Optimizer, shards, exact_norms: bool = False):  # noqa: super().__init__ would copy the groups
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"shard_optimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.optimizer, self.shards = optimizer, shards
@@ -62,6 +76,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             group["params"] = [shards.flat.piece_tensors[piece_of[id(p)]] for p in group["params"]
                                if id(p) in piece_of]  # frozen parameters have no piece: never stepped
         self.piece_of = piece_of
+        if isinstance(optimizer, LayerwiseOptimizer):  # LARS / LAMB: whole-parameter norms across the pieces
+            optimizer.use_norms(piece_norms(shards, exact_norms))
         optimizer.state.clear()
         if existing is not None:
             self.optimizer.load_state_dict(shard_of_full(existing, self))

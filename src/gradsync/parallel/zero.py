@@ -30,9 +30,11 @@ import contextlib
 import torch
 
 from gradsync.errors import GradsyncError
+from gradsync.optim.trust import LayerwiseOptimizer
 from gradsync.parallel.flat_params import FlatParameters
 from gradsync.parallel.shard_grads import ShardGradients
 from gradsync.parallel.shard_layout import ShardLayout
+from gradsync.parallel.shard_norms import ShardNorms
 from gradsync.parallel.sharded_optimizer import ShardedOptimizer
 from gradsync.parallel.unit_params import UnitParameters
 from gradsync.parallel.units import Unit, choose_units
@@ -46,8 +48,14 @@ class ShardedModel:
     def shard_optimizer(self, optimizer):
         """The optimizer to step: ``optimizer`` itself with ``shard="none"``, else a
         :class:`~gradsync.parallel.sharded_optimizer.ShardedOptimizer` over this rank's pieces (build
-        ``optimizer`` over ``model.parameters()``; one per model)."""
-        return optimizer if self._zero is None else self._zero.shard_optimizer(optimizer)
+        ``optimizer`` over ``model.parameters()``; one per model). Under ``DeterministicDataParallel`` a LARS
+        or LAMB optimizer passed here (at every level, ``"none"`` too) sums its norms exactly."""
+        exact = getattr(self, "exact_norm", False)  # DeterministicDataParallel: LARS/LAMB's norms summed exactly
+        if self._zero is None:
+            if exact and isinstance(optimizer, LayerwiseOptimizer):
+                optimizer.use_norms(ShardNorms(exact=True))
+            return optimizer
+        return self._zero.shard_optimizer(optimizer, exact_norms=exact)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``nn.Module.zero_grad``, and under sharding the optimizer pieces' gradients too."""
@@ -147,8 +155,9 @@ class ZeroState:
                                     compression, layouts, dtypes)
         self.optimizer: ShardedOptimizer | None = None
 
-    def shard_optimizer(self, optimizer) -> ShardedOptimizer:
-        """Wrap ``optimizer`` (see :class:`ShardedOptimizer`); one per model.
+    def shard_optimizer(self, optimizer, exact_norms: bool = False) -> ShardedOptimizer:
+        """Wrap ``optimizer`` (see :class:`ShardedOptimizer`; ``exact_norms``: LARS/LAMB's norms summed
+        exactly); one per model.
 
         Raises:
             ValueError: the model already has one (it would step the same pieces twice).
@@ -159,7 +168,7 @@ class ZeroState:
             raise ValueError("this DataParallel already has a sharded optimizer; shard one optimizer per model")
         if optimizer is self.optimizer:
             return optimizer
-        self.optimizer = ShardedOptimizer(optimizer, self)
+        self.optimizer = ShardedOptimizer(optimizer, self, exact_norms)
         return self.optimizer
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -35,6 +35,7 @@ from gradsync.train.metrics import METRICS_FILE, MODEL_FILE, MetricsLog
 from gradsync.train.task import make_model, position_counts, sample_loss
 from gradsync.train.setup import (make_optimizer, make_scheduler, seed_everything, set_threads, straggle,
                                   straggler_factor)
+from gradsync.train.schedule import lr_fields
 from gradsync.train.summary import RunTotals, build_summary, pushed_gradient
 
 # per-rank numbers gathered at the end: compute_s, wait_s, bytes_sent, bytes_received, pushes, straggler sleep
@@ -179,7 +180,8 @@ class ServerRole:
     def _summary(self, wall_s: float) -> dict:
         config, server = self.config, self.server
         shared = {"max_staleness": config.max_staleness, "staleness_lr": config.staleness_lr,
-                  "updates_applied": server.version}
+                  "updates_applied": server.version,
+                  "lr": lr_fields(server.scheduler, config, config.nproc)}
         totals, extra = self.group.report(server, shared, wall_s, self.state["eval_s"])
         return build_summary(config, self.state["epochs"], totals, server.staleness.as_dict(),
                              pushed_gradient(self.model), self.model, self.data, extra)

@@ -10,8 +10,12 @@ from gradsync.train.data import DEFAULT_NUM_SAMPLES
 from gradsync.train.gpt import GPT_DEFAULT
 
 MODES = ("sync", "async", "local-sgd")
-OPTIMIZERS = ("sgd", "adam")
-LR_SCHEDULES = ("cosine", "constant")
+OPTIMIZERS = ("sgd", "adamw", "lars", "lamb")
+OPTIMIZER_ALIASES = {"adam": "adamw"}  # --optimizer adam (gradsync before LARS/LAMB) is AdamW
+LR_SCHEDULES = ("cosine", "constant", "step")
+LR_SCALINGS = ("none", "linear", "sqrt")
+STEP_FRACTIONS = (1 / 3, 2 / 3, 8 / 9)  # --lr-schedule step: x0.1 at these fractions of the run (Goyal et al.'s
+# 30, 60 and 80 of 90 epochs)
 GPT_LR = 1e-3  # gradsync train's --lr for --model gpt: AdamW at 1e-2 or 3e-3 (no warm-up) stalls near predicting spaces
 
 
@@ -42,8 +46,12 @@ class TrainConfig:
     deterministic: bool = False     # bitwise the same parameters at any world size (needs global_batch_size)
     micro_shards: int = DEFAULT_MICRO_SHARDS  # deterministic: pieces of each global batch, one backward each
     lr: float = 1e-2                # peak learning rate (gradsync train --model gpt: GPT_LR unless given)
-    lr_schedule: str = "cosine"     # cosine decay to 0 over all steps, or constant
-    optimizer: str = "adam"         # sgd (momentum 0.9) | adam
+    lr_schedule: str = "cosine"     # cosine decay to 0 over all steps, constant, or step (x0.1 at STEP_FRACTIONS)
+    optimizer: str = "adamw"        # sgd (momentum 0.9) | adamw (alias adam) | lars | lamb
+    lr_scaling: str = "none"        # none | linear | sqrt: --lr x (G / base_batch_size) or its square root
+    base_batch_size: int | None = None  # --lr-scaling: the global batch --lr was tuned for
+    warmup_steps: int | None = None     # linear warm-up over this many optimizer steps
+    warmup_epochs: float | None = None  # ... or over this many epochs' steps (one of the two)
     weight_decay: float = 0.0
     algorithm: str = "auto"         # AllReduce algorithm for the gradients (auto: chosen per bucket size)
     bucket_cap_mb: float = 25.0     # MiB of gradients per bucket
@@ -82,6 +90,36 @@ class TrainConfig:
     max_relaunches: int = 100       # --elastic: times each worker slot's launcher starts its process again
     join: str | None = None         # --elastic: run folder of a running elastic job to add one worker to
     elastic_fault: str | None = None  # --elastic: "SLOT:WHERE:STEP" fault injection (gradsync.elastic.fault_points)
+
+    def __post_init__(self) -> None:
+        self.optimizer = OPTIMIZER_ALIASES.get(self.optimizer, self.optimizer)
+
+    def lr_global_batch(self, workers: int) -> int:
+        """``G`` of ``--lr-scaling``: samples per optimizer step over all ``workers`` (accumulation included);
+        an elastic run's fixed global batch whatever the membership; one worker's batch x accumulate under
+        async (the server applies each worker's gradient as one step)."""
+        if self.mode == "async":
+            return self.batch_size * self.accumulate
+        if self.elastic:
+            return self.elastic_global_batch()
+        return self.samples_per_step(workers)
+
+    def lr_scale(self, workers: int) -> float:
+        """The factor ``--lr-scaling`` multiplies ``--lr`` by: 1, ``G / B`` (linear, Goyal et al. 2017) or
+        ``sqrt(G / B)`` (sqrt, Krizhevsky 2014; Hoffer et al. 2017), ``B`` = ``base_batch_size``."""
+        if self.lr_scaling == "none" or self.base_batch_size is None:
+            return 1.0
+        ratio = self.lr_global_batch(workers) / self.base_batch_size
+        return ratio if self.lr_scaling == "linear" else math.sqrt(ratio)
+
+    def warmup_steps_of(self, total_steps: int) -> int:
+        """Optimizer steps of the warm-up in a run of ``total_steps``: ``warmup_steps``, or ``warmup_epochs``
+        of its steps per epoch (rounded up); 0 without warm-up."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        if self.warmup_epochs is not None:
+            return math.ceil(self.warmup_epochs * total_steps / self.epochs - 1e-9)
+        return 0
 
     def samples_per_step(self, world_size: int) -> int:
         """Samples in one optimizer step over all workers: ``global_batch_size``, else batch x accumulate x workers."""

@@ -42,6 +42,7 @@ from gradsync.train.metrics import METRICS_FILE, MODEL_FILE, MetricsLog
 from gradsync.train.task import make_model
 from gradsync.train.position import EpochOrder, StepPlan, steps_taken
 from gradsync.train.reshard import world_change
+from gradsync.train.schedule import lr_fields
 from gradsync.train.setup import (build_replica, make_optimizer, make_replica_optimizer, make_scheduler,
                                   seed_everything, set_threads, step_optimizer, straggle, straggler_factor)
 from gradsync.train.state import TrainState
@@ -131,7 +132,8 @@ class Trainer:
         """The optimizer (sharded as the replica is) and schedule of a replica just built (bytes count from 0)."""
         self._bytes_counted = False
         self.optimizer = make_replica_optimizer(self.model, self.config)
-        self.scheduler = make_scheduler(self.optimizer, self.config, self.plan.steps_per_epoch * self.config.epochs)
+        self.scheduler = make_scheduler(self.optimizer, self.config, self.plan.steps_per_epoch * self.config.epochs,
+                                        self.world_size)
         self.replica = resume.Replica(self.model, self.optimizer, self.scheduler, self.local_sgd)
 
     def _adopt(self, view: View) -> None:
@@ -170,7 +172,8 @@ class Trainer:
             torch.manual_seed(self.config.seed)
             module = make_model(self.config)
             optimizer = make_optimizer(module.parameters(), self.config)
-            scheduler = make_scheduler(optimizer, self.config, self.plan.steps_per_epoch * self.config.epochs)
+            scheduler = make_scheduler(optimizer, self.config, self.plan.steps_per_epoch * self.config.epochs,
+                                       self.world_size)
             return {"model": module.state_dict(), "optimizer": optimizer.state_dict(),
                     "scheduler": scheduler.state_dict(), "progress": self.state.shared()}
         self.state.elapsed_before_s = self.elapsed_s()
@@ -397,6 +400,7 @@ class Trainer:
         if not self.is_main:
             return None
         extra.update({"restarts": attempt(), "global_batch_size": self.global_batch,
+                      "lr": lr_fields(self.scheduler, self.config, self.world_size),
                       **self.membership.summary_fields()})
         if self.elastic:
             extra["replicas_equal"] = True  # checked before the summary (ReplicaDivergenceError otherwise)

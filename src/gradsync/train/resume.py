@@ -36,13 +36,13 @@ import gradsync
 from gradsync.fault import checkpoint
 from gradsync.fault.injection import attempt
 from gradsync.parallel.staleness import StalenessStats
-from gradsync.train.config import TrainConfig
+from gradsync.train.config import OPTIMIZER_ALIASES, TrainConfig
 from gradsync.train.meter import StepTimes
 from gradsync.train.metrics import resumed_text
 from gradsync.train.position import EpochOrder, reorder
 from gradsync.train.reshard import reshard_rank_states
 from gradsync.train.rng import rng_state, set_rng_state
-from gradsync.train import sharded_checkpoint
+from gradsync.train import schedule, sharded_checkpoint
 from gradsync.train.state import TrainState
 
 # Options that define the training trajectory: a checkpoint only resumes a job that agrees on all of them.
@@ -52,10 +52,11 @@ RESUME_FIELDS = ("mode", "model", "epochs", "batch_size", "accumulate", "lr", "l
                  "weight_decay", "seed", "num_samples", "sync_every", "compression", "topk_ratio",
                  "powersgd_rank", "compression_warmup_steps", "algorithm", "bucket_cap_mb",
                  "gradient_as_bucket_view", "global_batch_size", "deterministic", "micro_shards",
-                 "clip_grad_norm", "gpt_width", "gpt_depth", "gpt_heads", "gpt_context")
+                 "clip_grad_norm", "gpt_width", "gpt_depth", "gpt_heads", "gpt_context", "lr_scaling",
+                 "base_batch_size", "warmup_steps", "warmup_epochs")
 # Added after checkpoints existed: a checkpoint without them was written with their defaults.
 _LATER_FIELDS = ("global_batch_size", "deterministic", "micro_shards", "clip_grad_norm", "gpt_width", "gpt_depth",
-                 "gpt_heads", "gpt_context")
+                 "gpt_heads", "gpt_context", "lr_scaling", "base_batch_size", "warmup_steps", "warmup_epochs")
 # Not among them: --shard (ZeRO shards the same step; the optimizer state is consolidated and cut again), like
 # the world size.
 STATE_FORMAT = 2  # 2: "metrics" (length + SHA-256 of metrics.jsonl) instead of 1's "metrics_text" (still read)
@@ -76,6 +77,7 @@ def check_compatible(saved: dict, config: TrainConfig, world_size: int, saved_wo
     """
     defaults = config_fields(TrainConfig())
     saved = {**{name: defaults[name] for name in _LATER_FIELDS}, **saved}
+    saved["optimizer"] = OPTIMIZER_ALIASES.get(saved.get("optimizer"), saved.get("optimizer"))  # "adam" before
     differences = [f"--{name.replace('_', '-')} {saved.get(name)!r} there, {value!r} here"
                    for name, value in config_fields(config).items() if saved.get(name) != value]
     if differences:
@@ -256,13 +258,15 @@ def data_position(shared: dict, config: TrainConfig, saved_world_size: int, worl
 
 
 def stretch_schedule(scheduler, total_steps: int) -> None:
-    """A cosine schedule restored at another world size ends at the run's new ``total_steps`` instead.
+    """A schedule restored at another world size ends at the run's new ``total_steps`` instead.
 
-    Its recursive form continues from the current lr, so the lr does not jump at the resume and
-    reaches 0 at the new end; a constant schedule is left alone.
+    The decay continues from the current lr (no jump at the resume) to the new end
+    (:meth:`~gradsync.train.schedule.LrSchedule.stretch`); a cosine ``CosineAnnealingLR`` gets the new
+    ``T_max`` (its recursive form continues from the current lr); a constant schedule is left alone.
     """
     if hasattr(scheduler, "T_max"):
         scheduler.T_max = max(int(total_steps), 1)
+    schedule.stretch(scheduler, total_steps)
 
 
 def _metrics_text(shared: dict, metrics_file) -> str:

@@ -17,6 +17,7 @@ import torch
 import gradsync
 from gradsync.compression import make as make_compressor
 from gradsync.train.config import TrainConfig
+from gradsync.train.schedule import make_lr_scheduler
 from gradsync.train.task import make_model
 
 
@@ -49,9 +50,15 @@ def seed_everything(seed: int) -> None:
 
 
 def make_optimizer(params, config: TrainConfig) -> torch.optim.Optimizer:
-    """SGD with momentum 0.9, or AdamW, at ``config.lr`` and ``config.weight_decay``."""
+    """``config.optimizer`` at ``config.lr`` (the schedule scales it) and ``config.weight_decay``: SGD with
+    momentum 0.9, AdamW, LARS (momentum 0.9, trust coefficient 0.001) or LAMB (betas 0.9, 0.999, eps 1e-6);
+    LARS and LAMB leave biases and normalisation weights out of weight decay and trust ratio."""
     if config.optimizer == "sgd":
         return torch.optim.SGD(params, lr=config.lr, momentum=0.9, weight_decay=config.weight_decay)
+    if config.optimizer == "lars":
+        return gradsync.optim.LARS(params, lr=config.lr, weight_decay=config.weight_decay)
+    if config.optimizer == "lamb":
+        return gradsync.optim.LAMB(params, lr=config.lr, weight_decay=config.weight_decay)
     return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
 
 
@@ -78,14 +85,13 @@ def step_optimizer(model: torch.nn.Module, optimizer, clip_grad_norm: float | No
     return norm
 
 
-def make_scheduler(optimizer, config: TrainConfig, total_steps: int):
-    """Cosine decay to 0 over ``total_steps`` optimizer steps, or a constant lr (over the torch optimizer a
-    :class:`~gradsync.ShardedOptimizer` wraps: their parameter groups, and so their lr, are the same)."""
+def make_scheduler(optimizer, config: TrainConfig, total_steps: int, workers: int | None = None):
+    """The lr schedule over ``total_steps`` optimizer steps (:mod:`~gradsync.train.schedule`: ``--lr-scaling``
+    for ``workers`` workers, warm-up, then cosine, constant or step), over the torch optimizer a
+    :class:`~gradsync.ShardedOptimizer` wraps (their parameter groups, and so their lr, are the same)."""
     if isinstance(optimizer, gradsync.ShardedOptimizer):
         optimizer = optimizer.optimizer
-    if config.lr_schedule == "cosine":
-        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total_steps, 1))
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    return make_lr_scheduler(optimizer, config, total_steps, workers)
 
 
 def straggler_factor(config: TrainConfig, rank: int) -> float:

@@ -10,7 +10,7 @@ from gradsync.collectives.ops import ALGORITHMS
 from gradsync.compression import COMPRESSIONS, make as make_compressor
 from gradsync.hosts.netns import link_options_problem
 from gradsync.parallel.shard_layout import IMPLEMENTED_LEVELS, SHARD_LEVELS, sharding_algorithm_problem
-from gradsync.train.config import LR_SCHEDULES, MODES, OPTIMIZERS, TrainConfig, total_steps
+from gradsync.train.config import LR_SCALINGS, LR_SCHEDULES, MODES, OPTIMIZER_ALIASES, OPTIMIZERS, TrainConfig, total_steps
 from gradsync.train.gpt import size_problem
 from gradsync.train.models import MODELS
 
@@ -61,7 +61,8 @@ def validate(config: TrainConfig) -> None:
         (config.compression_warmup_steps >= 0,
          f"--compression-warmup-steps must be >= 0, got {config.compression_warmup_steps}"),
         (config.optimizer in OPTIMIZERS,
-         f"unknown --optimizer {config.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}"),
+         f"unknown --optimizer {config.optimizer!r}; choose one of {', '.join(OPTIMIZERS)} "
+         f"({', '.join(f'{alias} = {name}' for alias, name in OPTIMIZER_ALIASES.items())})"),
         (config.lr_schedule in LR_SCHEDULES,
          f"unknown --lr-schedule {config.lr_schedule!r}; choose one of {', '.join(LR_SCHEDULES)}"),
     ]
@@ -72,6 +73,7 @@ def validate(config: TrainConfig) -> None:
                                               config.gpt_context):
         raise ValueError(size_problem(config.gpt_width, config.gpt_depth, config.gpt_heads, config.gpt_context))
     _validate_mode(config)
+    _validate_lr(config)
     _validate_sharding(config)
     _validate_trajectory(config)
     _validate_fault_tolerance(config)
@@ -86,6 +88,30 @@ def validate(config: TrainConfig) -> None:
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _validate_lr(config: TrainConfig) -> None:
+    """``--lr-scaling`` / ``--base-batch-size`` and ``--warmup-steps`` / ``--warmup-epochs``: their values, and
+    that each pair is given as it must be (a warm-up longer than the run: :func:`validate_against_data`)."""
+    base, steps, epochs = config.base_batch_size, config.warmup_steps, config.warmup_epochs
+    if config.lr_scaling not in LR_SCALINGS:
+        raise ValueError(f"unknown --lr-scaling {config.lr_scaling!r}; choose one of {', '.join(LR_SCALINGS)}")
+    if base is not None and (not _is_int(base) or base < 1):
+        raise ValueError(f"--base-batch-size must be an int >= 1 (samples), got {base!r}")
+    if config.lr_scaling != "none" and base is None:
+        raise ValueError(f"--lr-scaling {config.lr_scaling} needs --base-batch-size B: the global batch --lr was "
+                         f"tuned for, which the lr is scaled from")
+    if config.lr_scaling == "none" and base is not None:
+        raise ValueError("--base-batch-size applies to --lr-scaling linear or sqrt (the lr is not scaled without it)")
+    if steps is not None and epochs is not None:
+        raise ValueError(f"--warmup-steps {steps} and --warmup-epochs {epochs} exclude each other: give one")
+    if steps is not None and (not _is_int(steps) or steps < 0):
+        raise ValueError(f"--warmup-steps must be an int >= 0 (optimizer steps), got {steps!r}")
+    if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, (int, float))
+                               or not 0 <= epochs < math.inf):
+        raise ValueError(f"--warmup-epochs must be a finite number >= 0, got {epochs!r}")
+    if epochs is not None and epochs > config.epochs:
+        raise ValueError(f"--warmup-epochs {epochs} is longer than the run's --epochs {config.epochs}")
 
 
 def _validate_sharding(config: TrainConfig) -> None:
@@ -225,6 +251,7 @@ def validate_against_data(config: TrainConfig, world_size: int, num_train: int) 
         if num_train < needed:
             raise ValueError(f"the {num_train} training samples are fewer than one step's --batch-size "
                              f"{config.batch_size} x --accumulate {config.accumulate} = {needed}")
+        _validate_warmup_steps(config, run_steps(config, world_size, num_train))
         return
     if world_size > num_train:
         raise ValueError(f"world size {world_size} is larger than the {num_train} training samples")
@@ -237,6 +264,7 @@ def validate_against_data(config: TrainConfig, world_size: int, num_train: int) 
             raise ValueError(f"each of the {world_size} workers gets {per_rank} training samples, fewer than "
                              f"--batch-size {config.batch_size} x --accumulate {config.accumulate} = {needed}")
     last_step = total_steps(config, world_size, num_train)
+    _validate_warmup_steps(config, run_steps(config, world_size, num_train))
     for which in ("fail_at", "hang_at"):
         fault = config.fault_rank_step(which)
         flag = "--" + which.replace("_", "-")
@@ -249,6 +277,22 @@ def validate_against_data(config: TrainConfig, world_size: int, num_train: int) 
         fault = config.host_fault(which)
         if fault is not None and fault[1] > last_step:
             raise ValueError(f"--{which.replace('_', '-')} step {fault[1]} is after the job's last step {last_step}")
+
+
+def run_steps(config: TrainConfig, workers: int, num_train: int) -> int:
+    """Optimizer steps of the whole run for ``workers`` workers: the server's applied gradients under async,
+    the fixed global batch's steps under ``--elastic``, else :func:`~gradsync.train.config.total_steps`."""
+    if config.mode == "async":
+        return num_train // (config.batch_size * config.accumulate) * config.epochs
+    if config.elastic and config.mode == "sync":
+        return num_train // config.elastic_global_batch() * config.epochs
+    return total_steps(config, workers, num_train)
+
+
+def _validate_warmup_steps(config: TrainConfig, steps: int) -> None:
+    if config.warmup_steps is not None and config.warmup_steps > steps:
+        raise ValueError(f"--warmup-steps {config.warmup_steps} is longer than the run: {steps} optimizer steps "
+                         f"({config.epochs} epochs)")
 
 
 def _validate_global_batch(config: TrainConfig, world_size: int, num_train: int) -> None:
