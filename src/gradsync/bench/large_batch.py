@@ -79,20 +79,19 @@ def train_options(recipe_name: str, batch: int, options: dict, seed: int) -> dic
               "num_samples": options["num_samples"], "global_batch_size": batch, "seed": seed, "progress": False,
               "lr_schedule": "cosine", "optimizer": recipe["optimizer"], "lr": recipe["lr"],
               "weight_decay": recipe.get("weight_decay", 0.0)}
-    if "lr_scaling" in TrainConfig.__dataclass_fields__:
-        fields.update(lr_scaling=recipe.get("lr_scaling", "none"), base_batch_size=options["base_batch_size"])
-        if recipe.get("warmup_epochs"):
-            fields["warmup_epochs"] = recipe["warmup_epochs"]
-    else:  # a gradsync train without --lr-scaling: the bench scales the lr itself (no warm-up there)
-        fields["lr"] = scaled_lr(recipe, batch, options["base_batch_size"])
+    if recipe.get("lr_scaling", "none") != "none":
+        fields.update(lr_scaling=recipe["lr_scaling"], base_batch_size=options["base_batch_size"])
+    if recipe.get("warmup_epochs"):
+        fields["warmup_epochs"] = recipe["warmup_epochs"]
     return fields
 
 
 def train_command(recipe_name: str, options: dict) -> str:
     """The ``gradsync train`` options a recipe adds to every run (for the header and the docs)."""
     recipe = RECIPES[recipe_name]
-    parts = [f"--optimizer {recipe['optimizer']}", f"--lr {recipe['lr']:g}",
-             f"--lr-scaling {recipe.get('lr_scaling', 'none')} --base-batch-size {options['base_batch_size']}"]
+    parts = [f"--optimizer {recipe['optimizer']}", f"--lr {recipe['lr']:g}"]
+    if recipe.get("lr_scaling", "none") != "none":
+        parts.append(f"--lr-scaling {recipe['lr_scaling']} --base-batch-size {options['base_batch_size']}")
     if recipe.get("warmup_epochs"):
         parts.append(f"--warmup-epochs {recipe['warmup_epochs']:g}")
     if recipe.get("weight_decay"):
