@@ -175,7 +175,7 @@ def format_table(runs: list[dict]) -> str:
 
     def versus(row: dict) -> str:
         lost = None if base is None else _loss_pp(row, base)
-        return "-" if lost is None else f"{-lost:+.2f}"
+        return "-" if lost is None else f"{0.0 - lost:+.2f}"
 
     text = format_rows(table, [
         ("recipe", 11, "{recipe}"), ("batch", 5, "{global_batch_size}"),

@@ -198,6 +198,8 @@ def repetitions(document: dict) -> tuple[int, str]:
         return 1, "1 run"
     if document.get("bench") == "faults" and not options.get("elastic"):
         return 1, "1 run"  # the restart-based runs compare nothing (--repeat is --elastic's)
+    if document.get("bench") == "large-batch" and options.get("seeds"):
+        return options["seeds"], f"{options['seeds']} seeds (`--seeds`: each cell the median, with min-max)"
     if count:
         return count, f"{count} (`--repeat {count}`: each figure the median, with min-max)"
     for option in ("repetitions", "rounds"):
