@@ -118,13 +118,14 @@ def test_bad_options_are_refused_in_one_line(args, needle, capsys):
 @pytest.mark.early_job(TINY_RUN)
 @pytest.mark.timeout(90)
 def test_a_tiny_run_writes_one_row_per_run_with_the_scaled_lr(early):
-    """One recipe, one batch, one seed on 320 train samples: 2 epochs x 320 // 64 = 10 steps at lr 0.1 x 64/128."""
+    """One recipe, one batch, one seed on 320 train samples: 2 epochs x 320 // 64 = 10 steps; gradsync train
+    scales the recipe's lr by 64 / 128 (the step records' largest lr)."""
     result = early.wait(85)
     assert result.returncode == 0, result.stderr
     (row,) = json.loads((early.folder / "rows.json").read_text())
     assert {key: row[key] for key in ("recipe", "global_batch_size", "seed", "steps", "outcome")} == \
         {"recipe": "sgd-linear", "global_batch_size": 64, "seed": 0, "steps": 10, "outcome": "trained"}
-    assert row["lr"] == pytest.approx(0.05) and len(row["accuracy_curve"]) == 2
+    assert row["lr"] == pytest.approx(large_batch.RECIPES["sgd-linear"]["lr"] * 64 / 128) and len(row["accuracy_curve"]) == 2
     assert 0 <= row["final_test_accuracy"] <= 1 and row["samples_per_s"] > 0 and row["wall_s"] > 0
     assert row["final_test_accuracy"] == row["accuracy_curve"][-1]
     assert (early.folder / "rows.png").read_bytes()[:4] == b"\x89PNG"
