@@ -17,11 +17,12 @@ TINY_RUN = early_job("large_batch_tiny", [
     "--epochs", "2", "--num-samples", "400", "--json", "{folder}/rows.json", "--out", "{folder}/out"])
 
 
-def _run(recipe, batch, seed, accuracy, train_loss=0.30, steps=None, curve=None):
+def _run(recipe, batch, seed, accuracy, train_loss=0.30, steps=None, curve=None, losses=None):
     return {"recipe": recipe, "global_batch_size": batch, "seed": seed, "final_test_accuracy": accuracy,
             "steps": steps if steps is not None else 524288 // batch, "samples_per_s": 1000.0 * (seed + 1),
             "wall_s": 10.0 + seed, "lr": 0.1 * batch / 128, "final_train_loss": train_loss,
-            "accuracy_curve": curve or [0.5, 0.7, 0.8, accuracy], "outcome": "trained", "line": None}
+            "accuracy_curve": curve or [0.5, 0.7, 0.8, accuracy], "outcome": "trained", "line": None,
+            "train_loss_curve": losses or [2.0, 1.0, 0.5, train_loss]}
 
 
 def _runs(cell_accuracies: dict, losses: dict | None = None) -> list[dict]:
@@ -97,6 +98,19 @@ def test_recipes_scale_the_lr_from_the_base_batch():
     assert large_batch.scaled_lr({"lr": 0.5}, 8192, 128) == 0.5
 
 
+def test_a_loss_that_blew_up_and_came_back_is_unstable_not_too_few_steps():
+    """Final train loss 1.2 >= 1.5 x 0.30 would read as too few steps; an epoch at 25 (> 1.5 ln 10) says unstable."""
+    runs = _runs({("sgd-linear", 128): [0.91] * 3, ("lars-warmup", 128): [0.91] * 3})
+    runs += [_run("lars-warmup", 8192, seed, 0.5, 1.2, losses=[2.0, peak, 3.0, 1.2])
+             for seed, peak in enumerate([25.0, 20.0, 30.0])]
+    (line,) = [line for line in breaks(cells(runs)) if "lars-warmup" in line]
+    assert "unstable at peak lr 6.4: an epoch's train loss rose to 25 " in line and "down to 1.200" in line
+    calm = [{**run, "train_loss_curve": [2.0, 1.5, 1.3, 1.2]} if run["global_batch_size"] == 8192 else run
+            for run in runs]
+    (line,) = [line for line in breaks(cells(calm)) if "lars-warmup" in line]
+    assert "too few steps" in line
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--recipes", "sgd-linear,adagrad"], "unknown 'adagrad' in --recipes"),
     (["--batch-sizes", "128,513"], "--batch-sizes: 513 is not a positive multiple of --nproc 2"),
@@ -125,7 +139,8 @@ def test_a_tiny_run_writes_one_row_per_run_with_the_scaled_lr(early):
     (row,) = json.loads((early.folder / "rows.json").read_text())
     assert {key: row[key] for key in ("recipe", "global_batch_size", "seed", "steps", "outcome")} == \
         {"recipe": "sgd-linear", "global_batch_size": 64, "seed": 0, "steps": 10, "outcome": "trained"}
-    assert row["lr"] == pytest.approx(large_batch.RECIPES["sgd-linear"]["lr"] * 64 / 128) and len(row["accuracy_curve"]) == 2
+    assert row["lr"] == pytest.approx(large_batch.RECIPES["sgd-linear"]["lr"] * 64 / 128)
+    assert len(row["accuracy_curve"]) == len(row["train_loss_curve"]) == 2
     assert 0 <= row["final_test_accuracy"] <= 1 and row["samples_per_s"] > 0 and row["wall_s"] > 0
     assert row["final_test_accuracy"] == row["accuracy_curve"][-1]
     assert (early.folder / "rows.png").read_bytes()[:4] == b"\x89PNG"

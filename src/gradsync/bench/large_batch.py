@@ -186,6 +186,7 @@ def run_one(recipe: str, batch: int, seed: int, options: dict, folder: Path, run
     row = {"recipe": recipe, "global_batch_size": batch, "seed": seed, "final_test_accuracy": None,
            "steps": None, "samples_per_s": None, "wall_s": None, "final_train_loss": math.nan,
            "lr": scaled_lr(RECIPES[recipe], batch, options["base_batch_size"]), "accuracy_curve": [],
+           "train_loss_curve": [],
            "outcome": "trained", "line": None, "run_folder": str(folder)}
     started = time.perf_counter()
     try:
@@ -198,10 +199,12 @@ def run_one(recipe: str, batch: int, seed: int, options: dict, folder: Path, run
                 "wall_s": time.perf_counter() - started}
     records = [json.loads(line) for line in (folder / METRICS_FILE).read_text().splitlines()]
     step_lrs = [record["lr"] for record in records if record["kind"] == "step" and "lr" in record]
+    epochs = [record for record in records if record["kind"] == "epoch"]
     return {**row, "final_test_accuracy": summary["final_test_accuracy"], "steps": summary["steps"],
             "samples_per_s": summary["samples_per_s"], "wall_s": summary["wall_s"],
             "final_train_loss": summary["final_train_loss"], "lr": max(step_lrs, default=row["lr"]),
-            "accuracy_curve": [record["test_accuracy"] for record in records if record["kind"] == "epoch"]}
+            "accuracy_curve": [record["test_accuracy"] for record in epochs],
+            "train_loss_curve": [record["train_loss"] for record in epochs]}
 
 
 def run_all(recipes: list[str], batches: list[int], seeds: int, options: dict, out_dir: Path,

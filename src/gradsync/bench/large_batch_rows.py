@@ -3,8 +3,9 @@
 A run row (one ``gradsync train`` run, what ``--json`` writes): ``recipe``, ``global_batch_size``, ``seed``,
 ``final_test_accuracy`` (fraction, None when the run failed), ``steps``, ``samples_per_s``, ``wall_s``, ``lr``
 (the peak learning rate the run stepped with), ``final_train_loss`` (the last epoch's mean, may be nan),
-``accuracy_curve`` (the test accuracy after each epoch), ``outcome`` (``trained`` | ``failed`` |
-``timed out``) and ``line`` (why, when not trained). A cell is one (recipe, batch) over its seeds.
+``accuracy_curve`` (the test accuracy after each epoch), ``train_loss_curve`` (each epoch's mean train
+loss), ``outcome`` (``trained`` | ``failed`` | ``timed out``) and ``line`` (why, when not trained). A cell
+is one (recipe, batch) over its seeds.
 
 The goals of issue 40, judged on medians over the seeds: at :data:`GOAL_BATCH` the best recipe (of those
 other than :data:`BASELINE_RECIPE`) loses at most :data:`GOAL_FRACTION` of what linear-scaled SGD loses
@@ -31,6 +32,7 @@ BREAK_PP = 2.0           # a recipe breaks at the first batch whose median is mo
 CHANCE_ACCURACY = 0.2    # at or below: no better than guessing among MNIST-1D's ten classes (0.1) + noise
 CHANCE_LOSS = math.log(10)  # cross-entropy of a uniform guess over ten classes
 UNDERTRAINED_LOSS_FACTOR = 1.5  # train loss this many times the recipe's own at its smallest batch: too few steps
+UNSTABLE_LOSS = 1.5 * CHANCE_LOSS  # an epoch's train loss above this, well above where training starts: unstable
 
 
 def _median(values: list[float]) -> float:
@@ -63,13 +65,20 @@ def _cell(recipe: str, batch: int, runs: list[dict]) -> dict:
             "lines": sorted({run["line"] for run in runs if run.get("line")})}
     if not trained:
         return {**cell, "final_test_accuracy": None, "wall_s": None, "samples_per_s": None,
-                "final_train_loss": math.nan, "accuracy_gain_last_quarter": None}
+                "final_train_loss": math.nan, "accuracy_gain_last_quarter": None, "peak_train_loss": None}
     return {**cell, **with_spread("final_test_accuracy", [run["final_test_accuracy"] for run in trained]),
             **with_spread("wall_s", [run["wall_s"] for run in trained]),
             **with_spread("samples_per_s", [run["samples_per_s"] for run in trained]),
             "final_train_loss": _median([run["final_train_loss"] for run in trained]),
             "accuracy_gain_last_quarter": _median([_last_quarter_gain(run.get("accuracy_curve") or [])
-                                                   for run in trained])}
+                                                   for run in trained]),
+            "peak_train_loss": _median([_peak(run["train_loss_curve"]) for run in trained])
+            if all(run.get("train_loss_curve") for run in trained) else None}
+
+
+def _peak(curve: list[float]) -> float:
+    """The largest epoch train loss of a run (nan when one is nan)."""
+    return math.nan if any(math.isnan(value) for value in curve) else max(curve)
 
 
 def _last_quarter_gain(curve: list[float]) -> float:
@@ -127,9 +136,10 @@ def breaking_batch(table: list[dict], recipe: str) -> int | None:
 
 
 def reason(row: dict, reference: dict, base: dict) -> str:
-    """Why ``row`` (a recipe at a large batch) lost against ``base``, measured: failed, diverged, too few steps
-    (train loss >= :data:`UNDERTRAINED_LOSS_FACTOR` x its own at ``reference``, the recipe's smallest batch)
-    or a generalisation gap (train loss close to the reference's, test accuracy lower)."""
+    """Why ``row`` (a recipe at a large batch) lost against ``base``, measured: failed, diverged (final train
+    loss nan or no better than a uniform guess), unstable (an epoch's train loss above :data:`UNSTABLE_LOSS`,
+    recovered from), too few steps (train loss >= :data:`UNDERTRAINED_LOSS_FACTOR` x its own at ``reference``,
+    the recipe's smallest batch) or a generalisation gap (train loss close to the reference's, accuracy lower)."""
     if row["final_test_accuracy"] is None:
         return f"every run failed ({'; '.join(row['lines']) or 'no reason recorded'})"
     loss, ref_loss = row["final_train_loss"], reference["final_train_loss"]
@@ -139,6 +149,10 @@ def reason(row: dict, reference: dict, base: dict) -> str:
                 f"(a uniform guess: {CHANCE_LOSS:.2f})")
     if lost <= BREAK_PP:
         return f"holds: {lost:.2f} pp below the baseline with {row['steps']} steps"
+    peak = row.get("peak_train_loss")
+    if peak is not None and not math.isnan(peak) and peak > UNSTABLE_LOSS:
+        return (f"unstable at peak lr {row['lr']:.4g}: an epoch's train loss rose to {peak:.3g} (a uniform guess: "
+                f"{CHANCE_LOSS:.2f}), down to {loss:.3f} at the end; {acc:.1f}% test accuracy")
     steps = (f"{row['steps']} steps for the whole budget ({reference['steps']} at batch "
              f"{reference['global_batch_size']})")
     if not math.isnan(ref_loss) and loss >= UNDERTRAINED_LOSS_FACTOR * ref_loss:

@@ -42,12 +42,13 @@ loop (its evaluations included); `runs` how many seeds ended. The goal
 lines judge issue 40's goal at 4096 on the medians: the best of the other
 recipes loses at most half of what `sgd-linear` loses there, and at most 2
 pp. The lines for 8192 name, per recipe, the first batch more than 2 pp
-below the baseline and the measured reason at 8192: diverged (train loss no
-better than a uniform guess over ten classes, or nan), too few steps (train
-loss at least 1.5 times the recipe's own at 128; the line gives the steps
-and how much the test accuracy still rose over the last quarter of the
-epochs), or a generalisation gap (train loss close to it, test accuracy
-lower).""",
+below the baseline and the measured reason at 8192: diverged (final train
+loss no better than a uniform guess over ten classes, or nan), unstable (an
+epoch's train loss rose above 1.5 times a uniform guess's and came back
+down), too few steps (train loss at least 1.5 times the recipe's own at
+128; the line gives the steps and how much the test accuracy still rose
+over the last quarter of the epochs), or a generalisation gap (train loss
+close to it, test accuracy lower).""",
     "large-batch_after": """\
 How to read it. Under a fixed sample budget a larger batch buys fewer, less
 noisy steps. Linear scaling keeps the distance travelled per sample, but
