@@ -22,7 +22,8 @@ from gradsync.jobs.job import run_job
 from gradsync.train.config import TrainConfig
 from gradsync.train.metrics import METRICS_FILE, SUMMARY_FILE, read_metrics
 
-COMMON = {"epochs": 1, "num_samples": 1200, "model": "mlp", "optimizer": "sgd", "lr": 0.05, "lr_schedule": "constant",
+COMMON = {"epochs": 1, "num_samples": 1200, "model": "mlp", "optimizer": "lars", "lr": 0.05, "lr_schedule": "step",
+          "lr_scaling": "linear", "base_batch_size": 32, "warmup_steps": 2,
           "weight_decay": 0.001, "seed": 3, "timeout": 60.0, "algorithm": "ring", "bucket_cap_mb": 0.01,
           "trace": "trace.json", "check_replicas_every": 3, "straggler": "1:1.2", "gradient_as_bucket_view": True,
           "debug": True, "progress": False}
@@ -47,6 +48,8 @@ def _check_run(folder: Path, options: dict) -> dict:
                  "gradient_as_bucket_view", "debug", "bucket_cap_mb"):
         assert summary["config"][name] == options[name], name
     assert {entry["algorithm"] for entry in summary["algorithms"]} == {"ring"}
+    lr = summary["lr"]  # two workers of 32 samples: the global batch 64 is twice --base-batch-size 32
+    assert (lr["scaled"], lr["global_batch_size"], lr["warmup_steps"]) == (2 * options["lr"], 64, 2)
     assert len(summary["algorithms"]) > 1  # --bucket-cap-mb 0.01: the mlp's gradients in several buckets
     checks = [r["step"] for r in read_metrics(folder / METRICS_FILE) if r.get("kind") == "replica_check"]
     assert checks and all(step % 3 == 0 for step in checks), checks

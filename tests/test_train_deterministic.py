@@ -32,7 +32,7 @@ def _rank_train(options: dict, data_path: str, out_dir: str) -> dict:
     trainer = Trainer(TrainConfig(**options), Path(data_path), Path(out_dir))
     summary = trainer.run()
     return {"steps": trainer.state.step, "threads": torch.get_num_threads(),
-            "samples": summary["samples"] if summary else None}
+            "samples": summary["samples"] if summary else None, "lr": summary["lr"] if summary else None}
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +68,24 @@ def test_deterministic_model_pt_is_bitwise_equal_at_world_sizes_1_2_3_4(data_pat
         for kind, keys in (("step", ("step", "loss")), ("epoch", ("train_loss", "test_loss", "test_accuracy"))):
             assert _records(tmp_path / f"ws{world_size}", kind, keys) == _records(tmp_path / "ws1", kind, keys)
         assert [r["threads"] for r in results] == [1] * world_size
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("optimizer,lr,world_size,shard", [
+    ("lamb", 0.01, 2, "parameters"), pytest.param("lars", 2.0, 4, "optimizer", marks=pytest.mark.slow)])
+def test_deterministic_lars_and_lamb_with_warmup_and_scaling_are_bitwise_at_any_world_size_and_shard(
+        optimizer, lr, world_size, shard, data_path, tmp_path):
+    """--deterministic --optimizer lamb (lars) with --lr-scaling linear, --warmup-steps 3 and --lr-schedule step:
+    model.pt of 2 workers at ZeRO-3 (4 at ZeRO-1) is torch.equal to 1 unsharded worker's (the trust ratios' norms
+    are exact sums across the pieces), and the summary records the lr scaled by 96 / 32."""
+    options = {"deterministic": True, "micro_shards": 4, "optimizer": optimizer, "lr": lr, "lr_scaling": "linear",
+               "base_batch_size": 32, "warmup_steps": 3, "lr_schedule": "step"}
+    reference, _ = _train(1, options, data_path, tmp_path / "ws1")
+    params, results = _train(world_size, {**options, "shard": shard}, data_path, tmp_path / "sharded")
+    for name, tensor in reference.items():
+        assert torch.equal(params[name], tensor), name
+    got = results[0]["lr"]
+    assert (got["base"], got["scaled"], got["global_batch_size"], got["warmup_steps"]) == (lr, 3 * lr, 96, 3)
 
 
 @pytest.mark.timeout(120)
