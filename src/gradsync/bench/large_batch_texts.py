@@ -55,7 +55,12 @@ noisy steps. Linear scaling keeps the distance travelled per sample, but
 the first steps at a large lr throw the weights where they do not recover
 unless a warm-up lets the lr grow while they settle; LARS and LAMB set each
 layer's step in proportion to its weights' norm, so no layer moves too far
-at once. Past some batch the steps themselves run out and every recipe
+at once. Both leave biases out of the trust ratio, as their papers do:
+LAMB's biases still take Adam's normalised step, but LARS's take plain SGD
+steps at the global lr, which the square-root rule takes to tens at the
+largest batches, where SGD's own best at 128 is below one; run by hand
+with the ratio on every parameter (`gradsync.optim.LARS(...,
+exclude_1d=False)`), the same LARS stays stable there. Past some batch the steps themselves run out and every recipe
 stops short of the baseline: the breaking lines say where, with the step
 counts. The plot shows each recipe's median with its min–max over the
 seeds.""",
