@@ -46,7 +46,7 @@ test-slow: $(STAMP)
 BENCH_DIR := docs/bench
 BENCHES ?= allreduce allreduce_shm2 allreduce_shm4 allreduce_hosts_1g allreduce_hosts_10g allreduce_rs allreduce_ag \
 	train compression modes modes_compute faults \
-	faults_elastic deterministic bitwise replicas memory preflight fit \
+	faults_elastic deterministic bitwise replicas memory preflight fit large-batch \
 	sim_calibrate sim_validate sim_reproduce sim_scale
 BENCH_allreduce ?= --nproc 4 --sizes 4K,64K,1M,16M,64M --algorithms ring,tree,halving_doubling,hierarchical,shm,shm_zero_copy,native,auto
 # shared memory against MPICH and Open MPI (`make setup` installs both; one run and table each, every installed MPI)
@@ -85,6 +85,8 @@ BENCH_memory ?= --model gpt,mlp --optimizer adamw --nproc 1,2,4 --algorithm shm 
 BENCH_preflight ?= --model gpt,cnn,mlp --shard-levels none,optimizer,gradients,parameters --nproc 2 --repeat 2
 # fit: a gpt (width 256, depth 8) under --memory-limit-mib at 4 ranks: refused unsharded, trained at --shard parameters, ~15 min
 BENCH_fit ?= --memory-limit-mib 400
+# large-batch: one sample budget at global batch 128-8192, 4 recipes x 3 seeds (60 runs, the defaults), ~30 min
+BENCH_large-batch ?= --seeds 3
 # the simulator: this machine's profile, predicted against measured here (calibrates itself; test hosts need
 # root), against published nccl-tests curves, and the at-scale table (the command docs/simulator.md shows)
 BENCH_sim_calibrate ?= --settings full

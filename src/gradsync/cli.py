@@ -12,6 +12,7 @@ from gradsync import __version__
 from gradsync.bench import record as bench_record
 from gradsync.bench.command_line import _add_bitwise_bench_options, bench_bitwise
 from gradsync.bench.command_line import add_preflight_bench_parser, bench_preflight
+from gradsync.bench.command_line import add_large_batch_bench_parser, bench_large_batch
 from gradsync.bench.command_line import (_add_allreduce_bench_options, _add_compression_bench_options,
                                          _add_deterministic_bench_options, _add_faults_bench_options,
                                          _add_modes_bench_options, _add_replicas_bench_options,
@@ -261,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_memory_bench_parser(benches)
     add_fit_bench_parser(benches)
     add_preflight_bench_parser(benches)
+    add_large_batch_bench_parser(benches)
     bench_report.add_parser(benches)
     bench_record.add_parser(benches)
     debug = commands.add_parser(
@@ -358,7 +360,7 @@ def _record(args: argparse.Namespace) -> int:
 _BENCHES = {"allreduce": bench_allreduce, "train": bench_train, "compression": bench_compression,
             "modes": bench_modes, "faults": bench_faults, "deterministic": bench_deterministic,
             "replicas": bench_replicas, "bitwise": bench_bitwise, "memory": bench_memory, "fit": bench_fit,
-            "preflight": bench_preflight,
+            "preflight": bench_preflight, "large-batch": bench_large_batch,
             "report": bench_report.run,
             "record": _record}
 

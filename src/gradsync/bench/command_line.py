@@ -392,3 +392,44 @@ def bench_preflight(args: argparse.Namespace) -> int:
               gpt_depth=args.gpt_depth, num_samples=args.num_samples, batch_size=args.batch_size,
               repeat=args.repeat, json_path=args.json)
     return 0
+
+
+def add_large_batch_bench_parser(benches: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``gradsync bench large-batch`` (one sample budget at growing global batches, per recipe; issue 40)."""
+    from gradsync.bench.large_batch import DEFAULT_BATCHES, DEFAULT_OPTIONS, RECIPES, RUN_TIMEOUT_S
+
+    parser = benches.add_parser(
+        "large-batch", help="final accuracy at global batch 128 to 8192 under one sample budget: linear-scaled SGD, "
+        "SGD + warm-up, LARS + warm-up, LAMB + warm-up",
+        description="Train one MNIST-1D model (gradsync train, in this process) for the same epochs at every "
+                    "--batch-sizes value with every --recipes recipe and --seeds seeds; print the final test "
+                    "accuracy (median, min-max over the seeds), steps, wall time and samples/s, judge issue 40's "
+                    "goal at batch 4096, say where each recipe breaks at 8192 and why, and plot accuracy against "
+                    "the batch.")
+    add = parser.add_argument
+    add("--recipes", default=",".join(RECIPES), help="comma-separated, each one setting for every batch "
+        "(default %(default)s)")
+    add("--batch-sizes", default=",".join(map(str, DEFAULT_BATCHES)), help="comma-separated global batches, each "
+        "a multiple of --nproc (default %(default)s)")
+    add("--seeds", type=int, default=3, help="runs per (recipe, batch), seeds 0..N-1 (default %(default)s)")
+    add("--model", default=DEFAULT_OPTIONS["model"], help="mlp or cnn (MNIST-1D) (default %(default)s)")
+    for option, key, meaning in (("--epochs", "epochs", "passes over the train split at every batch"),
+                                 ("--num-samples", "num_samples", "MNIST-1D samples drawn (80%% train)"),
+                                 ("--nproc", "nproc", "workers of every run"),
+                                 ("--base-batch-size", "base_batch_size", "the batch the recipes' lr is given at")):
+        add(option, type=int, default=DEFAULT_OPTIONS[key], help=f"{meaning} (default %(default)s)")
+    add("--run-timeout", type=float, default=RUN_TIMEOUT_S, help="seconds one run may take (default %(default)s)")
+    add("--out", default=None, help="folder for the run folders and the plot (default: a temporary one, removed)")
+    add("--json", default=None, metavar="FILE", help="also write one row per run as a JSON list (and the plot "
+        "beside it, FILE with .png)")
+    return parser
+
+
+def bench_large_batch(args: argparse.Namespace) -> int:
+    """The goals are judged in the table's last lines (met or MISSED); 0 once the runs ran."""
+    from gradsync.bench.large_batch import run_bench
+
+    run_bench(recipes=args.recipes, batch_sizes=args.batch_sizes, seeds=args.seeds, model=args.model,
+              epochs=args.epochs, num_samples=args.num_samples, nproc=args.nproc,
+              base_batch_size=args.base_batch_size, run_timeout=args.run_timeout, out=args.out, json_path=args.json)
+    return 0

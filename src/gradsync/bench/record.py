@@ -30,7 +30,7 @@ from gradsync.bench.sim_report import SIM_CHOSEN, SIM_COMMANDS, SIM_REPEATED
 
 Parse = Callable[[list[str]], argparse.Namespace]
 Run = Callable[[list[str]], int]
-_WITH_OUT = ("compression", "modes", "faults", "bitwise", "fit")   # benches whose run folders go to --out
+_WITH_OUT = ("compression", "modes", "faults", "bitwise", "fit", "large-batch")   # benches whose run folders go to --out
 _DROPPED_KEYS = ("run_folder",)   # paths of run folders that are deleted after recording
 _NOT_OPTIONS = ("command", "bench", "simulate", "json", "out", "plot")  # parser keys that are no options of the run
 

@@ -3,6 +3,7 @@
 :mod:`gradsync.bench.report` renders the page from these and the recorded rows.
 """
 
+from gradsync.bench.large_batch_texts import LARGE_BATCH_ABOUT, LARGE_BATCH_TITLES
 from gradsync.bench.memory_estimate_texts import FIT_ABOUT, FIT_TITLES, PREFLIGHT_ABOUT, PREFLIGHT_TITLES
 from gradsync.bench.shard_memory_texts import MEMORY_ABOUT, MEMORY_TITLES
 from gradsync.bench.sim_texts import SIM_ABOUT, SIM_TITLES
@@ -433,8 +434,10 @@ TITLES = {"allreduce": "AllReduce sweep", "allreduce_shm2": "Shared memory again
 ABOUT.update(MEMORY_ABOUT)
 ABOUT.update(PREFLIGHT_ABOUT)
 ABOUT.update(FIT_ABOUT)
+ABOUT.update(LARGE_BATCH_ABOUT)
 ABOUT.update(SIM_ABOUT)
 TITLES.update(MEMORY_TITLES)
+TITLES.update(LARGE_BATCH_TITLES)
 TITLES.update(PREFLIGHT_TITLES)
 TITLES.update(FIT_TITLES)
 TITLES.update(SIM_TITLES)
