@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from gradsync.optim.trust import LayerwiseOptimizer, check_hyperparameters, lamb_trust_ratio, norms_of
+from gradsync.optim.trust import LayerwiseOptimizer, check_hyperparameters, lamb_trust_ratio
 
 
 class LAMB(LayerwiseOptimizer):
@@ -70,16 +70,11 @@ class LAMB(LayerwiseOptimizer):
 
         Returns ``closure()``'s loss (evaluated with gradients enabled) or None.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._loss(closure)
         stepped = self._stepped()
         adapt = self._adapted(stepped)
         updates = [self._update(group, param, a) for (group, param), a in zip(stepped, adapt)]
-        weights = [param if a else None for (_, param), a in zip(stepped, adapt)]
-        adapted_updates = [update if a else None for update, a in zip(updates, adapt)]
-        norms = norms_of(self.norms.sums_of_squares([param for _, param in stepped], [weights, adapted_updates]))
+        norms = self._whole_norms(stepped, adapt, updates)
         for (group, param), update, a, (weight_norm, update_norm) in zip(stepped, updates, adapt, norms):
             ratio = lamb_trust_ratio(weight_norm, update_norm) if a else 1.0
             param.add_(update, alpha=-group["lr"] * ratio)

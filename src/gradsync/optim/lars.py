@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from gradsync.optim.trust import LayerwiseOptimizer, check_hyperparameters, lars_trust_ratio, norms_of
+from gradsync.optim.trust import LayerwiseOptimizer, check_hyperparameters, lars_trust_ratio
 
 
 class LARS(LayerwiseOptimizer):
@@ -69,15 +69,10 @@ class LARS(LayerwiseOptimizer):
 
         Returns ``closure()``'s loss (evaluated with gradients enabled) or None.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._loss(closure)
         stepped = self._stepped()
         adapt = self._adapted(stepped)
-        weights = [param if a else None for (_, param), a in zip(stepped, adapt)]
-        grads = [param.grad if a else None for (_, param), a in zip(stepped, adapt)]
-        norms = norms_of(self.norms.sums_of_squares([param for _, param in stepped], [weights, grads]))
+        norms = self._whole_norms(stepped, adapt, [param.grad for _, param in stepped])
         for (group, param), a, (weight_norm, grad_norm) in zip(stepped, adapt, norms):
             update = param.grad
             if a:

@@ -135,6 +135,22 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     def _adapted(self, stepped: list[tuple[dict, torch.Tensor]]) -> list[bool]:
         return [adapted(self.norms.ndim(param), group["exclude_1d"]) for group, param in stepped]
 
+    def _whole_norms(self, stepped: list[tuple[dict, torch.Tensor]], adapt: list[bool],
+                     directions: list[torch.Tensor]) -> list[list[float]]:
+        """Per stepped parameter, ``[weight norm, direction norm]`` of the whole parameter (one reduction
+        across shards when sharded); zeros where it is not adapted (its trust ratio is 1)."""
+        weights = [param if a else None for (_, param), a in zip(stepped, adapt)]
+        others = [direction if a else None for direction, a in zip(directions, adapt)]
+        return norms_of(self.norms.sums_of_squares([param for _, param in stepped], [weights, others]))
+
+    @staticmethod
+    def _loss(closure):
+        """``closure()`` evaluated with gradients enabled (None without a closure)."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
 
 def norms_of(sums: torch.Tensor) -> list[list[float]]:
     """``(n, k)`` sums of squares -> per row, the ``k`` norms as Python floats (square roots in float64)."""
