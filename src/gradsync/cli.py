@@ -11,14 +11,14 @@ import sys
 from gradsync import __version__
 from gradsync.bench import record as bench_record
 from gradsync.bench.command_line import _add_bitwise_bench_options, bench_bitwise
-from gradsync.bench.command_line import add_preflight_bench_parser, bench_preflight
 from gradsync.bench.command_line import add_large_batch_bench_parser, bench_large_batch
 from gradsync.bench.command_line import (_add_allreduce_bench_options, _add_compression_bench_options,
                                          _add_deterministic_bench_options, _add_faults_bench_options,
                                          _add_modes_bench_options, _add_replicas_bench_options,
-                                         _add_train_bench_options, add_fit_bench_parser, add_memory_bench_parser,
-                                         bench_allreduce, bench_compression, bench_deterministic, bench_faults,
-                                         bench_fit, bench_memory, bench_modes, bench_replicas, bench_train)
+                                         _add_train_bench_options, bench_allreduce, bench_compression,
+                                         bench_deterministic, bench_faults, bench_modes, bench_replicas, bench_train)
+from gradsync.bench.memory_command_line import (add_fit_bench_parser, add_memory_bench_parser,
+                                                add_preflight_bench_parser, bench_fit, bench_memory, bench_preflight)
 from gradsync.bench import report as bench_report
 from gradsync.bench.sim_commands import ENTRY_POINTS as SIM_COMMANDS
 from gradsync.bench.sim_commands import add_parsers as add_sim_parsers
