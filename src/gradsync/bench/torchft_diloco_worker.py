@@ -36,7 +36,7 @@ from torchft.checkpointing.pg_transport import PGTransport
 from torchft.local_sgd import DiLoCo
 from torchft.process_group import ProcessGroupGloo
 
-from gradsync.bench.torchft_worker import loopback_manager_server
+from gradsync.bench.torchft_worker import loopback_manager_server, replica_state
 from gradsync.launch import die_with_launcher
 from gradsync.rendezvous import gloo_on_loopback, loopback_store_server
 from gradsync.train.config import TrainConfig
@@ -79,13 +79,7 @@ def build_manager(args, config: TrainConfig, model, optimizer, nproc: int):
     store = loopback_store_server("127.0.0.1", 0, None, timeout, wait_for_workers=False)
     pg = ProcessGroupGloo(timeout=timeout)
 
-    def state_dict():
-        return {"model": model.state_dict(), "optim": optimizer.state_dict()}
-
-    def load_state_dict(state):
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optim"])
-
+    state_dict, load_state_dict = replica_state(model, optimizer)
     ft_manager.ManagerServer = loopback_manager_server()
     manager = ft_manager.Manager(
         pg=pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=nproc,

@@ -77,6 +77,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def replica_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    """``(state_dict, load_state_dict)`` callbacks a torchft ``Manager`` heals a replica with: the model's and
+    the optimizer's state together."""
+
+    def state_dict() -> dict:
+        return {"model": model.state_dict(), "optim": optimizer.state_dict()}
+
+    def load_state_dict(state: dict) -> None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optim"])
+
+    return state_dict, load_state_dict
+
+
 def loopback_manager_server():
     """torchft 0.2.0's Manager binds its ManagerServer to ``[::]:port``; this factory binds loopback instead."""
     def factory(**kwargs):
@@ -122,13 +136,7 @@ def build(args: argparse.Namespace):
     pg = ProcessGroupGloo(timeout=timeout)
     transport = PGTransport(pg, timeout=timeout, device=torch.device("cpu"))
 
-    def state_dict():
-        return {"model": model.state_dict(), "optim": optimizer.state_dict()}
-
-    def load_state_dict(state):
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optim"])
-
+    state_dict, load_state_dict = replica_state(model, optimizer)
     ft_manager.ManagerServer = loopback_manager_server()
     manager = ft_manager.Manager(
         pg=pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=1,
