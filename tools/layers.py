@@ -17,7 +17,7 @@ ROWS = (
      "commands and their reports"),
     ("sim/", ("sim",), "the event engine: the same algorithm code on a virtual clock over a modelled cluster; "
      "a training step's prediction (see docs/simulator.md)"),
-    ("integrations/", ("integrations",), "Lightning strategy, Ray Train, SLURM (optional extras)"),
+    ("integrations/", ("integrations",), "Lightning strategy, Ray Train, TensorBoard (optional extras)"),
     ("jobs/", ("jobs",), "how a job starts: the option rules, then {local, torchrun, test hosts} x "
      "{static, elastic} -> launcher, and the one worker entry"),
     ("train/", ("train",), "the one Trainer (it asks a membership at step boundaries) and the parameter "
@@ -32,9 +32,10 @@ ROWS = (
      "ParameterServer, LocalSGD"),
     ("optim/", ("optim",), "LARS and LAMB: torch optimizers whose trust ratios take whole-parameter norms "
      "(the sharded and exact norms come from parallel/)"),
-    ("api.py, launch.py", ("api", "forkserver_preload", "launch", "process_group", "rendezvous"),
+    ("api.py, launch.py", ("api", "forkserver_preload", "launch", "process_group", "slurm", "rendezvous"),
      "left to right: api (the public calls over the default group), forkserver_preload, launch (workers "
-     "through torch's elastic agent), process_group (group set-up), rendezvous (the store)"),
+     "through torch's elastic agent), process_group (group set-up), slurm (srun's variables), "
+     "rendezvous (the store)"),
     ("compression/", ("compression",), "one compressor per module; error feedback; the two-phase exchange"),
     ("fault/", ("fault",), "checkpoints (atomic, checksummed), hang detection, fault injection, events"),
     ("collectives/", ("collectives",), "all_reduce / reduce_scatter / all_gather / broadcast / all_to_all; one "

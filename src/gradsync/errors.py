@@ -141,3 +141,25 @@ class MemoryPreflightError(GradsyncError):
     def __init__(self, message, *, estimate=None):
         super().__init__(message)
         self.estimate = estimate
+
+
+class MissingExtraError(GradsyncError, ImportError):
+    """A feature needs an optional extra that is not installed (``pip install 'gradsync[NAME]'``).
+
+    An ``ImportError`` too, so ``pytest.importorskip``-style code and ``except ImportError`` see it.
+    """
+
+
+def import_extra(module: str, extra: str, feature: str):
+    """Import ``module`` for ``feature``, or raise :class:`MissingExtraError` naming the extra, in one line.
+
+    >>> import_extra("json", "none", "a test").__name__
+    'json'
+    """
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingExtraError(f"{feature} needs the {extra!r} extra ({module} is not installed: "
+                                f"{exc.name or exc}); install it with: pip install 'gradsync[{extra}]'") from None
