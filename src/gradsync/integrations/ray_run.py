@@ -122,7 +122,7 @@ def train_loop(config: dict) -> None:
     """A ``TorchTrainer`` training function (see the module's docstring); ``config``: :class:`LoopConfig`'s fields.
 
     At the end rank 0 reports ``{"step", "loss", "samples_per_s", "timed_steps", "timed_s", "world_size",
-    "impl", "resumed_from"}`` with a checkpoint holding the final parameters (:data:`FINAL_FILE`).
+    "local_world_size", "impl", "resumed_from"}`` (``local_world_size``: workers on rank 0's node) with a checkpoint holding the final parameters (:data:`FINAL_FILE`).
     """
     settings = LoopConfig(**config).check()
     train = import_extra("ray.train", "ray", FEATURE)
@@ -142,11 +142,12 @@ def train_loop(config: dict) -> None:
             timed_from = time.perf_counter()
         if settings.checkpoint_every and (step + 1) % settings.checkpoint_every == 0 and step + 1 < settings.steps:
             from gradsync.integrations.ray_checkpoint import report_checkpoint
-            report_checkpoint({"step": step + 1, "loss": float(loss)}, model, optimizer, step=step + 1,
+            report_checkpoint({"step": step + 1, "loss": loss.item()}, model, optimizer, step=step + 1,
                               extra={"step": step + 1})
     timed_steps = settings.steps - max(start, settings.warmup_steps)
     timed_s = time.perf_counter() - timed_from if timed_from is not None else 0.0
-    metrics = {"step": settings.steps, "loss": float(loss), "world_size": world_size, "impl": settings.impl,
+    metrics = {"step": settings.steps, "loss": loss.item(), "world_size": world_size, "impl": settings.impl,
+               "local_world_size": context.get_local_world_size(),
                "resumed_from": start, "timed_steps": timed_steps, "timed_s": timed_s,
                "samples_per_s": timed_steps * settings.batch_size * world_size / timed_s if timed_s else 0.0}
     _report_final(train, metrics, _module(model) if rank == 0 else None)
@@ -192,6 +193,11 @@ def _maybe_fail(settings: LoopConfig, rank: int, step: int) -> None:
     if marker.exists():
         return
     marker.write_text(f"{os.getpid()}\n")
+    # Ray registers a reported checkpoint when its controller gets round to it: wait for that, so the restart
+    # resumes from the last report (without this it may resume from the one before: also right, not fixed)
+    wait = getattr(import_extra("ray.train", "ray", FEATURE), "get_all_reported_checkpoints", None)
+    if wait is not None:
+        wait(timeout_s=60)
     print(f"gradsync ray_run: injected failure of rank {rank} before step {step}", file=sys.stderr, flush=True)
     os._exit(FAIL_EXIT_CODE)
 
