@@ -152,7 +152,8 @@ def adopt_process_group(world_size: int, timeout_s: float) -> None:
     if not dist.is_initialized():
         raise RuntimeError(f"this Ray Train worker (1 of {world_size}) has no torch.distributed process group: "
                            f"use ray.train.torch.TorchTrainer, whose TorchConfig sets it up")
-    gradsync.init(backend=dist.get_backend(), timeout=timeout_s)
+    backend = dist.get_backend()
+    gradsync.init(backend=backend if backend in ("gloo", "nccl") else "auto", timeout=timeout_s)
 
 
 def ray_device() -> torch.device:
