@@ -127,8 +127,8 @@ def load_checkpoint(model, optimizer, checkpoint=None, *, scheduler=None) -> dic
         found = layout.verify(Path(folder))
         shared = found.load_shared()
         if shared.get("written_by") != FEATURE:
-            raise ValueError(f"{found.folder} is a gradsync checkpoint but not one of {FEATURE}'s "
-                             f"(use gradsync train --resume for the train command's)")
+            raise ValueError(f"{found.folder} is a gradsync checkpoint but not one of {FEATURE}'s (a gradsync "
+                             f"train one resumes with gradsync train --checkpoint-dir)")
         states, own = _rank_files(found, model, optimizer, shared)
         _restore(model, optimizer, scheduler, shared, own, states)
     return dict(shared.get("extra") or {})

@@ -122,7 +122,8 @@ def train_loop(config: dict) -> None:
     """A ``TorchTrainer`` training function (see the module's docstring); ``config``: :class:`LoopConfig`'s fields.
 
     At the end rank 0 reports ``{"step", "loss", "samples_per_s", "timed_steps", "timed_s", "world_size",
-    "local_world_size", "impl", "resumed_from"}`` (``local_world_size``: workers on rank 0's node) with a checkpoint holding the final parameters (:data:`FINAL_FILE`).
+    "local_world_size", "impl", "resumed_from"}`` (``local_world_size``: workers on rank 0's node) with a
+    checkpoint holding the final parameters (:data:`FINAL_FILE`).
     """
     settings = LoopConfig(**config).check()
     train = import_extra("ray.train", "ray", FEATURE)
