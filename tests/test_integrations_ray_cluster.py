@@ -57,6 +57,16 @@ def one_host(local_ray):
     return run(LoopConfig(impl="gradsync"), storage_path=local_ray, name="one-host")
 
 
+@pytest.mark.timeout(60)
+def test_in_the_driver_of_a_running_cluster_prepare_model_says_it_needs_a_worker(local_ray):
+    import gradsync.integrations.ray as gray
+    from torch import nn
+
+    with pytest.raises(RuntimeError, match="inside a Ray Train worker") as caught:
+        gray.prepare_model(nn.Linear(2, 2))
+    assert "\n" not in str(caught.value)
+
+
 def _assert_trained(parameters: dict) -> None:
     """The run moved the parameters away from their initial values (so equal runs are not equal by doing nothing)."""
     initial = make_model(LoopConfig().hidden, LoopConfig().seed).state_dict()

@@ -138,9 +138,18 @@ def check_options(model, algorithm, compression, bucket_cap_mb, shard, gradient_
 def worker_world_size(train) -> int:
     """The number of Ray Train workers, asked of this worker's context; one line if this is no worker."""
     try:
-        return int(train.get_context().get_world_size())
-    except Exception:  # Ray raises RuntimeError (Train v2) or fails on a missing session (v1)
+        world_size = int(train.get_context().get_world_size())
+    except Exception:  # Ray Train v2 raises RuntimeError outside a worker
         raise RuntimeError(OUTSIDE_WORKER) from None
+    if not in_ray_actor():  # Ray Train v1 answers a world of 1 in the driver too
+        raise RuntimeError(OUTSIDE_WORKER)
+    return world_size
+
+
+def in_ray_actor() -> bool:
+    """Whether this process is a Ray actor (Ray Train's workers are; a driver is not)."""
+    ray = import_extra("ray", "ray", FEATURE)
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
 
 
 def adopt_process_group(world_size: int, timeout_s: float) -> None:
