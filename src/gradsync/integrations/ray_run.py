@@ -29,6 +29,7 @@ import os
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -203,7 +204,7 @@ def _maybe_fail(settings: LoopConfig, rank: int, step: int) -> None:
     os._exit(FAIL_EXIT_CODE)
 
 
-def run(config: LoopConfig, *, num_workers: int = 2, storage_path: str, name: str = "gradsync-ray",
+def run(config: LoopConfig, *, num_workers: int = 2, storage_path: str, name: str | None = None,
         max_failures: int = 0, placement_strategy: str = "PACK", cpus_per_worker: float = 1.0) -> dict:
     """Run :func:`train_loop` with ``TorchTrainer`` on the Ray cluster this driver is connected to.
 
@@ -211,7 +212,8 @@ def run(config: LoopConfig, *, num_workers: int = 2, storage_path: str, name: st
         config: the loop's settings.
         num_workers: Ray Train workers (CPU only; ``cpus_per_worker`` each).
         storage_path: the run's storage (a folder every node sees: checkpoints go there).
-        name: the run's folder under ``storage_path``.
+        name: the run's folder under ``storage_path`` (None: a fresh one; Ray Train resumes a run whose
+            folder already holds checkpoints).
         max_failures: worker-group restarts Ray may make (``FailureConfig``).
         placement_strategy: ``ScalingConfig``'s (``"STRICT_SPREAD"``: one worker per node).
 
@@ -223,6 +225,7 @@ def run(config: LoopConfig, *, num_workers: int = 2, storage_path: str, name: st
         ValueError: a bad config field. Ray's ``TrainingFailedError``: the run failed more often than allowed.
     """
     config.check()
+    name = name if name is not None else f"gradsync-ray-{uuid.uuid4().hex[:8]}"
     train = import_extra("ray.train", "ray", FEATURE)
     trainer_class = import_extra("ray.train.torch", "ray", FEATURE).TorchTrainer
     trainer = trainer_class(
@@ -247,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--address", required=True, help="the Ray cluster (HOST:PORT of its head)")
     parser.add_argument("--node-ip-address", default=None, help="this driver's node address (inside a test host)")
     parser.add_argument("--storage", required=True, help="storage folder every node sees")
-    parser.add_argument("--name", default="gradsync-ray")
+    parser.add_argument("--name", default=None, help="the run's folder in the storage (default: a fresh one)")
     parser.add_argument("--num-workers", type=int, default=2)
     parser.add_argument("--max-failures", type=int, default=0)
     parser.add_argument("--placement-strategy", default="PACK")
