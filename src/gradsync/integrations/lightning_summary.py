@@ -10,10 +10,11 @@ on rank 0 only), this rank's (rank 0's):
 * ``gradsync/exposed_comm_seconds``: the part the training step waited for (``exposed_comm_seconds``);
 * ``gradsync/step_seconds``: wall seconds from each training batch's start to its end, summed;
 * ``gradsync/comm_share`` and ``gradsync/exposed_comm_share``: the two above over ``step_seconds``;
-* ``gradsync/bytes_sent``: payload bytes this rank sent on the model's group in the epoch.
+* ``gradsync/bytes_sent``: payload bytes this rank sent through the transport in the epoch (0 over shared
+  memory, ``algorithm="shm"``, which "auto" picks on one host).
 
 After the first epoch it logs once, with ``log_hyperparams``, the requested algorithm, compression and
-shard level and ``gradsync/bucket_algorithms``: per bucket, in reduction order, ``"<algorithm> <MiB> MiB"``
+shard level and ``gradsync/bucket_algorithms``: per bucket, in reduction order, ``"<algorithm> <size>"``
 (``DataParallel.bucket_algorithms()``: ``auto`` resolved per bucket size).
 """
 
@@ -26,12 +27,15 @@ METRIC_NAMES = ("gradsync/comm_seconds", "gradsync/exposed_comm_seconds", "grads
 
 
 def bucket_text(bucket_algorithms: list[tuple[int, str]]) -> str:
-    """``[(bytes, algorithm), ...]`` as ``"ring 0.12 MiB, tree 3.00 MiB"``.
+    """``[(bytes, algorithm), ...]`` as ``"ring 2.5 KiB, tree 3.00 MiB"``.
 
-    >>> bucket_text([(2**20, "ring"), (3 * 2**19, "ring+topk")])
-    'ring 1.00 MiB, ring+topk 1.50 MiB'
+    >>> bucket_text([(2560, "ring"), (3 * 2**19, "ring+topk")])
+    'ring 2.5 KiB, ring+topk 1.50 MiB'
     """
-    return ", ".join(f"{algorithm} {nbytes / 2**20:.2f} MiB" for nbytes, algorithm in bucket_algorithms)
+    def amount(nbytes: int) -> str:
+        return f"{nbytes / 2**10:.1f} KiB" if nbytes < 2**20 else f"{nbytes / 2**20:.2f} MiB"
+
+    return ", ".join(f"{algorithm} {amount(nbytes)}" for nbytes, algorithm in bucket_algorithms)
 
 
 def epoch_metrics(comm_s: float, exposed_s: float, step_s: float, bytes_sent: int) -> dict[str, float]:
