@@ -6,7 +6,8 @@ processes (Lightning's subprocess launcher starts them for the first fit; later 
 0 writes ``DIR/<strategy>.pt``: ``{"state": the module's state_dict, "global_step", "seconds" (the fit's
 wall time), "bucket_collectives" (gradsync: the DataParallel bucket collectives this rank issued during the
 fit, from ``gradsync.flight_records()``), "samples"}``. ``--steps N`` stops after N optimizer steps (a bench
-times a fixed number of steps with either strategy). ``--package pytorch_lightning`` uses the separate package.
+times a fixed number of steps with either strategy). ``--package pytorch_lightning`` uses the separate package;
+``--fabric`` fits the same network through Lightning Fabric (:func:`fabric_fit`).
 """
 
 from __future__ import annotations
@@ -118,6 +119,57 @@ def fit(name: str, args, out: Path) -> None:
         torch.save(result, out / f"{name}.pt")
 
 
+def fabric_fit(name: str, args, out: Path) -> None:
+    """The same fit through Lightning Fabric (``--fabric``): ``fabric.setup``, ``no_backward_sync`` for the
+    accumulated micro-batches, ``clip_gradients``, and ``fabric.save`` / ``fabric.load`` for ``--checkpoint-dir``
+    (saved after every epoch as ``last.ckpt``) and ``--resume``; rank 0 writes ``out/<name>.pt``."""
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import DDPStrategy
+
+    if name == "ddp":
+        strategy = DDPStrategy(start_method=args.start_method)
+    else:
+        from gradsync.integrations.fabric import GradsyncStrategy
+        strategy = GradsyncStrategy(algorithm=args.algorithm, compression=args.compression,
+                                    bucket_cap_mb=args.bucket_cap_mb, shard=args.shard, start_method=args.start_method)
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=args.devices)
+    fabric.launch()
+    torch.manual_seed(args.seed)
+    net = torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUTPUTS))
+    optimizer = (torch.optim.Adam(net.parameters(), lr=0.005) if args.optimizer == "adam"
+                 else torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9))
+    model, optimizer = fabric.setup(net, optimizer)
+    loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(dataset(args.samples), batch_size=args.batch_size))
+    state = {"model": model, "optimizer": optimizer, "epoch": 0, "step": 0}
+    if args.resume:
+        fabric.load(args.resume, state)
+    first = _bucket_seq()
+    started = time.perf_counter()
+    for epoch in range(state["epoch"], args.epochs):
+        for index, (inputs, targets) in enumerate(loader):
+            last = (index + 1) % args.accumulate == 0
+            with fabric.no_backward_sync(model, enabled=not last):
+                loss = torch.nn.functional.mse_loss(model(inputs), targets)
+                fabric.backward(loss / args.accumulate)
+            if last:
+                if args.clip:
+                    fabric.clip_gradients(model, optimizer, max_norm=args.clip)
+                optimizer.step()
+                optimizer.zero_grad()
+                state["step"] += 1
+        state["epoch"] = epoch + 1
+        if args.checkpoint_dir:
+            fabric.save(Path(args.checkpoint_dir) / "last.ckpt", state)
+    seconds = time.perf_counter() - started
+    if name == "gradsync":
+        strategy.gradsync_model.wait_for_parameters()  # a sharded step's all-gather
+    if fabric.global_rank == 0:
+        result = {"state": {"net." + key: value.detach().clone() for key, value in net.state_dict().items()},
+                  "global_step": state["step"], "seconds": seconds, "samples": args.samples,
+                  "bucket_collectives": _bucket_count(first) if name == "gradsync" else None}
+        torch.save(result, out / f"{name}.pt")
+
+
 def _bucket_seq() -> int:
     """The sequence number of gradsync's last collective so far (-1: none, or gradsync not initialised)."""
     import gradsync
@@ -159,6 +211,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint-dir", default=None, help="ModelCheckpoint(save_last=True) here")
     parser.add_argument("--resume", default=None, help="Trainer.fit(ckpt_path=...)")
     parser.add_argument("--csv-dir", default=None, help="a CSVLogger here")
+    parser.add_argument("--fabric", action="store_true", help="fit through Lightning Fabric instead of the Trainer")
     parser.add_argument("--out", required=True, help="rank 0 writes <strategy>.pt here")
     return parser.parse_args(argv)
 
@@ -171,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         if name not in ("gradsync", "ddp"):
             print(f"unknown strategy {name!r}; choose gradsync, ddp", file=sys.stderr)
             return 2
-        fit(name, args, out)
+        (fabric_fit if args.fabric else fit)(name, args, out)
     return 0
 
 

@@ -23,6 +23,9 @@ LIGHTNING_OPTIONS = ("accelerator", "parallel_devices", "cluster_environment", "
                      "process_group_backend", "timeout", "start_method")
 """DDPStrategy's options the strategy honours as DDPStrategy does."""
 
+FABRIC_OPTIONS = tuple("precision" if name == "precision_plugin" else name for name in LIGHTNING_OPTIONS)
+"""The same for Fabric's DDPStrategy (its precision plugin is ``precision``)."""
+
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
 DDP_ONLY = {
@@ -54,13 +57,13 @@ UNSERVED_SHARD = {
 """Shard levels GradsyncStrategy refuses, and why."""
 
 
-def accepted() -> str:
+def accepted(lightning_options: tuple[str, ...] = LIGHTNING_OPTIONS) -> str:
     """The accepted option names, for error messages."""
-    return ", ".join(GRADSYNC_OPTIONS + LIGHTNING_OPTIONS)
+    return ", ".join(GRADSYNC_OPTIONS + lightning_options)
 
 
-def check_extra_options(options: dict) -> None:
-    """Refuse options the strategy does not take, in one line.
+def check_extra_options(options: dict, lightning_options: tuple[str, ...] = LIGHTNING_OPTIONS) -> None:
+    """Refuse options the strategy does not take, in one line (``lightning_options``: the Lightning ones it takes).
 
     Raises:
         ValueError: a torch DDP option (named, with why gradsync cannot honour it).
@@ -69,10 +72,10 @@ def check_extra_options(options: dict) -> None:
     for name in options:
         if name in DDP_ONLY:
             raise ValueError(f"GradsyncStrategy: option {name!r} is torch DDP's and cannot be honoured: "
-                             f"{DDP_ONLY[name]} (accepted: {accepted()})")
+                             f"{DDP_ONLY[name]} (accepted: {accepted(lightning_options)})")
     if options:
         name = next(iter(options))
-        raise TypeError(f"GradsyncStrategy got an unexpected option {name!r}; accepted: {accepted()}")
+        raise TypeError(f"GradsyncStrategy got an unexpected option {name!r}; accepted: {accepted(lightning_options)}")
 
 
 def check_values(algorithm, compression, bucket_cap_mb, shard, broadcast_buffers, gradient_as_bucket_view, debug,
