@@ -43,6 +43,9 @@ if "LOCAL_RANK" not in os.environ:  # the launching process (rank 0), before Lig
             errors[label] = None
         except (TypeError, ValueError) as exc:
             errors[label] = [type(exc).__name__, str(exc)]
+    import lightning.pytorch as pl  # the registered names (no process starts before fit)
+    named = pl.Trainer(strategy="gradsync", accelerator="cpu", devices=2, logger=False).strategy
+    errors["registry"] = [type(named).__name__, pl.strategies.StrategyRegistry["gradsync_spawn"]["init_params"]]
     with open(os.path.join(out, "errors.json"), "w") as file:
         json.dump(errors, file)
 lightning_demo.main(["--strategy", "ddp,gradsync", "--epochs", "3", "--csv-dir", out + "/csv", "--out", out + "/plain"])
@@ -116,6 +119,7 @@ def test_lightning_fit_equals_ddp_strategy(tmp_path):
         assert errors[label] is not None, label
         assert errors[label][0] == kind and named in errors[label][1] and "\n" not in errors[label][1], errors[label]
     assert "accepted:" in errors["unknown"][1] and "compression" in errors["unknown"][1]
+    assert errors.pop("registry") == ["GradsyncStrategy", {"start_method": "spawn"}]  # Trainer(strategy="gradsync")
 
 
 def test_missing_extra_names_it(monkeypatch):

@@ -82,10 +82,10 @@ def resume_script(options: str) -> str:
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("options", ["--compression topk --optimizer sgd",
                                      "--compression fp16 --shard optimizer --optimizer adam",
-                                     "--shard gradients --optimizer adam --clip 0.5",
+                                     "--shard gradients --optimizer adam --clip 0.5 --validate",
                                      "--fabric --compression topk --optimizer sgd",
                                      "--fabric --shard optimizer --optimizer adam --accumulate 2"],
-                         ids=["topk-error-feedback", "zero1-adam", "zero2-adam-clip", "fabric-topk", "fabric-zero1"])
+                         ids=["topk-error-feedback", "zero1-adam", "zero2-adam-clip-validate", "fabric-topk", "fabric-zero1"])
 def test_resumed_fit_equals_uninterrupted(tmp_path, options):
     """Stop after epoch 2, ``fit(ckpt_path=...)`` to epoch 4: the parameters equal the uninterrupted fit's,
     which needs each rank's error feedback (top-k) and every rank's optimizer shard (ZeRO) restored."""
@@ -123,6 +123,17 @@ def _tensors(states: list[dict]) -> list[list[torch.Tensor]]:
             for key in sorted(value, key=str):
                 yield from walk(value[key])
     return [list(walk(state)) for state in states]
+
+
+@pytest.mark.timeout(120)
+def test_manual_optimization(tmp_path):
+    """automatic_optimization=False (manual_backward and optimizer.step in training_step), unsharded and
+    ZeRO-1: the same parameters as DDPStrategy's."""
+    out = run_script(tmp_path, fits("--manual --strategy ddp,gradsync --epochs 2 --out {out}/manual",
+                                    "--manual --strategy ddp,gradsync --shard optimizer --optimizer adam --epochs 2 "
+                                    "--out {out}/manual-zero1"), timeout=110)
+    assert_same_fit(out / "manual")
+    assert_same_fit(out / "manual-zero1")
 
 
 @pytest.mark.timeout(120)

@@ -46,19 +46,31 @@ def module_class(package: str = "lightning") -> type:
         class DemoModule(pl.LightningModule):
             """MLP 16 -> 32 -> 4 (tanh), MSE loss; SGD with momentum or Adam."""
 
-            def __init__(self, seed: int = 0, optimizer: str = "sgd", lr: float = 0.05):
+            def __init__(self, seed: int = 0, optimizer: str = "sgd", lr: float = 0.05, manual: bool = False):
                 super().__init__()
                 torch.manual_seed(seed)
                 self.net = torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Tanh(),
                                                torch.nn.Linear(HIDDEN, OUTPUTS))
                 self.optimizer_name, self.lr = optimizer, lr
+                self.automatic_optimization = not manual
 
             def forward(self, inputs):
                 return self.net(inputs)
 
             def training_step(self, batch, batch_idx):
                 inputs, targets = batch
-                return torch.nn.functional.mse_loss(self(inputs), targets)
+                loss = torch.nn.functional.mse_loss(self(inputs), targets)
+                if self.automatic_optimization:
+                    return loss
+                optimizer = self.optimizers()  # manual optimization: backward and step here
+                self.manual_backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+                return loss.detach()
+
+            def validation_step(self, batch, batch_idx):
+                inputs, targets = batch
+                self.log("val_loss", torch.nn.functional.mse_loss(self(inputs), targets), sync_dist=True)
 
             def configure_optimizers(self):
                 if self.optimizer_name == "adam":
@@ -97,7 +109,7 @@ def fit(name: str, args, out: Path) -> None:
     """One fit with strategy ``name``; rank 0 writes ``out/<name>.pt`` (see the module's docstring)."""
     pl = __import__("lightning.pytorch" if args.package == "lightning" else "pytorch_lightning",
                     fromlist=["Trainer"])
-    model = module_class(args.package)(seed=args.seed, optimizer=args.optimizer)
+    model = module_class(args.package)(seed=args.seed, optimizer=args.optimizer, manual=args.manual)
     loader = torch.utils.data.DataLoader(dataset(args.samples), batch_size=args.batch_size, shuffle=False)
     callbacks = []
     if args.checkpoint_dir:
@@ -107,10 +119,13 @@ def fit(name: str, args, out: Path) -> None:
                          max_epochs=args.epochs, max_steps=args.steps, accumulate_grad_batches=args.accumulate,
                          gradient_clip_val=args.clip, logger=logger, callbacks=callbacks,
                          enable_checkpointing=bool(args.checkpoint_dir), enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, log_every_n_steps=1)
+                         enable_model_summary=False, num_sanity_val_steps=2 if args.validate else 0,
+                         log_every_n_steps=1)
     first = _bucket_seq()
     started = time.perf_counter()
-    trainer.fit(model, loader, ckpt_path=args.resume)
+    validation = torch.utils.data.DataLoader(dataset(args.samples // 2, seed=1), batch_size=args.batch_size) \
+        if args.validate else None
+    trainer.fit(model, loader, validation, ckpt_path=args.resume)
     seconds = time.perf_counter() - started
     if trainer.global_rank == 0:
         result = {"state": {key: value.clone() for key, value in model.state_dict().items()},
@@ -211,6 +226,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint-dir", default=None, help="ModelCheckpoint(save_last=True) here")
     parser.add_argument("--resume", default=None, help="Trainer.fit(ckpt_path=...)")
     parser.add_argument("--csv-dir", default=None, help="a CSVLogger here")
+    parser.add_argument("--manual", action="store_true", help="the Trainer with manual optimization")
+    parser.add_argument("--validate", action="store_true", help="a validation loop each epoch (val_loss, sync_dist)")
     parser.add_argument("--fabric", action="store_true", help="fit through Lightning Fabric instead of the Trainer")
     parser.add_argument("--out", required=True, help="rank 0 writes <strategy>.pt here")
     return parser.parse_args(argv)
