@@ -55,11 +55,13 @@ from gradsync.train.summary import build_summary, gather_totals
 class Trainer:
     """One worker of a sync or local-SGD run, static or elastic; the main rank also writes the run folder.
 
-    ``membership``: who takes part (None: the static group ``gradsync.init()`` formed).
+    ``membership``: who takes part (None: the static group ``gradsync.init()`` formed); ``preemption``: a
+    :class:`~gradsync.train.preemption.Preemption` whose signal stops every rank at one step with a checkpoint.
     """
 
-    def __init__(self, config: TrainConfig, data_path: Path, out_dir: Path, membership=None):
+    def __init__(self, config: TrainConfig, data_path: Path, out_dir: Path, membership=None, preemption=None):
         self.config = config
+        self.preemption = preemption
         self.membership = membership or StaticMembership()
         self.elastic = self.membership.elastic
         self.out_dir = Path(out_dir)
@@ -285,6 +287,9 @@ class Trainer:
             bar.update(1)
             if self._checkpoint_due():
                 self._save_checkpoint()
+            elif self.preemption is not None and not self._last_step() and self.preemption.requested(self.state.step):
+                self._save_checkpoint()
+                raise self.preemption.stop(self.state.step)
 
     def _step(self, micro_batches: list[list[int]]) -> float:
         """One optimizer step over ``micro_batches`` (lists of sample indices); returns its loss."""
@@ -366,11 +371,13 @@ class Trainer:
 
     # -- checkpoints -----------------------------------------------------------------------------
 
+    def _last_step(self) -> bool:
+        return self.state.epoch == self.config.epochs - 1 and self.state.steps_in_epoch == self.epoch_steps()
+
     def _checkpoint_due(self) -> bool:
-        last = self.state.epoch == self.config.epochs - 1 and self.state.steps_in_epoch == self.epoch_steps()
         # the last step's checkpoint is written after the last evaluation
         return (self.checkpoint_root is not None and self.state.step % self.config.checkpoint_every == 0
-                and not last)
+                and not self._last_step())
 
     def _save_checkpoint(self) -> None:
         started = time.perf_counter()
