@@ -22,7 +22,7 @@ from gradsync import slurm
 from gradsync.jobs.worker import run_worker
 from gradsync.train import task as train_task
 from gradsync.train.config import TrainConfig
-from gradsync.train.preemption import PREEMPTED_EXIT_CODE, Preempted, Preemption
+from gradsync.train.preemption import PREEMPTED_EXIT_CODE, Preempted, Preemption, interval_from_env
 
 
 def srun_refusal(config: TrainConfig, where: str, given=frozenset()) -> str | None:
@@ -61,6 +61,7 @@ def prepare(config: TrainConfig) -> int:
     if config.checkpoint_dir is None:
         config.checkpoint_dir = str(Path(config.out) / "checkpoints")
     config.nproc = found.world_size
+    interval_from_env()  # a bad $GRADSYNC_PREEMPTION_CHECK_S is refused before training
     return found.world_size
 
 
@@ -74,7 +75,7 @@ def launch_srun(config: TrainConfig, world_size: int, in_run_folder) -> dict | N
     """
     found = slurm.read()
     main = found.rank == config.main_rank(world_size)
-    with Preemption() as preemption:
+    with Preemption(interval_s=interval_from_env()) as preemption:
         try:
             if not main:
                 data_path = train_task.prepare_data(config)

@@ -17,6 +17,8 @@ collective's socket call does not fail it.
 
 from __future__ import annotations
 
+import math
+import os
 import signal
 import threading
 import time
@@ -30,6 +32,25 @@ SIGNALS = (signal.SIGUSR1, signal.SIGTERM)  # SLURM's --signal default choice, a
 CHECK_INTERVAL_S = 0.5  # seconds of training between agreements (the stop comes at most this late, + 1 step)
 MAX_CHECK_EVERY = 1000  # steps between agreements at most (very short steps)
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): not finished, try again (requeue)
+INTERVAL_ENV = "GRADSYNC_PREEMPTION_CHECK_S"  # overrides CHECK_INTERVAL_S (tests: agree at every step)
+
+
+def interval_from_env(environ=None) -> float:
+    """Seconds between agreements: ``$GRADSYNC_PREEMPTION_CHECK_S`` or :data:`CHECK_INTERVAL_S`.
+
+    Raises:
+        ValueError: the variable is not a finite number > 0.
+    """
+    text = (os.environ if environ is None else environ).get(INTERVAL_ENV)
+    if text is None:
+        return CHECK_INTERVAL_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise ValueError(f"{INTERVAL_ENV}={text!r} must be a finite number of seconds > 0")
+    return value
 
 
 class Preempted(GradsyncError):
@@ -68,6 +89,8 @@ class Preemption:
         return self
 
     def __exit__(self, *exc) -> None:
+        if self.received is not None:  # going down: a second notice (SIGTERM after USR1) must not kill it mid-exit
+            return
         for number, handler in self._previous.items():
             signal.signal(number, handler)
         self._previous.clear()
@@ -85,7 +108,7 @@ class Preemption:
             return False
         now = time.perf_counter()
         flags = torch.tensor([int(self.received is not None), self._proposal(now, step)], dtype=torch.int64)
-        gradsync.all_reduce(flags, op="sum")  # (flags, rank 0's steps until the next check)
+        gradsync.all_reduce(flags, op="sum", algorithm="auto")  # (flags, rank 0's steps until the next check)
         self._last = (now, step)
         self.next_check = step + int(flags[1])
         self.checks += 1
