@@ -53,9 +53,11 @@ def prepare(config: TrainConfig) -> int:
     given, and ``nproc`` to the world size, on every task alike.
 
     Raises:
-        ValueError: one line naming the missing or malformed variables.
+        ValueError: one line naming the missing or malformed variables, or the rendezvous node that does
+        not resolve.
     """
     found = slurm.read()
+    slurm.check_resolves(found)  # before any data is made: a wrong node list costs nothing
     if config.out is None:
         config.out = out_dir(found.job_id)
     if config.checkpoint_dir is None:
