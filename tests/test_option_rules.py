@@ -56,7 +56,8 @@ ACCEPTED = {(mode, membership, placement) for mode, membership, placement
             in itertools.product(MODES, MEMBERSHIPS, PLACEMENTS)
             if not (membership == "elastic" and placement == "torchrun")
             and not (mode != "sync" and placement == "test hosts")
-            and not (mode == "local-sgd" and membership == "elastic")}
+            and not (mode == "local-sgd" and membership == "elastic")
+            and not (placement == "slurm" and (membership == "elastic" or mode == "async"))}
 
 
 def _base(mode: str, membership: str, placement: str) -> dict:
