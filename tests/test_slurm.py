@@ -224,13 +224,22 @@ def test_preemption_flag_is_agreed_and_handlers_restored(single_process):
     signal.signal(signal.SIGUSR1, before)
 
 
-def test_agreements_come_every_interval_not_every_step(single_process):
-    """Rank 0 spaces the agreements to about ``interval_s`` of steps: 1 ms steps, 50 ms -> every ~50 steps."""
+def test_agreements_come_every_interval_not_every_step(single_process, monkeypatch):
+    """Rank 0 spaces the agreements to ``interval_s`` of steps at the measured pace: 1 ms steps and 50 ms
+    -> step 1 (no pace yet), then every 50 steps from step 2 (a fake clock: no timing in the test)."""
+    from gradsync.train import preemption as module
+
+    clock = {"now": 0.0}
+    monkeypatch.setattr(module.time, "perf_counter", lambda: clock["now"])
     preemption = Preemption(interval_s=0.05)
+    agreed = []
     for step in range(1, 301):
+        clock["now"] = step * 0.001
+        checks = preemption.checks
         preemption.requested(step)
-        time.sleep(0.001)
-    assert 3 <= preemption.checks <= 60, preemption.checks
+        if preemption.checks > checks:
+            agreed.append(step)
+    assert agreed == [1, 2, 52, 102, 152, 202, 252], agreed
 
 
 # ---------------------------------------------------------------- joining through SLURM's variables
