@@ -121,7 +121,7 @@ class Preemption:
         if self._last is None or step <= self._last[1]:
             return 1
         step_s = (now - self._last[0]) / (step - self._last[1])
-        return max(1, min(MAX_CHECK_EVERY, int(self.interval_s / max(step_s, 1e-9))))
+        return max(1, min(MAX_CHECK_EVERY, round(self.interval_s / max(step_s, 1e-9))))
 
     def stop(self, step: int) -> Preempted:
         """The error every rank raises once the checkpoint of ``step`` is saved."""
