@@ -226,7 +226,7 @@ class TensorBoardHook(EventWriter):
         self.global_step = self.global_step + 1 if step is None else int(step)
         if self.writing:
             model = self.model
-            loss = None if loss is None else float(loss)
+            loss = None if loss is None else float(loss.detach() if hasattr(loss, "detach") else loss)
             self.write_step(self.global_step, loss, samples, now - self._started, model.comm_seconds - self._comm0,
                             model.exposed_comm_seconds - self._exposed0,
                             model.comm.stats.bytes_sent - self._bytes0, accuracy)
