@@ -70,6 +70,7 @@ def test_train_writes_what_metrics_and_summary_record(early):
     epochs = [r for r in records if r.get("kind") == "epoch"]
     summary = json.loads((run / SUMMARY_FILE).read_text())
     events = _events(early.folder / "tb")
+    assert len(steps) == 10 and len(epochs) == 2  # 320 training samples / (2 x 32) per step, 2 epochs
 
     loss = _scalars(events, "train/loss")  # event values are float32
     assert loss == {r["step"]: pytest.approx(r["loss"], rel=1e-6) for r in steps}
@@ -195,6 +196,7 @@ def test_every_mode_writes_its_losses(tmp_path, capsys, mode):
     summary = json.loads((tmp_path / "run" / SUMMARY_FILE).read_text())
     events = _events(tmp_path / "tb")
     losses = {r["step"]: r["loss"] for r in records if r.get("kind") == "step"}
+    assert len(losses) >= 4
     assert _scalars(events, "train/loss") == {step: pytest.approx(loss, rel=1e-6) for step, loss in losses.items()}
     accuracies = [r["test_accuracy"] for r in records if r.get("kind") == "epoch"]
     assert list(_scalars(events, "eval/accuracy").values()) == pytest.approx(accuracies, rel=1e-6)
