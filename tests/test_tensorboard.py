@@ -31,7 +31,7 @@ pytest.importorskip("tensorboard", reason="TensorBoard logging needs gradsync[te
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 from tensorboard.util import tensor_util  # noqa: E402
 
-from gradsync.integrations.tensorboard import TensorBoardHook  # noqa: E402
+from gradsync.integrations.tensorboard import TAGS, TensorBoardHook  # noqa: E402
 
 TRAIN = early_job("tensorboard-train", [
     "train", "--nproc", "2", "--model", "mlp", "--epochs", "2", "--num-samples", "400", "--batch-size", "32",
@@ -87,6 +87,8 @@ def test_train_writes_what_metrics_and_summary_record(early):
         step: pytest.approx(r["test_accuracy"], rel=1e-6) for step, r in zip(ends, epochs)}
     assert _scalars(events, "run/bytes_sent_per_step") == {
         summary["steps"]: pytest.approx(summary["bytes_sent_per_step"], rel=1e-6)}
+    page = (Path(__file__).resolve().parents[1] / "docs" / "tensorboard.md").read_text(encoding="utf-8")
+    assert set(events.Tags()["scalars"]) <= set(TAGS) and all(f"`{tag}`" in page for tag in TAGS)
 
     texts = _texts(events, "buckets/algorithms")
     assert min(texts) == 1 and len(summary["algorithms"]) > 1  # --bucket-cap-mb 0.05: several buckets

@@ -1,4 +1,4 @@
-"""TensorBoard event files: :class:`TensorBoardHook` for any loop around DataParallel, and ``gradsync train --tensorboard``.
+"""TensorBoard event files: :class:`TensorBoardHook` for any loop around DataParallel; ``train --tensorboard``.
 
 One writer serves both. A user's loop calls :meth:`TensorBoardHook.step`
 after each optimizer step and the hook takes the step's communication from
