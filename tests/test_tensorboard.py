@@ -12,6 +12,8 @@ sharding, elastic) are ``slow``.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -176,24 +178,46 @@ def test_a_missing_extra_says_which_in_one_line(tmp_path, capsys, monkeypatch):
         TensorBoardHook(model, tmp_path / "tb")
 
 
-MODES = {  # every mode the loop serves besides the early job's static sync run
+MODES = {  # every mode and placement the loops serve besides the early job's (sync, static, local processes)
     "async": ["--mode", "async"],
     "local-sgd": ["--mode", "local-sgd", "--sync-every", "2"],
     "deterministic-sharded": ["--deterministic", "--global-batch-size", "64", "--shard", "gradients"],
     "elastic": ["--elastic"],
+    "hosts": ["--hosts", "2", "--nproc", "1"],
+    "torchrun": [],
 }
+BASE = ["--model", "mlp", "--epochs", "2", "--num-samples", "400", "--batch-size", "32", "--timeout", "60",
+        "--no-progress"]
+
+
+def _run(tmp_path: Path, mode: str, capsys) -> None:
+    """``gradsync train --tensorboard tmp_path/tb`` in ``mode`` (torchrun: a torchrun of 2 ranks)."""
+    argv = [*BASE, "--data-dir", str(tmp_path / "data"), "--out", str(tmp_path / "run"), "--tensorboard",
+            str(tmp_path / "tb")]
+    if mode == "torchrun":
+        env = {key: value for key, value in os.environ.items()
+               if key not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")}
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                   "-m", "gradsync", "train", *argv]
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=100, cwd=tmp_path)
+    else:
+        if mode == "hosts":
+            from gradsync.hosts.netns import unavailable_reason
+
+            if unavailable_reason():
+                pytest.skip(unavailable_reason())
+        result = run_cli(["train", "--nproc", "2", *argv, *MODES[mode]], capsys)
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 @pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_every_mode_writes_its_losses(tmp_path, capsys, mode):
     """Each mode's per-step loss scalars are its metrics.jsonl losses; accuracy at each evaluation; the
     algorithm text (a parameter server's 'parameter_server')."""
-    result = run_cli(["train", "--nproc", "2", "--model", "mlp", "--epochs", "2", "--num-samples", "400",
-                      "--batch-size", "32", "--timeout", "60", "--no-progress", "--data-dir", str(tmp_path / "data"),
-                      "--out", str(tmp_path / "run"), "--tensorboard", str(tmp_path / "tb"), *MODES[mode]], capsys)
-    assert result.returncode == 0, result.stderr[-3000:]
+    _run(tmp_path, mode, capsys)
     records = read_metrics(tmp_path / "run" / METRICS_FILE)
     summary = json.loads((tmp_path / "run" / SUMMARY_FILE).read_text())
     events = _events(tmp_path / "tb")
