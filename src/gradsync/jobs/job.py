@@ -27,6 +27,7 @@ from gradsync.jobs.option_rules import refusal
 from gradsync.jobs.srun import launch_srun, prepare as prepare_srun, srun_refusal
 from gradsync.jobs.worker import run_worker
 from gradsync.train.metrics import METRICS_FILE, private_files
+from gradsync.train.tensorboard_events import check_log_dir
 
 
 def under_torchrun() -> bool:
@@ -195,6 +196,8 @@ def _run_job(config: TrainConfig, given) -> dict | None:
     validate_against_data(config, world_size, task.num_train(config))
     if config.trace is not None:
         config.trace = str(check_trace_path(config.trace))
+    if config.tensorboard is not None:  # the extra and the folder, before any process starts
+        config.tensorboard = str(check_log_dir(config.tensorboard))
     if config.checkpoint_dir is not None:
         config.checkpoint_dir = str(check_checkpoint_dir(config.checkpoint_dir))
         check_resumable(config, world_size)

@@ -145,6 +145,7 @@ RULES: dict[str, Rule] = {
                            why="a parameter server applies each worker's gradient on arrival: there is no "
                                "step's gradient to take the global norm of"),
     "trace": NOT_ASYNC,
+    "tensorboard": EVERYWHERE,
     "seed": EVERYWHERE, "timeout": EVERYWHERE,
     "memory_limit_mib": Rule(memberships=("static",), placements=("local",),
                              why="gradsync train's own launcher puts each rank of a fixed group on this machine in "

@@ -32,6 +32,7 @@ from gradsync.train.config import TrainConfig
 from gradsync.train.loop import Trainer
 from gradsync.train.metrics import METRICS_FILE, SUMMARY_FILE, private_files, read_metrics, write_summary
 from gradsync.train.plots import plot_run
+from gradsync.train.tensorboard_events import write_run_summary
 
 ECHO_DELAY_S = 3.0
 
@@ -104,6 +105,7 @@ def _write_run_folder(summary: dict | None, out: Path) -> None:
     if summary is None:
         return
     write_summary(out / SUMMARY_FILE, summary)
+    write_run_summary(summary)  # --tensorboard: the run's totals beside the steps'
     try:
         plot_run(read_metrics(out / METRICS_FILE), summary, out)
     except (KeyError, ValueError, TypeError):  # the plots are a convenience; the summary is written
