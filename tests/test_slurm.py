@@ -350,3 +350,15 @@ def test_train_preempted_and_requeued_resumes_bitwise(clean_env, tmp_path):
     assert [process.returncode for process in processes] == [0, 0], outcomes[0][1][-2000:]
     assert f"resuming from {run.resolve() / 'checkpoints'}" in outcomes[0][1], outcomes[0][1]
     assert_models_equal(run / "model.pt", tmp_path / "local" / "model.pt")
+
+
+def test_test_host_aliases_go_into_the_hosts_file_only():
+    """``TestHosts(aliases=...)`` names host h also ``node07`` in the hosts' /etc/hosts; bad aliases are refused."""
+    from gradsync.hosts.netns import TestHosts, host_addr
+
+    made = TestHosts(2, aliases={0: ["node07"], 1: ["node11", "gpu-a.cluster"]}, run_id="t")
+    lines = made.etc_hosts().splitlines()
+    assert f"{host_addr(0)} gs-t-h0 node07" in lines and f"{host_addr(1)} gs-t-h1 node11 gpu-a.cluster" in lines
+    for aliases in ({2: ["node07"]}, {0: ["bad name"]}):
+        with pytest.raises(ValueError, match="aliases"):
+            TestHosts(2, aliases=aliases)
