@@ -40,7 +40,7 @@ DDP_ONLY = {
     "device_ids": "Lightning chooses the device per process",
     "output_device": "Lightning chooses the device per process",
     "process_group": "gradsync adopts the group Lightning initialises",
-    "bucket_cap_mb_first": "gradsync caps the first bucket at 1 MiB itself",
+    "dim": "gradsync does not scatter inputs: each process loads its own batch",
     "mixed_precision": "use Trainer(precision=...)",
     "init_sync": "gradsync always broadcasts rank 0's parameters at wrapping",
     "delay_all_reduce_named_params": "gradsync starts each bucket as soon as its gradients are ready",

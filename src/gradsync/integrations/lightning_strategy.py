@@ -62,6 +62,8 @@ class StepAfterClosure:
         return loss
 
     def __getattr__(self, name):
+        if name == "optimizer":  # not yet set (copy, pickle): no recursion
+            raise AttributeError(name)
         return getattr(self.optimizer, name)
 
 
