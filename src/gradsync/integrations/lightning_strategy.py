@@ -107,8 +107,7 @@ class GradsyncStrategyMixin:
         self.model = self._setup_model(self.model)
 
     def _setup_model(self, model):
-        options = dict(self.gradsync_options)
-        wrapped = gradsync.DataParallel(model, **options)
+        wrapped = gradsync.DataParallel(model, **self.gradsync_options)
         self.gradsync_model = wrapped
         return wrapped
 
