@@ -44,7 +44,8 @@ def save(root: Path, state: dict, world_size: int, keep: int, config: dict) -> P
     return path
 
 
-# what _snapshot and check_resumable read: a loadable file without them is no elastic checkpoint
+# what the Trainer's snapshot (gradsync.train.loop_records) and check_resumable read: a loadable file without
+# them is no elastic checkpoint
 REQUIRED_KEYS = ("model", "optimizer", "scheduler", "progress", "global_batch", "config", "world_size")
 
 

@@ -5,7 +5,8 @@ run under ``no_sync()`` and the loss is scaled by 1/accumulate, so one step equa
 accumulate * world_size`` samples. With ``global_batch_size`` the step's samples are fixed instead, and
 ``deterministic`` computes them as micro-shards whose exact sum is the same at any world size
 (:mod:`~gradsync.train.forward_backward`); timing in :class:`~gradsync.train.meter.StepMeter`, progress in
-:class:`~gradsync.train.state.TrainState`.
+:class:`~gradsync.train.state.TrainState`; checkpoints, replica checks and the summary in
+:mod:`~gradsync.train.loop_records`.
 
 Who takes part is a membership's answer (:mod:`~gradsync.elastic.membership`): a static run's never changes; an
 elastic run's is asked at every step boundary, and each new membership starts with rank 0's state handed to
@@ -22,7 +23,6 @@ import time
 import warnings
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 import gradsync
@@ -30,26 +30,23 @@ from gradsync.elastic.membership import StaticMembership, View
 from gradsync.elastic.handover import broadcast_state, clone
 from gradsync.fault import checkpoint
 from gradsync.fault.events import EventLog
-from gradsync.fault.injection import FaultPlan, attempt
+from gradsync.fault.injection import FaultPlan
 from gradsync.parallel.timeline import Timeline
 from gradsync.elastic import run_checkpoint as elastic_checkpoint
-from gradsync.train import resume
+from gradsync.train import loop_records as records, resume
 from gradsync.train.config import TrainConfig
 from gradsync.train.validation import validate_against_data
 from gradsync.train.data import load
 from gradsync.train.memory_report import MemoryReport
 from gradsync.train.meter import StepMeter
 from gradsync.train.metrics import METRICS_FILE, MODEL_FILE, MetricsLog
-from gradsync.train.task import make_model
 from gradsync.train.position import EpochOrder, StepPlan, steps_taken
 from gradsync.train.reshard import world_change
-from gradsync.train.schedule import lr_fields
-from gradsync.train.setup import (build_replica, make_optimizer, make_replica_optimizer, make_scheduler,
-                                  seed_everything, set_threads, step_optimizer, straggle, straggler_factor)
+from gradsync.train.setup import (build_replica, make_replica_optimizer, make_scheduler, seed_everything,
+                                  set_threads, step_optimizer, straggle, straggler_factor)
 from gradsync.train.state import TrainState
 from gradsync.train.forward_backward import backward, epoch_micro_batches, micro_shard_backward
-from gradsync.train.evaluate import evaluate, gather_trace
-from gradsync.train.summary import build_summary, gather_totals
+from gradsync.train.evaluate import evaluate
 from gradsync.train.tensorboard_events import TrainBoard
 
 
@@ -147,7 +144,7 @@ class Trainer:
         the same bits (:class:`~gradsync.ReplicaDivergenceError` on every rank if not)."""
         started = time.perf_counter()
         fault = self.membership.handover_fault(view)
-        handed = broadcast_state(self._snapshot() if view.rank == 0 else None, before_payload=fault)
+        handed = broadcast_state(records.snapshot(self) if view.rank == 0 else None, before_payload=fault)
         self.model = build_replica(self.config, handed["model"], self.compression_state)
         self._optimizer()
         self.optimizer.load_state_dict(handed["optimizer"])
@@ -163,28 +160,6 @@ class Trainer:
                                "handover_s": time.perf_counter() - started,
                                "members": [m["slot"] for m in view.quorum.members],
                                "joined": view.quorum.record.get("joined", []), "replicas_equal": True})
-
-    def _snapshot(self) -> dict:
-        """What rank 0 hands over: model, optimizer, schedule and the shared part of :class:`TrainState`."""
-        if self.model is None and self.resume_from is not None:  # a whole-job failure: the newest checkpoint
-            handed, line = elastic_checkpoint.offer(self.resume_from, self.global_batch, gradsync.world_size())
-            handed["progress"] = {**handed["progress"], "resumed_from_step": handed["progress"]["step"]}
-            resume.say(line)
-            self.events.write({"event": "resumed", "from_step": handed["progress"]["step"], "line": line,
-                               "checkpoint": str(self.resume_from[0]), "world_size_to": gradsync.world_size(),
-                               "world_size_from": self.resume_from[1]["world_size"]})
-            return handed
-        if self.model is None:  # the first membership: rank 0 builds the seeded model
-            torch.manual_seed(self.config.seed)
-            module = make_model(self.config)
-            optimizer = make_optimizer(module.parameters(), self.config)
-            scheduler = make_scheduler(optimizer, self.config, self.plan.steps_per_epoch * self.config.epochs,
-                                       self.world_size)
-            return {"model": module.state_dict(), "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(), "progress": self.state.shared()}
-        self.state.elapsed_before_s = self.elapsed_s()
-        return {"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "progress": self.state.shared()}
 
     def _resharded(self) -> dict | None:
         """After a resume at another world size: the cosine schedule ends at the new last step; returns
@@ -202,6 +177,10 @@ class Trainer:
 
     def total_steps(self) -> int:
         return self.plan.total_steps(self.state)
+
+    def last_step(self) -> bool:
+        """Whether the step just taken is the run's last."""
+        return self.state.epoch == self.config.epochs - 1 and self.state.steps_in_epoch == self.epoch_steps()
 
     def elapsed_s(self) -> float:
         """Wall seconds of training so far, attempts before a resume included (their lost work not)."""
@@ -240,11 +219,11 @@ class Trainer:
     def _finish(self) -> dict | None:
         """Checkpoint the finished run, gather the summary; the main rank writes the model (collective)."""
         if self.checkpoint_root is not None:  # the finished job: running it again only writes the folder
-            self._save_checkpoint()
+            records.save_checkpoint(self)
         if self.elastic:
             self.model.check_replicas(self.optimizer, step=self.state.step)
         with resume.whole_parameters(self.model):  # ZeRO-3: every rank gathers them (the summary counts them)
-            summary = self._summary()
+            summary = records.summary(self)
             model_state = self.model.module.state_dict() if self.log else None
         self.board.close()
         if self.log:
@@ -290,10 +269,10 @@ class Trainer:
             if self.elastic and getattr(self.model, "compression", None) is not None:
                 self.compression_state = clone(self.model.compression.state_dict())
             bar.update(1)
-            if self._checkpoint_due():
-                self._save_checkpoint()
-            elif self.preemption is not None and not self._last_step() and self.preemption.requested(self.state.step):
-                self._save_checkpoint()
+            if records.checkpoint_due(self):
+                records.save_checkpoint(self)
+            elif self.preemption is not None and not self.last_step() and self.preemption.requested(self.state.step):
+                records.save_checkpoint(self)
                 self.board.close()  # the metrics log is flushed at every record
                 raise self.preemption.stop(self.state.step)
 
@@ -322,25 +301,8 @@ class Trainer:
         else:
             self.state.staleness.record(0)
         self._finish_step(meter, step_loss, lr, norm)
-        self._check_replicas(averaged)
+        records.check_replicas(self, averaged)
         return step_loss
-
-    def _check_replicas(self, averaged: bool) -> None:
-        """``--check-replicas-every N``: every N steps (local SGD: at the first average after), record it."""
-        every = self.config.check_replicas_every
-        if not every:
-            return
-        self._replica_check_due = self._replica_check_due or self.state.step % every == 0
-        if not self._replica_check_due or (self.local_sgd and not averaged):
-            return
-        self._replica_check_due = False
-        if self.local_sgd:
-            check = self.model.check_replicas(step=self.state.step)
-        else:
-            check = self.model.check_replicas(self.optimizer, step=self.state.step)
-        if self.log:
-            self.log.write({"kind": "replica_check", "step": self.state.step, "equal": True,
-                            "tensors": check.tensors, "bytes": check.nbytes, "seconds": check.seconds})
 
     def _finish_step(self, meter: StepMeter, step_loss: float, lr: float, grad_norm: float | None) -> None:
         record = meter.stop(self.state.times)
@@ -376,53 +338,3 @@ class Trainer:
             self.log.write(record)
         bar.set_postfix(loss=f"{record['train_loss']:.3f}", test_acc=f"{100 * test_accuracy:.1f}%")
         self.state.next_epoch()
-
-    # -- checkpoints -----------------------------------------------------------------------------
-
-    def _last_step(self) -> bool:
-        return self.state.epoch == self.config.epochs - 1 and self.state.steps_in_epoch == self.epoch_steps()
-
-    def _checkpoint_due(self) -> bool:
-        # the last step's checkpoint is written after the last evaluation
-        return (self.checkpoint_root is not None and self.state.step % self.config.checkpoint_every == 0
-                and not self._last_step())
-
-    def _save_checkpoint(self) -> None:
-        started = time.perf_counter()
-        if self.elastic:  # the replicated state, rank 0 alone: resumable at any world size
-            if self.is_main:
-                elastic_checkpoint.save(self.checkpoint_root, {**self._snapshot(), "global_batch": self.global_batch},
-                                        self.world_size, self.config.keep_checkpoints,
-                                        resume.config_fields(self.config))
-            return
-        with resume.whole_parameters(self.model):  # ZeRO-3: every rank gathers them
-            own = resume.rank_state(self.state, self.replica)
-            shared = None
-            if self.is_main:
-                shared = resume.shared_state(self.state, self.replica, self.config, self.log.position(),
-                                             self.elapsed_s())
-        checkpoint.save(self.checkpoint_root, self.state.step, shared, own, self.model.comm,
-                        keep=self.config.keep_checkpoints)
-        self.state.checkpoint_s += time.perf_counter() - started
-        if self.is_main:
-            self.events.write({"event": "checkpoint", "step": self.state.step, "attempt": attempt(),
-                               "seconds": time.perf_counter() - started})
-
-    # -- the end of the run ----------------------------------------------------------------------
-
-    def _summary(self) -> dict | None:
-        """Gather every rank's counters and timeline (collective); rank 0 returns the summary, others None."""
-        totals, extra = gather_totals(self.state, self.model.comm.stats, self.world_size, self.elapsed_s())
-        extra.update(self.memory.summary_fields())  # collective: every rank's measured peak
-        gather_trace(self.timeline, self.config.trace, self.is_main)
-        if not self.is_main:
-            return None
-        extra.update({"restarts": attempt(), "global_batch_size": self.global_batch,
-                      "lr": lr_fields(self.scheduler, self.config, self.world_size),
-                      **self.membership.summary_fields()})
-        if self.elastic:
-            extra["replicas_equal"] = True  # checked before the summary (ReplicaDivergenceError otherwise)
-        if self.local_sgd:
-            extra["local_sgd"] = self.model.summary_fields()
-        return build_summary(self.config, self.state.epoch_records, totals, self.state.staleness.as_dict(),
-                             self.model.bucket_algorithms(), self.model.module, self.data, extra)
