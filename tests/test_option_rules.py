@@ -45,7 +45,7 @@ SAMPLES = {
     "algorithm": "ring", "bucket_cap_mb": 1.0, "gradient_as_bucket_view": True, "debug": True,
     "compression": "fp16", "topk_ratio": 0.05, "powersgd_rank": 3, "compression_warmup_steps": 5,
     "shard": "gradients", "clip_grad_norm": 1.0,
-    "trace": "trace.json", "seed": 1, "timeout": 60.0, "memory_limit_mib": 512, "preflight": False, "max_restarts": 1, "checkpoint_dir": "ckpt",
+    "trace": "trace.json", "tensorboard": "tb", "seed": 1, "timeout": 60.0, "memory_limit_mib": 512, "preflight": False, "max_restarts": 1, "checkpoint_dir": "ckpt",
     "checkpoint_every": 10, "keep_checkpoints": 3, "fail_at": "1:3", "hang_at": "1:3", "check_replicas_every": 5,
     "num_samples": 2000, "data_dir": "data", "out": "run", "progress": False, "inter_host_gbit": 1.0,
     "join_timeout": 20.0, "cut_link_at": "1:3", "kill_host_at": "1:3", "min_nproc": 1, "max_nproc": 16,
@@ -56,7 +56,8 @@ ACCEPTED = {(mode, membership, placement) for mode, membership, placement
             in itertools.product(MODES, MEMBERSHIPS, PLACEMENTS)
             if not (membership == "elastic" and placement == "torchrun")
             and not (mode != "sync" and placement == "test hosts")
-            and not (mode == "local-sgd" and membership == "elastic")}
+            and not (mode == "local-sgd" and membership == "elastic")
+            and not (placement == "slurm" and (membership == "elastic" or mode == "async"))}
 
 
 def _base(mode: str, membership: str, placement: str) -> dict:

@@ -21,7 +21,7 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "training.md"
 START, END = "<!-- generated: options -->", "<!-- end generated: options -->"
 AXES = ("mode", "elastic", "hosts")  # the columns themselves
 _SHORT = {"sync": "sync", "async": "async", "local-sgd": "local-sgd", "static": "", "elastic": " elastic",
-          "local": "", "torchrun": " torchrun", "test hosts": " hosts"}
+          "local": "", "torchrun": " torchrun", "test hosts": " hosts", "slurm": " slurm"}
 
 
 def combinations() -> list[tuple[str, str, str]]:

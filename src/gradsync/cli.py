@@ -145,6 +145,9 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         "their global 2-norm, over every shard, is at most MAX (torch.nn.utils.clip_grad_norm_'s rule)")
     add("--trace", default=None, metavar="FILE", help="write a Chrome trace (chrome://tracing, Perfetto) "
         "of forward, backward, bucket AllReduces and optimizer steps, one track per rank")
+    add("--tensorboard", default=None, metavar="DIR", help="write TensorBoard event files into DIR (the main rank): "
+        "per step loss, samples/s, communication share, exposed communication and bytes sent, accuracy at each "
+        "evaluation, the algorithm per bucket (docs/tensorboard.md; needs gradsync[tensorboard])")
     add("--seed", type=int, default=d.seed, help="seed for model init and shuffling (default %(default)s)")
     add("--timeout", type=float, default=d.timeout, help="seconds a collective may wait for a peer "
         "(default %(default)s)")

@@ -22,6 +22,7 @@ from gradsync.collectives.validate import reject_call
 from gradsync.collectives.recording import run_recorded
 from gradsync.errors import CollectiveTimeoutError, NotInitializedError
 from gradsync.fault.hang import HangDetector
+from gradsync import slurm
 from gradsync.rendezvous import bounded, gloo_on_loopback, is_loopback, loopback_store_server
 from gradsync.transport.torch_p2p import TorchP2PTransport
 
@@ -66,6 +67,14 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT_S) -> Communica
     Without any of RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set, a
     one-process group is made (rank 0 of 1), so the same script runs alone.
 
+    Under SLURM's ``srun`` (one worker per task; RANK and WORLD_SIZE not set)
+    the group is read from SLURM_PROCID (rank), SLURM_NTASKS (world size),
+    SLURM_LOCALID (local rank), SLURM_NODELIST (its first node, expanded by
+    python-hostlist, hosts the rendezvous) and SLURM_JOB_ID (the port: its
+    last four digits + 15000, as Lightning's ``SLURMEnvironment``);
+    MASTER_ADDR / MASTER_PORT, when set, take precedence. torchrun's
+    variables win when both are set (:mod:`gradsync.slurm`, docs/slurm.md).
+
     Args:
         backend: "auto" (NCCL if CUDA is available, else Gloo), "gloo" or "nccl".
         timeout: default seconds any collective may take (> 0).
@@ -76,7 +85,10 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT_S) -> Communica
     Raises:
         RuntimeError: already initialized (call ``shutdown`` first).
         ValueError: bad backend, timeout, or environment variables
-        (a partial set names the missing ones).
+        (a partial set names the missing ones, SLURM's too); a SLURM
+        rendezvous node whose name does not resolve.
+        CollectiveTimeoutError: the rendezvous store (host:port named) or a
+        rank could not be reached within the start-up timeout.
     """
     if _Default.communicator is not None:
         raise RuntimeError("gradsync.init() was already called; call gradsync.shutdown() first")
@@ -93,8 +105,13 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT_S) -> Communica
             # Gloo's timeout, so a hang would hold the job long after it was detected.
             dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout))
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(_local_rank())
     return _make_default(store, timeout)
+
+
+def _local_rank() -> int:
+    """This worker's rank on its machine: SLURM_LOCALID under srun, else LOCAL_RANK (default 0)."""
+    return slurm.read().local_rank if slurm.under_srun() else int(os.environ.get("LOCAL_RANK", "0"))
 
 
 def init_from_store(store, rank: int, world_size: int, backend: str = "auto",
@@ -148,19 +165,25 @@ def _learn_locality(communicator: Communicator, timeout: float) -> None:
 
 def _init_torch_distributed(backend: str, timeout: float):
     """Start torch.distributed; returns this group's store namespace (None for a one-process group)."""
-    present = [name for name in _REQUIRED_ENV if name in os.environ]
-    if not present:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=datetime.timedelta(seconds=timeout))
-        return None
-    missing = [name for name in _REQUIRED_ENV if name not in os.environ]
-    if missing:
-        raise ValueError(f"environment variables {', '.join(missing)} are not set "
-                         f"(set all of {', '.join(_REQUIRED_ENV)} or none, or launch with torchrun)")
-    rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
+    if slurm.under_srun():
+        task = slurm.read()
+        slurm.check_resolves(task)
+        rank, world_size, address = task.rank, task.world_size, (task.master_addr, task.master_port, "tcp")
+    else:
+        present = [name for name in _REQUIRED_ENV if name in os.environ]
+        if not present:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=datetime.timedelta(seconds=timeout))
+            return None
+        missing = [name for name in _REQUIRED_ENV if name not in os.environ]
+        if missing:
+            raise ValueError(f"environment variables {', '.join(missing)} are not set "
+                             f"(set all of {', '.join(_REQUIRED_ENV)} or none, or launch with torchrun)")
+        rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
+        address = (os.environ["MASTER_ADDR"], _env_int("MASTER_PORT"), "env")
     if not 0 <= rank < world_size:
         raise ValueError(f"RANK={rank} must be in [0, WORLD_SIZE={world_size})")
-    store = _rendezvous_store(rank, world_size, timeout)
+    store = _rendezvous_store(rank, world_size, timeout, address)
     _Default.init_generation += 1
     # The elastic agent's store outlives a restart: a new attempt must not read the last one's addresses.
     # A store of rank 0's own (no agent store, e.g. torchrun across hosts with
@@ -215,35 +238,40 @@ def _detector_store(store):
         return store
 
 
-def _rendezvous_store(rank: int, world_size: int, timeout: float):
-    """The env:// store (rank 0's, or the elastic agent's), made once per address and kept."""
-    key = (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"], rank, world_size)
+def _rendezvous_store(rank: int, world_size: int, timeout: float, address: tuple[str, int, str]):
+    """The store at ``address`` = (host, port, "env" | "tcp"): rank 0's, or the elastic agent's
+    ("env": torchrun's variables), made once per address and kept."""
+    host, port, _ = address
+    key = (host, str(port), rank, world_size)
     if _Default.store is None or _Default.store_key != key:
         startup = datetime.timedelta(seconds=max(timeout, MIN_STARTUP_TIMEOUT_S))
         try:
-            store = _connect_store(rank, world_size, startup)
+            store = _connect_store(rank, world_size, startup, address)
         except (RuntimeError, TimeoutError) as exc:  # torch's DistStoreError / DistNetworkError
             if rank == 0 or isinstance(exc, CollectiveTimeoutError):
                 raise
+            cause = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]  # one line
             raise CollectiveTimeoutError(
                 f"gradsync.init on rank {rank}: could not reach the rendezvous store at "
-                f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within {startup.total_seconds():g} s "
-                f"({type(exc).__name__}: {exc}); if rank 0 hosts it, {_NEVER_JOINED_HINT}", op="init",
+                f"{host}:{port} within {startup.total_seconds():g} s "
+                f"({cause}); if rank 0 hosts it, {_NEVER_JOINED_HINT}", op="init",
                 rank=rank, peer=0, step="start-up") from exc
         _Default.store, _Default.store_key, _Default.init_generation = store, key, 0
     return _Default.store
 
 
-def _connect_store(rank: int, world_size: int, startup: datetime.timedelta):
-    """The env:// store; rank 0 hosts it on the loopback address only when MASTER_ADDR is loopback."""
-    host, port = os.environ["MASTER_ADDR"], _env_int("MASTER_PORT")
+def _connect_store(rank: int, world_size: int, startup: datetime.timedelta, address: tuple[str, int, str]):
+    """The store at ``address`` (host, port, "env" | "tcp"); rank 0 hosts it on the loopback address only
+    when the host is loopback."""
+    host, port, scheme = address
     gloo_on_loopback(host)
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    agent_store = scheme == "env" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if rank == 0 and not agent_store and is_loopback(host):
         # No wait for the clients here: _wait_for_every_rank names the ranks that never come.
         return loopback_store_server(host, port, world_size, startup, wait_for_workers=False)
     if not is_loopback(host):  # another machine's address: torch's own store (every interface)
-        make = lambda: next(dist.rendezvous("env://", rank, world_size, timeout=startup))[0]  # noqa: E731
+        url = "env://" if scheme == "env" else f"tcp://{f'[{host}]' if ':' in host else host}:{port}"
+        make = lambda: next(dist.rendezvous(url, rank, world_size, timeout=startup))[0]  # noqa: E731
     else:
         make = lambda: dist.TCPStore(host, port, world_size, False, startup)  # noqa: E731
     return bounded(make, startup.total_seconds(), f"rank {rank}: the rendezvous store at {host}:{port}")

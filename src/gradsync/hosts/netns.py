@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -42,6 +43,7 @@ MAX_HOSTS = 250
 HOST_DEVICE = "eth0"  # the host's interface (Gloo's GLOO_SOCKET_IFNAME inside a host)
 BRIDGE = "br0"
 MARKER = "GRADSYNC_TESTHOSTS"
+_HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,62})")  # an /etc/hosts name (aliases)
 TOOLS = ("unshare", "nsenter", "ip", "tc")
 _PR_SET_PDEATHSIG = 1
 # $1: hostname, $2: /etc/hosts (every test host's name, as real machines resolve each other); the
@@ -214,6 +216,8 @@ class TestHosts:
         count: number of hosts H (1..250).
         inter_host_gbit: egress rate of each host's link in Gbit/s (``tc tbf``); None: unshaped.
         run_id: names hostnames and bridge ports (a fresh one by default).
+        aliases: more names per host index (``{0: ["node07"], 1: ["node11"]}``), written into every
+            host's ``/etc/hosts`` only: they resolve inside the hosts, nowhere else (SLURM node names).
 
     Raises:
         RuntimeError: the namespaces cannot be made (:func:`unavailable_reason` says why).
@@ -223,6 +227,7 @@ class TestHosts:
     count: int
     inter_host_gbit: float | None = None
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    aliases: dict[int, list[str]] = field(default_factory=dict)
     switch: Namespace | None = None
     hosts: list[Namespace] = field(default_factory=list)
     started: list[subprocess.Popen] = field(default_factory=list)
@@ -234,6 +239,10 @@ class TestHosts:
             raise ValueError(f"--hosts must be an integer in [1, {MAX_HOSTS}], got {self.count!r}")
         if self.inter_host_gbit is not None and not 0 < self.inter_host_gbit <= 1000:
             raise ValueError(f"--inter-host-gbit must be in (0, 1000] Gbit/s, got {self.inter_host_gbit}")
+        for index, names in self.aliases.items():
+            if not 0 <= index < self.count or not all(_HOSTNAME.fullmatch(name) for name in names):
+                raise ValueError(f"aliases: host {index} must be in [0, {self.count}) and its names host names, "
+                                 f"got {names!r}")
 
     def __enter__(self) -> "TestHosts":
         try:
@@ -283,7 +292,8 @@ class TestHosts:
 
     def etc_hosts(self) -> str:
         lines = ["127.0.0.1 localhost", f"{SWITCH_ADDR} {self.hostname(None)}"]
-        lines += [f"{host_addr(index)} {self.hostname(index)}" for index in range(self.count)]
+        lines += [" ".join([host_addr(index), self.hostname(index), *self.aliases.get(index, ())])
+                  for index in range(self.count)]
         return "\n".join(lines) + "\n"
 
     def _make_host(self, index: int) -> Namespace:

@@ -15,6 +15,7 @@ import warnings
 from pathlib import Path
 
 from gradsync.train.memory_report import limit_below_parameters
+from gradsync import slurm
 from gradsync.fault import checkpoint
 from gradsync.fault.injection import attempt, check_environment
 from gradsync.hosts import memory_children
@@ -23,8 +24,10 @@ from gradsync.train import resume, task
 from gradsync.train.config import TrainConfig
 from gradsync.train.validation import validate, validate_against_data
 from gradsync.jobs.option_rules import refusal
+from gradsync.jobs.srun import launch_srun, prepare as prepare_srun, srun_refusal
 from gradsync.jobs.worker import run_worker
 from gradsync.train.metrics import METRICS_FILE, private_files
+from gradsync.train.tensorboard_events import check_log_dir
 
 
 def under_torchrun() -> bool:
@@ -153,9 +156,12 @@ def run_job(config: TrainConfig, given: set[str] | frozenset = frozenset()) -> d
 
 
 def placement(config: TrainConfig) -> str:
-    """Where the job's workers run: ``local`` processes, one ``torchrun`` rank (this process), ``test hosts``."""
+    """Where the job's workers run: ``local`` processes, one ``torchrun`` rank (this process), ``test hosts``,
+    one ``slurm`` task (this process, under srun; torchrun's variables win)."""
     if under_torchrun():
         return "torchrun"
+    if slurm.under_srun():
+        return "slurm"
     return "test hosts" if config.hosts is not None else "local"
 
 
@@ -164,7 +170,7 @@ def check_options(config: TrainConfig, where: str, given=frozenset()) -> None:
     combination (:mod:`~gradsync.jobs.option_rules`; ``given``: fields named even at their default):
     ValueError with one line naming the option."""
     validate(config)
-    problem = _torchrun_refusal(config, where) or refusal(config, where, given)
+    problem = _torchrun_refusal(config, where) or refusal(config, where, given) or srun_refusal(config, where, given)
     if problem:
         raise ValueError(problem)
 
@@ -185,9 +191,13 @@ def _run_job(config: TrainConfig, given) -> dict | None:
         print(f"gradsync: the worker of slot {outcome['slot']} left the run (exit codes {outcome['exitcodes']})")
         return None
     world_size = int(os.environ["WORLD_SIZE"]) if where == "torchrun" else config.world_size()
+    if where == "slurm":
+        world_size = prepare_srun(config)
     validate_against_data(config, world_size, task.num_train(config))
     if config.trace is not None:
         config.trace = str(check_trace_path(config.trace))
+    if config.tensorboard is not None:  # the extra and the folder, before any process starts
+        config.tensorboard = str(check_log_dir(config.tensorboard))
     if config.checkpoint_dir is not None:
         config.checkpoint_dir = str(check_checkpoint_dir(config.checkpoint_dir))
         check_resumable(config, world_size)
@@ -217,6 +227,11 @@ def _launch_torchrun(config: TrainConfig, world_size: int) -> dict | None:
     # (a replaced host's new agent counts its attempts from 0: a resumable job may always take its folder over)
     reuse = attempt() > 0 or config.checkpoint_dir is not None
     return _in_run_folder(config, reuse, lambda data_path, out_dir: run_worker(config, str(data_path), str(out_dir)))
+
+
+def _launch_slurm(config: TrainConfig, world_size: int) -> dict | None:
+    """This process is one SLURM task (:mod:`gradsync.jobs.srun`): the main rank takes its folder over."""
+    return launch_srun(config, world_size, _in_run_folder)
 
 
 def _launch_local(config: TrainConfig, world_size: int) -> dict | None:
@@ -299,6 +314,7 @@ LAUNCHERS = {
     ("local", "static"): _launch_local,
     ("local", "elastic"): _launch_local_elastic,
     ("torchrun", "static"): _launch_torchrun,
+    ("slurm", "static"): _launch_slurm,
     ("test hosts", "static"): _launch_hosts,
     ("test hosts", "elastic"): _launch_hosts_elastic,
 }

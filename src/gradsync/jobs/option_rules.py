@@ -2,7 +2,7 @@
 
 A run is one combination of a mode (``sync``, ``async``, ``local-sgd``), a
 membership (``static``, ``elastic``) and a placement (``local`` processes,
-one ``torchrun`` rank, ``test hosts``). Each :class:`~gradsync.train.config.TrainConfig`
+one ``torchrun`` rank, ``test hosts``, one ``slurm`` task under srun). Each :class:`~gradsync.train.config.TrainConfig`
 field has a :class:`Rule`: the combinations it is honoured in (everywhere
 unless it says otherwise), the other options it needs and the option values
 it cannot go with (``--num-samples`` with ``--model gpt``). An option set to
@@ -23,7 +23,7 @@ from gradsync.train.config import TrainConfig
 
 MODES = ("sync", "async", "local-sgd")
 MEMBERSHIPS = ("static", "elastic")
-PLACEMENTS = ("local", "torchrun", "test hosts")
+PLACEMENTS = ("local", "torchrun", "test hosts", "slurm")
 
 # (mode, membership, placement) patterns (None: any) that gradsync train refuses whatever the options
 REFUSED_COMBINATIONS = {
@@ -32,6 +32,10 @@ REFUSED_COMBINATIONS = {
     ("async", None, "test hosts"): "--hosts runs --mode sync only (for now)",
     ("local-sgd", None, "test hosts"): "--hosts runs --mode sync only (for now)",
     ("local-sgd", "elastic", None): "--elastic runs --mode sync or async (local-sgd is not elastic yet)",
+    (None, "elastic", "slurm"): "--elastic starts its own launcher per worker: under srun each task is one worker "
+                                "of a fixed group (a preempted job requeues and resumes from its checkpoint)",
+    ("async", None, "slurm"): "under srun, --mode sync or local-sgd (a parameter server's roles are not "
+                              "placed on SLURM tasks yet)",
 }
 
 
@@ -103,7 +107,8 @@ NESTEROV = Rule(modes=("local-sgd",), needs=(("outer_optimizer", "nesterov"),), 
 GPT_SIZE = Rule(needs=(("model", "gpt"),), why="it sizes the gpt (the other models have fixed sizes)")
 
 RULES: dict[str, Rule] = {
-    "nproc": Rule(placements=("local", "test hosts"), why="torchrun's --nproc-per-node sets the workers"),
+    "nproc": Rule(placements=("local", "test hosts", "slurm"),
+                  why="torchrun's --nproc-per-node sets the workers (under srun it must equal SLURM_NTASKS)"),
     "mode": EVERYWHERE,
     "max_staleness": Rule(modes=("async",), why="only a parameter server has stale gradients"),
     "staleness_lr": Rule(modes=("async",), why="only a parameter server has stale gradients"),
@@ -140,17 +145,19 @@ RULES: dict[str, Rule] = {
                            why="a parameter server applies each worker's gradient on arrival: there is no "
                                "step's gradient to take the global norm of"),
     "trace": NOT_ASYNC,
+    "tensorboard": EVERYWHERE,
     "seed": EVERYWHERE, "timeout": EVERYWHERE,
     "memory_limit_mib": Rule(memberships=("static",), placements=("local",),
                              why="gradsync train's own launcher puts each rank of a fixed group on this machine in "
-                                 "a memory cgroup (torchrun and test hosts start their ranks themselves; elastic "
-                                 "workers come and go)"),
+                                 "a memory cgroup (torchrun, test hosts and srun start their ranks themselves; "
+                                 "elastic workers come and go)"),
     "preflight": Rule(modes=("sync", "local-sgd"), memberships=("static",),
                       why="the preflight runs where the trainer builds a fixed group's replicas (a parameter "
                           "server's roles and an elastic membership's hand-over do not run it)"),
     "max_restarts": Rule(modes=("sync", "local-sgd"), memberships=("static",), placements=("local", "test hosts"),
                          why="torch's agent restarts a static sync or local-sgd job (torchrun: give it to torchrun;"
-                             " --elastic: survivors go on)"),
+                             " srun: SLURM requeues the job, which resumes from its checkpoint; --elastic: "
+                             "survivors go on)"),
     "checkpoint_dir": Rule(also_refused=(("async", "static", None),),
                            why="a parameter server without --elastic does not checkpoint"),
     "checkpoint_every": CHECKPOINTS,
@@ -161,7 +168,8 @@ RULES: dict[str, Rule] = {
     "num_samples": Rule(excludes=(("model", "gpt"),),
                         why="it sets how many MNIST-1D examples are drawn; the gpt reads its whole corpus"),
     "data_dir": EVERYWHERE, "out": EVERYWHERE, "progress": EVERYWHERE,
-    "hosts": Rule(placements=("test hosts",), why="it starts one torchrun per test host itself"),
+    "hosts": Rule(placements=("test hosts",), why="it starts one torchrun per test host itself (under srun, "
+                                                  "SLURM placed the tasks)"),
     "inter_host_gbit": HOSTS,
     "join_timeout": _TORCHRUN_HOSTS,
     "cut_link_at": Rule(memberships=("static",), placements=("test hosts",), needs=(("hosts", None),),
@@ -188,7 +196,8 @@ def combination(config: TrainConfig, placement: str) -> tuple[str, str, str]:
 def describe(mode: str, membership: str, placement: str) -> str:
     """``--mode async --elastic under torchrun``: a combination as the user typed it."""
     words = [f"--mode {mode}"] + (["--elastic"] if membership == "elastic" else [])
-    return " ".join(words) + {"local": "", "torchrun": " under torchrun", "test hosts": " with --hosts"}[placement]
+    return " ".join(words) + {"local": "", "torchrun": " under torchrun", "test hosts": " with --hosts",
+                              "slurm": " under srun"}[placement]
 
 
 def set_options(config: TrainConfig, given=frozenset()) -> list[str]:

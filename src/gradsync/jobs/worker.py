@@ -32,23 +32,27 @@ from gradsync.train.config import TrainConfig
 from gradsync.train.loop import Trainer
 from gradsync.train.metrics import METRICS_FILE, SUMMARY_FILE, private_files, read_metrics, write_summary
 from gradsync.train.plots import plot_run
+from gradsync.train.tensorboard_events import write_run_summary
 
 ECHO_DELAY_S = 3.0
 
 
-def run_worker(config: TrainConfig, data_path: str, out_dir: str, memory_cgroups: str | None = None) -> dict | None:
+def run_worker(config: TrainConfig, data_path: str, out_dir: str, memory_cgroups: str | None = None,
+               preemption=None) -> dict | None:
     """Join the group, train (sync / local-sgd trainer, or an async role), leave; the main rank returns the summary.
 
     ``memory_cgroups``: the run's folder of per-rank memory cgroups (``--memory-limit-mib``,
     :class:`~gradsync.hosts.memory_children.ChildCgroups`); this rank moves itself into ``rank-<RANK>``
     there before it builds anything, and the main rank's summary says which cgroup, its limit and peak.
     Everything it writes (run folder, checkpoints, trace, plots) is private (:func:`private_files`).
+    ``preemption``: the trainer's :class:`~gradsync.train.preemption.Preemption` (srun), or None.
     """
     with private_files():
-        return _run_worker(config, data_path, out_dir, memory_cgroups)
+        return _run_worker(config, data_path, out_dir, memory_cgroups, preemption)
 
 
-def _run_worker(config: TrainConfig, data_path: str, out_dir: str, memory_cgroups: str | None) -> dict | None:
+def _run_worker(config: TrainConfig, data_path: str, out_dir: str, memory_cgroups: str | None,
+                preemption) -> dict | None:
     if "TORCHELASTIC_RUN_ID" in os.environ:
         # Ctrl-C reaches the whole process group; the elastic agent stops the
         # workers itself, so a worker's own KeyboardInterrupt would only print a traceback.
@@ -67,7 +71,7 @@ def _run_worker(config: TrainConfig, data_path: str, out_dir: str, memory_cgroup
         if config.mode == "async":
             summary = run_async_role(config, Path(data_path), Path(out_dir))
         else:
-            summary = Trainer(config, Path(data_path), Path(out_dir)).run()
+            summary = Trainer(config, Path(data_path), Path(out_dir), preemption=preemption).run()
     except gradsync.CollectiveTimeoutError as exc:
         _report_timeout(config, out_dir, exc)
         raise
@@ -101,6 +105,7 @@ def _write_run_folder(summary: dict | None, out: Path) -> None:
     if summary is None:
         return
     write_summary(out / SUMMARY_FILE, summary)
+    write_run_summary(summary)  # --tensorboard: the run's totals beside the steps'
     try:
         plot_run(read_metrics(out / METRICS_FILE), summary, out)
     except (KeyError, ValueError, TypeError):  # the plots are a convenience; the summary is written

@@ -37,6 +37,7 @@ from gradsync.train.setup import (make_optimizer, make_scheduler, seed_everythin
                                   straggler_factor)
 from gradsync.train.schedule import lr_fields
 from gradsync.train.summary import RunTotals, build_summary, pushed_gradient
+from gradsync.train.tensorboard_events import TrainBoard
 
 # per-rank numbers gathered at the end: compute_s, wait_s, bytes_sent, bytes_received, pushes, straggler sleep
 _STAT_FIELDS = 6
@@ -142,14 +143,17 @@ class ServerRole:
             self.log.write(restart)
         self.bar = tqdm(total=total_steps, desc="train (async)", unit="step",
                         disable=not (group.progress and config.progress), dynamic_ncols=True)
+        self.board = TrainBoard(config.tensorboard)  # --tensorboard: loss and samples/s per applied update
 
     def run(self) -> dict:
         self.started = time.perf_counter()
+        self.board.open(self.model, True)
         try:
             self.group.serve(self.server, self._on_update)
         finally:
             self.bar.close()
             self.log.close()
+            self.board.close()
         # the final parameters, as a sync run's folder holds them
         checkpoint.write_atomic(self.out_dir / MODEL_FILE, checkpoint.serialize(self.model.state_dict()))
         return self._summary(time.perf_counter() - self.started)
@@ -159,6 +163,7 @@ class ServerRole:
         self.log.write({"kind": "step", "step": version, "worker": worker, "loss": loss,
                         "staleness": staleness, "lr": lr, "elapsed_s": time.perf_counter() - self.started})
         self.bar.update(1)
+        self.board.update(version, loss, self.config.batch_size * self.config.accumulate)
         if version % self.per_epoch == 0:
             self._end_epoch(version // self.per_epoch - 1)
 
@@ -175,6 +180,7 @@ class ServerRole:
         # a restarted elastic server replays the epochs after its checkpoint: the newest record counts
         state["epochs"] = [r for r in state["epochs"] if r["epoch"] != epoch] + [record]
         self.log.write(record)
+        self.board.evaluation(server.version, test_loss, test_accuracy)
         self.bar.set_postfix(loss=f"{record['train_loss']:.3f}", test_acc=f"{100 * test_accuracy:.1f}%")
 
     def _summary(self, wall_s: float) -> dict:

@@ -70,6 +70,7 @@ class TrainConfig:
     shard: str = "none"             # ZeRO level: none | optimizer (ZeRO-1) | gradients (ZeRO-2); sync, static
     clip_grad_norm: float | None = None  # clip the gradients' global 2-norm to this before each step
     trace: str | None = None        # Chrome trace file written at the end (rank 0 gathers all ranks)
+    tensorboard: str | None = None  # TensorBoard event files' folder, written by the main rank (docs/tensorboard.md)
     seed: int = 0                   # model init, shuffling
     timeout: float = 300.0          # seconds any collective may wait for a peer
     memory_limit_mib: int | None = None  # each rank in its own memory cgroup with this limit (local, static)

@@ -50,16 +50,19 @@ from gradsync.train.state import TrainState
 from gradsync.train.forward_backward import backward, epoch_micro_batches, micro_shard_backward
 from gradsync.train.evaluate import evaluate, gather_trace
 from gradsync.train.summary import build_summary, gather_totals
+from gradsync.train.tensorboard_events import TrainBoard
 
 
 class Trainer:
     """One worker of a sync or local-SGD run, static or elastic; the main rank also writes the run folder.
 
-    ``membership``: who takes part (None: the static group ``gradsync.init()`` formed).
+    ``membership``: who takes part (None: the static group ``gradsync.init()`` formed); ``preemption``: a
+    :class:`~gradsync.train.preemption.Preemption` whose signal stops every rank at one step with a checkpoint.
     """
 
-    def __init__(self, config: TrainConfig, data_path: Path, out_dir: Path, membership=None):
+    def __init__(self, config: TrainConfig, data_path: Path, out_dir: Path, membership=None, preemption=None):
         self.config = config
+        self.preemption = preemption
         self.membership = membership or StaticMembership()
         self.elastic = self.membership.elastic
         self.out_dir = Path(out_dir)
@@ -76,6 +79,7 @@ class Trainer:
         self.state = TrainState()
         self.membership.attach(self.events, lambda: self.state.step + 1)
         self.timeline = Timeline(self.membership.slot) if config.trace else None
+        self.board = TrainBoard(config.tensorboard)  # --tensorboard: the main rank's event files
         self.model = self.log = self.world_change = self.resumed_from = None
         self.compression_state = None  # elastic: this rank's residuals as of its last committed step
         self._replica_check_due = False  # --check-replicas-every in local SGD: waiting for the next average
@@ -113,6 +117,7 @@ class Trainer:
         self.straggler_factor = straggler_factor(self.config, self.membership.slot)
         self.model.timeline = self.timeline
         self.meter = StepMeter(self.model, self.timeline, comm_outside=self.local_sgd)
+        self.board.open(self.model, self.is_main)
 
     def _restore(self) -> None:
         validate_against_data(self.config, self.world_size, self.num_train)
@@ -241,6 +246,7 @@ class Trainer:
         with resume.whole_parameters(self.model):  # ZeRO-3: every rank gathers them (the summary counts them)
             summary = self._summary()
             model_state = self.model.module.state_dict() if self.log else None
+        self.board.close()
         if self.log:
             self.log.close()
             self.log = None
@@ -250,6 +256,7 @@ class Trainer:
 
     def _leave(self, exc: BaseException) -> None:
         """An elastic member's step failed: close the log, count the bytes so far, hand back to the quorum."""
+        self.board.close()
         if self.log is not None:
             self.log.close()
             self.log = None
@@ -285,6 +292,10 @@ class Trainer:
             bar.update(1)
             if self._checkpoint_due():
                 self._save_checkpoint()
+            elif self.preemption is not None and not self._last_step() and self.preemption.requested(self.state.step):
+                self._save_checkpoint()
+                self.board.close()  # the metrics log is flushed at every record
+                raise self.preemption.stop(self.state.step)
 
     def _step(self, micro_batches: list[list[int]]) -> float:
         """One optimizer step over ``micro_batches`` (lists of sample indices); returns its loss."""
@@ -335,6 +346,7 @@ class Trainer:
         record = meter.stop(self.state.times)
         self.state.step_bytes_sent += record.bytes_sent
         self.state.step += 1
+        self.board.step(self.state.step, step_loss, record, self.plan.samples_per_step, meter.started_s)
         if self.log:
             bytes_total = self.state.bytes_sent_offset + self.model.comm.stats.bytes_sent
             self.log.write({"kind": "step", "epoch": self.state.epoch, "step": self.state.step, "loss": step_loss,
@@ -359,6 +371,7 @@ class Trainer:
                   "test_loss": test_loss, "test_accuracy": test_accuracy, "elapsed_s": self.elapsed_s(),
                   "world_size": self.world_size}
         self.state.epoch_records.append(record)
+        self.board.evaluation(self.state.step, test_loss, test_accuracy)
         if self.log:
             self.log.write(record)
         bar.set_postfix(loss=f"{record['train_loss']:.3f}", test_acc=f"{100 * test_accuracy:.1f}%")
@@ -366,11 +379,13 @@ class Trainer:
 
     # -- checkpoints -----------------------------------------------------------------------------
 
+    def _last_step(self) -> bool:
+        return self.state.epoch == self.config.epochs - 1 and self.state.steps_in_epoch == self.epoch_steps()
+
     def _checkpoint_due(self) -> bool:
-        last = self.state.epoch == self.config.epochs - 1 and self.state.steps_in_epoch == self.epoch_steps()
         # the last step's checkpoint is written after the last evaluation
         return (self.checkpoint_root is not None and self.state.step % self.config.checkpoint_every == 0
-                and not last)
+                and not self._last_step())
 
     def _save_checkpoint(self) -> None:
         started = time.perf_counter()

@@ -73,6 +73,7 @@ class StepMeter:
     def start(self) -> "StepMeter":
         """Begin a step: zero the phase seconds and remember the communication counters."""
         self.seconds = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+        self.started_s = time.perf_counter()  # the step's start (its wall time ends where the caller says)
         self._comm0, self._exposed0 = self.model.comm_seconds, self.model.exposed_comm_seconds
         self._bytes0 = self.model.comm.stats.bytes_sent
         return self
