@@ -126,8 +126,8 @@ class RayCluster:
         import ray
 
         self.storage = tempfile.TemporaryDirectory(prefix="gradsync-bench-ray-")
-        ray.init(num_cpus=self.world_size, include_dashboard=False, object_store_memory=100 * 2**20,
-                 log_to_driver=False, configure_logging=False)
+        ray.init(address="local", num_cpus=self.world_size, include_dashboard=False,
+                 object_store_memory=100 * 2**20, log_to_driver=False, configure_logging=False)
         return self
 
     def __exit__(self, *exc) -> None:

@@ -66,6 +66,7 @@ def integration_rows(times: dict[str, list[float]], base: dict, samples_per_step
     rows = []
     for impl, runs in times.items():
         row = {"kind": "integration", **base, "impl": impl, "repeat": len(runs),
+               "algorithm": "native" if impl.endswith("ddp") else base["algorithm"],
                **with_spread("samples_per_s", rate[impl]), **with_spread("step_s", [s / steps for s in runs]),
                **with_spread("vs_gradsync", paired_ratios(rate[impl], rate["gradsync"])),
                **with_spread("vs_plain", paired_ratios(rate[impl], rate[plain_peer(impl)])),
