@@ -2,8 +2,10 @@
 
 Every job trains ``bench train``'s model (:func:`~gradsync.bench.train.build_bench_model`, seed
 ``MODEL_SEED``) with SGD on each rank's fixed batch (:func:`~gradsync.bench.train.make_batch`) at one
-thread per rank, runs ``warmup`` untimed steps, lines the ranks up, times ``steps`` steps, lines them up
-again and returns the slowest rank's seconds. What differs is only who runs the loop:
+thread per rank, runs ``warmup`` untimed steps, then times ``steps`` steps in :data:`WINDOWS` consecutive
+windows, each between two barriers, and returns the seconds per step of the median window (the slowest
+rank's seconds of each window): a burst of other load on the machine moves one window, not the job's
+figure. What differs is only who runs the loop:
 
 * ``gradsync`` / ``ddp``: the plain loop (:func:`gradsync.bench.train.measure`) in a fresh local world;
 * ``lightning-gradsync`` / ``lightning-ddp``: Lightning's ``Trainer`` (automatic optimisation, no logger,
@@ -22,43 +24,102 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 IMPLS = ("gradsync", "ddp", "lightning-gradsync", "lightning-ddp", "ray-gradsync", "ray-ddp")
 INTEGRATIONS = {"lightning": ("lightning-gradsync", "lightning-ddp"), "ray": ("ray-gradsync", "ray-ddp")}
 JOB_TIMEOUT_S = 900
+WINDOWS = 5  # timed windows per job
+
+
+def window_sizes(steps: int, windows: int = WINDOWS) -> list[int]:
+    """``steps`` split into at most ``windows`` consecutive windows whose sizes differ by at most one.
+
+    >>> window_sizes(20), window_sizes(7), window_sizes(2)
+    ([4, 4, 4, 4, 4], [2, 2, 1, 1, 1], [1, 1])
+    """
+    count = max(1, min(windows, steps))
+    return [steps // count + (1 if index < steps % count else 0) for index in range(count)]
+
+
+def step_seconds(window_seconds: list[float], sizes: list[int]) -> float:
+    """Seconds per step of the median window (``window_seconds[k]``: the slowest rank's seconds of window k).
+
+    >>> step_seconds([4.0, 1.0, 9.0], [2, 1, 3])
+    2.0
+    """
+    per_step = sorted(seconds / size for seconds, size in zip(window_seconds, sizes))
+    middle = len(per_step) // 2
+    return per_step[middle] if len(per_step) % 2 else (per_step[middle - 1] + per_step[middle]) / 2
+
+
+def slowest_rank(window_seconds: list[float]) -> list[float]:
+    """Each window's seconds, the maximum over the ranks (collective over torch's default group)."""
+    tensor = torch.tensor(window_seconds, dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+def timed_windows(train, steps: int) -> float:
+    """Run ``train(count)`` over the windows of ``steps``, each between barriers; the median window's
+    seconds per step, slowest rank (collective)."""
+    sizes, seconds = window_sizes(steps), []
+    for size in sizes:
+        dist.barrier()
+        started = time.perf_counter()
+        train(size)
+        dist.barrier()
+        seconds.append(time.perf_counter() - started)
+    return step_seconds(slowest_rank(seconds), sizes)
+
+
+def _sgd_steps(model, inputs, labels):
+    from gradsync.bench.train import LR
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+
+    def train(count: int) -> None:
+        for _ in range(count):
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(model(inputs), labels).backward()
+            optimizer.step()
+    return train
 
 
 def _plain_worker(impl: str, algorithm: str, model: str, steps: int, warmup: int) -> float | None:
     import gradsync
-    from gradsync.bench.train import MODEL_SEED, build_bench_model, make_batch, measure
+    from gradsync.bench.train import MODEL_SEED, build_bench_model, make_batch, wrap
     from gradsync.train.setup import threads_per_worker
 
     gradsync.init()
     try:
         torch.set_num_threads(threads_per_worker(gradsync.world_size()))
         torch.manual_seed(MODEL_SEED)
-        initial = build_bench_model(model)
+        module = build_bench_model(model)
         inputs, labels = make_batch(model, gradsync.rank())
-        key = ("gradsync", algorithm, False) if impl == "gradsync" else ("ddp", "native", False)
-        elapsed = measure(key, initial, inputs, labels, steps, warmup)["elapsed_s"]
-        return elapsed if gradsync.rank() == 0 else None
+        wrapped = wrap("gradsync", algorithm, module) if impl == "gradsync" else wrap("ddp", "native", module)
+        train = _sgd_steps(wrapped, inputs, labels)
+        train(warmup)
+        step_s = timed_windows(train, steps)
+        return step_s if gradsync.rank() == 0 else None
     finally:
         gradsync.shutdown()
 
 
 def run_plain(impl: str, algorithm: str, model: str, world_size: int, steps: int, warmup: int) -> float:
-    """Seconds of ``steps`` steps of the plain gradsync (or DDP) loop, slowest rank, in a fresh world."""
+    """Seconds per step (median window, slowest rank) of the plain gradsync (or DDP) loop, in a fresh world."""
     from gradsync.launch import launch_local
 
     return float(launch_local(world_size, _plain_worker, impl, algorithm, model, steps, warmup)[0])
 
 
 def run_lightning(impl: str, algorithm: str, model: str, world_size: int, steps: int, warmup: int) -> float:
-    """Seconds of ``steps`` Lightning training steps, slowest rank (a ``python -m`` job of its own)."""
+    """Seconds per step (median window, slowest rank) of Lightning's loop (a ``python -m`` job of its own)."""
     with tempfile.TemporaryDirectory(prefix="gradsync-bench-lightning-") as folder:
         result = Path(folder) / "result.json"
         spec = {"impl": impl, "algorithm": algorithm, "model": model, "world_size": world_size, "steps": steps,
@@ -68,16 +129,13 @@ def run_lightning(impl: str, algorithm: str, model: str, world_size: int, steps:
         if done.returncode != 0 or not result.exists():
             tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
             raise RuntimeError(f"the {impl} job failed (exit {done.returncode}): {' | '.join(tail)}")
-        return float(json.loads(result.read_text())["elapsed_s"])
+        return float(json.loads(result.read_text())["step_s"])
 
 
 def _ray_loop(config: dict) -> None:
-    import time
-
     import ray.train
-    import torch.distributed as dist
 
-    from gradsync.bench.train import LR, MODEL_SEED, build_bench_model, make_batch
+    from gradsync.bench.train import MODEL_SEED, build_bench_model, make_batch
     from gradsync.train.setup import threads_per_worker
 
     context = ray.train.get_context()
@@ -94,23 +152,11 @@ def _ray_loop(config: dict) -> None:
 
         wrapped = ray_prepare_model(module)
     inputs, labels = make_batch(config["model"], rank)
-    optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
-
-    def steps(count: int) -> None:
-        for _ in range(count):
-            optimizer.zero_grad(set_to_none=True)
-            F.cross_entropy(wrapped(inputs), labels).backward()
-            optimizer.step()
-
-    steps(config["warmup"])
-    dist.barrier()
-    started = time.perf_counter()
-    steps(config["steps"])
-    dist.barrier()
-    elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    train = _sgd_steps(wrapped, inputs, labels)
+    train(config["warmup"])
+    step_s = timed_windows(train, config["steps"])
     if rank == 0:  # Ray Train keeps reported metrics only with a checkpoint: the driver reads a file
-        Path(config["result"]).write_text(json.dumps({"elapsed_s": float(elapsed.item())}), encoding="utf-8")
+        Path(config["result"]).write_text(json.dumps({"step_s": step_s}), encoding="utf-8")
 
 
 class RayCluster:
@@ -137,7 +183,7 @@ class RayCluster:
         self.storage.cleanup()
 
     def run(self, impl: str, algorithm: str, model: str, steps: int, warmup: int) -> float:
-        """Seconds of ``steps`` steps in a ``TorchTrainer`` of ``world_size`` workers, slowest rank."""
+        """Seconds per step (median window, slowest rank) in a ``TorchTrainer`` of ``world_size`` workers."""
         from ray.train import RunConfig, ScalingConfig
         from ray.train.torch import TorchTrainer
 
@@ -149,4 +195,4 @@ class RayCluster:
                                                             resources_per_worker={"CPU": 1}),
                                run_config=RunConfig(storage_path=self.storage.name))
         trainer.fit()
-        return float(json.loads(result.read_text(encoding="utf-8"))["elapsed_s"])
+        return float(json.loads(result.read_text(encoding="utf-8"))["step_s"])

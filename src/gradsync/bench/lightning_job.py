@@ -1,7 +1,7 @@
 """One timed Lightning run for ``gradsync bench train --integrations``: ``python -m gradsync.bench.lightning_job SPEC``.
 
 ``SPEC`` is a JSON object: ``impl`` ("lightning-gradsync" or "lightning-ddp"), ``algorithm``, ``model``,
-``world_size``, ``steps``, ``warmup``, ``result`` (the JSON file rank 0 writes ``{"elapsed_s": ...}``
+``world_size``, ``steps``, ``warmup``, ``result`` (the JSON file rank 0 writes ``{"step_s": ...}``
 to) and ``root`` (Lightning's ``default_root_dir``). Lightning's subprocess launcher starts the other
 ranks by running the same command again (:mod:`gradsync.bench.integration_jobs`).
 """
@@ -48,23 +48,32 @@ def _module_class():
 def _timer_class(warmup: int, steps: int):
     import lightning.pytorch as pl
 
-    class StepTimer(pl.Callback):
-        """Lines the ranks up before step ``warmup`` and after step ``warmup + steps - 1``; the slowest
-        rank's seconds between end up in ``elapsed_s``."""
+    from gradsync.bench.integration_jobs import slowest_rank, step_seconds, window_sizes
 
-        elapsed_s = None
+    sizes = window_sizes(steps)
+    starts = [warmup + sum(sizes[:index]) for index in range(len(sizes))]
+    ends = {start + size - 1: index for index, (start, size) in enumerate(zip(starts, sizes))}
+
+    class StepTimer(pl.Callback):
+        """Times the windows of :func:`~gradsync.bench.integration_jobs.window_sizes` after ``warmup``
+        steps, each between two barriers; ``step_s``: the median window's seconds per step, slowest rank."""
+
+        step_s = None
+
+        def __init__(self):
+            self.seconds: list[float] = []
 
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
-            if batch_idx == warmup:
+            if batch_idx in starts:
                 dist.barrier()
                 self.started = time.perf_counter()
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            if batch_idx == warmup + steps - 1:
+            if batch_idx in ends:
                 dist.barrier()
-                elapsed = torch.tensor([time.perf_counter() - self.started], dtype=torch.float64)
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                self.elapsed_s = float(elapsed.item())
+                self.seconds.append(time.perf_counter() - self.started)
+                if len(self.seconds) == len(sizes):
+                    self.step_s = step_seconds(slowest_rank(self.seconds), sizes)
 
     return StepTimer()
 
@@ -98,7 +107,7 @@ def main(spec: dict) -> None:
     trainer.fit(_module_class()(spec["model"], total))
     if trainer.global_rank == 0:
         with open(spec["result"], "w", encoding="utf-8") as file:
-            json.dump({"elapsed_s": timer.elapsed_s}, file)
+            json.dump({"step_s": timer.step_s}, file)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,8 @@ def _run_once(impl: str, algorithm: str, model: str, world_size: int, steps: int
 
 def measure_all(impls: list[str], algorithm: str, model: str, world_size: int, steps: int, warmup: int,
                 repeat: int) -> dict[str, list[float]]:
-    """Seconds of ``steps`` steps per implementation and repetition (rotated order), slowest rank."""
+    """Seconds per step per implementation and repetition (rotated order; each the median window of its
+    job, slowest rank)."""
     times: dict[str, list[float]] = {impl: [] for impl in impls}
     needs_ray = any(impl.startswith("ray") for impl in impls)
     with (RayCluster(world_size) if needs_ray else contextlib.nullcontext()) as ray:
@@ -55,19 +56,20 @@ def measure_all(impls: list[str], algorithm: str, model: str, world_size: int, s
             shift = repetition % len(impls)
             for impl in impls[shift:] + impls[:shift]:
                 times[impl].append(_run_once(impl, algorithm, model, world_size, steps, warmup, ray))
-                print(f"# repetition {repetition + 1}/{repeat}: {impl} {times[impl][-1]:.3f} s", flush=True)
+                print(f"# repetition {repetition + 1}/{repeat}: {impl} {times[impl][-1]:.4f} s per step", flush=True)
     return times
 
 
-def integration_rows(times: dict[str, list[float]], base: dict, samples_per_step: int, steps: int) -> list[dict]:
-    """One row per implementation: samples/s, step seconds, ``vs_gradsync`` and ``vs_plain`` with spreads,
-    and the goal's verdict on the rows it judges."""
-    rate = {impl: [samples_per_step * steps / seconds for seconds in runs] for impl, runs in times.items()}
+def integration_rows(times: dict[str, list[float]], base: dict, samples_per_step: int) -> list[dict]:
+    """One row per implementation from its seconds per step in each repetition (``times[impl][k]``):
+    samples/s, step seconds, ``vs_gradsync`` and ``vs_plain`` with spreads, and the goal's verdict on the
+    rows it judges."""
+    rate = {impl: [samples_per_step / seconds for seconds in runs] for impl, runs in times.items()}
     rows = []
     for impl, runs in times.items():
         row = {"kind": "integration", **base, "impl": impl, "repeat": len(runs),
                "algorithm": "native" if impl.endswith("ddp") else base["algorithm"],
-               **with_spread("samples_per_s", rate[impl]), **with_spread("step_s", [s / steps for s in runs]),
+               **with_spread("samples_per_s", rate[impl]), **with_spread("step_s", runs),
                **with_spread("vs_gradsync", paired_ratios(rate[impl], rate["gradsync"])),
                **with_spread("vs_plain", paired_ratios(rate[impl], rate[plain_peer(impl)])),
                "plain_peer": plain_peer(impl)}
@@ -116,7 +118,7 @@ def run_integrations(*, integrations: str, nproc: str, models: str, algorithms: 
             times = measure_all(impls, algorithm, model, world_size, timed, warmup, repeat)
             base = {"model": model, "world_size": world_size, "algorithm": algorithm, "steps": timed,
                     "warmup": warmup, "batch_per_rank": BATCH_PER_RANK[model], "threads_per_rank": 1}
-            rows += integration_rows(times, base, BATCH_PER_RANK[model] * world_size, timed)
+            rows += integration_rows(times, base, BATCH_PER_RANK[model] * world_size)
     print(format_integration_table(rows), flush=True)
     print("\n".join(goal_lines(rows)), flush=True)
     if json_path:
