@@ -19,6 +19,7 @@ figure. What differs is only who runs the loop:
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -106,6 +107,10 @@ def _plain_worker(impl: str, algorithm: str, model: str, steps: int, warmup: int
         train = _sgd_steps(wrapped, inputs, labels)
         train(warmup)
         step_s = timed_windows(train, steps)
+        # free the wrapper while its group lives: a DDP Reducer that is the last owner of the group
+        # destroys it holding the GIL while Gloo's thread waits for the GIL (a deadlock seen here)
+        del wrapped, train
+        gc.collect()
         return step_s if gradsync.rank() == 0 else None
     finally:
         gradsync.shutdown()
