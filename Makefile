@@ -46,7 +46,7 @@ test-slow: $(STAMP)
 # 15"`; a bench's full-length defaults: `gradsync bench NAME` (`gradsync bench record NAME` keeps it).
 BENCH_DIR := docs/bench
 BENCHES ?= allreduce allreduce_shm2 allreduce_shm4 allreduce_hosts_1g allreduce_hosts_10g allreduce_rs allreduce_ag \
-	train compression modes modes_compute faults \
+	train train_integrations compression modes modes_compute faults \
 	faults_elastic deterministic bitwise replicas memory preflight fit large-batch \
 	sim_calibrate sim_validate sim_reproduce sim_scale
 BENCH_allreduce ?= --nproc 4 --sizes 4K,64K,1M,16M,64M --algorithms ring,tree,halving_doubling,hierarchical,shm,shm_zero_copy,native,auto
@@ -63,6 +63,8 @@ BENCH_RSAG := --nproc 4 --sizes 4K,64K,1M,16M,64M --algorithms ring,halving_doub
 BENCH_allreduce_rs ?= --collective reduce_scatter $(BENCH_RSAG)
 BENCH_allreduce_ag ?= --collective all_gather $(BENCH_RSAG)
 BENCH_train ?= --nproc 2 --model cnn,mlp --algorithms auto,shm,shm_zero_copy,ring,native --steps 50 --repeat 3
+# Lightning and Ray Train against the plain loop (issue 41): the MLP, 2 ranks, 30 timed steps in 5 windows, 5 repetitions
+BENCH_train_integrations ?= --integrations lightning,ray --model mlp --nproc 2 --algorithms auto --steps 150 --repeat 5
 BENCH_compression ?= --compressions none,fp16,onebit,topk,powersgd --epochs 5 --compression-warmup-steps 125 \
 	--throughput-steps 2 --repeat 2
 # modes: 26 epochs = 3250 steps, 50 outer rounds at DiLoCo's H = 64; outer momentum 0.5 (the paper's 0.9 overshoots

@@ -207,6 +207,9 @@ def _add_train_bench_options(parser: argparse.ArgumentParser) -> None:
     add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
     add("--no-memory", dest="memory", action="store_false", help="skip the peak-memory comparison of "
         "gradient_as_bucket_view False/True (largest model, world size 2)")
+    add("--integrations", default=None, metavar="NAMES", help="instead: the plain gradsync and DDP loops against "
+        "the same loop in each named framework (lightning, ray; rows lightning-gradsync, lightning-ddp, "
+        "ray-gradsync, ray-ddp), one fresh job per implementation and repetition; one --algorithms name")
     _add_bench_hosts_options(parser)
 
 
@@ -236,6 +239,15 @@ def bench_allreduce(args: argparse.Namespace) -> int:
 def bench_train(args: argparse.Namespace) -> int:
     from gradsync.bench.train import run_bench
 
+    if args.integrations is not None:
+        from gradsync.bench.train_integrations import run_integrations
+
+        if args.hosts is not None:
+            raise ValueError("--integrations runs on this machine; leave out --hosts")
+        run_integrations(integrations=args.integrations, nproc=args.nproc, models=args.model,
+                         algorithms=args.algorithms, steps=args.steps, warmup=args.warmup, repeat=args.repeat,
+                         json_path=args.json)
+        return 0
     run_bench(nproc=args.nproc, models=args.model, algorithms=args.algorithms, steps=args.steps,
               warmup=args.warmup, repeat=args.repeat, json_path=args.json, memory=args.memory,
               hosts=args.hosts, inter_host_gbit=args.inter_host_gbit, join_timeout_s=args.join_timeout)

@@ -34,7 +34,8 @@ from gradsync.bench.sim_report import tables as sim_tables
 
 # Record names: a bench, or "<bench>_<label>" for a second setting of one (the test-host sweeps).
 BENCHES = ("allreduce", "allreduce_shm2", "allreduce_shm4", "allreduce_hosts_1g", "allreduce_hosts_10g",
-           "allreduce_rs", "allreduce_ag", "train", "compression", "modes", "modes_compute", "faults", "faults_elastic",
+           "allreduce_rs", "allreduce_ag", "train", "train_integrations", "compression", "modes", "modes_compute",
+           "faults", "faults_elastic",
            "deterministic", "bitwise", "replicas", "memory", "preflight", "fit", "large-batch")
 BENCHES = BENCHES + tuple(SIM_COMMANDS)  # the simulator's records: calibrate, --validate, --reproduce, scale
 DEFAULT_BENCH_DIR = "docs/bench"
@@ -149,6 +150,9 @@ def tables(name: str, rows: list[dict]) -> list[str]:
         from gradsync.bench.train import format_memory_table, format_table
         throughput = [row for row in rows if row.get("kind", "throughput") == "throughput"]
         memory = [row for row in rows if row.get("kind") == "memory"]
+        if any(row.get("kind") == "integration" for row in rows):
+            from gradsync.bench.train_integrations import format_integration_table, goal_lines
+            return [format_integration_table(rows), "\n".join(goal_lines(rows))]
         return [format_table(throughput)] + ([format_memory_table(memory)] if memory else [])
     if name == "compression":
         from gradsync.bench.compression import format_accuracy_table, format_throughput_table

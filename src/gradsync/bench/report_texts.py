@@ -3,6 +3,7 @@
 :mod:`gradsync.bench.report` renders the page from these and the recorded rows.
 """
 
+from gradsync.bench.integration_texts import INTEGRATIONS_ABOUT, INTEGRATIONS_TITLES
 from gradsync.bench.large_batch_texts import LARGE_BATCH_ABOUT, LARGE_BATCH_TITLES
 from gradsync.bench.memory_estimate_texts import FIT_ABOUT, FIT_TITLES, PREFLIGHT_ABOUT, PREFLIGHT_TITLES
 from gradsync.bench.modes_texts import MODES_ABOUT, MODES_TITLES
@@ -372,12 +373,14 @@ TITLES = {"allreduce": "AllReduce sweep", "allreduce_shm2": "Shared memory again
            "replicas": "Replica checks: the cost of one check against one training step"}
 
 ABOUT.update(MODES_ABOUT)
+ABOUT.update(INTEGRATIONS_ABOUT)
 ABOUT.update(MEMORY_ABOUT)
 ABOUT.update(PREFLIGHT_ABOUT)
 ABOUT.update(FIT_ABOUT)
 ABOUT.update(LARGE_BATCH_ABOUT)
 ABOUT.update(SIM_ABOUT)
 TITLES.update(MODES_TITLES)
+TITLES.update(INTEGRATIONS_TITLES)
 TITLES.update(MEMORY_TITLES)
 TITLES.update(LARGE_BATCH_TITLES)
 TITLES.update(PREFLIGHT_TITLES)
