@@ -24,4 +24,16 @@ the plain gradsync loop's in the same repetition (the goal: the gradsync
 integrations within 3%, median); `vs own plain loop` is over the plain loop
 of the same reducer (gradsync or DDP): what the framework's per-step work
 costs.""",
+    "train_integrations_after": """\
+How to read it. A row's `vs gradsync loop` above 1 means the framework's
+job stepped faster than the plain loop's in the same repetition: every job
+is a fresh set of processes, and the jobs of one repetition run one after
+another, so load from other programs that lasts a whole job lands on some
+rows and not on others (the windows' median removes only short bursts); the
+min–max beside each median shows how far that moved them. The goal is judged
+on the median only. The per-step work Lightning adds (its hooks, the
+closure, the optimizer wrapper) and Ray Train adds (none inside the loop:
+the workers run the user's function) is small against a step of this MLP,
+which is why the issue asks for this model; on the 5k-parameter CNN of
+`bench train` Lightning's per-step cost is a large share of a step.""",
 }
