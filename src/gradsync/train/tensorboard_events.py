@@ -104,7 +104,7 @@ def agree_on_log_dir(comm, log_dir: str | Path, all_ranks: bool) -> Path | None:
     try:
         _check_not_empty(log_dir, HOOK_OPTION)
         if folder is not None:
-            check_log_dir(folder, HOOK_OPTION)
+            folder = check_log_dir(folder, HOOK_OPTION)  # absolute, ``~`` expanded, created
         problem = ""
     except ValueError as exc:
         problem = str(exc)
