@@ -165,10 +165,39 @@ def test_an_unwritable_folder_is_refused_in_one_line_before_any_process(tmp_path
         assert not (tmp_path / "run").exists()  # nothing started, no run folder
 
 
+def _hook_refusal(comm, folder, all_ranks: bool) -> str:
+    """The one-line ValueError a rank's TensorBoardHook(model, folder) raised (the test fails if it raised none)."""
+    model = gradsync.DataParallel(_Net(), group=comm, algorithm="ring")
+    with pytest.raises(ValueError) as raised:
+        TensorBoardHook(model, folder, all_ranks=all_ranks)
+    return str(raised.value)
+
+
+@pytest.mark.timeout(60)
+def test_the_hook_refuses_a_bad_log_dir_on_every_rank_in_one_line(tmp_path, monkeypatch):
+    """An empty, file or unwritable log_dir: every rank raises the same one-line ValueError at construction,
+    as ``--tensorboard`` words it; with all_ranks, rank 1's bad folder is rank 0's error too."""
+    monkeypatch.chdir(tmp_path)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    (tmp_path / "tb").mkdir()
+    (tmp_path / "tb" / "rank-1").write_text("")  # all_ranks: rank 1's run folder is a file
+    option = "TensorBoardHook log_dir"
+    cases = [("", False, f"{option} needs a folder, got an empty string"),
+             (blocker, False, f"{option} {blocker} is a file, not a folder"),
+             (blocker / "tb", False, f"{option} {blocker / 'tb'} is not a writable folder: Not a directory"),
+             (tmp_path / "tb", True, f"{option} {tmp_path / 'tb' / 'rank-1'} is a file, not a folder")]
+    for folder, all_ranks, said in cases:
+        messages = run_threads(2, lambda comm: _hook_refusal(comm, folder, all_ranks), timeout_s=40)
+        assert messages == [said, said], folder
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["file", "tb"]  # "" wrote nothing here
+    assert not list(tmp_path.rglob("events.out.tfevents.*"))  # no rank opened an event file
+
+
 def test_a_missing_extra_says_which_in_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # `import tensorboard` fails as if not installed
     result = run_cli(["train", "--out", str(tmp_path / "run"), "--tensorboard", str(tmp_path / "tb")], capsys)
-    assert result.returncode == 1
+    assert result.returncode == 2  # refused before any process starts, as a bad option is
     assert result.stderr.count("\n") == 1
     assert "--tensorboard needs the 'tensorboard' extra" in result.stderr
     assert "pip install 'gradsync[tensorboard]'" in result.stderr
@@ -178,8 +207,37 @@ def test_a_missing_extra_says_which_in_one_line(tmp_path, capsys, monkeypatch):
         TensorBoardHook(model, tmp_path / "tb")
 
 
+RUN_TAGS = {tag for tag in TAGS if tag.startswith("run/")}
+
+
+def _elastic_async_lacks() -> set[str]:
+    """The run/* tags docs/tensorboard.md's async bullet says an elastic async run does not write."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "tensorboard.md").read_text(encoding="utf-8")
+    sentence = page.split("- **Async** runs", 1)[1].split("An elastic async run", 1)[1].split(". ", 1)[0]
+    return {tag for tag in RUN_TAGS if f"`{tag}`" in sentence}
+
+
+def test_an_elastic_async_summary_writes_no_nan_and_the_page_names_the_run_tags_it_lacks(tmp_path):
+    """summary.json of ``--mode async --elastic`` has NaN communication totals (worker times are not kept
+    across memberships): those run/* tags are left out, not written as NaN, and the page names them."""
+    summary = {"steps": 150, "train_wall_s": 1.5, "samples_per_s": 3200.0, "communication_s": float("nan"),
+               "exposed_communication_s": float("nan"), "bytes_sent_per_step": 60876.4,
+               "final_test_accuracy": 0.32, "algorithms": [{"bucket_nbytes": 60800, "algorithm": "parameter_server"}]}
+    from gradsync.train.tensorboard_events import EventWriter
+
+    events = EventWriter(tmp_path)
+    events.write_summary(summary)
+    events.close()
+    read = _events(tmp_path)
+    written = {tag: _scalars(read, tag) for tag in RUN_TAGS & set(read.Tags()["scalars"])}
+    assert written == {"run/samples_per_s": {150: 3200.0}, "run/bytes_sent_per_step": {150: pytest.approx(60876.4)},
+                       "run/final_test_accuracy": {150: pytest.approx(0.32)}}
+    assert _elastic_async_lacks() == RUN_TAGS - set(written)
+
+
 MODES = {  # every mode and placement the loops serve besides the early job's (sync, static, local processes)
     "async": ["--mode", "async"],
+    "async-elastic": ["--mode", "async", "--elastic"],
     "local-sgd": ["--mode", "local-sgd", "--sync-every", "2"],
     "deterministic-sharded": ["--deterministic", "--global-batch-size", "64", "--shard", "gradients"],
     "elastic": ["--elastic"],
@@ -228,3 +286,8 @@ def test_every_mode_writes_its_losses(tmp_path, capsys, mode):
     assert list(_scalars(events, "eval/accuracy").values()) == pytest.approx(accuracies, rel=1e-6)
     texts = _texts(events, "buckets/algorithms")
     assert all(entry["algorithm"] in texts[max(texts)] for entry in summary["algorithms"])
+    run_tags = RUN_TAGS & set(events.Tags()["scalars"])
+    if mode == "async-elastic":  # the totals the page says an elastic async run lacks, and only those
+        assert RUN_TAGS - run_tags == _elastic_async_lacks()
+    else:
+        assert run_tags == RUN_TAGS

@@ -7,6 +7,7 @@ import sys
 
 from gradsync.collectives.ops import ALGORITHMS
 from gradsync.compression import COMPRESSIONS
+from gradsync.errors import MissingExtraError
 from gradsync.parallel.outer_optimizer import OUTER_OPTIMIZERS
 from gradsync.parallel.outer_sync import OUTER_COMPRESSIONS
 from gradsync.parallel.shard_layout import IMPLEMENTED_LEVELS
@@ -203,13 +204,21 @@ def _given(argv: list[str] | None) -> set[str]:
 
 def train(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     """``gradsync train``: run the job (:func:`~gradsync.jobs.job.run_job`); the main process prints the
-    algorithm line, the preflight line and the result line. Returns the exit code (0)."""
+    algorithm line, the preflight line and the result line. Returns the exit code (0).
+
+    Raises:
+        ValueError: a refused option, before any process starts (one line; ``gradsync`` exits 2), a missing
+            extra (``--tensorboard`` without ``gradsync[tensorboard]``) included.
+    """
     from gradsync.jobs.job import run_job
     from gradsync.train.memory_report import preflight_line
     from gradsync.train.summary import algorithm_line
 
     config = _config_from_args(args)
-    summary = run_job(config, given={name for name in _given(argv) if hasattr(config, name)})
+    try:
+        summary = run_job(config, given={name for name in _given(argv) if hasattr(config, name)})
+    except MissingExtraError as exc:  # the extras are checked before any process starts: a refused option
+        raise ValueError(str(exc)) from None
     # across hosts under torchrun, host 0's rank 0 printed it (relayed); an elastic run's job has the summary
     if summary is not None and (args.hosts is None or args.elastic):
         print(algorithm_line(summary))

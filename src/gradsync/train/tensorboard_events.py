@@ -20,9 +20,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
+from gradsync import collectives
 from gradsync.errors import import_extra
 
 OPTION = "--tensorboard"
+HOOK_OPTION = "TensorBoardHook log_dir"  # how the hook's refusals name its folder
 ALGORITHMS_TAG = "buckets/algorithms"  # text: one row per bucket (bytes, algorithm); add_text appends /text_summary
 TAGS = {  # scalar tag -> unit (every scalar's step is the optimizer step it describes)
     "train/loss": "the step's loss (the mean over its samples)",
@@ -65,8 +69,7 @@ def check_log_dir(folder: str | Path, option: str = OPTION) -> Path:
         ValueError: ``folder`` is empty, a file, or not writable (one line naming ``option``).
     """
     summary_writer(option)
-    if not str(folder).strip():
-        raise ValueError(f"{option} needs a folder, got an empty string")
+    _check_not_empty(folder, option)
     path = Path(folder).expanduser().resolve()
     if path.exists() and not path.is_dir():
         raise ValueError(f"{option} {folder} is a file, not a folder")
@@ -77,6 +80,53 @@ def check_log_dir(folder: str | Path, option: str = OPTION) -> Path:
     except OSError as exc:
         raise ValueError(f"{option} {folder} is not a writable folder: {exc.strerror or exc}") from None
     return path
+
+
+def _check_not_empty(folder: str | Path, option: str) -> None:
+    if not str(folder).strip():
+        raise ValueError(f"{option} needs a folder, got an empty string")
+
+
+def agree_on_log_dir(comm, log_dir: str | Path, all_ranks: bool) -> Path | None:
+    """The hook's run folder on this rank (None: this rank writes nothing), checked on the ranks that write.
+
+    Rank 0 (every rank with ``all_ranks``, each its ``log_dir/rank-R``) runs :func:`check_log_dir`; the
+    verdicts are exchanged, so that every rank raises the first failing rank's one-line error.
+
+    Raises:
+        ValueError: ``log_dir`` (or a rank's ``rank-R`` below it) is empty, a file or not writable, on
+            any rank that checked it; the same message on every rank.
+
+    Collective (when ``comm.world_size > 1``): every rank of ``comm`` calls it with the same ``log_dir``.
+    """
+    writes = all_ranks or comm.rank == 0
+    folder = (Path(log_dir) / f"rank-{comm.rank}" if all_ranks else Path(log_dir)) if writes else None
+    try:
+        _check_not_empty(log_dir, HOOK_OPTION)
+        if folder is not None:
+            folder = check_log_dir(folder, HOOK_OPTION)  # absolute, ``~`` expanded, created
+        problem = ""
+    except ValueError as exc:
+        problem = str(exc)
+    problem = _first_problem(comm, problem)
+    if problem:
+        raise ValueError(problem)
+    return folder
+
+
+def _first_problem(comm, problem: str) -> str:
+    """The first non-empty ``problem`` of the ranks of ``comm`` (rank order), or "" (collective)."""
+    if comm.world_size == 1:
+        return problem
+    encoded = problem.encode()
+    length = max(int(n) for n in collectives.all_gather(torch.tensor([len(encoded)]), comm))
+    if length == 0:
+        return ""
+    mine = torch.zeros(length, dtype=torch.uint8)
+    mine[:len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+    texts = [bytes(part.tolist()).rstrip(b"\0").decode(errors="replace")
+             for part in collectives.all_gather(mine, comm)]
+    return next(text for text in texts if text)
 
 
 def algorithms_table(algorithms: list[tuple[int, str]]) -> str:
@@ -166,6 +216,9 @@ def _ratio(part: float | None, whole: float | None) -> float | None:
     return float(part) / float(whole)
 
 
+HOOK_FEATURE = "gradsync.integrations.tensorboard.TensorBoardHook"
+
+
 class TensorBoardHook(EventWriter):
     """TensorBoard logging for any training loop around :class:`gradsync.DataParallel` (or LocalSGD, or
     DeterministicDataParallel): call :meth:`step` after each optimizer step.
@@ -174,7 +227,12 @@ class TensorBoardHook(EventWriter):
     :meth:`step` (``comm_seconds``, ``exposed_comm_seconds``; bytes from ``model.comm.stats``, as
     ``gradsync.comm_stats()`` counts them), its wall time from the previous :meth:`step` (or the hook's
     creation, or :meth:`begin_step`) to this one; the algorithm per bucket is written at the first step
-    (call :meth:`write_algorithms` to write it again). No collective is called: ranks may log differently.
+    (call :meth:`write_algorithms` to write it again).
+
+    The constructor is collective: every rank of ``model``'s group creates the hook with the same
+    ``log_dir``, and the ranks that write check their folder and share the verdict, so that a bad folder
+    stops every rank with the same one-line ValueError. After it, no collective is called: ranks may log
+    different steps.
 
     Args:
         model: the wrapped model (has ``comm_seconds``, ``exposed_comm_seconds``, ``comm``,
@@ -186,6 +244,9 @@ class TensorBoardHook(EventWriter):
 
     Raises:
         MissingExtraError: the ``tensorboard`` extra is not installed (one line).
+        ValueError: ``log_dir`` (or, with ``all_ranks``, a rank's ``log_dir/rank-R``) is empty, a file or not
+            a writable folder (one line naming ``TensorBoardHook log_dir``, as ``--tensorboard``'s), on
+            every rank.
 
     Example::
 
@@ -198,11 +259,10 @@ class TensorBoardHook(EventWriter):
     """
 
     def __init__(self, model, log_dir: str | Path, *, all_ranks: bool = False, flush_secs: float = 10.0):
-        rank = model.comm.rank
-        folder = Path(log_dir) / f"rank-{rank}" if all_ranks else Path(log_dir)
-        super().__init__(folder if all_ranks or rank == 0 else None,
-                         "gradsync.integrations.tensorboard.TensorBoardHook", flush_secs)
-        self.model, self.rank, self.global_step = model, rank, 0
+        summary_writer(HOOK_FEATURE)  # on every rank, before the exchange: a missing extra fails everywhere alike
+        folder = agree_on_log_dir(model.comm, log_dir, all_ranks)
+        super().__init__(folder, HOOK_FEATURE, flush_secs)
+        self.model, self.rank, self.global_step = model, model.comm.rank, 0
         self.begin_step()
 
     def begin_step(self) -> None:
