@@ -180,11 +180,12 @@ def test_an_already_wrapped_model_is_refused_in_one_line(single_process):
     """A gradsync DataParallel or a torch DDP is not wrapped again (its state_dict keys would become
     module.module.*); refused before the worker check, so no Ray worker is needed."""
     inner = nn.Linear(2, 2)
-    for wrapped in (gradsync.DataParallel(inner), nn.parallel.DistributedDataParallel(inner)):
+    for wrapped, name in ((gradsync.DataParallel(inner), "gradsync.DataParallel"),
+                          (nn.parallel.DistributedDataParallel(inner), "torch.nn.DistributedDataParallel")):
         with pytest.raises(TypeError) as caught:
             gray.prepare_model(wrapped)
         message = str(caught.value)
-        assert type(wrapped).__name__ in message and ".module" in message and "\n" not in message
+        assert f"already wrapped in {name}:" in message and ".module" in message and "\n" not in message
 
 
 def _as_worker(monkeypatch):

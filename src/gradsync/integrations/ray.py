@@ -131,8 +131,9 @@ def check_options(model, algorithm, compression, bucket_cap_mb, shard, gradient_
     if not isinstance(model, nn.Module):
         raise TypeError(f"prepare_model wraps a torch.nn.Module, got {type(model).__name__}")
     if isinstance(model, WRAPPERS):
-        raise TypeError(f"prepare_model got a model already wrapped in {type(model).__name__}: pass the module "
-                        f"itself (its .module), or use the model prepare_model returned")
+        owner = "gradsync" if isinstance(model, gradsync.DataParallel) else "torch.nn"
+        raise TypeError(f"prepare_model got a model already wrapped in {owner}.{type(model).__name__}: pass the "
+                        f"module itself (its .module), or use the model prepare_model returned")
     if not isinstance(algorithm, str):
         raise TypeError(f"algorithm must be a string, one of {', '.join(gradsync.ALGORITHMS)}; "
                         f"got {type(algorithm).__name__}")
