@@ -122,6 +122,20 @@ def test_lightning_fit_equals_ddp_strategy(tmp_path):
     assert errors.pop("registry") == ["GradsyncStrategy", {"start_method": "spawn"}]  # Trainer(strategy="gradsync")
 
 
+@pytest.mark.parametrize("module", ["gradsync.integrations.lightning", "gradsync.integrations.fabric"])
+def test_a_process_group_backend_gradsync_cannot_use_is_refused_at_construction(module):
+    """Lightning's and Fabric's strategy: "mpi" (or any other name) is refused in one line when the strategy is
+    built, before any process starts; gradsync's backends ("gloo", "nccl") and None are accepted."""
+    strategy = importlib.import_module(module).GradsyncStrategy
+    for backend in ("mpi", "auto", "ucc"):
+        with pytest.raises(ValueError) as caught:
+            strategy(process_group_backend=backend)
+        message = str(caught.value)
+        assert f"process_group_backend {backend!r}" in message and "'gloo'" in message and "\n" not in message
+    for backend in ("gloo", "nccl", None):
+        assert strategy(process_group_backend=backend).gradsync_options["algorithm"] == "auto"
+
+
 def test_missing_extra_names_it(monkeypatch):
     """Without Lightning installed, importing the strategy says which extra to install, in one line."""
     import gradsync

@@ -17,6 +17,7 @@ from torch import nn
 
 import gradsync
 from gradsync.errors import MissingExtraError
+from gradsync.process_group import default_communicator
 from _dist import run_threads
 
 ray_train = pytest.importorskip("ray.train", reason="gradsync.integrations.ray needs gradsync[ray] (ray[train])")
@@ -173,3 +174,67 @@ def test_a_damaged_checkpoint_and_a_bad_extra_are_refused_naming_the_file_and_th
     (tmp_path / "rank0" / "rank-00000.pt").write_bytes(b"garbage")
     with pytest.raises(ValueError, match=r"rank-00000\.pt is corrupt"):
         gray.load_checkpoint(model, optimizer, tmp_path / "rank0")
+
+
+def test_an_already_wrapped_model_is_refused_in_one_line(single_process):
+    """A gradsync DataParallel or a torch DDP is not wrapped again (its state_dict keys would become
+    module.module.*); refused before the worker check, so no Ray worker is needed."""
+    inner = nn.Linear(2, 2)
+    for wrapped, name in ((gradsync.DataParallel(inner), "gradsync.DataParallel"),
+                          (nn.parallel.DistributedDataParallel(inner), "torch.nn.DistributedDataParallel")):
+        with pytest.raises(TypeError) as caught:
+            gray.prepare_model(wrapped)
+        message = str(caught.value)
+        assert f"already wrapped in {name}:" in message and ".module" in message and "\n" not in message
+
+
+def _as_worker(monkeypatch):
+    """prepare_model as in a one-worker Ray Train run: this process counts as worker 1 of 1."""
+    monkeypatch.setattr(gray, "worker_world_size", lambda train: 1)
+
+
+def test_a_timeout_other_than_the_initialised_one_is_refused_not_ignored(single_process, monkeypatch):
+    """After gradsync.init(timeout=30) (the fixture), prepare_model(timeout_s=2) cannot change the group's
+    timeout: refused in one line; the same timeout, or none, wraps over the group with 30 s."""
+    _as_worker(monkeypatch)
+    with pytest.raises(ValueError) as caught:
+        gray.prepare_model(nn.Linear(2, 2), timeout_s=2.0, move_to_device=False)
+    message = str(caught.value)
+    assert "timeout 30 s" in message and "timeout_s=2" in message and "gradsync.init" in message
+    assert "\n" not in message
+    for options in ({"timeout_s": 30}, {}):
+        model = gray.prepare_model(nn.Linear(2, 2), move_to_device=False, **options)
+        assert model.comm is default_communicator() and model.comm.timeout_s == 30.0
+
+
+def test_the_first_prepare_model_initialises_gradsync_with_its_timeout(monkeypatch, tmp_path):
+    """Over a torch.distributed group set up as Ray's TorchConfig does (gloo, 1 rank), the first call
+    initialises gradsync with timeout_s; a second call with another timeout is refused."""
+    import torch.distributed as dist
+
+    _as_worker(monkeypatch)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = gray.prepare_model(nn.Linear(2, 2), timeout_s=7.5, move_to_device=False)
+        assert default_communicator().timeout_s == 7.5 and model.comm.timeout_s == 7.5
+        with pytest.raises(ValueError, match=r"initialised with timeout 7\.5 s; prepare_model\(timeout_s=300\)"):
+            gray.prepare_model(nn.Linear(2, 2), timeout_s=300, move_to_device=False)
+    finally:
+        gradsync.shutdown()
+        dist.destroy_process_group()
+
+
+def test_workers_asking_for_different_timeouts_all_raise_at_once():
+    """The timeout check is collective: the worker asking for another timeout raises ValueError, its peer
+    CollectiveMismatchError naming it, well before the group's 10 s timeout (no waiting on each other)."""
+    def ask(comm):
+        try:
+            gray.agree_on_timeout(comm, None if comm.rank == 0 else 2.0)
+        except (ValueError, gradsync.CollectiveMismatchError) as error:
+            return type(error).__name__, str(error)
+        return None
+
+    outcomes = run_threads(2, ask, timeout_s=20, collective_timeout_s=10)
+    assert outcomes[1][0] == "ValueError" and "timeout 10 s" in outcomes[1][1]
+    assert outcomes[0][0] == "CollectiveMismatchError" and "rank 1" in outcomes[0][1]
+    assert run_threads(2, lambda comm: gray.agree_on_timeout(comm, 10), collective_timeout_s=10) == [None, None]

@@ -31,12 +31,13 @@ class GradsyncStrategy(GradsyncStrategyMixin, pl.strategies.DDPStrategy):
             (ZeRO-3) is refused: Lightning reads the LightningModule's parameters whole.
         broadcast_buffers, gradient_as_bucket_view, debug: DataParallel's options of the same names.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-        process_group_backend, start_method ("popen": Lightning's subprocess launcher; "spawn", "fork",
-        "forkserver"): as ``DDPStrategy``. timeout: a ``datetime.timedelta`` or seconds, for torch's group and
+        start_method ("popen": Lightning's subprocess launcher; "spawn", "fork", "forkserver"): as
+        ``DDPStrategy``. process_group_backend: "gloo" (CPU), "nccl" (CUDA) or None (Lightning's choice). timeout: a ``datetime.timedelta`` or seconds, for torch's group and
         gradsync's collectives (None: each one's default).
 
     Raises (at construction, before any process starts, in one line):
-        ValueError: an unknown algorithm, compression name, shard level or start method, a bad
+        ValueError: an unknown algorithm, compression name, shard level, start method or process group
+            backend (gradsync runs over "gloo" and "nccl"), a bad
             ``bucket_cap_mb`` or ``timeout``, a shard level that cannot combine with the compression or the
             algorithm, shard="parameters", or one of torch DDP's own options (``find_unused_parameters``,
             ``static_graph``, ``ddp_comm_hook``, ...; the message says why).

@@ -14,6 +14,7 @@ from gradsync.collectives import ops as collectives
 from gradsync.parallel.bucketing import bucket_cap_bytes
 from gradsync.parallel.debug_checks import resolve_debug
 from gradsync.parallel.shard_layout import check_sharding
+from gradsync.process_group import BACKENDS
 
 GRADSYNC_OPTIONS = ("algorithm", "compression", "bucket_cap_mb", "shard", "broadcast_buffers",
                     "gradient_as_bucket_view", "debug")
@@ -27,6 +28,9 @@ FABRIC_OPTIONS = tuple("precision" if name == "precision_plugin" else name for n
 """The same for Fabric's DDPStrategy (its precision plugin is ``precision``)."""
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+PROCESS_GROUP_BACKENDS = tuple(name for name in BACKENDS if name != "auto")
+"""The torch.distributed backends gradsync runs over (``gradsync.init``'s, less "auto": None lets Lightning pick)."""
 
 DDP_ONLY = {
     "find_unused_parameters": "gradsync always handles parameters without a gradient (they count as zero in "
@@ -79,14 +83,15 @@ def check_extra_options(options: dict, lightning_options: tuple[str, ...] = LIGH
 
 
 def check_values(algorithm, compression, bucket_cap_mb, shard, broadcast_buffers, gradient_as_bucket_view, debug,
-                 start_method) -> None:
+                 start_method, process_group_backend) -> None:
     """Check gradsync's values as DataParallel would, before any process starts, each in one line.
 
     ``compression`` is resolved to learn its capabilities only (a name makes a throwaway compressor; an
     instance is not attached here).
 
     Raises:
-        ValueError: unknown algorithm, compression name, shard level or start method; a bad
+        ValueError: unknown algorithm, compression name, shard level or start method; a process group
+            backend gradsync cannot run over (:data:`PROCESS_GROUP_BACKENDS`, or None); a bad
             ``bucket_cap_mb``; a shard level the strategy does not serve (:data:`UNSERVED_SHARD`) or
             that cannot combine with the compression or the algorithm.
         TypeError: ``compression`` of another type, non-bool flags.
@@ -104,3 +109,6 @@ def check_values(algorithm, compression, bucket_cap_mb, shard, broadcast_buffers
     if start_method not in START_METHODS:
         raise ValueError(f"GradsyncStrategy: unknown start_method {start_method!r}; choose one of "
                          f"{', '.join(START_METHODS)}")
+    if process_group_backend is not None and process_group_backend not in PROCESS_GROUP_BACKENDS:
+        raise ValueError(f"GradsyncStrategy: process_group_backend {process_group_backend!r} is not one gradsync "
+                         f"runs over; choose 'gloo' (CPU), 'nccl' (CUDA) or None (Lightning picks by accelerator)")

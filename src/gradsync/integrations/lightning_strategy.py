@@ -80,7 +80,7 @@ class GradsyncStrategyMixin:
                  start_method: str = "popen", **options):
         check_extra_options(options)
         check_values(algorithm, compression, bucket_cap_mb, shard, broadcast_buffers, gradient_as_bucket_view, debug,
-                     start_method)
+                     start_method, process_group_backend)
         extra = {} if timeout is None else {"timeout": datetime.timedelta(seconds=_seconds(timeout))}
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,

@@ -46,11 +46,15 @@ from gradsync.collectives.ops import validate_algorithm
 from gradsync.errors import import_extra
 from gradsync.integrations.ray_checkpoint import load_checkpoint, report_checkpoint, save_checkpoint
 from gradsync.parallel.bucketing import bucket_cap_bytes
+from gradsync.parallel.replicas import agree_on_arguments
+from gradsync.process_group import default_communicator
 from gradsync.parallel.shard_layout import check_sharding
 
 FEATURE = "gradsync.integrations.ray"
 # ray.train.torch.prepare_model's own options: gradsync's prepare_model always wraps in its DataParallel
 RAY_ONLY_OPTIONS = ("parallel_strategy", "parallel_strategy_kwargs")
+# models prepare_model refuses to wrap again (their state_dict keys would become module.module.*)
+WRAPPERS = (gradsync.DataParallel, nn.parallel.DistributedDataParallel, nn.DataParallel)
 OUTSIDE_WORKER = ("gradsync.integrations.ray.prepare_model must be called inside a Ray Train worker (the "
                   "train_loop_per_worker of a ray.train.torch.TorchTrainer), not in the driver or another process")
 
@@ -62,7 +66,7 @@ def ray_train():
 
 def prepare_model(model: nn.Module, algorithm: str = "auto", compression=None, bucket_cap_mb: float = 25.0,
                   shard: str = "none", *, broadcast_buffers: bool = True, gradient_as_bucket_view: bool = False,
-                  move_to_device: bool | torch.device = True, timeout_s: float = DEFAULT_TIMEOUT_S,
+                  move_to_device: bool | torch.device = True, timeout_s: float | None = None,
                   **ray_options) -> gradsync.DataParallel:
     """Wrap ``model`` in :class:`gradsync.DataParallel` over the process group Ray Train set up.
 
@@ -82,14 +86,20 @@ def prepare_model(model: nn.Module, algorithm: str = "auto", compression=None, b
         move_to_device: True: move the model to ``ray.train.torch.get_device()``; a ``torch.device``:
             to that one; False: leave it where it is.
         timeout_s: seconds any of gradsync's collectives may take (> 0) before it raises
-            :class:`gradsync.CollectiveTimeoutError` naming the peer.
+            :class:`gradsync.CollectiveTimeoutError` naming the peer; None: gradsync's default (300 s) for
+            the call that initialises gradsync, the initialised group's timeout after it. The group's timeout
+            is set once per worker: a later call (or one after ``gradsync.init``) that asks for another is
+            refused rather than ignored.
 
     Returns:
         The wrapped model (``.module`` is ``model``, moved).
 
     Raises:
         TypeError / ValueError: a bad option, in one line naming it (Ray's own ``parallel_strategy``
-            and ``parallel_strategy_kwargs`` included: gradsync always wraps in its DataParallel).
+            and ``parallel_strategy_kwargs`` included: gradsync always wraps in its DataParallel); a model
+            already wrapped (a gradsync.DataParallel, torch's DistributedDataParallel or DataParallel);
+            a ``timeout_s`` other than the one gradsync was initialised with (ValueError here,
+            CollectiveMismatchError on the workers that asked for the initialised one).
         RuntimeError: called outside a Ray Train worker, or in one without a torch.distributed group
             (a trainer other than ``TorchTrainer``).
         MissingExtraError: Ray is not installed (the ``ray`` extra).
@@ -120,6 +130,10 @@ def check_options(model, algorithm, compression, bucket_cap_mb, shard, gradient_
                         f"bucket_cap_mb, shard, broadcast_buffers, gradient_as_bucket_view, move_to_device, timeout_s")
     if not isinstance(model, nn.Module):
         raise TypeError(f"prepare_model wraps a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, WRAPPERS):
+        owner = "gradsync" if isinstance(model, gradsync.DataParallel) else "torch.nn"
+        raise TypeError(f"prepare_model got a model already wrapped in {owner}.{type(model).__name__}: pass the "
+                        f"module itself (its .module), or use the model prepare_model returned")
     if not isinstance(algorithm, str):
         raise TypeError(f"algorithm must be a string, one of {', '.join(gradsync.ALGORITHMS)}; "
                         f"got {type(algorithm).__name__}")
@@ -130,7 +144,7 @@ def check_options(model, algorithm, compression, bucket_cap_mb, shard, gradient_
     if not isinstance(move_to_device, (bool, torch.device)):
         raise TypeError(f"move_to_device must be True, False or a torch.device, got {type(move_to_device).__name__}")
     ok = isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
-    if not (ok and 0 < timeout_s < math.inf):
+    if timeout_s is not None and not (ok and 0 < timeout_s < math.inf):
         raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
     return resolved
 
@@ -152,17 +166,46 @@ def in_ray_actor() -> bool:
     return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
 
 
-def adopt_process_group(world_size: int, timeout_s: float) -> None:
-    """Make gradsync's default group over the torch.distributed group Ray set up (once per worker)."""
+def adopt_process_group(world_size: int, timeout_s: float | None) -> None:
+    """Make gradsync's default group over the torch.distributed group Ray set up (once per worker), then
+    check on every worker that ``timeout_s`` (None: any) is the group's timeout (:func:`agree_on_timeout`).
+
+    Raises:
+        RuntimeError: no torch.distributed group. ValueError / CollectiveMismatchError: another timeout.
+    """
     import torch.distributed as dist
 
-    if gradsync.is_initialized():
-        return
-    if not dist.is_initialized():
-        raise RuntimeError(f"this Ray Train worker (1 of {world_size}) has no torch.distributed process group: "
-                           f"use ray.train.torch.TorchTrainer, whose TorchConfig sets it up")
-    backend = dist.get_backend()
-    gradsync.init(backend=backend if backend in ("gloo", "nccl") else "auto", timeout=timeout_s)
+    if not gradsync.is_initialized():
+        if not dist.is_initialized():
+            raise RuntimeError(f"this Ray Train worker (1 of {world_size}) has no torch.distributed process "
+                               f"group: use ray.train.torch.TorchTrainer, whose TorchConfig sets it up")
+        backend = dist.get_backend()
+        gradsync.init(backend=backend if backend in ("gloo", "nccl") else "auto",
+                      timeout=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
+    agree_on_timeout(default_communicator(), timeout_s)
+
+
+def agree_on_timeout(comm, timeout_s: float | None) -> None:
+    """Refuse a ``timeout_s`` (seconds; None: the group's) other than ``comm.timeout_s``, on every rank.
+
+    gradsync has one collective timeout per group, set by ``gradsync.init``: a later ``prepare_model`` cannot
+    change it, so asking for another is refused, not ignored. Collective (a settings check): the ranks also
+    agree on the timeout, so a worker that asks for another one raises ValueError and its peers
+    CollectiveMismatchError naming it, instead of waiting for it.
+
+    Raises:
+        ValueError: ``timeout_s`` differs from the group's, in one line.
+        CollectiveMismatchError: another rank refused, or asked for another timeout.
+    """
+    wanted = comm.timeout_s if timeout_s is None else float(timeout_s)
+
+    def check() -> None:
+        if wanted != comm.timeout_s:
+            raise ValueError(f"gradsync is already initialised with timeout {comm.timeout_s:g} s; "
+                             f"prepare_model(timeout_s={timeout_s:g}) cannot change it: pass it to the first "
+                             f"prepare_model call or to gradsync.init(timeout=...)")
+
+    agree_on_arguments("prepare_model", comm, {"timeout_s": repr(wanted)}, check)
 
 
 def ray_device() -> torch.device:
