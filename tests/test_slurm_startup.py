@@ -111,10 +111,11 @@ def test_a_signal_before_the_trainer_starts_is_remembered(clean_env, single_proc
         with Preemption(interval_s=1e-9) as preemption:
             assert preemption.received == signal.SIGUSR1 and preemption.requested(1)
             assert preemption.stop(1).signal_name == "SIGUSR1"
+        assert slurm.early_signal() is None  # taken over once
     finally:
         for number, handler in before.items():
             signal.signal(number, handler)
-        slurm.forget_early_signal()
+        slurm.take_early_signal()
 
 
 def _catches(pid: int, number: int) -> bool:

@@ -203,8 +203,9 @@ def _init_torch_distributed(backend: str, timeout: float):
     return _detector_store(dist.PrefixStore("gradsync/hang", generation_store))
 
 
-_NEVER_JOINED_HINT = ("a rank may have failed before joining (e.g. a bad argument to gradsync.init, or a crash); "
-                      "see that rank's own error")
+_NEVER_JOINED_HINT = ("a rank may have failed before joining (e.g. a bad argument to gradsync.init, a crash, or "
+                      "two processes given the same rank: a duplicate SLURM_PROCID or RANK); see that rank's own "
+                      "error")
 
 
 def _wait_for_every_rank(store, rank: int, world_size: int, seconds: float) -> None:

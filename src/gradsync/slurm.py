@@ -197,9 +197,10 @@ def early_signal() -> int | None:
     return _early["received"]
 
 
-def forget_early_signal() -> None:
-    """Clear :func:`early_signal` (tests)."""
-    _early["received"] = None
+def take_early_signal() -> int | None:
+    """:func:`early_signal`, then cleared: the trainer's Preemption takes it over once."""
+    received, _early["received"] = _early["received"], None
+    return received
 
 
 def requeue_job_id(environ: Mapping[str, str] | None = None) -> str:

@@ -86,7 +86,7 @@ class Preemption:
         self._previous: dict = {}
 
     def __enter__(self) -> "Preemption":
-        early = slurm.early_signal()  # one that came during start-up (gradsync train under srun)
+        early = slurm.take_early_signal()  # one that came during start-up (gradsync train under srun)
         if early is not None and early in self.signals and self.received is None:
             self.received = early
         if threading.current_thread() is threading.main_thread():  # Python's rule for signal handlers
