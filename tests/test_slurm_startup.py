@@ -128,24 +128,41 @@ def _catches(pid: int, number: int) -> bool:
     return bool(mask >> (number - 1) & 1)
 
 
+def _loaded_torch(pid: int) -> bool:
+    """Whether process ``pid`` has mapped torch's libraries (its import began)."""
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads SigCgt from /proc (Linux)")
 def test_a_signal_during_start_up_stops_at_step_1_and_requeues(clean_env, tmp_path):
-    """SIGUSR1 to task 1 as soon as it catches it (during its imports, before the rendezvous): both tasks
-    stop at step 1 with a checkpoint, task 0 requeues, both exit 75 (before: task 1 died, task 0 waited)."""
+    """SIGUSR1 to task 1 as soon as it catches it or loads torch, before task 0 even starts (so during task
+    1's imports): both tasks stop at step 1 with a checkpoint, task 0 requeues, both exit 75 (before: task 1
+    died by SIGUSR1's default action, task 0 waited out its start-up timeout)."""
     job_id, log = free_job_id(), fake_scontrol(tmp_path / "bin")
     env = dict(os.environ, PATH=f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
-    processes = [subprocess.Popen([sys.executable, "-m", "gradsync", "train", *TRAIN, "--data-dir",
-                                   str(tmp_path / "data")], cwd=tmp_path, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True, env=dict(env, **srun_env(rank, 2, "localhost",
-                                                                                              job_id)))
-                  for rank in range(2)]
-    deadline = time.monotonic() + 30
-    while not _catches(processes[1].pid, signal.SIGUSR1) and time.monotonic() < deadline:
-        time.sleep(0.002)
-    processes[1].send_signal(signal.SIGUSR1)
-    outcomes = [process.communicate(timeout=80) for process in processes]
+
+    def start(rank: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "gradsync", "train", *TRAIN, "--data-dir",
+                                 str(tmp_path / "data")], cwd=tmp_path, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=dict(env, **srun_env(rank, 2, "localhost",
+                                                                                            job_id)))
+
+    task1 = start(1)
+    deadline = time.monotonic() + 20
+    while not (_catches(task1.pid, signal.SIGUSR1) or _loaded_torch(task1.pid)) and time.monotonic() < deadline:
+        time.sleep(0.002)  # whichever comes first: it catches the signal from its first import, before torch
+    task1.send_signal(signal.SIGUSR1)
+    processes = [start(0), task1]
+    try:
+        outcomes = [process.communicate(timeout=60) for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
     assert [process.returncode for process in processes] == [PREEMPTED_EXIT_CODE] * 2, outcomes[1][1][-2000:]
     assert "gradsync train: preempted at step 1: checkpoint saved" in outcomes[0][1], outcomes[0][1][-2000:]
     run = tmp_path / "runs" / f"slurm-{job_id}"
