@@ -150,7 +150,7 @@ def test_a_missing_variable_is_named_in_one_line(clean_env, missing, tmp_path, c
     ({"SLURM_PROCID": "4"}, "SLURM_PROCID=4 must be in [0, SLURM_NTASKS=4)"),
     ({"SLURM_NTASKS": "two"}, "SLURM_NTASKS='two' is not an integer"),
     ({"SLURM_NODELIST": "node[1-"}, "SLURM_NODELIST='node[1-' is not a SLURM host list"),
-    ({"SLURM_JOB_ID": "12ab"}, "SLURM_JOB_ID='12ab' does not end in four digits"),
+    ({"SLURM_JOB_ID": "12ab"}, "SLURM_JOB_ID='12ab' is not a SLURM job id"),
 ])
 def test_malformed_variables_are_refused_in_one_line(variables, fragment):
     with pytest.raises(ValueError, match=fragment.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):

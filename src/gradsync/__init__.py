@@ -5,6 +5,10 @@
 ('ring', 'tree', 'halving_doubling', 'hierarchical', 'shm', 'native', 'auto')
 """
 
+from gradsync.slurm import catch_preemption_early as _catch_preemption_early
+
+_catch_preemption_early()  # `gradsync train` under srun: a preemption signal during start-up (imports) is remembered
+
 from gradsync import compression, optim
 from gradsync.api import all_gather, all_reduce, all_to_all, broadcast, comm_stats, flight_records, reduce_scatter
 from gradsync.collectives import ALGORITHMS, OPS, Communicator, HierarchicalOptions, SegmentOptions

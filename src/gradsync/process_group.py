@@ -11,6 +11,7 @@ this default group is the one piece of process-wide state.
 from __future__ import annotations
 
 import datetime
+import errno
 import math
 import os
 
@@ -86,7 +87,10 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT_S) -> Communica
         RuntimeError: already initialized (call ``shutdown`` first).
         ValueError: bad backend, timeout, or environment variables
         (a partial set names the missing ones, SLURM's too); a SLURM
-        rendezvous node whose name does not resolve.
+        rendezvous node whose name does not resolve; a second process
+        claiming this rank (a duplicate SLURM_PROCID or RANK).
+        OSError: rank 0 cannot host the store (its port is taken; one line
+        naming host:port and the likely causes).
         CollectiveTimeoutError: the rendezvous store (host:port named) or a
         rank could not be reached within the start-up timeout.
     """
@@ -199,17 +203,21 @@ def _init_torch_distributed(backend: str, timeout: float):
     return _detector_store(dist.PrefixStore("gradsync/hang", generation_store))
 
 
-_NEVER_JOINED_HINT = ("a rank may have failed before joining (e.g. a bad argument to gradsync.init, or a crash); "
-                      "see that rank's own error")
+_NEVER_JOINED_HINT = ("a rank may have failed before joining (e.g. a bad argument to gradsync.init, a crash, or "
+                      "two processes given the same rank: a duplicate SLURM_PROCID or RANK); see that rank's own "
+                      "error")
 
 
 def _wait_for_every_rank(store, rank: int, world_size: int, seconds: float) -> None:
     """Check in, then wait until every rank has (start-up barrier on the store).
 
     Raises:
+        ValueError: another process already checked in as ``rank`` (a duplicate rank), at once.
         CollectiveTimeoutError: some ranks did not check in within ``seconds``; names them.
     """
-    store.set(f"joined/{rank}", "1")
+    if store.add(f"joined/{rank}", 1) > 1:  # a counter: a second process claiming this rank finds 2
+        raise ValueError(f"gradsync.init: another process already joined as rank {rank} of {world_size}: two "
+                         f"processes claim the same rank (a duplicate SLURM_PROCID or RANK in the launch)")
     keys = [f"joined/{peer}" for peer in range(world_size)]
     try:
         store.wait(keys, datetime.timedelta(seconds=seconds))
@@ -247,7 +255,13 @@ def _rendezvous_store(rank: int, world_size: int, timeout: float, address: tuple
         startup = datetime.timedelta(seconds=max(timeout, MIN_STARTUP_TIMEOUT_S))
         try:
             store = _connect_store(rank, world_size, startup, address)
-        except (RuntimeError, TimeoutError) as exc:  # torch's DistStoreError / DistNetworkError
+        except (OSError, RuntimeError) as exc:  # torch's DistStoreError / DistNetworkError, a bind error
+            if rank == 0 and _in_use(exc):
+                raise OSError(errno.EADDRINUSE, f"gradsync.init on rank 0: cannot host the rendezvous store on "
+                                                f"{host}:{port}: address already in use; "
+                                                f"{_port_in_use_hint(address)}") from None
+            if not isinstance(exc, (RuntimeError, TimeoutError)):
+                raise
             if rank == 0 or isinstance(exc, CollectiveTimeoutError):
                 raise
             cause = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]  # one line
@@ -258,6 +272,19 @@ def _rendezvous_store(rank: int, world_size: int, timeout: float, address: tuple
                 rank=rank, peer=0, step="start-up") from exc
         _Default.store, _Default.store_key, _Default.init_generation = store, key, 0
     return _Default.store
+
+
+def _in_use(exc: BaseException) -> bool:
+    """Whether ``exc`` says the address to listen on is taken (a bind error, or torch's store server's)."""
+    return ((isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE)
+            or "address already in use" in str(exc).lower())
+
+
+def _port_in_use_hint(address: tuple[str, int, str]) -> str:
+    """What may hold the port and what to do: SLURM's causes under srun ("tcp"), else MASTER_PORT's."""
+    if address[2] == "tcp":
+        return slurm.port_in_use_hint(slurm.read())
+    return "another process uses it (a second rank 0, or another job): set MASTER_PORT to a free port"
 
 
 def _connect_store(rank: int, world_size: int, startup: datetime.timedelta, address: tuple[str, int, str]):

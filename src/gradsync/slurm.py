@@ -11,6 +11,11 @@ job id's last four digits + 15000, so every task derives the same one. A
 there), and torchrun's variables (``RANK``, ``WORLD_SIZE``) win over SLURM's
 altogether. A job named ``bash`` or ``interactive`` (``srun --pty bash``,
 ``salloc``) is not read, as Lightning does not. See docs/slurm.md.
+
+``gradsync train`` under srun catches SLURM's preemption signals from its
+first import (:func:`catch_preemption_early`, before torch loads), so a
+signal during start-up is remembered for the trainer instead of killing
+the task.
 """
 
 from __future__ import annotations
@@ -18,8 +23,11 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
+import sys
+import threading
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -120,6 +128,9 @@ def read(environ: Mapping[str, str] | None = None) -> SlurmTask:
         raise ValueError(f"SLURM_LOCALID={local_rank} must be >= 0")
     nodes = expand_nodes(environ["SLURM_NODELIST"])
     job_id = environ["SLURM_JOB_ID"]
+    if not re.fullmatch(r"[0-9]+", job_id):  # it names the run folder: runs/slurm-<id>
+        raise ValueError(f"SLURM_JOB_ID={job_id!r} is not a SLURM job id (srun sets the job's number: digits "
+                         f"only; an array job's task has its own number too)")
     port = _integer(environ, "MASTER_PORT") if "MASTER_PORT" in environ else port_of(job_id)
     return SlurmTask(rank, world_size, local_rank, job_id, tuple(nodes), environ.get("MASTER_ADDR", nodes[0]), port)
 
@@ -144,6 +155,52 @@ def check_resolves(task: SlurmTask) -> None:
         source = "MASTER_ADDR" if task.master_addr not in task.nodes else "the first node of SLURM_NODELIST"
         raise ValueError(f"the rendezvous node {task.master_addr}:{task.master_port} ({source}) does not "
                          f"resolve: {exc.strerror or exc}") from None
+
+
+def port_in_use_hint(task: SlurmTask, environ: Mapping[str, str] | None = None) -> str:
+    """Why task 0 may find its rendezvous port taken, and what to do (one clause, for the bind error)."""
+    environ = os.environ if environ is None else environ
+    source = ("MASTER_PORT" if "MASTER_PORT" in environ
+              else f"{PORT_BASE} + the last four digits of SLURM_JOB_ID={task.job_id}")
+    return (f"the port is {source}; another task of this job has the same SLURM_PROCID={task.rank} (check the "
+            f"srun line), or another job on {task.master_addr} uses that port (set MASTER_PORT to a free one)")
+
+
+EARLY_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)  # as gradsync.train.preemption.SIGNALS
+_early: dict = {"received": None}
+
+
+def catch_preemption_early(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> bool:
+    """Under srun, in the ``gradsync train`` command only (``argv``, default ``sys.argv``: ``gradsync train
+    ...`` or ``python -m gradsync train ...``), make SIGUSR1 and SIGTERM only remember that they came
+    (:func:`early_signal`) until the trainer's :class:`~gradsync.train.preemption.Preemption` takes them
+    over; returns whether it did. Called first thing by ``import gradsync``; a library user's own script
+    keeps the default actions.
+    """
+    argv = sys.argv if argv is None else argv
+    command = len(argv) > 1 and argv[1] == "train" and (argv[0] == "-m" or os.path.basename(argv[0]) == "gradsync")
+    if not command or not under_srun(environ) or threading.current_thread() is not threading.main_thread():
+        return False
+    for number in EARLY_SIGNALS:
+        signal.signal(number, _remember)
+        signal.siginterrupt(number, False)
+    return True
+
+
+def _remember(number: int, frame) -> None:
+    if _early["received"] is None:
+        _early["received"] = number
+
+
+def early_signal() -> int | None:
+    """The first preemption signal caught by :func:`catch_preemption_early`'s handler (None: none came)."""
+    return _early["received"]
+
+
+def take_early_signal() -> int | None:
+    """:func:`early_signal`, then cleared: the trainer's Preemption takes it over once."""
+    received, _early["received"] = _early["received"], None
+    return received
 
 
 def requeue_job_id(environ: Mapping[str, str] | None = None) -> str:

@@ -24,7 +24,7 @@ from gradsync.train import resume, task
 from gradsync.train.config import TrainConfig
 from gradsync.train.validation import validate, validate_against_data
 from gradsync.jobs.option_rules import refusal
-from gradsync.jobs.srun import launch_srun, prepare as prepare_srun, srun_refusal
+from gradsync.jobs.srun import fill_defaults as fill_srun_defaults, launch_srun, prepare as prepare_srun, srun_refusal
 from gradsync.jobs.worker import run_worker
 from gradsync.train.metrics import METRICS_FILE, private_files
 from gradsync.train.tensorboard_events import check_log_dir
@@ -177,6 +177,8 @@ def check_options(config: TrainConfig, where: str, given=frozenset()) -> None:
 
 def _run_job(config: TrainConfig, given) -> dict | None:
     where, membership = placement(config), "elastic" if config.elastic else "static"
+    if where == "slurm":
+        fill_srun_defaults(config)  # first: its --checkpoint-dir counts for --checkpoint-every
     check_options(config, where, given)
     check_environment()
     if config.memory_limit_mib is not None:

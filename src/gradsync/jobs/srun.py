@@ -46,22 +46,37 @@ def out_dir(job_id: str) -> str:
     return str(Path("runs") / f"slurm-{job_id}")
 
 
-def prepare(config: TrainConfig) -> int:
-    """Read this task (every SLURM variable checked), fill in the SLURM defaults; returns the world size.
+def fill_defaults(config: TrainConfig) -> None:
+    """Read this task (every SLURM variable checked) and fill in srun's defaults, before the options are
+    checked (so ``--checkpoint-every`` counts the default checkpoint folder).
 
     Sets ``--out`` (``runs/slurm-<job id>``) and ``--checkpoint-dir`` (``<out>/checkpoints``) when not
-    given, and ``nproc`` to the world size, on every task alike.
+    given, on every task alike (not in a combination srun refuses: ``--mode async``, ``--elastic``).
+
+    Raises:
+        ValueError: one line naming the missing or malformed variables (a job id that is not digits).
+    """
+    found = slurm.read()
+    if config.mode == "async" or config.elastic:
+        return  # refused under srun by the option rules, with their own line
+    if config.out is None:
+        config.out = out_dir(found.job_id)
+    if config.checkpoint_dir is None:
+        config.checkpoint_dir = str(Path(config.out) / "checkpoints")
+
+
+def prepare(config: TrainConfig) -> int:
+    """Read this task, fill in the SLURM defaults (:func:`fill_defaults`); returns the world size.
+
+    Also sets ``nproc`` to the world size, on every task alike.
 
     Raises:
         ValueError: one line naming the missing or malformed variables, or the rendezvous node that does
         not resolve.
     """
+    fill_defaults(config)
     found = slurm.read()
     slurm.check_resolves(found)  # before any data is made: a wrong node list costs nothing
-    if config.out is None:
-        config.out = out_dir(found.job_id)
-    if config.checkpoint_dir is None:
-        config.checkpoint_dir = str(Path(config.out) / "checkpoints")
     config.nproc = found.world_size
     interval_from_env()  # a bad $GRADSYNC_PREEMPTION_CHECK_S is refused before training
     return found.world_size

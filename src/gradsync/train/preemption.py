@@ -12,7 +12,10 @@ trainer saves a checkpoint at that step and raises :class:`Preempted` on
 every rank; a rerun resumes from it (Lightning's SLURM auto-requeue does the
 same from its signal handler, on rank 0's say). Handlers restart interrupted
 system calls (``siginterrupt(False)``), so a signal landing inside a
-collective's socket call does not fail it.
+collective's socket call does not fail it. Under srun, ``gradsync train``
+catches the signals from its first import
+(:func:`gradsync.slurm.catch_preemption_early`): one that came during
+start-up is taken over here, and the first agreement (step 1) stops the job.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import time
 import torch
 
 import gradsync
+from gradsync import slurm
 from gradsync.errors import GradsyncError
 
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM)  # SLURM's --signal default choice, and its notice before SIGKILL
@@ -82,6 +86,9 @@ class Preemption:
         self._previous: dict = {}
 
     def __enter__(self) -> "Preemption":
+        early = slurm.take_early_signal()  # one that came during start-up (gradsync train under srun)
+        if early is not None and early in self.signals and self.received is None:
+            self.received = early
         if threading.current_thread() is threading.main_thread():  # Python's rule for signal handlers
             for number in self.signals:
                 self._previous[number] = signal.signal(number, self._handle)
