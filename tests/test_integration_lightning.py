@@ -153,3 +153,84 @@ def test_summary_doctests():
     """The summary's formatting examples hold."""
     result = doctest.testmod(lightning_summary, verbose=False)
     assert result.attempted > 0 and result.failed == 0
+
+
+# -- the strategies' adoption of Lightning's group, in this process (a one-process Gloo group made by hand) ----
+
+STRATEGY_MODULES = ["gradsync.integrations.lightning", "gradsync.integrations.fabric"]
+
+
+def one_process_strategy(module: str, **kwargs):
+    """``module``'s GradsyncStrategy for rank 0 of 1 on the CPU, and its set-up of the process group."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    strategy = importlib.import_module(module).GradsyncStrategy(
+        parallel_devices=[torch.device("cpu")], cluster_environment=LightningEnvironment(), **kwargs)
+    return strategy, getattr(strategy, "setup_distributed", None) or strategy._setup_distributed
+
+
+@pytest.fixture
+def gloo_group(tmp_path):
+    """torch.distributed's default group, Gloo, rank 0 of 1 (Lightning's set-up then finds it initialised)."""
+    import torch.distributed as dist
+
+    import gradsync
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if gradsync.is_initialized():
+            gradsync.shutdown()
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("module", STRATEGY_MODULES)
+def test_a_strategy_timeout_gradsync_already_has_otherwise_is_refused(module, gloo_group):
+    """gradsync initialised by hand (or by an earlier fit) with 7.5 s: a strategy asking for 300 s is refused in
+    one line naming both, not silently run with 7.5 s; asking for 7.5 s, or for no timeout, adopts the group."""
+    import gradsync
+    from gradsync.process_group import default_communicator
+
+    gradsync.init(timeout=7.5)
+    _, setup = one_process_strategy(module, timeout=300)
+    with pytest.raises(ValueError) as refused:
+        setup()
+    message = str(refused.value)
+    assert "initialised with timeout 7.5 s" in message and "GradsyncStrategy(timeout=300)" in message
+    assert "\n" not in message
+    for kwargs in ({"timeout": 7.5}, {}):  # the same timeout, or none given: no refusal
+        one_process_strategy(module, **kwargs)[1]()
+        assert default_communicator().timeout_s == 7.5
+
+
+@pytest.mark.parametrize("module", STRATEGY_MODULES)
+def test_a_strategy_timeout_initialises_gradsync(module, gloo_group):
+    """gradsync not yet initialised: the strategy's timeout (a timedelta here) becomes gradsync's."""
+    import datetime
+
+    from gradsync.process_group import default_communicator
+
+    one_process_strategy(module, timeout=datetime.timedelta(seconds=12))[1]()
+    assert default_communicator().timeout_s == 12.0
+
+
+@pytest.mark.parametrize("module", STRATEGY_MODULES)
+def test_gradsync_is_initialised_with_the_backend_lightning_chose(module, gloo_group, monkeypatch):
+    """process_group_backend="gloo" on a machine with CUDA: gradsync.init gets "gloo" (the group's backend),
+    not "auto" (which would make gradsync take the run for NCCL and pick a CUDA device)."""
+    import gradsync
+
+    calls = []
+    real_init = gradsync.init
+
+    def spy(*args, **kwargs):
+        calls.append((args, kwargs))
+        return real_init(*args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gradsync, "init", spy)
+    one_process_strategy(module, process_group_backend="gloo")[1]()
+    assert len(calls) == 1
+    args, kwargs = calls[0]
+    assert (args[0] if args else kwargs.get("backend")) == "gloo"

@@ -25,7 +25,7 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl  # noqa: E
 
 from gradsync.integrations import lightning_checkpoint as checkpoints  # noqa: E402
 from gradsync.integrations.lightning_options import FABRIC_OPTIONS, check_extra_options, check_values  # noqa: E402
-from gradsync.integrations.lightning_strategy import _seconds  # noqa: E402
+from gradsync.integrations.lightning_strategy import _seconds, adopt_lightning_group  # noqa: E402
 
 
 class _NoSync(_BackwardSyncControl):
@@ -60,16 +60,17 @@ class GradsyncStrategy(fabric_strategies.DDPStrategy):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision,
                          process_group_backend=process_group_backend, start_method=start_method, **extra)
         self._backward_sync_control = _NoSync()
-        self._gradsync_timeout = {} if timeout is None else {"timeout": _seconds(timeout)}
+        self._gradsync_timeout = None if timeout is None else _seconds(timeout)
         self.gradsync_options = {"algorithm": algorithm, "compression": compression, "bucket_cap_mb": bucket_cap_mb,
                                  "shard": shard, "broadcast_buffers": broadcast_buffers,
                                  "gradient_as_bucket_view": gradient_as_bucket_view, "debug": debug}
         self.gradsync_model = None
 
     def _setup_distributed(self) -> None:
+        """Fabric's set-up of ``torch.distributed``, then gradsync adopts it (``adopt_lightning_group``: its backend,
+        one timeout; ValueError / CollectiveMismatchError on another timeout than an initialised gradsync's)."""
         super()._setup_distributed()
-        if not gradsync.is_initialized():
-            gradsync.init(**self._gradsync_timeout)
+        adopt_lightning_group(self._gradsync_timeout)
 
     # -- module and optimizers ---------------------------------------------------------------------------
 

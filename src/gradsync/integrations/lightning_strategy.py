@@ -26,6 +26,7 @@ import torch
 
 import gradsync
 from gradsync.integrations import lightning_checkpoint as checkpoints
+from gradsync.integrations.adopt import adopt_torch_group
 from gradsync.integrations.lightning_options import check_extra_options, check_values
 from gradsync.integrations.lightning_summary import SummaryHooks
 
@@ -41,6 +42,19 @@ def _seconds(timeout) -> float:
         raise ValueError(f"GradsyncStrategy: timeout must be a datetime.timedelta or seconds, finite and > 0, "
                          f"got {timeout!r}")
     return float(seconds)
+
+
+def adopt_lightning_group(timeout_s: float | None) -> None:
+    """``gradsync.init`` over the group Lightning (or Fabric) initialised, with that group's backend (so
+    ``process_group_backend="gloo"`` on a CUDA machine stays Gloo) and ``timeout_s`` (None: gradsync's default);
+    gradsync already initialised (by hand, or by an earlier fit in this process): ``timeout_s`` must be its
+    timeout (None: any). Collective.
+
+    Raises:
+        ValueError: another timeout than gradsync's, in one line (CollectiveMismatchError on the peers).
+    """
+    adopt_torch_group(timeout_s, "GradsyncStrategy", "timeout",
+                      "give the strategy the same timeout (or none), or call gradsync.shutdown() before the fit")
 
 
 class StepAfterClosure:
@@ -89,18 +103,21 @@ class GradsyncStrategyMixin:
         self.gradsync_options = {"algorithm": algorithm, "compression": compression, "bucket_cap_mb": bucket_cap_mb,
                                  "shard": shard, "broadcast_buffers": broadcast_buffers,
                                  "gradient_as_bucket_view": gradient_as_bucket_view, "debug": debug}
-        self._gradsync_timeout = {} if timeout is None else {"timeout": _seconds(timeout)}  # None: gradsync's default
+        self._gradsync_timeout = None if timeout is None else _seconds(timeout)  # None: gradsync's default / any
         self.gradsync_model = None  # the DataParallel of the last fit (kept after teardown for its counters)
         self._summary = None
 
     # -- process group and wrapping ---------------------------------------------------------------------
 
     def setup_distributed(self) -> None:
-        """Lightning's set-up of ``torch.distributed`` (its cluster environment), then ``gradsync.init()``
-        adopting the group (collective: the ranks exchange host identities)."""
+        """Lightning's set-up of ``torch.distributed`` (its cluster environment), then :func:`adopt_lightning_group`
+        (collective: the ranks exchange host identities, agree on the timeout).
+
+        Raises:
+            ValueError / CollectiveMismatchError: gradsync is already initialised with another ``timeout``.
+        """
         super().setup_distributed()
-        if not gradsync.is_initialized():
-            gradsync.init(**self._gradsync_timeout)
+        adopt_lightning_group(self._gradsync_timeout)
 
     def configure_ddp(self) -> None:
         """Wrap the LightningModule in ``gradsync.DataParallel`` (collective: rank 0's parameters are broadcast)."""

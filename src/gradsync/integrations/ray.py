@@ -41,13 +41,11 @@ from torch import nn
 
 import gradsync
 from gradsync import compression as compressions
-from gradsync.collectives.communicator import DEFAULT_TIMEOUT_S
 from gradsync.collectives.ops import validate_algorithm
 from gradsync.errors import import_extra
+from gradsync.integrations.adopt import adopt_torch_group, agree_on_timeout  # noqa: F401 (re-exported)
 from gradsync.integrations.ray_checkpoint import load_checkpoint, report_checkpoint, save_checkpoint
 from gradsync.parallel.bucketing import bucket_cap_bytes
-from gradsync.parallel.replicas import agree_on_arguments
-from gradsync.process_group import default_communicator
 from gradsync.parallel.shard_layout import check_sharding
 
 FEATURE = "gradsync.integrations.ray"
@@ -167,45 +165,20 @@ def in_ray_actor() -> bool:
 
 
 def adopt_process_group(world_size: int, timeout_s: float | None) -> None:
-    """Make gradsync's default group over the torch.distributed group Ray set up (once per worker), then
-    check on every worker that ``timeout_s`` (None: any) is the group's timeout (:func:`agree_on_timeout`).
+    """Make gradsync's default group over the torch.distributed group Ray set up (once per worker, with its
+    backend), then check on every worker that ``timeout_s`` (None: any) is the group's timeout
+    (:func:`~gradsync.integrations.adopt.agree_on_timeout`).
 
     Raises:
         RuntimeError: no torch.distributed group. ValueError / CollectiveMismatchError: another timeout.
     """
     import torch.distributed as dist
 
-    if not gradsync.is_initialized():
-        if not dist.is_initialized():
-            raise RuntimeError(f"this Ray Train worker (1 of {world_size}) has no torch.distributed process "
-                               f"group: use ray.train.torch.TorchTrainer, whose TorchConfig sets it up")
-        backend = dist.get_backend()
-        gradsync.init(backend=backend if backend in ("gloo", "nccl") else "auto",
-                      timeout=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
-    agree_on_timeout(default_communicator(), timeout_s)
-
-
-def agree_on_timeout(comm, timeout_s: float | None) -> None:
-    """Refuse a ``timeout_s`` (seconds; None: the group's) other than ``comm.timeout_s``, on every rank.
-
-    gradsync has one collective timeout per group, set by ``gradsync.init``: a later ``prepare_model`` cannot
-    change it, so asking for another is refused, not ignored. Collective (a settings check): the ranks also
-    agree on the timeout, so a worker that asks for another one raises ValueError and its peers
-    CollectiveMismatchError naming it, instead of waiting for it.
-
-    Raises:
-        ValueError: ``timeout_s`` differs from the group's, in one line.
-        CollectiveMismatchError: another rank refused, or asked for another timeout.
-    """
-    wanted = comm.timeout_s if timeout_s is None else float(timeout_s)
-
-    def check() -> None:
-        if wanted != comm.timeout_s:
-            raise ValueError(f"gradsync is already initialised with timeout {comm.timeout_s:g} s; "
-                             f"prepare_model(timeout_s={timeout_s:g}) cannot change it: pass it to the first "
-                             f"prepare_model call or to gradsync.init(timeout=...)")
-
-    agree_on_arguments("prepare_model", comm, {"timeout_s": repr(wanted)}, check)
+    if not gradsync.is_initialized() and not dist.is_initialized():
+        raise RuntimeError(f"this Ray Train worker (1 of {world_size}) has no torch.distributed process "
+                           f"group: use ray.train.torch.TorchTrainer, whose TorchConfig sets it up")
+    adopt_torch_group(timeout_s, "prepare_model", "timeout_s",
+                      "pass it to the first prepare_model call or to gradsync.init(timeout=...)")
 
 
 def ray_device() -> torch.device:
