@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -22,7 +21,7 @@ from gradsync.hosts import memory_children
 from gradsync.launch import WorkerFailedError, launch_local
 from gradsync.train import resume, task
 from gradsync.train.config import TrainConfig
-from gradsync.train.validation import validate, validate_against_data
+from gradsync.train.validation import validate, validate_against_data, writable_folder
 from gradsync.jobs.option_rules import refusal
 from gradsync.jobs.srun import fill_defaults as fill_srun_defaults, launch_srun, prepare as prepare_srun, srun_refusal
 from gradsync.jobs.worker import run_worker
@@ -117,16 +116,7 @@ def check_checkpoint_dir(folder: str | Path) -> Path:
     Raises:
         ValueError: it cannot be created or written (the message names it).
     """
-    path = Path(folder).expanduser().resolve()
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"--checkpoint-dir {folder} is a file, not a folder")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as exc:
-        raise ValueError(f"--checkpoint-dir {folder} is not a writable folder: {exc.strerror or exc}") from None
-    return path
+    return writable_folder(folder, "--checkpoint-dir")
 
 
 def check_resumable(config: TrainConfig, world_size: int) -> None:

@@ -16,7 +16,6 @@ are :data:`TAGS` (docs/tensorboard.md). Needs the ``tensorboard`` extra.
 from __future__ import annotations
 
 import math
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import torch
 
 from gradsync import collectives
 from gradsync.errors import import_extra
+from gradsync.train.validation import writable_folder
 
 OPTION = "--tensorboard"
 HOOK_OPTION = "TensorBoardHook log_dir"  # how the hook's refusals name its folder
@@ -70,16 +70,7 @@ def check_log_dir(folder: str | Path, option: str = OPTION) -> Path:
     """
     summary_writer(option)
     _check_not_empty(folder, option)
-    path = Path(folder).expanduser().resolve()
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"{option} {folder} is a file, not a folder")
-    try:  # a file really written, not os.access: root passes that test even on a read-only mount
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as exc:
-        raise ValueError(f"{option} {folder} is not a writable folder: {exc.strerror or exc}") from None
-    return path
+    return writable_folder(folder, option)
 
 
 def _check_not_empty(folder: str | Path, option: str) -> None:

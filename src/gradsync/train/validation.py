@@ -5,6 +5,8 @@ process starts (every message one line naming the option); where each option is 
 from __future__ import annotations
 
 import math
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -366,3 +368,23 @@ def validate_elastic(config) -> None:
         raise ValueError("--elastic with --hosts runs --mode sync only")
     if config.mode == "local-sgd":
         raise ValueError("--elastic runs --mode sync or async (local-sgd is not elastic yet)")
+
+
+def writable_folder(folder: str | Path, option: str) -> Path:
+    """Create ``folder`` if needed and prove it writable by writing a file in it; returns its absolute path.
+
+    A file is really written (``os.access`` says yes to root even on a read-only mount).
+
+    Raises:
+        ValueError: it is a file, or cannot be created or written (one line naming ``option``).
+    """
+    path = Path(folder).expanduser().resolve()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{option} {folder} is a file, not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{option} {folder} is not a writable folder: {exc.strerror or exc}") from None
+    return path
