@@ -54,6 +54,7 @@ ALWAYS_SHORT = 2**62
 VARIANTS = {
     "ring": Variant("ring"),
     "tree": Variant("tree"),
+    "double_binary_tree": Variant("double_binary_tree"),
     "halving_doubling-short": Variant("halving_doubling", short_message_bytes=ALWAYS_SHORT),
     "halving_doubling-long": Variant("halving_doubling", short_message_bytes=0),
     "hierarchical-one-node": Variant("hierarchical"),
@@ -73,6 +74,7 @@ VARIANTS = {
 # segment_bytes of 1..24 bytes: one to a few elements per segment for every dtype.
 TINY_SEGMENT_BYTES = (1, 4, 8, 12, 24)
 PIPELINED_VARIANTS = {"ring": Variant("ring"), "tree": Variant("tree"),
+                      "double_binary_tree": Variant("double_binary_tree"),
                       "hierarchical-rpn2": Variant("hierarchical", ranks_per_node=2),
                       "hierarchical-rpn3": Variant("hierarchical", ranks_per_node=3)}
 

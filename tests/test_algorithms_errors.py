@@ -231,11 +231,12 @@ def test_collectives_bad_argument_on_one_rank_does_not_hang_the_others(kind):
 
 TIMEOUT_S = 0.5
 # Words the error's step must contain when the silence is met inside the algorithm's own exchanges.
-STEP_WORDS = {"ring": ("hop",), "tree": ("segment",), "halving_doubling": ("distance", "fold"),
+STEP_WORDS = {"ring": ("hop",), "tree": ("segment",), "double_binary_tree": ("segment",), "halving_doubling": ("distance", "fold"),
               "hierarchical": ("hop",), "native": ("backend",)}
 TIMEOUT_VARIANTS = {  # one per algorithm and path; hierarchical spans two nodes at p = 4
     "ring": lambda p: Variant("ring"),
     "tree": lambda p: Variant("tree"),
+    "double_binary_tree": lambda p: Variant("double_binary_tree"),
     "halving_doubling-short": lambda p: VARIANTS["halving_doubling-short"],
     "halving_doubling-long": lambda p: VARIANTS["halving_doubling-long"],
     "hierarchical": lambda p: Variant("hierarchical", ranks_per_node=2 if p % 2 == 0 else 1),

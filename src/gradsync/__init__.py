@@ -2,7 +2,7 @@
 
 >>> import gradsync
 >>> gradsync.ALGORITHMS
-('ring', 'tree', 'halving_doubling', 'hierarchical', 'shm', 'native', 'auto')
+('ring', 'tree', 'double_binary_tree', 'halving_doubling', 'hierarchical', 'shm', 'native', 'auto')
 """
 
 from gradsync.slurm import catch_preemption_early as _catch_preemption_early

@@ -22,8 +22,8 @@ from typing import Callable
 
 import torch
 
-from gradsync.collectives import (broadcast, halving_doubling, hierarchical, hierarchical_shards, native, ring, shm,
-                                  shm_shards, tree)
+from gradsync.collectives import (broadcast, double_binary_tree, halving_doubling, hierarchical, hierarchical_shards,
+                                  native, ring, shm, shm_shards, tree)
 from gradsync.collectives.call import CollectiveCall
 
 AllReduce = Callable[[torch.Tensor, CollectiveCall], None]
@@ -31,6 +31,7 @@ AllReduce = Callable[[torch.Tensor, CollectiveCall], None]
 ALL_REDUCE: dict[str, AllReduce] = {
     "ring": ring.all_reduce,
     "tree": tree.all_reduce,
+    "double_binary_tree": double_binary_tree.all_reduce,
     "halving_doubling": halving_doubling.all_reduce,
     "hierarchical": hierarchical.all_reduce,
     "shm": shm.all_reduce,
@@ -61,7 +62,8 @@ ALL_GATHER: dict[str, AllReduce] = {
     "native": native.all_gather,
 }
 """``all_gather(flat, call)``: fill every ``torch.tensor_split`` chunk of ``flat`` from the rank that owns it."""
-NO_REDUCE_SCATTER: dict[str, str] = {"tree": "a tree reduces to one root"}
+NO_REDUCE_SCATTER: dict[str, str] = {"tree": "a tree reduces to one root",
+                                      "double_binary_tree": "each tree reduces to one root"}
 """Why an algorithm of ``ALL_REDUCE`` carries neither reduce-scatter nor all-gather (every other one has both)."""
 
 

@@ -1,0 +1,177 @@
+"""Double binary tree AllReduce: two complementary binary trees, each reducing and broadcasting half the data.
+
+A single binary tree (:mod:`~gradsync.collectives.tree`) leaves half of
+every link idle: leaves only send once up and receive once down, while inner
+ranks send and receive twice. Sanders, Speck & Träff (2009, "Two-tree
+algorithms for full bandwidth broadcast, reduction and scan") and NCCL 2.4
+build a second tree in which the inner ranks of the first are leaves and the
+leaves inner ranks, and let each tree carry half of the message, so every
+rank sends and receives about n in all, near the ring's bandwidth with a
+tree's log-depth latency.
+
+The trees (positions 1..p, in-order, NCCL's bit trick): the node at position
+q with lowest set bit b (q even) has children q - b/2 and the largest
+q + b/2^k ≤ p (k ≥ 1); odd positions are leaves; the root is the largest power
+of two ≤ p. Equivalently, the root of any contiguous range of positions is
+the one with the most trailing zero bits. Rank r sits at
+
+* tree 1: position r + 1 (inner ranks: the odd ranks);
+* tree 2: p even: position p - r, the mirror; p odd: position (r + 1) mod p + 1,
+  the shift by one (inner ranks: even ranks below p - 1 in both cases),
+
+as NCCL mirrors for even and shifts for odd world sizes; so every rank is an
+inner node in at most one tree (``inner_ranks`` returns both sets).
+
+Schedule: ``flat`` is split in two halves (``chunk_bounds(numel, 2)``): tree 1
+carries the first, tree 2 the second, each cut into segments of
+``SegmentOptions.segment_bytes``. Reduce: segment k of tree 1, then of tree 2,
+then k + 1, ...: a rank adds its children's segment to its own (own + left
+child's subtree + right child's subtree, left = the lower position) and sends
+it to its parent, with two segments per child received ahead. Broadcast:
+the roots' results flow back down in the same interleaved order. Each result
+element is summed once, at its tree's root, in that fixed order, then
+copied: bitwise equal on every rank. A rank is a parent of another in at most
+one tree (parents are inner nodes, odd ranks in tree 1 and even ranks in
+tree 2), so the messages between two ranks in one direction follow one tree
+per phase and the transport's in-order matching needs no tags.
+
+Cost (segment size s, depth d ≈ log2 p): ≈ 2·d·(α + s·β) + (n/2s)·2·(α + s·β),
+each rank moving about n bytes each way per phase instead of the single
+tree's 2n at inner ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gradsync.collectives.call import CollectiveCall
+from gradsync.collectives.chunking import SegmentOptions, chunk_bounds, segment_bounds
+
+_IN_FLIGHT = 2  # segments per child received ahead of the one being reduced
+_MAX_CHILDREN = 2
+
+
+def _children_of_position(position: int, world_size: int) -> list[int]:
+    """Children (positions 1..world_size, lower first) of ``position`` in the in-order bit tree."""
+    low = (position & -position) >> 1
+    if low == 0:
+        return []
+    children = [position - low]
+    while low and position + low > world_size:
+        low >>= 1
+    if low:
+        children.append(position + low)
+    return children
+
+
+def _position(rank: int, world_size: int, tree: int) -> int:
+    if tree == 0:
+        return rank + 1
+    if world_size % 2 == 0:
+        return world_size - rank  # mirror
+    return (rank + 1) % world_size + 1  # shift by one
+
+
+def _rank_at(position: int, world_size: int, tree: int) -> int:
+    if tree == 0:
+        return position - 1
+    if world_size % 2 == 0:
+        return world_size - position
+    return (position - 2) % world_size
+
+
+def links(rank: int, world_size: int, tree: int) -> tuple[int | None, list[int]]:
+    """``(parent, children)`` of ``rank`` in ``tree`` (0 or 1): parent None at the root, children lower
+    position first (at most two).
+
+    Raises:
+        ValueError: ``rank`` not in ``[0, world_size)`` or ``tree`` not 0 or 1.
+    """
+    if not 0 <= rank < world_size or tree not in (0, 1):
+        raise ValueError(f"need 0 <= rank < world_size and tree 0 or 1, got {rank}, {world_size}, {tree}")
+    position = _position(rank, world_size, tree)
+    children = [_rank_at(child, world_size, tree) for child in _children_of_position(position, world_size)]
+    root = 1 << (world_size.bit_length() - 1)
+    if position == root:
+        return None, children
+    bit = position & -position
+    parent = (position ^ bit) | (bit << 1)  # the parent has the next larger lowest bit, left or right
+    if parent > world_size or position not in _children_of_position(parent, world_size):
+        parent = position ^ bit
+    return _rank_at(parent, world_size, tree), children
+
+
+def inner_ranks(world_size: int) -> tuple[set[int], set[int]]:
+    """The ranks with at least one child in tree 1 and in tree 2 (disjoint)."""
+    first, second = ({rank for rank in range(world_size) if links(rank, world_size, tree)[1]} for tree in (0, 1))
+    return first, second
+
+
+def _halves(flat: torch.Tensor, segment_numel: int) -> list[list[torch.Tensor]]:
+    return [[flat[a:b] for a, b in segment_bounds(start, stop, segment_numel)]
+            for start, stop in chunk_bounds(flat.numel(), 2)]
+
+
+def _order(halves: list[list[torch.Tensor]]) -> list[tuple[int, int]]:
+    """``(tree, segment index)`` in the interleaved order both phases follow."""
+    return [(tree, index) for index in range(max(len(half) for half in halves))
+            for tree in (0, 1) if index < len(halves[tree])]
+
+
+def reduce(call: CollectiveCall, halves: list[list[torch.Tensor]], trees) -> None:
+    """Sum every rank's ``halves[t]`` (views of its ``flat``) into tree t's root, in place, both trees at once.
+
+    ``trees``: this rank's ``links`` in tree 0 and tree 1. Collective: equal cuts on every rank.
+    """
+    longest = max((view.numel() for half in halves for view in half), default=0)
+    inbox = call.workspace.get(2 * _IN_FLIGHT * _MAX_CHILDREN * longest, halves[0][0].dtype, halves[0][0].device)
+    inbox = inbox.view(2, _IN_FLIGHT, _MAX_CHILDREN, longest)
+    receives: list[dict[int, list]] = [{}, {}]
+
+    def post(tree, index):
+        children, view = trees[tree][1], halves[tree][index]
+        boxes = [inbox[tree, index % _IN_FLIGHT, slot, :view.numel()] for slot in range(len(children))]
+        receives[tree][index] = [(call.irecv(box, child), box) for box, child in zip(boxes, children)]
+
+    for tree in (0, 1):
+        for index in range(min(_IN_FLIGHT, len(halves[tree]))):
+            post(tree, index)
+    sends = []
+    for tree, index in _order(halves):
+        parent, view = trees[tree][0], halves[tree][index]
+        for pending, box in receives[tree].pop(index):  # own + left subtree + right subtree
+            call.wait_on(pending, f"double_binary_tree reduce tree {tree + 1} segment {index}")
+            view += box
+        if index + _IN_FLIGHT < len(halves[tree]):
+            post(tree, index + _IN_FLIGHT)
+        if parent is not None:
+            sends.append(call.isend(view, parent))
+    call.wait_all(sends, "double_binary_tree reduce")
+
+
+def broadcast_down(call: CollectiveCall, halves: list[list[torch.Tensor]], trees) -> None:
+    """Copy each tree's root's ``halves[t]`` to every rank's down that tree, in place, both trees at once."""
+    order = _order(halves)
+    receives = {(tree, index): call.irecv(halves[tree][index], trees[tree][0])
+                for tree, index in order if trees[tree][0] is not None}
+    sends = []
+    for tree, index in order:
+        if (tree, index) in receives:
+            call.wait_on(receives[tree, index], f"double_binary_tree broadcast tree {tree + 1} segment {index}")
+        sends.extend(call.isend(halves[tree][index], child) for child in trees[tree][1])
+    call.wait_all(sends, "double_binary_tree broadcast")
+
+
+def all_reduce(flat: torch.Tensor, call: CollectiveCall) -> None:
+    """Sum ``flat`` (``(numel,)``, contiguous, any dtype the caller passes) over all ranks, in place.
+
+    Collective: every rank must call this in the same order with equal ``numel`` and
+    ``SegmentOptions.segment_bytes``.
+    """
+    if call.world_size == 1 or flat.numel() == 0:
+        return
+    segment_numel = call.options(SegmentOptions).segment_numel(flat.element_size())
+    halves = _halves(flat, segment_numel)
+    trees = [links(call.rank, call.world_size, tree) for tree in (0, 1)]
+    reduce(call, halves, trees)
+    broadcast_down(call, halves, trees)
