@@ -39,8 +39,8 @@ def all_gather(tensor: torch.Tensor, group=None, timeout: float | None = None,
                algorithm: str | None = "ring") -> list[torch.Tensor]:
     """Return a list of every rank's ``tensor`` (index = rank).
 
-    ``algorithm``: a name in ``ALGORITHMS`` but "tree" (refused in one line: a tree reduces to one
-    root); "auto" picks by the gathered size; None: the default, "ring".
+    ``algorithm``: a name in ``ALGORITHMS`` but "tree" and "double_binary_tree" (refused in one line: a tree
+    reduces to one root); "auto" picks by the gathered size; None: the default, "ring".
     """
     comm = resolve_group_or_reject(group, "all_gather")
     return _collectives.all_gather(tensor, comm, timeout=timeout, algorithm=algorithm)

@@ -70,7 +70,7 @@ def reduce_scatter(tensor: torch.Tensor, comm: Communicator, *, op: str = "sum",
         tensor: any shape, contiguous or not, a dtype in ``SUPPORTED_DTYPES``; not modified.
         comm: the group.
         op: "sum" or "avg" (the sum divided by world_size; floats only).
-        algorithm: a name in ``ALGORITHMS`` but "tree" (None: ``DEFAULT_ALGORITHM``).
+        algorithm: a name in ``ALGORITHMS`` but "tree" and "double_binary_tree" (None: ``DEFAULT_ALGORITHM``).
         timeout: seconds for the whole call (None: the communicator's default).
         verify: compare layouts across ranks first.
 
@@ -111,8 +111,8 @@ def all_gather(tensor: torch.Tensor, comm: Communicator, *, timeout: float | Non
                verify: bool = True, algorithm: str | None = DEFAULT_ALGORITHM) -> list[torch.Tensor]:
     """Return every rank's ``tensor``: a list of ``world_size`` new tensors, index = rank.
 
-    ``algorithm``: a name in ``ALGORITHMS`` but "tree" (None: ``DEFAULT_ALGORITHM``); ``auto`` prices
-    the gathered ``world_size * numel`` elements. Raises as :func:`reduce_scatter`.
+    ``algorithm``: a name in ``ALGORITHMS`` but "tree" and "double_binary_tree" (None: ``DEFAULT_ALGORITHM``);
+    ``auto`` prices the gathered ``world_size * numel`` elements. Raises as :func:`reduce_scatter`.
 
     Collective: every rank must call this in the same order with equal shape and dtype.
     """
@@ -147,7 +147,8 @@ def reduce_scatter_flat(flat: torch.Tensor, comm: Communicator, *, algorithm: st
         flat: ``(numel,)`` contiguous float32/float64/int64/float16/bfloat16 tensor, modified in place;
             only this rank's chunk (``torch.tensor_split`` bounds) is meaningful afterwards (fp16/bf16
             are summed in float32 and rounded once).
-        algorithm: a name in ``gradsync.ALGORITHMS`` but "tree" (``auto`` resolved for ``flat``'s bytes).
+        algorithm: a name in ``gradsync.ALGORITHMS`` but "tree" and "double_binary_tree" (``auto`` resolved
+            for ``flat``'s bytes).
         timeout: seconds for the whole call (None: the communicator's default).
 
     Raises:
@@ -180,7 +181,8 @@ def all_gather_flat(flat: torch.Tensor, comm: Communicator, *, algorithm: str = 
     Args:
         flat: ``(numel,)`` contiguous tensor of any supported dtype whose chunk ``rank`` is valid; the others
             are overwritten in place.
-        algorithm: a name in ``gradsync.ALGORITHMS`` but "tree" (``auto`` resolved for ``flat``'s bytes).
+        algorithm: a name in ``gradsync.ALGORITHMS`` but "tree" and "double_binary_tree" (``auto`` resolved
+            for ``flat``'s bytes).
 
     Raises:
         as :func:`reduce_scatter_flat`.
