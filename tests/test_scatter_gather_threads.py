@@ -25,7 +25,7 @@ from _dist import capture, run_threads
 from _reference import assert_bitwise_equal, closed_form_input, closed_form_result, strided_column_view
 from _variants import PROPERTY_RUN, VARIANTS, Variant, dtype_and_op, run_variant, selected_path, world_and_variant
 from gradsync import CollectiveMismatchError, CollectiveTimeoutError, Communicator
-from gradsync.collectives import HierarchicalOptions, halving_doubling
+from gradsync.collectives import HierarchicalOptions, halving_doubling, registry
 from gradsync.collectives import ops as collectives_api
 from gradsync.collectives.chunking import chunk_bounds
 from gradsync.collectives.scatter_gather import all_gather_flat, reduce_scatter_flat
@@ -33,7 +33,8 @@ from gradsync.transport.locality import Locality
 
 CARRIERS = ("ring", "halving_doubling", "hierarchical", "shm", "native", "auto")
 SG_VARIANTS = {name: variant for name, variant in VARIANTS.items()
-               if variant.algorithm != "tree" and name not in ("halving_doubling-short", "shm-lean")}
+               if variant.algorithm not in registry.NO_REDUCE_SCATTER
+               and name not in ("halving_doubling-short", "shm-lean")}
 SG_VARIANTS["ring-tiny-segments"] = Variant("ring", segment_bytes=8)
 
 
@@ -237,13 +238,16 @@ def test_mismatched_shape_or_dtype_raises_on_every_rank(algorithm):
             assert_bitwise_equal(follow_up, torch.full((2,), 6.0), f"rank {rank} {kind}: follow-up")
 
 
-TREE_WORDS = "algorithm 'tree' has no {what}: a tree reduces to one root; choose one of ring, halving_doubling"
+TREE_WORDS = {"tree": "algorithm 'tree' has no {what}: a tree reduces to one root; choose one of ring, halving_doubling",
+              "double_binary_tree": "algorithm 'double_binary_tree' has no {what}: each tree reduces to one root; "
+                                    "choose one of ring, halving_doubling"}
 
 
-def test_tree_is_refused_on_every_rank_in_one_line():
-    """Every rank asking tree: ValueError everywhere; one rank asking it: ValueError there and
-    CollectiveMismatchError naming it elsewhere; the in-place pair: ValueError (even alone). The group
-    stays usable."""
+@pytest.mark.parametrize("tree", sorted(TREE_WORDS))
+def test_tree_is_refused_on_every_rank_in_one_line(tree):
+    """Every rank asking tree (or double_binary_tree): ValueError everywhere; one rank asking it: ValueError
+    there and CollectiveMismatchError naming it elsewhere; the in-place pair: ValueError (even alone). The
+    group stays usable."""
     world_size, odd_rank = 3, 1
     calls = {"reduce_scatter": lambda comm, name: gradsync.reduce_scatter(torch.ones(4), algorithm=name, group=comm),
              "all_gather": lambda comm, name: gradsync.all_gather(torch.ones(4), algorithm=name, group=comm)}
@@ -251,10 +255,10 @@ def test_tree_is_refused_on_every_rank_in_one_line():
     def rank_fn(comm):
         out = {}
         for what, call in calls.items():
-            out[what, "all"] = capture(lambda: call(comm, "tree"))[0]
-            out[what, "one"] = capture(lambda: call(comm, "tree" if comm.rank == odd_rank else "ring"))[0]
-        out["reduce_scatter", "flat"] = capture(lambda: reduce_scatter_flat(torch.ones(4), comm, algorithm="tree"))[0]
-        out["all_gather", "flat"] = capture(lambda: all_gather_flat(torch.ones(4), comm, algorithm="tree"))[0]
+            out[what, "all"] = capture(lambda: call(comm, tree))[0]
+            out[what, "one"] = capture(lambda: call(comm, tree if comm.rank == odd_rank else "ring"))[0]
+        out["reduce_scatter", "flat"] = capture(lambda: reduce_scatter_flat(torch.ones(4), comm, algorithm=tree))[0]
+        out["all_gather", "flat"] = capture(lambda: all_gather_flat(torch.ones(4), comm, algorithm=tree))[0]
         out["follow-up"] = gradsync.reduce_scatter(torch.ones(3), group=comm)
         return out
 
@@ -263,13 +267,13 @@ def test_tree_is_refused_on_every_rank_in_one_line():
         for (what, who), exc in out.items():
             expected = ValueError if who != "one" or rank == odd_rank else CollectiveMismatchError
             assert type(exc) is expected, f"rank {rank} {what} {who}: {exc!r}"
-            assert TREE_WORDS.format(what=what) in str(exc) and "\n" not in str(exc), f"rank {rank}: {exc}"
+            assert TREE_WORDS[tree].format(what=what) in str(exc) and "\n" not in str(exc), f"rank {rank}: {exc}"
             if expected is CollectiveMismatchError:
                 assert f"rank {odd_rank} rejected the call" in str(exc), str(exc)
     alone = Communicator(gradsync.ThreadWorld(1).transport(0))
     for call in (reduce_scatter_flat, all_gather_flat):
         with pytest.raises(ValueError, match="has no"):
-            call(torch.ones(4), alone, algorithm="tree")
+            call(torch.ones(4), alone, algorithm=tree)
 
 
 TIMEOUT_S = 0.3
