@@ -48,7 +48,6 @@ from gradsync.collectives.call import CollectiveCall
 from gradsync.collectives.chunking import SegmentOptions, chunk_bounds, segment_bounds
 
 _IN_FLIGHT = 2  # segments per child received ahead of the one being reduced
-_MAX_CHILDREN = 2
 
 
 def _children_of_position(position: int, world_size: int) -> list[int]:
@@ -124,13 +123,15 @@ def reduce(call: CollectiveCall, halves: list[list[torch.Tensor]], trees) -> Non
     ``trees``: this rank's ``links`` in tree 0 and tree 1. Collective: equal cuts on every rank.
     """
     longest = max((view.numel() for half in halves for view in half), default=0)
-    inbox = call.workspace.get(2 * _IN_FLIGHT * _MAX_CHILDREN * longest, halves[0][0].dtype, halves[0][0].device)
-    inbox = inbox.view(2, _IN_FLIGHT, _MAX_CHILDREN, longest)
+    first_slot = [0, len(trees[0][1])]  # a rank has children in one tree at most: two slots per segment in flight
+    slots = max(1, first_slot[1] + len(trees[1][1]))
+    inbox = call.workspace.get(_IN_FLIGHT * slots * longest, halves[0][0].dtype, halves[0][0].device)
+    inbox = inbox.view(_IN_FLIGHT, slots, longest)
     receives: list[dict[int, list]] = [{}, {}]
 
     def post(tree, index):
         children, view = trees[tree][1], halves[tree][index]
-        boxes = [inbox[tree, index % _IN_FLIGHT, slot, :view.numel()] for slot in range(len(children))]
+        boxes = [inbox[index % _IN_FLIGHT, first_slot[tree] + slot, :view.numel()] for slot in range(len(children))]
         receives[tree][index] = [(call.irecv(box, child), box) for box, child in zip(boxes, children)]
 
     for tree in (0, 1):
