@@ -79,7 +79,7 @@ def reduce_scatter(tensor: torch.Tensor, comm: Communicator, *, op: str = "sum",
         tensor of ``tensor.dtype``.
 
     Raises:
-        ValueError: unknown op or algorithm, ``algorithm="tree"``, a bad timeout; TypeError as
+        ValueError: unknown op or algorithm, a tree (``"tree"``, ``"double_binary_tree"``), a bad timeout; TypeError as
         :func:`~gradsync.collectives.ops.all_reduce`; CollectiveMismatchError (ranks disagree, or another
         rank rejected the call); CollectiveTimeoutError.
 
@@ -152,7 +152,7 @@ def reduce_scatter_flat(flat: torch.Tensor, comm: Communicator, *, algorithm: st
         timeout: seconds for the whole call (None: the communicator's default).
 
     Raises:
-        ValueError: an unknown algorithm, "tree" (it has no reduce_scatter), a bad timeout (on this rank:
+        ValueError: an unknown algorithm, a tree (it has no reduce_scatter), a bad timeout (on this rank:
         no layout check); CollectiveTimeoutError.
 
     Collective: every rank calls it in the same order with equal numel and dtype (not compared here).
