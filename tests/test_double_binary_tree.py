@@ -13,6 +13,7 @@ fp16 / bf16, as every algorithm does).
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -176,3 +177,44 @@ def test_data_parallel_averages_gradients_with_double_binary_tree():
         for grad, first, expected in zip(grads, per_rank[0], single.parameters()):
             assert_bitwise_equal(grad, first, f"rank {rank}")
             torch.testing.assert_close(grad, expected.grad, rtol=1e-12, atol=1e-12)
+
+
+def _reference_links(world_size: int, tree: int) -> dict[int, int]:
+    """rank -> number of tree links (parent + children), from the definition above."""
+    links = {rank: 0 for rank in range(world_size)}
+
+    def walk(node, parent):
+        if node is None:
+            return
+        position, left, right = node
+        if parent is not None:  # one link each way: child -> parent up, parent -> child down
+            links[_rank_of(position, world_size, tree)] += 1
+            links[_rank_of(parent, world_size, tree)] += 1
+        walk(left, position)
+        walk(right, position)
+
+    walk(_tree(1, world_size), None)
+    return links
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5, 8, 9])
+def test_each_rank_sends_its_links_share_and_at_most_the_message(world_size):
+    """Rank r sends half t once per link (parent, children) of tree t, one message per segment: 2(p-1)·n in all,
+    and at most about n·2 per rank, where a single tree's inner rank sends 3n."""
+    numel, segment_bytes = 1001, 40
+    halves = ((numel + 1) // 2, numel // 2)
+
+    def rank_fn(comm):
+        before = comm.stats.as_dict()
+        gradsync.all_reduce(torch.ones(numel), algorithm="double_binary_tree", group=comm)
+        return {key: value - before[key] for key, value in comm.stats.as_dict().items()}
+
+    all_stats = run_threads(world_size, rank_fn, segment_bytes=segment_bytes)
+    links = [_reference_links(world_size, tree) for tree in (0, 1)]
+    for rank, stats in enumerate(all_stats):
+        sent = sum(halves[tree] * links[tree][rank] for tree in (0, 1))
+        segments = sum(math.ceil(halves[tree] / 10) * links[tree][rank] for tree in (0, 1))
+        assert stats["bytes_sent"] == 4 * sent and stats["bytes_received"] == 4 * sent, f"rank {rank}: {stats}"
+        assert stats["messages_sent"] == segments, f"rank {rank}: {stats}"
+        assert sent <= 2 * numel + 1, f"rank {rank} sends {sent} elements"
+    assert sum(stats["bytes_sent"] for stats in all_stats) == 4 * 2 * (world_size - 1) * numel
