@@ -35,9 +35,11 @@ one tree (parents are inner nodes, odd ranks in tree 1 and even ranks in
 tree 2), so the messages between two ranks in one direction follow one tree
 per phase and the transport's in-order matching needs no tags.
 
-Cost (segment size s, depth d ≈ log2 p): ≈ 2·d·(α + s·β) + (n/2s)·2·(α + s·β),
-each rank moving about n bytes each way per phase instead of the single
-tree's 2n at inner ranks.
+Cost (segment size s, depth d ≈ log2 p, α-β model): in each phase a rank
+moves at most n bytes each way (an inner rank of tree t takes two halves
+in from its children and sends one half up in tree t and one in the other
+tree), where a single tree's inner rank takes 2n in, so
+≈ 2·(d·(α + s·β) + (n/s)·(α + s·β)) when the links are full duplex.
 """
 
 from __future__ import annotations
