@@ -30,7 +30,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 IMPLS = ("gradsync", "ddp", "lightning-gradsync", "lightning-ddp", "ray-gradsync", "ray-ddp")
 INTEGRATIONS = {"lightning": ("lightning-gradsync", "lightning-ddp"), "ray": ("ray-gradsync", "ray-ddp")}
@@ -80,16 +79,11 @@ def timed_windows(train, steps: int) -> float:
 
 
 def _sgd_steps(model, inputs, labels):
-    from gradsync.bench.train import LR
+    """``train(count)``: ``bench train``'s SGD steps (:func:`~gradsync.bench.train.train_steps`) on this batch."""
+    from gradsync.bench.train import LR, train_steps
 
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-
-    def train(count: int) -> None:
-        for _ in range(count):
-            optimizer.zero_grad(set_to_none=True)
-            F.cross_entropy(model(inputs), labels).backward()
-            optimizer.step()
-    return train
+    return lambda count: train_steps(model, optimizer, inputs, labels, count)
 
 
 def _plain_worker(impl: str, algorithm: str, model: str, steps: int, warmup: int) -> float | None:
