@@ -32,19 +32,23 @@ from gradsync.collectives.cost.profile import Profile
 from gradsync.collectives.cost.shm_formulas import shm_lean, shm_phase_s, shm_s, shm_shard_s, shm_slices
 from gradsync.collectives.cost.topology import Topology
 from gradsync.collectives.halving_doubling import SHORT_MESSAGE_BYTES as HD_SHORT_BYTES
+from gradsync.collectives.ring import IN_FLIGHT as _IN_FLIGHT
 
 FORMULAS = ("ring", "tree", "halving_doubling", "hierarchical", "shm")
 
 
 @dataclass(frozen=True)
 class Step:
-    """Per-message latency, per-byte transfer and reduction time of one kind of step (seconds), and how
-    many ranks share the busiest port it crosses."""
+    """Per-message latency, per-byte transfer and reduction time of one kind of step (seconds), how
+    many ranks share the busiest port it crosses, and how many of a rank's own transfers share its
+    port at once (``ports``: 2 where a rank's sends and receives go through its one core, and ``beta``
+    is then that port's time per byte of a hop, both directions: a single transfer takes beta/ports)."""
 
     alpha: float
     beta: float
     gamma: float
     sharing: float = 1.0
+    ports: float = 1.0
 
     def move_s(self, nbytes: float) -> float:
         """Seconds to move ``nbytes`` per rank of a ring while ``sharing`` rings use the same port: the
@@ -69,8 +73,9 @@ def _step(profile: Profile, topology: Topology, crosses_hosts: bool, sharing: fl
     link = profile.link(not crosses_hosts)
     slow = oversub if link.cpu_bound else 1.0
     shared_port = 2.0 if duplex and link.cpu_bound and not crosses_hosts else 1.0
-    return Step(link.alpha_s * slow, link.beta_s_per_byte * slow * (1.0 if crosses_hosts else shared_port),
-                profile.gamma_s_per_byte * oversub, sharing if crosses_hosts else 1.0)
+    ports = 1.0 if crosses_hosts else shared_port
+    return Step(link.alpha_s * slow, link.beta_s_per_byte * slow * ports, profile.gamma_s_per_byte * oversub,
+                sharing if crosses_hosts else 1.0, ports)
 
 
 def _nic_sharing(profile: Profile, topology: Topology, active_per_host: int) -> float:
@@ -84,23 +89,78 @@ def _segments(chunk_bytes: float, segment_bytes: int, itemsize: int) -> tuple[fl
     return s, max(1, math.ceil(chunk_bytes / s))
 
 
-def ring_phases_s(p: int, n: float, step: Step, segment_bytes: int, itemsize: int) -> tuple[float, float]:
-    """(reduce-scatter, all-gather) seconds of the pipelined ring over p ranks.
+def ring_phases_s(p: int, n: float, step: Step, segment_bytes: int, itemsize: int, *,
+                  fast: Step | None = None, period: int = 1) -> tuple[float, float]:
+    """(reduce-scatter, all-gather) seconds of the streamed ring over p ranks, each phase on its own (as
+    :func:`~gradsync.collectives.ring.reduce_scatter` and :func:`~gradsync.collectives.ring.all_gather`
+    run them): :func:`ring_stream_s` of p-1 hops. ``step``: the ring's slowest edge; ``fast``: its other
+    edges, one slow edge in every ``period`` (None: every edge is ``step``)."""
+    return (ring_stream_s(p, n, step, segment_bytes, itemsize, reduce=True, gather=False, fast=fast, period=period),
+            ring_stream_s(p, n, step, segment_bytes, itemsize, reduce=False, gather=True, fast=fast, period=period))
 
-    A hop of the reduce-scatter moves a chunk of c = n/p bytes in segments of s, each added on
-    arrival while the next one travels: the chunk's bytes on the link and the last segment's add,
-    or (adds slower than the link) the first segment's transfer and all the adds; a hop of the
-    all-gather is one α and the chunk's bytes.
+
+def ring_stream_s(p: int, n: float, step: Step, segment_bytes: int, itemsize: int, *, reduce: bool = True,
+                  gather: bool = True, fast: Step | None = None, period: int = 1) -> float:
+    """Seconds of the streamed ring (:mod:`gradsync.collectives.ring`): its reduce-scatter's p-1 hops,
+    its all-gather's p-1 hops, or both as one stream (the AllReduce), over chunks of c = n/p bytes cut
+    in k segments of s.
+
+    Segments flow through the hops without waiting for a hop to end, so the time is the longer of two
+    paths: the pipeline fill, one segment through all T hops (each hop α + s·β of its edge + the add
+    s·γ that precedes a forward, at least the port's time for the segment when a rank's send and
+    receive share one port; plus the k-1 segments before it on the slowest edge), and the stream
+    once full, one segment per step on the slowest edge (T·k segments back to back, in the
+    reduce-scatter at least (α + s·β + s·γ) / ``_IN_FLIGHT`` apart: a slot of the inbox is posted
+    again only once its segment is added). Ranks that share a port with both neighbours (loopback
+    TCP) fall out of step after their first collision: the fill pays 2 transfers' worth of
+    collisions, except at p = 2, where both ranks exchange at once on every hop.
     """
     if p == 1 or n == 0:
-        return 0.0, 0.0
+        return 0.0
+    reduce_hops = p - 1 if reduce else 0
+    gather_hops = p - 1 if gather else 0
+    hops = reduce_hops + gather_hops
     c = math.ceil(n / itemsize / p) * itemsize
     s, k = _segments(c, segment_bytes, itemsize)
-    s_last = c - (k - 1) * s
-    hop = max(step.move_s(c) + s_last * step.gamma, step.alpha + s * step.beta + c * step.gamma)  # link/add-bound
-    scatter = (p - 1) * hop
-    gather = (p - 1) * step.move_s(c)
-    return scatter, gather
+    last_add = (c - (k - 1) * s) * step.gamma if not gather else 0.0  # a reduce-scatter ends with an add
+    port = step.sharing * step.beta  # the slowest edge's port, per byte
+    window = (step.alpha + s * step.beta / step.ports + s * step.gamma) / _IN_FLIGHT  # per segment, an inbox slot
+    arrive = step.alpha + s * step.beta  # the last segment's transfer, its rank's other one beside it
+    paced = max(0, reduce_hops * k - _IN_FLIGHT)  # reduce-scatter segments whose receive waits for a free slot
+    streamed = (hops * c - s) * port + paced * max(0.0, window - s * port) + arrive + last_add
+    fill = (c - s) * max(port, window / s if reduce else port) + _fill_s(p, s, step, fast, period, reduce_hops, gather_hops)
+    windowed = reduce_hops * k * window + _fill_s(p, s, step, fast, period, 0, gather_hops) + last_add
+    return max(streamed, fill, windowed)
+
+
+def _fill_s(p: int, s: float, step: Step, fast: Step | None, period: int, reduce_hops: int, gather_hops: int) -> float:
+    """One segment of s bytes through ``reduce_hops`` then ``gather_hops`` consecutive edges of the ring
+    (one ``step`` edge in every ``period``, the others ``fast``), added after every reduce-scatter hop.
+    A hop takes α + s·β of its edge, or its port's time for the two transfers of a rank where they share
+    one port and that is longer, and the add. Ranks that share a port with both neighbours (loopback
+    TCP) fall out of step after their first collisions, which cost X transfers in all: at p = 2 both
+    ranks exchange at once on every hop (each hop the port's time); beyond, X = min(3/4·hops,
+    max(2, ⌈p/2⌉)) once the hop's latency is at least 0.9 of the port's time, falling linearly to 0 at
+    0.75 (fitted to the event simulation of loopback rings of 3-12 ranks, 256 KiB-4 MiB chunks:
+    within 10%, within 5% at the sizes ``tests/test_sim.py`` compares)."""
+    hops = reduce_hops + gather_hops
+    if hops == 0:
+        return 0.0
+    slow = hops if fast is None else math.ceil(hops / period)
+    total = 0.0
+    for edge, count in ((step, slow), (fast, hops - slow)):
+        if not count:
+            continue
+        single = s * edge.beta / edge.ports if p > 2 else s * edge.beta  # p = 2: both directions at once
+        adding = count * reduce_hops / hops  # the edge's part of the hops that add before they forward
+        ported = edge.sharing * s * edge.beta
+        chain = edge.alpha + single
+        total += count * max(chain, ported) + adding * s * edge.gamma
+        if edge.ports > 1 and p > 2:
+            latency = (chain + s * edge.gamma * reduce_hops / hops) / ported
+            collisions = min(0.75 * hops, max(2, math.ceil(p / 2)))
+            total += collisions * min(1.0, max(0.0, (latency - 0.75) / 0.15)) * single * count / hops
+    return total
 
 
 def _phases(scatter: float, gather: float, collective: str) -> float:
@@ -111,15 +171,19 @@ def _phases(scatter: float, gather: float, collective: str) -> float:
 def ring_s(profile: Profile, topology: Topology, n: int, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
            itemsize: int = 4, *, sharing: float = 1.0, oversub: float | None = None,
            collective: str = "all_reduce") -> float:
-    """Flat ring: every hop is as slow as its slowest edge (intra- or inter-host, whichever moves a
-    chunk slower)."""
+    """Flat ring (:func:`ring_stream_s`): its slowest edge (intra- or inter-host, whichever moves a chunk
+    slower) sets the stream's pace; the fill crosses it once per host (ranks in host order)."""
     p = topology.world_size
     steps = [_step(profile, topology, topology.hosts > 1, sharing, oversub, duplex=True)]
     if topology.hosts > 1 and max(topology.host_sizes) > 1:
         steps.append(_step(profile, topology, False, 1.0, oversub, duplex=True))
     chunk = math.ceil(n / itemsize / p) * itemsize
     step = max(steps, key=lambda st: st.move_s(chunk))
-    return _phases(*ring_phases_s(p, n, step, segment_bytes, itemsize), collective)
+    fast = min(steps, key=lambda st: st.move_s(chunk)) if len(steps) > 1 else None
+    edges = {"fast": fast, "period": max(topology.host_sizes)}
+    if collective == "all_reduce":
+        return ring_stream_s(p, n, step, segment_bytes, itemsize, **edges)
+    return _phases(*ring_phases_s(p, n, step, segment_bytes, itemsize, **edges), collective)
 
 
 def tree_s(profile: Profile, topology: Topology, n: int, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
