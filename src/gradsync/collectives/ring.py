@@ -112,8 +112,8 @@ def _stream(flat: torch.Tensor, call: CollectiveCall, chunks, reduce: bool, gath
     sending: dict[int, tuple] = {}  # segment start -> (send, its hop's name) not awaited yet
     posted = 0
 
-    def post(done: int, gathers: bool) -> int:
-        """Post the receives the inbox and the gates allow; return how many are posted."""
+    def post(done: int, gathers: bool) -> None:
+        """Post, in order, the receives the inbox allows (and, with ``gathers``, the gates) after ``done``."""
         nonlocal posted
         while posted < len(items):
             hop, start, stop = items[posted]
@@ -144,7 +144,7 @@ def _stream(flat: torch.Tensor, call: CollectiveCall, chunks, reduce: bool, gath
         if hop < last_hop:  # this segment is the next hop's message
             forward = (call.isend(flat[start:stop], right), names[hop + 1])
             previous = sending.pop(start, None)
-            if previous is not None:
+            if previous is not None:  # never, by the gates; kept so that no send goes unawaited
                 finished.append(previous)
             sending[start] = forward
         post(index + 1, True)
