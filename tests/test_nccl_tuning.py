@@ -94,3 +94,16 @@ def test_reproduce_row_is_nccl_choice_and_goal_arithmetic():
     assert reproduce.goal_verdicts(rows[:1])[1] == (">= 64M", 0, None, 10.0, None)
     text = reproduce.format_curve(rows)
     assert "goal 20%: met" in text and "goal 10%: MISSED" in text and "latency term" in text
+
+
+def test_harness_of_one_thread_driving_8_gpus():
+    """nccl-tests#123 (DGX A100, -g 8, one ring channel, 8-128 B): 33.7 us, less NCCL's ring/LL latency for 8
+    ranks (6.6 + 14 x 0.6 = 15.0 us); one GPU per thread adds nothing. The -g 8 H100 curve's rows carry it."""
+    assert reproduce.harness_us(8) == pytest.approx(33.7 - 15.0)
+    assert reproduce.harness_us(1) == 0.0
+    with pytest.raises(ValueError, match="one-thread"):
+        reproduce.harness_us(16)
+    row, = reproduce.compare(H100_NODE, sizes={4096})
+    choice = nccl_choice(H100, NODE, 4096)
+    assert row.predicted_us == pytest.approx(choice.time_s * 1e6 + 18.7) and row.harness_us == pytest.approx(18.7)
+    assert reproduce.compare(H100_4NODES, sizes={4096})[0].harness_us == 0.0

@@ -105,8 +105,9 @@ def test_reproduce_one_curve():
     assert rows[0].published_busbw_gbps == pytest.approx(0.22, abs=0.005)    # as printed in the log
     assert rows[1].published_busbw_gbps == pytest.approx(468.53, abs=0.01)
     big = rows[1]
-    # NCCL's pick at 1 GiB: NVLS, 25 us + n / (8 channels x 40 GB/s x 5/6) (tests/test_nccl_tuning.py)
-    seconds = 25e-6 + 2 ** 30 / (8 * 40e9 * 5 / 6)
+    # NCCL's pick at 1 GiB: NVLS, 25 us + n / (8 channels x 40 GB/s x 5/6) (tests/test_nccl_tuning.py), plus
+    # the -g 8 harness (nccl-tests#123: 33.7 - 15.0 us)
+    seconds = 25e-6 + 2 ** 30 / (8 * 40e9 * 5 / 6) + 18.7e-6
     assert big.candidate.startswith("nvls/Simple/") and big.method == "nccl-model"
     assert big.predicted_busbw_gbps == pytest.approx(2 ** 30 / seconds / 1e9 * 2 * 7 / 8)
     assert big.error_pct == pytest.approx((big.predicted_busbw_gbps / big.published_busbw_gbps - 1) * 100)

@@ -36,6 +36,8 @@ class PublishedCurve:
         nvls: whether NCCL used in-switch reduction (True, False, or None: not known).
         note: what the source says about algorithms, channels and doubts.
         points: (nbytes, time_us) rows as published.
+        gpus_per_thread: GPUs one benchmark thread drives (nccl-tests ``-g``); it launches their kernels
+            one after the other on every call.
     """
 
     key: str
@@ -47,6 +49,7 @@ class PublishedCurve:
     nvls: bool | None
     note: str
     points: tuple[tuple[int, float], ...]
+    gpus_per_thread: int = 1
 
     @property
     def world_size(self) -> int:
@@ -69,7 +72,8 @@ H100_NODE = PublishedCurve(
             (262144, 35.05), (524288, 36.97), (1048576, 38.74), (2097152, 43.23), (4194304, 55.70),
             (8388608, 84.47), (16777216, 125.88), (33554432, 200.39), (67108864, 328.56),
             (134217728, 588.39), (268435456, 1112.19), (536870912, 2152.91), (1073741824, 4010.54),
-            (2147483648, 7918.12), (4294967296, 15753.1), (8589934592, 31335.8)))
+            (2147483648, 7918.12), (4294967296, 15753.1), (8589934592, 31335.8)),
+    gpus_per_thread=8)
 
 H100_4NODES = PublishedCurve(
     key="4x8xH100-IB",
@@ -98,5 +102,30 @@ A100_NODE = PublishedCurve(
             (536870912, 4145.6), (1073741824, 8109.1)))
 
 CURVES = (H100_NODE, H100_4NODES, A100_NODE)
+
+
+@dataclass(frozen=True)
+class HarnessMeasurement:
+    """Published all_reduce times of the smallest sizes with one thread driving G GPUs (nccl-tests ``-g G``).
+
+    Args:
+        source, system, note: as :class:`PublishedCurve`.
+        points: (G, time_us) rows as published.
+    """
+
+    source: str
+    system: str
+    note: str
+    points: tuple[tuple[int, float], ...]
+
+
+# Not one of the scored curves: another system, another NCCL, sizes of 8-128 B, one ring channel.
+ONE_THREAD_GPUS = HarnessMeasurement(
+    source="https://github.com/NVIDIA/nccl-tests/issues/123 (ConnollyLeon, 2022-12-14, the table of the "
+           "issue's description)",
+    system="DGX A100, one node; NCCL_ALGO=Ring NCCL_MAX_NCHANNELS=1 all_reduce_perf -b 8 -e 128 -f 2 -n 100 "
+           "-g G (one thread driving G GPUs)",
+    note="the actual time per G, flat over 8-128 B",
+    points=((2, 10.0), (3, 13.76), (4, 16.88), (5, 20.8), (6, 25.2), (7, 29.5), (8, 33.7)))
 GOAL_FROM_BYTES, GOAL_ALL_PCT = 4 * 1024, 20.0        # the issue's goal: every size from 4 KiB within 20%
 GOAL_LARGE_BYTES, GOAL_LARGE_PCT = 64 * 1024 ** 2, 10.0  # and every size from 64 MiB within 10%
