@@ -87,8 +87,9 @@ def test_published_busbw_is_recomputed_from_the_time():
 def test_reproduce_row_is_nccl_choice_and_goal_arithmetic():
     row, = reproduce.compare(H100_NODE, sizes={2 ** 30})
     choice = nccl_choice(H100, NODE, 2 ** 30)
-    assert row.candidate == choice.pick and row.predicted_us == pytest.approx(choice.time_s * 1e6)
-    assert row.predicted_busbw_gbps == pytest.approx(2 ** 30 / choice.time_s / 1e9 * 2 * 7 / 8)
+    seconds = choice.time_s + 18.7e-6     # the curve ran -g 8: the harness (test below)
+    assert row.candidate == choice.pick and row.predicted_us == pytest.approx(seconds * 1e6)
+    assert row.predicted_busbw_gbps == pytest.approx(2 ** 30 / seconds / 1e9 * 2 * 7 / 8)
     rows = [dataclasses.replace(row, nbytes=n, error_pct=e) for n, e in ((4096, -19.0), (2 ** 26, 9.0), (2 ** 30, -11.0))]
     assert reproduce.goal_verdicts(rows) == [(">= 4K", 3, 19.0, 20.0, True), (">= 64M", 2, 11.0, 10.0, False)]
     assert reproduce.goal_verdicts(rows[:1])[1] == (">= 64M", 0, None, 10.0, None)
