@@ -55,16 +55,18 @@ NCCL's pick (algorithm/protocol/channels); per curve the issue's goal
 and where missed the model's latency and bandwidth terms against the curve.
 A computation, not a measurement: one run, the same on any machine.""",
     "sim_reproduce_after": """\
-How to read it. NCCL's model has no kernel launch and no harness: the
-single-node H100 curve ran one thread driving 8 GPUs (`-g 8`), whose
-~33 us floor is about 18 us above NCCL's 15 us ring/LL latency, so its
-small sizes are predicted up to 2x fast; no published figure other than the
-curves gives that cost, so it is not added. In the middle sizes NCCL's
-latency + bytes / bandwidth is its own optimistic line (it pipelines
-chunks it does not model, hence its tree correction factors), which is what
-the largest misses are; from 1 GiB the bandwidth term is within 3% on one
-node and 8% across nodes. The 4-node log does not say which algorithm ran;
-the A100 log has only 32 MiB to 1 GiB.""",
+How to read it. NCCL's model has no kernel launch and no harness. The
+single-node H100 curve ran one thread driving 8 GPUs (`-g 8`), which
+launches 8 kernels one after the other every call: 18.7 us are added, taken
+from another published run (nccl-tests#123: a DGX A100 with `-g 8`, 33.7 us,
+less NCCL's own 15.0 us ring/LL latency), not from the curves. The other two
+curves ran one process per GPU, whose single launch no published figure
+apart from the curves gives: their small sizes are predicted fast by it. In
+the middle sizes NCCL's latency + bytes / bandwidth is its own optimistic
+line (it pipelines chunks it does not model, hence its tree correction
+factors), which is where the largest misses are; from 1 GiB the bandwidth
+term is within 3% on one node and 8% across nodes. The 4-node log does not
+say which algorithm ran; the A100 log has only 32 MiB to 1 GiB.""",
     "sim_scale": """\
 `gradsync simulate` at scale: one AllReduce per GPU count, message size and
 algorithm on the profile of the command (8 GPUs per host on the published
