@@ -33,6 +33,7 @@ kernel launch and the benchmark harness.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -71,8 +72,9 @@ class NcclChoice:
 
 
 def _fits(nccl: NcclConstants, pattern: str, hosts: int, ngpus: int, intra: float, inter: float) -> int:
-    """How many channels of (intra, inter) GB/s the node's links carry for ``pattern``."""
-    per_gpu = math.floor(nccl.nvlink_gbps / intra + 1e-9)
+    """How many channels of (intra, inter) GB/s the node's links carry for ``pattern`` (one GPU per node:
+    no NVLink traffic, the NICs alone)."""
+    per_gpu = math.floor(nccl.nvlink_gbps / intra + 1e-9) if ngpus > 1 else K.MAX_CHANNELS
     channels = min(ngpus, per_gpu - 1) if pattern == "nvls" else per_gpu
     if hosts > 1:
         channels = min(channels, nccl.nics * math.floor(nccl.net_gbps / inter + 1e-9))
@@ -89,7 +91,7 @@ def _search(nccl: NcclConstants, pattern: str, hosts: int, ngpus: int, min_chann
         speeds, max_bw = (K.SM90_SPEEDS_INTRA if hopper else K.SPEEDS_INTRA), nccl.nvlink_gbps
     else:
         speeds, max_bw = (K.SM90_SPEEDS_INTER if hopper else K.SPEEDS_INTER), nccl.net_gbps
-    total_bw = nccl.nvlink_gbps * (1 if pattern == "ring" else ngpus / (ngpus - 1))
+    total_bw = nccl.nvlink_gbps * (1 if pattern == "ring" or ngpus == 1 else ngpus / (ngpus - 1))
     index = 0
     while index < len(speeds) - 1 and (speeds[index] > max_bw or speeds[index] * min_channels > total_bw):
         index += 1
@@ -144,8 +146,10 @@ def _raise(graph: Graph, nccl: NcclConstants, pattern: str, hosts: int, ngpus: i
     return graph
 
 
+@functools.lru_cache(maxsize=256)
 def search_graphs(nccl: NcclConstants, topology: Topology) -> dict[str, Graph]:
-    """NCCL's graphs for ``topology`` (uniform hosts): "ring", "tree", and "nvls" where NVLS is on."""
+    """NCCL's graphs for ``topology`` (uniform hosts): "ring", "tree", and "nvls" where NVLS is on (cached:
+    do not modify the dict returned)."""
     hosts, ngpus = topology.hosts, topology.host_sizes[0]
     ring = _search(nccl, "ring", hosts, ngpus, 1)
     graphs = {"ring": ring, "tree": _search(nccl, "tree", hosts, ngpus, ring.channels)}
@@ -167,10 +171,11 @@ def _ll128_enabled(nccl: NcclConstants) -> bool:
     return nccl.nvswitch and nccl.compute_capability in (80, 90)
 
 
+@functools.lru_cache(maxsize=256)
 def tuning_table(nccl: NcclConstants, topology: Topology, collective: str = "all_reduce"
                  ) -> dict[tuple[str, str], _Entry]:
     """tuning.cc ncclTopoTuneModel: (algorithm, protocol) -> algorithm bandwidth and latency, for every pair
-    NCCL would consider for ``collective`` on ``topology``."""
+    NCCL would consider for ``collective`` on ``topology`` (cached: do not modify the dict returned)."""
     graphs = search_graphs(nccl, topology)
     nodes, ranks = topology.hosts, topology.world_size
     ppn = ranks / nodes
@@ -216,6 +221,8 @@ def _bus_bandwidth(nccl, graph, algorithm, p, nodes, gen, col, ll_max, collectiv
     if algorithm == "tree" and p == 1:
         bus = min(bus * (7.0 / 9.0 if nodes == 1 else 120.0 / 128.0),
                   graph.channels * K.PER_CH_MAX_TREE_LL128_BW[gen][col])
+    if algorithm == "tree" and ranks == nodes:      # one GPU per node: the search's pattern is TREE, x 0.85
+        bus *= .85
     if algorithm == "ring":
         return bus * ranks / steps
     if algorithm.startswith("nvls"):

@@ -81,9 +81,13 @@ def h100_ib() -> Profile:
     per output byte at HBM bandwidth; a copy moves two. In-switch reduction
     (NVLS): 0.85 (tuning.cc nvlsEfficiency, Hopper) of the NVLink bandwidth
     per port, busbw 2 B (p-1)/(p+1) for 8 GPUs (:func:`nvls_busbw_bytes_per_s`);
-    gradsync's algorithms do not use it, ``gradsync simulate --reproduce``
-    does where a published curve had NVLS on. None of these numbers comes
-    from a published all_reduce curve.
+    gradsync's algorithms do not use it. ``nccl``: what NCCL's topology
+    search and tuning model see of the node (:data:`HOPPER_NODE_NCCL`: SM 9.0,
+    18 NVLinks to NVSwitch with NVLink SHARP, 8 NDR NICs on PCIe Gen5 x16,
+    Intel CPUs), for NCCL's own choice and time
+    (:func:`~gradsync.collectives.cost.nccl_tuning.nccl_choice`, which
+    ``gradsync simulate --reproduce`` prices the published curves with).
+    None of these numbers comes from a published all_reduce curve.
     """
     nvlink = 18 * SM90_NVLINK_GBPS * GB
     return Profile(
@@ -123,7 +127,8 @@ def a100_ib() -> Profile:
     guide (eight ConnectX-6 200 Gb/s HDR adapters for the compute fabric:
     25 GB/s each way); latencies as ``h100-ib`` (NCCL's hardware latencies
     do not depend on the GPU generation). No in-switch reduction (NVLS needs
-    NVLink 4 switches).
+    NVLink 4 switches). ``nccl``: :data:`AMPERE_NODE_NCCL` (SM 8.0, 12 NVLinks
+    to NVSwitch, 8 HDR NICs on PCIe Gen4 x16, AMD CPUs).
     """
     return Profile(
         name="a100-ib", description=a100_ib.__doc__.strip().splitlines()[0],
