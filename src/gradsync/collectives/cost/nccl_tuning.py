@@ -29,6 +29,15 @@ published curves ran (:data:`~gradsync.collectives.cost.nccl_constants.NCCL_SOUR
 
 The time is NCCL's own prediction, not a measurement: it leaves out the
 kernel launch and the benchmark harness.
+
+Checks against published NCCL logs (channel counts only; nothing fitted):
+one H100 node runs 2 x 12 = 24 ring channels (NVIDIA/nccl#1259 lists
+channel 22 on 8 H100), NVLSTree 8 search channels on H100 nodes with 8 NICs
+(NVIDIA/nccl#1041), 3 H100 nodes 2 x 8 = 16 ring channels ("Channel 05/16",
+NVIDIA/nccl#1453). Uncertain: across nodes the ring's 8 channels carry 45
+GB/s each here because every GPU's NVLinks carry each channel (PXN); a
+search that enters and leaves each node through different GPUs' own NICs
+(cross-NIC) would fit 8 x 48, 7% more.
 """
 
 from __future__ import annotations
