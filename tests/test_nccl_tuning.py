@@ -94,7 +94,15 @@ def test_reproduce_row_is_nccl_choice_and_goal_arithmetic():
     assert reproduce.goal_verdicts(rows) == [(">= 4K", 3, 19.0, 20.0, True), (">= 64M", 2, 11.0, 10.0, False)]
     assert reproduce.goal_verdicts(rows[:1])[1] == (">= 64M", 0, None, 10.0, None)
     text = reproduce.format_curve(rows)
-    assert "goal 20%: met" in text and "goal 10%: MISSED" in text and "latency term" in text
+    assert "goal 20%: met" in text and "goal 10%: MISSED" in text and "NCCL's model 25.0 us + n / 266.7 GB/s" in text
+
+
+def test_diagnosis_fit_recovers_a_line():
+    """The diagnosis' least squares: points on 10 us + n / 100 GB/s give back (10, 100)."""
+    points = [(n, 10 + n / (1000 * 100)) for n in (2 ** 20, 2 ** 24, 2 ** 28)]
+    latency, bandwidth = reproduce._fit(points)
+    assert latency == pytest.approx(10) and bandwidth == pytest.approx(100)
+    assert reproduce._fit(points[:1]) is None
 
 
 def test_harness_of_one_thread_driving_8_gpus():

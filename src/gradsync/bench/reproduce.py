@@ -58,6 +58,8 @@ class ReproduceRow:
     published_us: float = 0.0   # the published time (us); 0 in older records
     predicted_us: float = 0.0   # NCCL's model's time plus the harness (us)
     harness_us: float = 0.0     # the harness's part of predicted_us (:func:`harness_us`)
+    model_latency_us: float = 0.0       # NCCL's latency of the pick (us)
+    model_bandwidth_gbps: float = 0.0   # NCCL's algorithm bandwidth of the pick (GB/s)
 
 
 def harness_us(gpus_per_thread: int) -> float:
@@ -97,7 +99,7 @@ def compare(curve: PublishedCurve, profile: Profile | None = None, sizes: set[in
         predicted = curve.busbw_gbps(nbytes, predicted_us)
         rows.append(ReproduceRow(curve.key, curve.system, nbytes, published, predicted,
                                  (predicted - published) / published * 100, choice.pick, METHOD,
-                                 time_us, predicted_us, harness))
+                                 time_us, predicted_us, harness, choice.latency_us, choice.bandwidth_gbps))
     return rows
 
 
@@ -112,24 +114,38 @@ def goal_verdicts(rows: list[ReproduceRow]) -> list[tuple[str, int, float | None
     return verdicts
 
 
+def _fit(points: list[tuple[int, float]]) -> tuple[float, float] | None:
+    """Least squares of time_us = latency + bytes / (1000 bandwidth) over (bytes, time_us): (latency us,
+    bandwidth GB/s), None with fewer than two sizes or no positive slope."""
+    if len({n for n, _ in points}) < 2:
+        return None
+    mean_n = sum(n for n, _ in points) / len(points)
+    mean_t = sum(t for _, t in points) / len(points)
+    slope = (sum((n - mean_n) * (t - mean_t) for n, t in points) / sum((n - mean_n) ** 2 for n, _ in points))
+    return (mean_t - slope * mean_n, 1 / (1000 * slope)) if slope > 0 else None
+
+
 def diagnosis(rows: list[ReproduceRow]) -> list[str]:
-    """Which term of the model is off and by how much: the fixed time missing at the smallest size, the
-    busbw error at the largest."""
-    timed = [row for row in rows if row.published_us > 0]
+    """Which term of the model is off and by how much: per pick (algorithm/protocol), NCCL's latency and
+    bandwidth against those the curve's own points of that pick imply (a least-squares line through them,
+    harness removed: a diagnosis, never used to predict); the worst row."""
+    timed = [row for row in rows if row.published_us > 0 and row.model_bandwidth_gbps > 0]
     if not timed:
         return []
-    small, large = timed[0], timed[-1]
+    lines = []
+    for pick in dict.fromkeys(row.candidate.rsplit("/", 1)[0] for row in timed):
+        part = [row for row in timed if row.candidate.rsplit("/", 1)[0] == pick]
+        fit = _fit([(row.nbytes, row.published_us - row.harness_us) for row in part])
+        span = f"{format_size(part[0].nbytes)}-{format_size(part[-1].nbytes)}"
+        implied = (f"the curve's points imply {fit[0]:.1f} us + n / {fit[1]:.1f} GB/s" if fit else
+                   f"the curve {part[0].published_us - part[0].harness_us:.1f} us, the model "
+                   f"{part[0].predicted_us - part[0].harness_us:.1f} us")
+        lines.append(f"#   {pick} ({span}, {len(part)} rows): NCCL's model {part[0].model_latency_us:.1f} us + "
+                     f"n / {part[0].model_bandwidth_gbps:.1f} GB/s; {implied}")
     worst = max(timed, key=lambda row: abs(row.error_pct))
-    model_us = worst.predicted_us - worst.harness_us
-    return [f"#   worst row: {format_size(worst.nbytes)} ({worst.candidate}) predicted {worst.predicted_us:.1f} us, "
-            f"the curve {worst.published_us:.1f} us ({worst.error_pct:+.1f}% busbw): the curve is the model "
-            f"{worst.published_us - worst.predicted_us:+.1f} us, or its {model_us:.1f} us x "
-            f"{(worst.published_us - worst.harness_us) / model_us:.2f}",
-            f"#   latency term: at {format_size(small.nbytes)} predicted {small.predicted_us:.1f} us "
-            f"({small.candidate}; harness {small.harness_us:.1f} us), the curve {small.published_us:.1f} us: "
-            f"{small.published_us - small.predicted_us:+.1f} us not in the model",
-            f"#   bandwidth term: at {format_size(large.nbytes)} {large.predicted_busbw_gbps:.1f} against "
-            f"{large.published_busbw_gbps:.1f} GB/s busbw ({large.error_pct:+.1f}%, {large.candidate})"]
+    return lines + [f"#   worst row: {format_size(worst.nbytes)} ({worst.candidate}) predicted {worst.predicted_us:.1f} "
+                    f"us (harness {worst.harness_us:.1f}), the curve {worst.published_us:.1f} us "
+                    f"({worst.error_pct:+.1f}% busbw)"]
 
 
 def summary_lines(rows: list[ReproduceRow]) -> list[str]:

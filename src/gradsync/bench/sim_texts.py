@@ -64,9 +64,13 @@ curves ran one process per GPU, whose single launch no published figure
 apart from the curves gives: their small sizes are predicted fast by it. In
 the middle sizes NCCL's latency + bytes / bandwidth is its own optimistic
 line (it pipelines chunks it does not model, hence its tree correction
-factors), which is where the largest misses are; from 1 GiB the bandwidth
-term is within 3% on one node and 8% across nodes. The 4-node log does not
-say which algorithm ran; the A100 log has only 32 MiB to 1 GiB.""",
+factors), which is where the largest misses are. Under a missed goal, one
+line per pick sets NCCL's latency and bandwidth against those the curve's
+own points of that pick imply (a least-squares line, a diagnosis only): on
+one node NVLS's 25 us latency is ~47 us short while its bandwidth is within
+3%; across nodes the tree's and NVLSTree's latencies are 17 and 40 us short
+and the ring's bandwidth 8% high. The 4-node log does not say which
+algorithm ran; the A100 log has only 32 MiB to 1 GiB.""",
     "sim_scale": """\
 `gradsync simulate` at scale: one AllReduce per GPU count, message size and
 algorithm on the profile of the command (8 GPUs per host on the published
