@@ -92,12 +92,16 @@ H100_4NODES = PublishedCurve(
 A100_NODE = PublishedCurve(
     key="8xA100-NVLink3",
     source="https://github.com/theap06/gcm gcm/tests/health_checks_tests/test_check_nccl.py "
-           "(commit 54e1b1d0; Meta's GPU cluster monitoring, sample_single_success_output)",
+           "(commit 54e1b1d0, a fork of Meta's facebookresearch/gcm: the log kept as the test fixture "
+           "sample_single_success_output of its NCCL health check)",
     system="1 node, 8x A100-SXM4-80GB, NVLink 3 + NVSwitch; NCCL 2.16.2+cuda11.6, one process per GPU "
            "(8 ranks, nThread 1 nGpus 1)",
     profile="a100-ib", hosts=1, ranks_per_host=8, nvls=False,
     note="only 32 MiB to 1 GiB were published (a health check's sizes), so the 4 KiB-32 MiB part of the "
-         "goal cannot be scored; NCCL 2.16's ring/tree tables on Ampere are those of 2.24; no NVLS on A100",
+         "goal cannot be scored; a fixture's log, the run behind it not described beyond it; priced by NCCL "
+         "2.24.3's model: the run's 2.16.2 counted 22.0 GB/s per NVLink 3 link (topo.h SM80_NVLINK_BW at "
+         "v2.16.2-1), not 20.0, so its own model put the 8-GPU ring at 12 x 22 = 264 GB/s busbw, 10% above "
+         "2.24's (same ring Simple latency, 8.4 + 14 x 3.4 us); no NVLS on A100",
     points=((33554432, 344.8), (67108864, 557.4), (134217728, 1149.9), (268435456, 2106.1),
             (536870912, 4145.6), (1073741824, 8109.1)))
 
