@@ -294,12 +294,15 @@ def nccl_choice(profile: Profile, topology: Topology, nbytes: int, collective: s
     GPUs. The time is NCCL's own model (microseconds in NCCL, seconds here).
 
     Raises:
-        ValueError: the profile has no NCCL constants, a bad collective or size, uneven hosts.
+        ValueError: the profile has no NCCL constants or no NVSwitch, a bad collective or size, uneven hosts.
     """
     nccl = getattr(profile, "nccl", None)
     if nccl is None:
         raise ValueError(f"profile {profile.name!r} has no NCCL constants (profile.nccl): NCCL's model "
                          f"applies to GPU profiles ({', '.join(('h100-ib', 'h200-ib', 'a100-ib'))})")
+    if not nccl.nvswitch:
+        raise ValueError(f"profile {profile.name!r}: NCCL's topology search is modelled for NVSwitch nodes only "
+                         f"(nccl.nvswitch is False)")
     if collective not in COLLECTIVES:
         raise ValueError(f"collective must be one of {', '.join(COLLECTIVES)}, got {collective!r}")
     if nbytes < 1:
