@@ -28,7 +28,9 @@ published curves ran (:data:`~gradsync.collectives.cost.nccl_constants.NCCL_SOUR
    time and lowers its channels while bytes < channels x threads x threshold.
 
 The time is NCCL's own prediction, not a measurement: it leaves out the
-kernel launch and the benchmark harness.
+kernel launch, the benchmark harness and the pipeline fill of NVLS and
+NVLSTree (:mod:`~gradsync.collectives.cost.nccl_pipeline`, added in
+``NcclChoice.fill_us`` and ``run_time_s``; the pick stays NCCL's).
 
 Checks against published NCCL logs (channel counts only; nothing fitted):
 one H100 node runs 2 x 12 = 24 ring channels (NVIDIA/nccl#1259 lists
