@@ -84,11 +84,13 @@ def btree_depth(nodes: int) -> int:
     return depth
 
 
-def pipeline_fill_us(profile: Profile, topology: Topology, algorithm: str, nbytes: int, graph) -> float:
+def pipeline_fill_us(profile: Profile, topology: Topology, algorithm: str, nbytes: int, graph,
+                     collective: str = "all_reduce") -> float:
     """The first loop's stages before the last one (microseconds) for NCCL's ``algorithm`` on ``topology``;
     0 for ring and tree (the ring's steps all carry data from the first; the tree's fill is in NCCL's own
-    treeCorrectionFactor). ``graph``: the NVLS search graph (channels = heads, bw_intra, bw_inter GB/s)."""
-    if algorithm not in ("nvls", "nvls_tree"):
+    treeCorrectionFactor) and for collectives other than AllReduce (their NVLS kernels are not modelled).
+    ``graph``: the NVLS search graph (channels = heads, bw_intra, bw_inter GB/s)."""
+    if algorithm not in ("nvls", "nvls_tree") or collective != "all_reduce":
         return 0.0
     heads, ranks = graph.channels, topology.host_sizes[0]
     chunk = nvls_chunk_bytes(algorithm, nbytes, K.NVLS_CHANNELS * heads, topology.hosts)

@@ -327,6 +327,7 @@ def nccl_choice(profile: Profile, topology: Topology, nbytes: int, collective: s
         if time_us >= 0 and (best is None or time_us < best[0]):
             best = (time_us, algorithm, protocol, entry)
     time_us, algorithm, protocol, entry = best
-    fill = pipeline_fill_us(profile, topology, algorithm, nbytes, search_graphs(nccl, topology).get(algorithm))
+    fill = pipeline_fill_us(profile, topology, algorithm, nbytes, search_graphs(nccl, topology).get(algorithm),
+                            collective)
     return NcclChoice(algorithm, protocol, _channels_used(nccl, topology, algorithm, protocol, nbytes),
                       time_us * 1e-6, entry.latency, entry.bandwidth, fill)
