@@ -14,6 +14,7 @@ import pytest
 
 from gradsync.bench import reproduce
 from gradsync.bench.published import A100_NODE, H100_4NODES, H100_NODE
+from gradsync.collectives.cost.nccl_pipeline import btree_depth, nvls_chunk_bytes
 from gradsync.collectives.cost.nccl_tuning import Graph, nccl_choice, search_graphs
 from gradsync.collectives.cost.profile import Profile
 from gradsync.collectives.cost.profiles import get_profile
@@ -42,10 +43,35 @@ def test_h100_node_4k_is_ring_ll():
 
 
 def test_h100_node_1g_is_nvls():
-    """NVLS: 8 channels x min(40, 60) GB/s x 5/6, latency 25 us."""
+    """NVLS: 8 channels x min(40, 60) GB/s x 5/6, latency 25 us. The fill: 1 GiB is not < 64 x 128 x 128 KiB, so
+    the chunk stays 128 KiB and a loop is 16 channels x 8 heads x 128 KiB = 16 MiB; its scatter (7/8 of it at
+    266.7 GB/s) and its gather (a copy at 2 B / 3.35 TB/s per byte) come before the steady state."""
     choice = nccl_choice(H100, NODE, 2 ** 30)
     assert (choice.algorithm, choice.protocol) == ("nvls", "Simple")
     assert choice.time_s * 1e6 == pytest.approx(25 + 2 ** 30 / (1000 * 8 * 40 * 5 / 6), rel=1e-6)
+    loop = 16 * 8 * 128 * 1024
+    fill = loop * 7 / 8 / (1000 * 8 * 40 * 5 / 6) + loop * 2 / 3.35e12 * 1e6
+    assert choice.fill_us == pytest.approx(fill, rel=1e-6)
+    assert choice.run_time_s == pytest.approx(choice.time_s + fill * 1e-6, rel=1e-9)
+
+
+def test_nvls_chunks_and_the_fill_across_nodes():
+    """enqueue.cc calcCollChunking with 128 concurrent ops (16 channels x 8 heads): NVLS 64 MiB: < 64 x 128 x
+    128 KiB -> 64 KiB, not < 8 x 128 x 64 KiB; 2 MiB: -> 64, 32, 16 KiB. NVLSTree on 4 nodes: at most 64 KiB,
+    8 MiB is not < 128 x 64 KiB, 4 MiB is (-> 32 KiB). ncclGetBtree over 4 nodes: 1 -> 2 -> 0 and 3 -> 2 -> 0, two
+    levels. NVLSTree 8 MiB on 4 x 8 H100: one 8 MiB loop: scatter 7/8 x 8 MiB at 266.7 GB/s, gather at HBM copy,
+    2 x 2 network hops of a head's 1 MiB at the graph's 48 GB/s per NIC."""
+    assert nvls_chunk_bytes("nvls", 64 * 2 ** 20, 128, 1) == 65536
+    assert nvls_chunk_bytes("nvls", 2 * 2 ** 20, 128, 1) == 16384
+    assert nvls_chunk_bytes("nvls_tree", 8 * 2 ** 20, 128, 4) == 65536
+    assert nvls_chunk_bytes("nvls_tree", 4 * 2 ** 20, 128, 4) == 32768
+    assert [btree_depth(n) for n in (1, 2, 3, 4, 8)] == [0, 1, 2, 2, 3]
+    choice = nccl_choice(H100, FOUR_NODES, 8 * 2 ** 20)
+    assert choice.algorithm == "nvls_tree"
+    loop = 8 * 2 ** 20
+    fill = loop * 7 / 8 / (1000 * 8 * 40 * 5 / 6) + loop * 2 / 3.35e12 * 1e6 + 4 * (loop / 8) / (1000 * 48)
+    assert choice.fill_us == pytest.approx(fill, rel=1e-6)
+    assert nccl_choice(H100, FOUR_NODES, 2 ** 33).fill_us == 0.0      # the ring: no fill
 
 
 def test_a100_node_1g_is_ring_simple():
@@ -87,8 +113,9 @@ def test_published_busbw_is_recomputed_from_the_time():
 def test_reproduce_row_is_nccl_choice_and_goal_arithmetic():
     row, = reproduce.compare(H100_NODE, sizes={2 ** 30})
     choice = nccl_choice(H100, NODE, 2 ** 30)
-    seconds = choice.time_s + 18.7e-6     # the curve ran -g 8: the harness (test below)
+    seconds = choice.run_time_s           # -g 8, but the call (> 4 ms) hides the thread's 33.7 us issue
     assert row.candidate == choice.pick and row.predicted_us == pytest.approx(seconds * 1e6)
+    assert row.harness_us == 0.0 and row.fill_us == pytest.approx(choice.fill_us)
     assert row.predicted_busbw_gbps == pytest.approx(2 ** 30 / seconds / 1e9 * 2 * 7 / 8)
     rows = [dataclasses.replace(row, nbytes=n, error_pct=e) for n, e in ((4096, -19.0), (2 ** 26, 9.0), (2 ** 30, -11.0))]
     assert reproduce.goal_verdicts(rows) == [(">= 4K", 3, 19.0, 20.0, True), (">= 64M", 2, 11.0, 10.0, False)]
@@ -106,13 +133,15 @@ def test_diagnosis_fit_recovers_a_line():
 
 
 def test_harness_of_one_thread_driving_8_gpus():
-    """nccl-tests#123 (DGX A100, -g 8, one ring channel, 8-128 B): 33.7 us, less NCCL's ring/LL latency for 8
-    ranks (6.6 + 14 x 0.6 = 15.0 us); one GPU per thread adds nothing. The -g 8 H100 curve's rows carry it."""
-    assert reproduce.harness_us(8) == pytest.approx(33.7 - 15.0)
-    assert reproduce.harness_us(1) == 0.0
+    """nccl-tests#123 (DGX A100, -g 8, 8-128 B): one thread issues a call to 8 GPUs in 33.7 us. nccl-tests issues
+    its iterations back to back, so an iteration takes max(issue, call): at 4 KiB NCCL's ring/LL call (6.6 + 14
+    x 0.6 us + 4 KiB / 80.6 GB/s ~ 15.05 us) is hidden and the row is 33.7 us; one GPU per thread adds nothing."""
+    assert reproduce.issue_us(8) == pytest.approx(33.7) and reproduce.issue_us(1) == 0.0
+    assert reproduce.harness_us(8, 15.0) == pytest.approx(18.7) and reproduce.harness_us(8, 40.0) == 0.0
     with pytest.raises(ValueError, match="one-thread"):
-        reproduce.harness_us(16)
+        reproduce.harness_us(16, 10.0)
     row, = reproduce.compare(H100_NODE, sizes={4096})
     choice = nccl_choice(H100, NODE, 4096)
-    assert row.predicted_us == pytest.approx(choice.time_s * 1e6 + 18.7) and row.harness_us == pytest.approx(18.7)
+    assert choice.time_s * 1e6 == pytest.approx(15.0 + 4096 / (1000 * 141 * 8 / 14), rel=1e-6)
+    assert row.predicted_us == pytest.approx(33.7) and row.harness_us == pytest.approx(33.7 - choice.time_s * 1e6)
     assert reproduce.compare(H100_4NODES, sizes={4096})[0].harness_us == 0.0

@@ -106,8 +106,10 @@ def test_reproduce_one_curve():
     assert rows[1].published_busbw_gbps == pytest.approx(468.53, abs=0.01)
     big = rows[1]
     # NCCL's pick at 1 GiB: NVLS, 25 us + n / (8 channels x 40 GB/s x 5/6) (tests/test_nccl_tuning.py), plus
-    # the -g 8 harness (nccl-tests#123: 33.7 - 15.0 us)
-    seconds = 25e-6 + 2 ** 30 / (8 * 40e9 * 5 / 6) + 18.7e-6
+    # the fill of one 16 MiB loop (scatter 7/8 of it at that bandwidth, gather at 2 B / 3.35 TB/s); the -g 8
+    # issue (nccl-tests#123: 33.7 us) hides behind a 4 ms call
+    loop = 16 * 8 * 128 * 1024
+    seconds = 25e-6 + (2 ** 30 + loop * 7 / 8) / (8 * 40e9 * 5 / 6) + loop * 2 / 3.35e12
     assert big.candidate.startswith("nvls/Simple/") and big.method == "nccl-model"
     assert big.predicted_busbw_gbps == pytest.approx(2 ** 30 / seconds / 1e9 * 2 * 7 / 8)
     assert big.error_pct == pytest.approx((big.predicted_busbw_gbps / big.published_busbw_gbps - 1) * 100)

@@ -42,35 +42,40 @@ machine moves from one repetition to the next (the load columns say how
 busy it was); a wide min–max on a row is that noise, not the model. Across
 the test hosts the shaped 1 Gbit/s link sets the large sizes.""",
     "sim_reproduce": """\
-`gradsync simulate --reproduce`: NCCL's own choice priced by NCCL's own
-model (`collectives/cost/nccl_tuning.py`, written from NCCL 2.24.3's
-topology search and tuning.cc: channels, algorithm x protocol bandwidths and
-latencies, the pair with the least predicted time) on the published GPU
+`gradsync simulate --reproduce`: NCCL's own choice against three published
+nccl-tests `all_reduce_perf` curves: one node of 8 H100 with NVLink SHARP,
+4 nodes x 8 H100 over InfiniBand, one node of 8 A100. The pick is NCCL's
+own (`collectives/cost/nccl_tuning.py`, written from NCCL 2.24.3's topology
+search and tuning.cc: channels, algorithm x protocol bandwidths and
+latencies, the pair with the least time by NCCL's model); its time is
+NCCL's model plus the pipeline fill that model leaves out
+(`collectives/cost/nccl_pipeline.py`: the first loop's stages of NVLS and
+NVLSTree, loops sized by enqueue.cc's chunk rules), on the published GPU
 profiles (datasheet hardware and NCCL's tables; no number taken from the
-curves) against three published nccl-tests `all_reduce_perf` curves: one
-node of 8 H100 with NVLink SHARP, 4 nodes x 8 H100 over InfiniBand, one node
-of 8 A100. Per size: busbw as published and as predicted, the error, and
+curves). Per size: busbw as published and as predicted, the error, and
 NCCL's pick (algorithm/protocol/channels); per curve the issue's goal
 (every size from 4 KiB within 20%, from 64 MiB within 10%), met or missed,
-and where missed the model's latency and bandwidth terms against the curve.
-A computation, not a measurement: one run, the same on any machine.""",
+and where missed NCCL's latency and bandwidth against the curve's. A
+computation, not a measurement: one run, the same on any machine.""",
     "sim_reproduce_after": """\
-How to read it. NCCL's model has no kernel launch and no harness. The
-single-node H100 curve ran one thread driving 8 GPUs (`-g 8`), which
-launches 8 kernels one after the other every call: 18.7 us are added, taken
-from another published run (nccl-tests#123: a DGX A100 with `-g 8`, 33.7 us,
-less NCCL's own 15.0 us ring/LL latency), not from the curves. The other two
-curves ran one process per GPU, whose single launch no published figure
-apart from the curves gives: their small sizes are predicted fast by it. In
-the middle sizes NCCL's latency + bytes / bandwidth is its own optimistic
-line (it pipelines chunks it does not model, hence its tree correction
-factors), which is where the largest misses are. Under a missed goal, one
-line per pick sets NCCL's latency and bandwidth against those the curve's
-own points of that pick imply (a least-squares line, a diagnosis only): on
-one node NVLS's 25 us latency is ~47 us short while its bandwidth is within
-3%; across nodes the tree's and NVLSTree's latencies are 17 and 40 us short
-and the ring's bandwidth 8% high. The 4-node log does not say which
-algorithm ran; the A100 log has only 32 MiB to 1 GiB.""",
+How to read it. NCCL's model prices a call as latency + bytes / bandwidth,
+the steady state of a pipeline. NVLS and NVLSTree run in loops of 16
+channels x 8 heads x a chunk of 16-128 KiB, each loop passing through
+scatter, reduce and multicast (with NVLSTree a network hop per tree level
+up and down) and gather; the first loop's stages before the last are added
+as the fill (8-65 us on one node, 30-120 us on 4 nodes). The single-node
+H100 curve ran one thread driving 8 GPUs (`-g 8`): nccl-tests issues its
+iterations back to back, so a row takes the longer of the thread's issue
+time, 33.7 us (another published run, nccl-tests#123, not the curves), and
+the call. Where a goal is missed, one line per pick sets NCCL's latency and
+bandwidth against those the curve's points imply (a least-squares line, a
+diagnosis only): on one node the NVLS calls of 8-32 MiB take 12-33 us more
+than NCCL's 25 us latency, the bandwidth and the fill (16 MiB +20.8%); across
+nodes the tree/LL latency is 17 us short (no per-hop network cost beyond
+NCCL's 5 us is modelled), the curve dips at 256 MiB (+15.5%) and the ring's
+bandwidth is 8% high; the A100 log (only 32 MiB to 1 GiB) misses by 11.1% at
+128 MiB, where its own curve dips below 64 MiB. The 4-node log does not say
+which algorithm ran.""",
     "sim_scale": """\
 `gradsync simulate` at scale: one AllReduce per GPU count, message size and
 algorithm on the profile of the command (8 GPUs per host on the published

@@ -28,7 +28,9 @@ published curves ran (:data:`~gradsync.collectives.cost.nccl_constants.NCCL_SOUR
    time and lowers its channels while bytes < channels x threads x threshold.
 
 The time is NCCL's own prediction, not a measurement: it leaves out the
-kernel launch and the benchmark harness.
+kernel launch, the benchmark harness and the pipeline fill of NVLS and
+NVLSTree (:mod:`~gradsync.collectives.cost.nccl_pipeline`, added in
+``NcclChoice.fill_us`` and ``run_time_s``; the pick stays NCCL's).
 
 Checks against published NCCL logs (channel counts only; nothing fitted):
 one H100 node runs 2 x 12 = 24 ring channels (NVIDIA/nccl#1259 lists
@@ -48,6 +50,7 @@ from dataclasses import dataclass
 
 from gradsync.collectives.cost import nccl_constants as K
 from gradsync.collectives.cost.nccl_constants import NcclConstants
+from gradsync.collectives.cost.nccl_pipeline import pipeline_fill_us
 from gradsync.collectives.cost.profile import Profile
 from gradsync.collectives.cost.topology import Topology
 
@@ -65,8 +68,9 @@ class Graph:
 
 @dataclass(frozen=True)
 class NcclChoice:
-    """What NCCL runs for one call: algorithm, protocol, channels, its predicted time (seconds), and its
-    model's latency (us) and algorithm bandwidth (GB/s)."""
+    """What NCCL runs for one call: algorithm, protocol, channels, its model's predicted time (seconds),
+    latency (us) and algorithm bandwidth (GB/s), and the pipeline fill its model leaves out (us,
+    :func:`~gradsync.collectives.cost.nccl_pipeline.pipeline_fill_us`)."""
 
     algorithm: str
     protocol: str
@@ -74,10 +78,16 @@ class NcclChoice:
     time_s: float
     latency_us: float
     bandwidth_gbps: float
+    fill_us: float = 0.0
 
     @property
     def pick(self) -> str:
         return f"{self.algorithm}/{self.protocol}/{self.channels}ch"
+
+    @property
+    def run_time_s(self) -> float:
+        """The call's time: NCCL's model's time plus the pipeline fill (seconds)."""
+        return self.time_s + self.fill_us * 1e-6
 
 
 def _fits(nccl: NcclConstants, pattern: str, hosts: int, ngpus: int, intra: float, inter: float) -> int:
@@ -291,7 +301,8 @@ def nccl_choice(profile: Profile, topology: Topology, nbytes: int, collective: s
     """The algorithm x protocol NCCL 2.24 picks for ``nbytes`` (per rank) on ``topology``, with its time.
 
     ``profile.nccl`` gives the hardware NCCL sees; hosts of ``topology`` must all hold the same number of
-    GPUs. The time is NCCL's own model (microseconds in NCCL, seconds here).
+    GPUs. The pick and ``time_s`` are NCCL's own model (microseconds in NCCL, seconds here); ``fill_us`` and
+    ``run_time_s`` add the pipeline fill NCCL's model leaves out (:mod:`~gradsync.collectives.cost.nccl_pipeline`).
 
     Raises:
         ValueError: the profile has no NCCL constants or no NVSwitch, a bad collective or size, uneven hosts.
@@ -316,5 +327,7 @@ def nccl_choice(profile: Profile, topology: Topology, nbytes: int, collective: s
         if time_us >= 0 and (best is None or time_us < best[0]):
             best = (time_us, algorithm, protocol, entry)
     time_us, algorithm, protocol, entry = best
+    fill = pipeline_fill_us(profile, topology, algorithm, nbytes, search_graphs(nccl, topology).get(algorithm),
+                            collective)
     return NcclChoice(algorithm, protocol, _channels_used(nccl, topology, algorithm, protocol, nbytes),
-                      time_us * 1e-6, entry.latency, entry.bandwidth)
+                      time_us * 1e-6, entry.latency, entry.bandwidth, fill)
