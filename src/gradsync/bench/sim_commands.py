@@ -10,8 +10,6 @@ import argparse
 from gradsync.bench.spread import DEFAULT_REPEAT, add_repeat_option
 from gradsync.sim import PROFILE_NAMES, SIMULATED
 
-_ALGORITHMS = ",".join(name for name in SIMULATED if name != "shm")
-
 
 def add_parsers(commands) -> None:
     """Add the simulator's commands to the ``gradsync`` subcommand group ``commands``."""
@@ -49,7 +47,9 @@ def _add_scale_options(parser: argparse.ArgumentParser) -> None:
     add("--gpus", default="8,64,512,4096", help="comma-separated GPU (rank) counts (default %(default)s)")
     add("--sizes", default="4K-1G", help="message sizes: a list (4K,1M) or a range doubling by 4x from "
         "the first to the last (4K-1G) (default %(default)s)")
-    add("--algorithms", default=_ALGORITHMS, help="comma-separated algorithms (default %(default)s)")
+    add("--algorithms", default=None, help="comma-separated: ring, tree, double_binary_tree, halving_doubling, "
+        "hierarchical, nccl (NCCL's own choice by its tuning model, for a profile with NCCL's constants) "
+        "(default ring,double_binary_tree,hierarchical,nccl)")
     add("--plot", default=None, metavar="PNG", help="also draw time against GPU count per algorithm")
     add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
     add("--event-budget-s", type=float, default=60.0, metavar="S", help="run the event simulation for a "
