@@ -99,13 +99,14 @@ def _spans(sizes: list[int], wins: list[bool]) -> str:
 
 @dataclass(frozen=True)
 class Lever:
-    """One way to run the step (seconds): ``comm_s`` (all its collectives), ``exposed_s`` (what the step
-    waits for them), ``step_s``; ``share`` = exposed / step."""
+    """One way to run the step (seconds): ``comm_s`` (all its collectives, ``calls`` of them), ``exposed_s``
+    (what the step waits for them), ``step_s``; ``share`` = exposed / step."""
 
     name: str
     comm_s: float
     exposed_s: float
     step_s: float
+    calls: int
 
     @property
     def share(self) -> float:
@@ -115,6 +116,10 @@ class Lever:
 def step_compute(profile: Profile, dtype: torch.dtype = torch.float32) -> StepCompute:
     """The 10B model's compute per GPU and step (:func:`~gradsync.sim.compute.flops_compute`)."""
     return flops_compute(layered_params(PARAMS, LAYERS, dtype), TOKENS_PER_GPU, peak_flops(profile), MFU, profile)
+
+
+def call_count(total_bytes: int) -> int:
+    return math.ceil(total_bytes / ONE_CALL_BUCKET)
 
 
 def calls_s(profile: Profile, topology: Topology, algorithm: str, total_bytes: int, collective: str = "all_reduce",
@@ -138,15 +143,31 @@ def powersgd_bytes(num_params: int = PARAMS, layers: int = LAYERS, rank: int = P
     return 4 * (rows * rank + rest), 4 * cols * rank
 
 
-def _dp(name: str, compute: StepCompute, profile: Profile, topology: Topology, algorithm: str, bucket_mb: float,
-        overlapped: bool, compute_s: float) -> Lever:
-    """DataParallel's buckets: overlapped, the step model's exposed and step time (copies into and out of
-    the buckets included); not, every exchange after the compute."""
-    row = predict_step(compute, profile, topology, algorithm, bucket_mb, event_max_ranks=0)
-    comm = row["comm_ms"] / 1e3
+# DataParallel's levers: (algorithm, bucket MiB, gradient dtype, overlapped with backward, rebuilt layout)
+_S, _L = SMALL_BUCKET_MB, LARGE_BUCKET_MB
+DP_LEVERS = (("ring", _S, torch.float32, False, True), ("ring", _S, torch.float32, True, True),
+             ("ring", _L, torch.float32, True, True), ("ring", _L, torch.float32, True, False),
+             ("hierarchical", _S, torch.float32, False, True), ("hierarchical", _S, torch.float32, True, True),
+             ("hierarchical", _L, torch.float32, True, False), ("hierarchical", _S, torch.float16, True, True))
+
+
+def _dp_name(algorithm: str, bucket_mb: float, dtype: torch.dtype, overlapped: bool, rebuilt: bool) -> str:
+    return (f"{algorithm}, {bucket_mb:g} MiB buckets" + ("" if rebuilt else " (construction layout kept)")
+            + (", fp16 gradients" if dtype == torch.float16 else "")
+            + (", overlapped with backward" if overlapped else ", nothing overlapped"))
+
+
+def _dp(profile: Profile, topology: Topology, algorithm: str, bucket_mb: float, dtype: torch.dtype,
+        overlapped: bool, rebuilt: bool) -> Lever:
+    """DataParallel's buckets (after its rebuild on the first backward unless not ``rebuilt``: then as
+    ``set_layout`` keeps the construction's): overlapped, the step model's exposed and step time (copies
+    into and out of the buckets included); not, every exchange after the compute."""
+    compute = step_compute(profile, dtype)
+    row = predict_step(compute, profile, topology, algorithm, bucket_mb, event_max_ranks=0, rebuilt=rebuilt)
+    comm, name = row["comm_ms"] / 1e3, _dp_name(algorithm, bucket_mb, dtype, overlapped, rebuilt)
     if overlapped:
-        return Lever(name, comm, row["exposed_comm_ms"] / 1e3, row["step_ms"] / 1e3)
-    return Lever(name, comm, comm, compute_s + comm)
+        return Lever(name, comm, row["exposed_comm_ms"] / 1e3, row["step_ms"] / 1e3, row["buckets"])
+    return Lever(name, comm, comm, compute.compute_s + comm, row["buckets"])
 
 
 def hidden_behind(comm_s: float, window_s: float) -> float:
@@ -159,37 +180,26 @@ def step_levers(profile: Profile) -> tuple[StepCompute, list[Lever]]:
     topology = topology_for(STEP_GPUS, profile)
     compute = step_compute(profile)
     base = compute.compute_s
-    small, large = SMALL_BUCKET_MB, LARGE_BUCKET_MB
-    levers = [_dp(f"ring, {small:g} MiB buckets, nothing overlapped", compute, profile, topology, "ring", small,
-                  False, base),
-              _dp(f"ring, {small:g} MiB buckets overlapped with backward", compute, profile, topology, "ring",
-                  small, True, base),
-              _dp(f"ring, {large:g} MiB buckets overlapped", compute, profile, topology, "ring", large, True, base),
-              _dp(f"hierarchical, {small:g} MiB buckets, nothing overlapped", compute, profile, topology,
-                  "hierarchical", small, False, base),
-              _dp(f"hierarchical, {small:g} MiB buckets overlapped", compute, profile, topology, "hierarchical",
-                  small, True, base),
-              _dp(f"hierarchical, {large:g} MiB buckets overlapped", compute, profile, topology, "hierarchical",
-                  large, True, base),
-              _dp(f"hierarchical, {small:g} MiB buckets, fp16 gradients", step_compute(profile, torch.float16),
-                  profile, topology, "hierarchical", small, True, base)]
+    levers = [_dp(profile, topology, *spec) for spec in DP_LEVERS]
     p_bytes, q_bytes = powersgd_bytes()
     psgd = sum(calls_s(profile, topology, "hierarchical", nbytes) for nbytes in (p_bytes, q_bytes))  # P's, then Q's
     levers.append(Lever(f"hierarchical, PowerSGD rank {POWERSGD_RANK} ({(p_bytes + q_bytes) / 2**20:.0f} MiB), "
-                        "after backward", psgd, psgd, base + psgd))
+                        "after backward", psgd, psgd, base + psgd, call_count(p_bytes) + call_count(q_bytes)))
     grads = 4 * compute.num_params
     scatter = calls_s(profile, topology, "hierarchical", grads, "reduce_scatter")
     gather = calls_s(profile, topology, "hierarchical", grads, "all_gather")
-    for name, comm, exposed in (
+    calls = call_count(grads)
+    for name, comm, exposed, count in (
             ("ZeRO-1/2, hierarchical: reduce-scatter + all-gather, nothing overlapped", scatter + gather,
-             scatter + gather),
+             scatter + gather, 2 * calls),
             ("ZeRO-2, reduce-scatter hidden behind backward at best", scatter + gather,
-             hidden_behind(scatter, compute.backward_s) + gather),
+             hidden_behind(scatter, compute.backward_s) + gather, 2 * calls),
             ("ZeRO-3, hierarchical: reduce-scatter + 2 all-gathers, nothing overlapped", scatter + 2 * gather,
-             scatter + 2 * gather),
+             scatter + 2 * gather, 3 * calls),
             ("ZeRO-3, gathers behind forward / backward at best", scatter + 2 * gather,
-             hidden_behind(gather, compute.forward_s) + hidden_behind(gather + scatter, compute.backward_s))):
-        levers.append(Lever(name, comm, exposed, base + exposed))
+             hidden_behind(gather, compute.forward_s) + hidden_behind(gather + scatter, compute.backward_s),
+             3 * calls)):
+        levers.append(Lever(name, comm, exposed, base + exposed, count))
     return compute, levers
 
 
@@ -210,10 +220,10 @@ def _growth_lines(profile: Profile) -> list[str]:
     rows = ring_growth(profile)
     lines = ["1. A flat ring's small messages grow with the GPU count: 2(p-1) steps one after another, each at "
              "least the link's latency a.",
-             f"   {'size':>6} " + " ".join(f"{f'{g} GPUs':>18}" for g in GROWTH_GPUS) + "   growth 8->64, 64->4096"]
+             f"   {'size':>6} " + " ".join(f"{f'{g} GPUs':>22}" for g in GROWTH_GPUS) + "   growth 8->64, 64->4096"]
     for nbytes in GROWTH_SIZES:
         mine = [row for row in rows if row["nbytes"] == nbytes]
-        cells = " ".join(f"{row['time_s'] * 1e6:>10.1f} us ({row['latency_s'] / row['time_s']:>3.0%} a)"
+        cells = " ".join(f"{row['time_s'] * 1e6:>11.1f} us ({row['latency_s'] / row['time_s']:>4.0%} a)"
                          for row in mine)
         lines.append(f"   {_size(nbytes):>6} {cells}   x{mine[1]['time_s'] / mine[0]['time_s']:.1f}, "
                      f"x{mine[2]['time_s'] / mine[1]['time_s']:.1f}")
@@ -224,13 +234,16 @@ def _growth_lines(profile: Profile) -> list[str]:
 def _overtake_lines(profile: Profile) -> list[str]:
     rows = overtakes(profile)
     sizes = parse_sizes(OVERTAKE_SIZES)
-    lines = [f"2. Where hierarchical and double_binary_tree beat the flat ring ({OVERTAKE_SIZES}, sizes x4 apart):"]
+    lines = [f"2. Where hierarchical and double_binary_tree beat the flat ring ({OVERTAKE_SIZES}, sizes x4 apart; "
+             "hierarchical is the ring inside one host):"]
     for gpus in OVERTAKE_GPUS:
         mine = [row for row in rows if row["gpus"] == gpus]
         parts = []
         for rival in RIVALS:
             wins = [row["times"][rival] < row["times"]["ring"] for row in mine]
-            parts.append(f"{rival} at {_spans(sizes, wins)}")
+            ratios = ", ".join(f"{_size(row['nbytes'])} x{row['times']['ring'] / row['times'][rival]:.3g}"
+                               for row in (mine[0], mine[-1]))
+            parts.append(f"{rival} at {_spans(sizes, wins)} (ring / it: {ratios})")
         fastest = _spans(sizes, [row["fastest"] == "ring" for row in mine])
         lines.append(f"   {gpus:>5} GPUs: " + "; ".join(parts) + f" (the ring the fastest at {fastest})")
     return lines
@@ -246,9 +259,9 @@ def _step_lines(profile: Profile) -> list[str]:
              f"{flops:.3g} FLOPs at {MFU:.0%} MFU of {PEAK_TFLOPS.get(profile.name, 0):g} TFLOP/s (dense BF16, "
              f"the GPU's datasheet) = {(compute.forward_s + compute.backward_s) * 1e3:.0f} ms, + Adam "
              f"{compute.optimizer_s * 1e3:.1f} ms at memory bandwidth = {compute.compute_s * 1e3:.0f} ms",
-             f"   {'lever':<72} {'comm [ms]':>11} {'exposed [ms]':>13} {'share':>6}"]
+             f"   {'lever':<84} {'calls':>5} {'comm [ms]':>10} {'exposed [ms]':>12} {'share':>6}"]
     for lever in levers:
-        lines.append(f"   {lever.name:<72} {lever.comm_s * 1e3:>11.1f} {lever.exposed_s * 1e3:>13.1f} "
+        lines.append(f"   {lever.name:<84} {lever.calls:>5} {lever.comm_s * 1e3:>10.1f} {lever.exposed_s * 1e3:>12.1f} "
                      f"{lever.share:>6.1%}")
     lines.append("   share = exposed / step; exposed: all of comm where nothing overlaps; DataParallel's buckets: "
                  "what the step waits for after backward (its step also copies the gradients into and out of "
