@@ -42,21 +42,35 @@ machine moves from one repetition to the next (the load columns say how
 busy it was); a wide min–max on a row is that noise, not the model. Across
 the test hosts the shaped 1 Gbit/s link sets the large sizes.""",
     "sim_reproduce": """\
-`gradsync simulate --reproduce`: the simulator on the published `h100-ib`
-profile (datasheet bandwidths and NCCL's own tuning constants; no number
-taken from the curves) against two published nccl-tests `all_reduce_perf`
-curves, one node of 8 H100 with NVLink SHARP and 4 nodes × 8 over
-InfiniBand: busbw as published and as predicted per size, the error, and
-the candidate (algorithm/protocol, or NVLS) the prediction took as NCCL's
-choice, the fastest of them. A computation, not a measurement: one run, the
-same on any machine.""",
+`gradsync simulate --reproduce`: NCCL's own choice priced by NCCL's own
+model (`collectives/cost/nccl_tuning.py`, written from NCCL 2.24.3's
+topology search and tuning.cc: channels, algorithm x protocol bandwidths and
+latencies, the pair with the least predicted time) on the published GPU
+profiles (datasheet hardware and NCCL's tables; no number taken from the
+curves) against three published nccl-tests `all_reduce_perf` curves: one
+node of 8 H100 with NVLink SHARP, 4 nodes x 8 H100 over InfiniBand, one node
+of 8 A100. Per size: busbw as published and as predicted, the error, and
+NCCL's pick (algorithm/protocol/channels); per curve the issue's goal
+(every size from 4 KiB within 20%, from 64 MiB within 10%), met or missed,
+and where missed the model's latency and bandwidth terms against the curve.
+A computation, not a measurement: one run, the same on any machine.""",
     "sim_reproduce_after": """\
-How to read it. Up to 64 KiB the call is latency-bound (NCCL's per-call and
-per-hop latencies decide), above it bandwidth-bound. The single-node
-curve's large sizes ran NVLS (in-switch reduction), which gradsync has no
-algorithm for and prices with a formula; the 4-node curve most likely ran
-NVLSTree or Tree, which are not modelled, so its bandwidth region is the
-least certain.""",
+How to read it. NCCL's model has no kernel launch and no harness. The
+single-node H100 curve ran one thread driving 8 GPUs (`-g 8`), which
+launches 8 kernels one after the other every call: 18.7 us are added, taken
+from another published run (nccl-tests#123: a DGX A100 with `-g 8`, 33.7 us,
+less NCCL's own 15.0 us ring/LL latency), not from the curves. The other two
+curves ran one process per GPU, whose single launch no published figure
+apart from the curves gives: their small sizes are predicted fast by it. In
+the middle sizes NCCL's latency + bytes / bandwidth is its own optimistic
+line (it pipelines chunks it does not model, hence its tree correction
+factors), which is where the largest misses are. Under a missed goal, one
+line per pick sets NCCL's latency and bandwidth against those the curve's
+own points of that pick imply (a least-squares line, a diagnosis only): on
+one node NVLS's 25 us latency is ~47 us short while its bandwidth is within
+3%; across nodes the tree's and NVLSTree's latencies are 17 and 40 us short
+and the ring's bandwidth 8% high. The 4-node log does not say which
+algorithm ran; the A100 log has only 32 MiB to 1 GiB.""",
     "sim_scale": """\
 `gradsync simulate` at scale: one AllReduce per GPU count, message size and
 algorithm on the profile of the command (8 GPUs per host on the published
