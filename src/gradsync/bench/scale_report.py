@@ -35,7 +35,7 @@ def ring_overtaken(rows) -> list[tuple[int, int | None, object | None, object | 
     fastest, the ring's row there, the winner's row there); GPU count None where the ring is fastest
     at the largest count; among gradsync's algorithms (not ``nccl``, NCCL's own choice). Sizes without
     a ring row are left out."""
-    best = fastest([row for row in rows if row.algorithm != "nccl"])
+    best = fastest(ours(rows))
     ring = {(row.gpus, row.nbytes): row for row in rows if row.algorithm == "ring"}
     result = []
     for nbytes in sorted({n for _, n in ring}):
@@ -59,10 +59,16 @@ def ring_latency_crossover_bytes(profile: Profile, gpus: int) -> float:
     return gpus * link.alpha_s * link.bandwidth_bytes_per_s
 
 
+def ours(rows) -> list:
+    """The rows of gradsync's algorithms (all but ``nccl``, NCCL's own choice)."""
+    return [row for row in rows if row.algorithm != "nccl"]
+
+
 def win_ranges(rows, algorithm: str) -> dict[int, list[int]]:
-    """``{gpus: sizes at which algorithm is the fastest}`` (GPU counts where it never wins left out)."""
+    """``{gpus: sizes at which algorithm is the fastest}`` (GPU counts where it never wins left out): of
+    gradsync's algorithms for one of them, of all rows for ``nccl``."""
     wins: dict[int, list[int]] = {}
-    for (count, nbytes), row in sorted(fastest(rows).items()):
+    for (count, nbytes), row in sorted(fastest(rows if algorithm == "nccl" else ours(rows)).items()):
         if row.algorithm == algorithm:
             wins.setdefault(count, []).append(nbytes)
     return wins
@@ -105,8 +111,22 @@ def crossover_lines(rows, profile: Profile | None = None) -> list[str]:
             continue
         parts = [f"{count} GPUs: " + (f"{_size(sizes[0])}-{_size(sizes[-1])} ({len(sizes)} sizes)" if len(sizes) > 1
                                       else f"{_size(sizes[0])}") for count, sizes in wins.items()]
-        lines.append(f"# {algorithm} is the fastest at " + "; ".join(parts))
+        lines.append(f"# {algorithm} is the fastest{' of gradsync' if algorithm != 'nccl' else ''} at "
+                     + "; ".join(parts))
+    if "nccl" in present:
+        lines.append(nccl_line(rows))
     return lines
+
+
+def nccl_line(rows) -> str:
+    """How NCCL's own choice compares with gradsync's fastest algorithm at every point both have."""
+    mine, theirs = fastest(ours(rows)), {(r.gpus, r.nbytes): r for r in rows if r.algorithm == "nccl"}
+    ratios = sorted(mine[key].time_us / theirs[key].time_us for key in theirs if key in mine)
+    if not ratios:
+        return "# nccl: no point with both NCCL's choice and a gradsync algorithm"
+    return (f"# gradsync's fastest / NCCL's choice: {ratios[0]:.2f}x to {ratios[-1]:.2f}x "
+            f"(median {ratios[len(ratios) // 2]:.2f}x) over {len(ratios)} points (NCCL's LL/LL128 protocols "
+            "and in-switch reduction have no gradsync counterpart)")
 
 
 def latency_term_lines(rows, profile: Profile) -> list[str]:
@@ -147,7 +167,13 @@ def format_fastest(rows) -> str:
                "fastest": best[(gpus, nbytes)].algorithm} for gpus, nbytes in sorted(by_point)]
     columns = [("gpus", 5, "{gpus}"), ("size", 6, "{size}")] + [(f"{name} [us]", max(len(name) + 5, 12), cell(name))
                                                                  for name in algorithms]
-    columns += [("nccl pick", 16, pick)] if "nccl" in algorithms else []
+    columns += [("nccl pick", 18, pick)] if "nccl" in algorithms else []
+    if "nccl" in algorithms:
+        ours_best = fastest(ours(rows))
+        for point in points:
+            key = (point["gpus"], next(iter(point["rows"].values())).nbytes)
+            point["ours"] = ours_best[key].algorithm if key in ours_best else "-"
+        columns += [("fastest of gradsync", 19, "{ours}")]
     return (format_rows(points, columns + [("fastest", 18, "{fastest}")])
             + "\n# time of one all_reduce in us; *: the closed form (beyond the event simulation's budget)"
             + ("; nccl: NCCL's tuning model's time for its pick (algorithm/protocol x channels)"
@@ -208,22 +234,28 @@ def plot(rows, path: str, title: str) -> Path:
 
 
 def _winners(axis, rows, colors: dict, title: str) -> None:
-    """The fastest algorithm per (GPU count, size) as coloured cells."""
+    """The fastest of gradsync's algorithms per (GPU count, size) as coloured cells; where NCCL's choice is
+    in the rows, each cell says how many times NCCL's predicted time gradsync's fastest takes."""
     from matplotlib.patches import Patch, Rectangle
 
-    best = fastest(rows)
+    best = fastest(ours(rows))
+    nccl = {(row.gpus, row.nbytes): row for row in rows if row.algorithm == "nccl"}
     counts, sizes = sorted({g for g, _ in best}), sorted({n for _, n in best})
     for x, count in enumerate(counts):
         for y, nbytes in enumerate(sizes):
             row = best[(count, nbytes)]
             axis.add_patch(Rectangle((x - 0.5, y - 0.5), 1, 1, color=colors[row.algorithm]))
+            if (count, nbytes) in nccl:
+                axis.text(x, y, f"{row.time_us / nccl[(count, nbytes)].time_us:.2f}x", ha="center", va="center",
+                          fontsize=7, color="white")
     axis.set_xlim(-0.5, len(counts) - 0.5)
     axis.set_ylim(-0.5, len(sizes) - 0.5)
     axis.set_xticks(range(len(counts)), [str(count) for count in counts])
     axis.set_yticks(range(len(sizes)), [_size(nbytes) for nbytes in sizes])
     axis.set_xlabel("GPUs")
     axis.set_ylabel("all_reduce size")
-    axis.set_title(f"{title}: the fastest")
+    axis.set_title(f"{title}: gradsync's fastest" + (" (x: its time / NCCL's choice)" if nccl else ""),
+                   fontsize=9)
     present = [name for name in ORDER if any(row.algorithm == name for row in best.values())]
     axis.legend(handles=[Patch(color=colors[name], label=name) for name in present], fontsize=8,
                 loc="upper left", bbox_to_anchor=(1.0, 1.0))
