@@ -112,3 +112,16 @@ def test_rendered_claims_carry_the_computed_numbers(text, levers):
         assert f"{lever.share:.1%}" in text.split(lever.name, 1)[1].splitlines()[0]
     growth = [row for row in claims.ring_growth(H100) if row["nbytes"] == 4096]
     assert f"{growth[2]['time_s'] * 1e6:.1f} us" in text
+
+
+def test_nccl_lever_sums_nccls_pick_over_dataparallels_buckets(levers):
+    from gradsync.collectives.cost.nccl_tuning import nccl_choice
+    from gradsync.sim.step import plan_step
+
+    compute, rows = levers
+    lever = next(lever for lever in rows if lever.name.startswith("NCCL's choice"))
+    topology = Topology.uniform(512, 8)
+    plan = plan_step(compute, 25.0, 4096, H100.copy_s_per_byte)
+    expected = sum(nccl_choice(H100, topology, 4 * numel).time_s for numel in plan.numels)
+    assert lever.comm_s == pytest.approx(expected) and lever.calls == len(plan.numels)
+    assert lever.share == pytest.approx(expected / (expected + compute.compute_s))

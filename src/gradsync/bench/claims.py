@@ -44,6 +44,7 @@ from gradsync.collectives.cost.profile import Profile
 from gradsync.collectives.cost.topology import Topology
 from gradsync.sim import get_profile
 from gradsync.sim.compute import BLOCK_SHAPES, PEAK_TFLOPS, StepCompute, flops_compute, layered_params, peak_flops
+from gradsync.sim.step import plan_step
 from gradsync.sim.training import predict_step
 
 PROFILE = "h100-ib"
@@ -170,6 +171,22 @@ def _dp(profile: Profile, topology: Topology, algorithm: str, bucket_mb: float, 
     return Lever(name, comm, comm, compute.compute_s + comm, row["buckets"])
 
 
+def nccl_buckets(profile: Profile, topology: Topology, bucket_mb: float = SMALL_BUCKET_MB) -> Lever | None:
+    """DataParallel's buckets, each AllReduce at the time NCCL's tuning model predicts for its own pick
+    (:func:`gradsync.collectives.cost.nccl_tuning.nccl_choice`), nothing overlapped; None for a profile
+    without NCCL's constants."""
+    from gradsync.collectives.cost.nccl_tuning import nccl_choice
+    compute = step_compute(profile)
+    plan = plan_step(compute, bucket_mb, topology.world_size, profile.copy_s_per_byte)
+    try:
+        times = {numel: nccl_choice(profile, topology, 4 * numel).time_s for numel in set(plan.numels)}
+    except ValueError:
+        return None
+    comm = sum(times[numel] for numel in plan.numels)
+    return Lever(f"NCCL's choice, {bucket_mb:g} MiB buckets, nothing overlapped", comm, comm,
+                 compute.compute_s + comm, len(plan.numels))
+
+
 def hidden_behind(comm_s: float, window_s: float) -> float:
     """What stays exposed of ``comm_s`` run beside ``window_s`` of compute, at best: max(0, comm - window)."""
     return max(0.0, comm_s - window_s)
@@ -181,6 +198,7 @@ def step_levers(profile: Profile) -> tuple[StepCompute, list[Lever]]:
     compute = step_compute(profile)
     base = compute.compute_s
     levers = [_dp(profile, topology, *spec) for spec in DP_LEVERS]
+    levers += [lever for lever in (nccl_buckets(profile, topology),) if lever is not None]
     p_bytes, q_bytes = powersgd_bytes()
     psgd = sum(calls_s(profile, topology, "hierarchical", nbytes) for nbytes in (p_bytes, q_bytes))  # P's, then Q's
     levers.append(Lever(f"hierarchical, PowerSGD rank {POWERSGD_RANK} ({(p_bytes + q_bytes) / 2**20:.0f} MiB), "
