@@ -125,3 +125,12 @@ def test_nccl_lever_sums_nccls_pick_over_dataparallels_buckets(levers):
     expected = sum(nccl_choice(H100, topology, 4 * numel).time_s for numel in plan.numels)
     assert lever.comm_s == pytest.approx(expected) and lever.calls == len(plan.numels)
     assert lever.share == pytest.approx(expected / (expected + compute.compute_s))
+
+
+def test_explain_without_alg_refuses_an_algorithms_options():
+    import argparse
+
+    from gradsync.bench.sim_commands import explain
+    args = argparse.Namespace(algorithm=None, nproc=8, hosts=1, size="1M", segment_bytes=None, profile=None)
+    with pytest.raises(ValueError, match="--nproc: options of one algorithm's run; give ALG"):
+        explain(args)

@@ -170,6 +170,12 @@ def _add_explain_options(parser: argparse.ArgumentParser) -> None:
 
 def explain(args: argparse.Namespace) -> int:
     if args.algorithm is None:
+        given = [f"--{name.replace('_', '-')}" for name, default in (("nproc", 4), ("hosts", 1), ("size", "1M"),
+                                                                    ("segment_bytes", None))
+                 if getattr(args, name) != default]
+        if given:
+            raise ValueError(f"{', '.join(given)}: options of one algorithm's run; give ALG (gradsync explain ring "
+                             f"{' '.join(given)} ...), or none of them for the scaling claims")
         from gradsync.bench.claims import run as run_claims
         return run_claims(args)
     from gradsync.bench.explain import run as run_explain
