@@ -80,20 +80,24 @@ which algorithm ran.""",
 `gradsync simulate` at scale: one AllReduce per GPU count, message size and
 algorithm on the profile of the command (8 GPUs per host on the published
 profiles), priced by the event simulation of the algorithms' own code where
-its time budget allows, else by the closed form (marked `*`). One line per
-GPU count and size with each algorithm's time and the fastest; below, where
-the ring stops being the fastest and where each algorithm wins. A
-computation, not a measurement: one run; `took` is the simulation's wall
-time.""",
+its time budget allows, else by the closed form (marked `*`); the `nccl`
+column is not gradsync code but the algorithm and protocol NCCL's own
+tuning model picks for that call, at the time that model predicts (`nccl
+pick`). One line per GPU count and size with each algorithm's time and the
+fastest; below, where the ring stops being the fastest of gradsync's
+algorithms and where each one wins. A computation, not a measurement: one
+run; `took` is the simulation's wall time.""",
     "sim_scale_after": """\
 How to read it. The flat ring takes 2(p−1) steps one after the other, so
 its latency term grows with the GPU count and it keeps up only where the
-bandwidth term dominates: the largest sizes on few GPUs. Halving-doubling,
-in log2 p steps, takes the small sizes; across hosts the
-hierarchical scheme (inside each host over NVLink, then across the hosts,
-then inside again) sends over the network only what a host holds, which
-decides the large sizes. A time marked `*` is the closed form, which agrees
-with the event simulation within 5% where both run.""",
+bandwidth term dominates: the largest sizes on few GPUs. The double binary
+tree, in about 2·log2 p steps with every rank sending about n per phase,
+takes the small sizes on one node; across hosts the hierarchical scheme
+(inside each host over NVLink, then across the hosts, then inside again)
+sends over the network only what a host holds. `gradsync explain` prints
+the crossovers and what they mean for a 10B-parameter model's step. A time
+marked `*` is the closed form, which agrees with the event simulation
+within 5% where both run (the double binary tree's within 8%).""",
 }
 SIM_TITLES = {"sim_calibrate": "Simulator: calibration of this machine",
               "sim_validate": "Simulator: predicted against measured here",

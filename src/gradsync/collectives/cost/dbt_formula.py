@@ -30,6 +30,8 @@ oversubscription. Agrees with the event simulation within 5%
 
 from __future__ import annotations
 
+import functools
+
 from gradsync.collectives.chunking import DEFAULT_SEGMENT_BYTES, chunk_bounds
 from gradsync.collectives.cost.profile import Profile
 from gradsync.collectives.cost.topology import Topology
@@ -48,9 +50,16 @@ class _Edges:
         self.hosts = topology.host_of()
         self.local = _local_ranks(topology)
         self.oversub = [profile.oversubscription(topology.host_sizes[h]) for h in range(topology.hosts)]
+        self._costs: dict[tuple[int, int], tuple[float, float, tuple, tuple]] = {}
 
     def cost(self, src: int, dst: int) -> tuple[float, float, tuple, tuple]:
         """(α seconds, β seconds per byte, sender's port, receiver's port) of a message src -> dst."""
+        known = self._costs.get((src, dst))
+        if known is None:
+            known = self._costs[src, dst] = self._cost(src, dst)
+        return known
+
+    def _cost(self, src: int, dst: int) -> tuple[float, float, tuple, tuple]:
         same = self.hosts[src] == self.hosts[dst]
         link = self.profile.link(same)
         slow = self.oversub[self.hosts[src]] if link.cpu_bound else 1.0
@@ -63,6 +72,11 @@ class _Edges:
         else:
             ports = (("out", src), ("in", dst))
         return link.alpha_s * slow, link.beta_s_per_byte * slow, ports[0], ports[1]
+
+
+@functools.lru_cache(maxsize=16)
+def _edges(profile: Profile, topology: Topology) -> _Edges:
+    return _Edges(profile, topology)
 
 
 def _reserve(port_free: dict, ready: float, out_key: tuple, in_key: tuple, busy: float) -> float:
@@ -81,7 +95,15 @@ def _levels(tree_links: list[tuple], root: int) -> list[list[int]]:
     return levels
 
 
-def _phase_s(edges: _Edges, trees: list[list[tuple]], roots: list[int], s: list[float], rounds: float,
+@functools.lru_cache(maxsize=64)
+def _trees(p: int) -> tuple[list[list[tuple]], list[list[list[int]]]]:
+    """Both trees' ``links`` per rank and their levels (root first), for p ranks."""
+    trees = [[links(rank, p, tree) for rank in range(p)] for tree in (0, 1)]
+    roots = [next(rank for rank in range(p) if trees[tree][rank][0] is None) for tree in (0, 1)]
+    return trees, [_levels(tree_links, root) for tree_links, root in zip(trees, roots)]
+
+
+def _phase_s(edges: _Edges, trees: list[list[tuple]], levels: list[list[list[int]]], s: list[float], rounds: float,
              gamma: list[float], up: bool) -> float:
     """One phase (reduce if ``up`` else broadcast) of both trees: the first segments edge by edge, level
     by level (both trees' levels together, through the same ports), then ``rounds`` more segments at the
@@ -90,7 +112,6 @@ def _phase_s(edges: _Edges, trees: list[list[tuple]], roots: list[int], s: list[
     adds = [0.0] * len(gamma)
     ready = [[0.0] * len(gamma) for _ in trees]
     port_free: dict[tuple, float] = {}
-    levels = [_levels(tree_links, root) for tree_links, root in zip(trees, roots)]
     levels = [tree_levels[::-1] if up else tree_levels for tree_levels in levels]  # leaves first going up
     for step in range(max(len(tree_levels) for tree_levels in levels)):
         nodes = [(tree, rank) for tree, tree_levels in enumerate(levels) if step < len(tree_levels)
@@ -128,8 +149,7 @@ def double_binary_tree_s(profile: Profile, topology: Topology, n: int, segment_b
     halves = [(stop - start) * itemsize for start, stop in chunk_bounds(numel, 2)]
     s = [min(h, segment_numel * itemsize) for h in halves]
     rounds = max(h / size for h, size in zip(halves, s) if size) - 1  # after the first; the last one partial
-    trees = [[links(rank, p, tree) for rank in range(p)] for tree in (0, 1)]
-    roots = [next(rank for rank in range(p) if trees[tree][rank][0] is None) for tree in (0, 1)]
-    edges = _Edges(profile, topology)
+    trees, levels = _trees(p)
+    edges = _edges(profile, topology)
     gamma = [profile.gamma_s_per_byte * edges.oversub[host] for host in edges.hosts]
-    return sum(_phase_s(edges, trees, roots, s, rounds, gamma, up) for up in (True, False))
+    return sum(_phase_s(edges, trees, levels, s, rounds, gamma, up) for up in (True, False))
