@@ -122,7 +122,7 @@ def test_nccl_lever_sums_nccls_pick_over_dataparallels_buckets(levers):
     lever = next(lever for lever in rows if lever.name.startswith("NCCL's choice"))
     topology = Topology.uniform(512, 8)
     plan = plan_step(compute, 25.0, 4096, H100.copy_s_per_byte)
-    expected = sum(nccl_choice(H100, topology, 4 * numel).time_s for numel in plan.numels)
+    expected = sum(nccl_choice(H100, topology, 4 * numel).run_time_s for numel in plan.numels)
     assert lever.comm_s == pytest.approx(expected) and lever.calls == len(plan.numels)
     assert lever.share == pytest.approx(expected / (expected + compute.compute_s))
 

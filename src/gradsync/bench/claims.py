@@ -179,7 +179,7 @@ def nccl_buckets(profile: Profile, topology: Topology, bucket_mb: float = SMALL_
     compute = step_compute(profile)
     plan = plan_step(compute, bucket_mb, topology.world_size, profile.copy_s_per_byte)
     try:
-        times = {numel: nccl_choice(profile, topology, 4 * numel).time_s for numel in set(plan.numels)}
+        times = {numel: nccl_choice(profile, topology, 4 * numel).run_time_s for numel in set(plan.numels)}
     except ValueError:
         return None
     comm = sum(times[numel] for numel in plan.numels)

@@ -217,9 +217,10 @@ def nccl_choice(profile: Profile, topology: Topology, nbytes: int):
 
 
 def nccl_row(gpus: int, nbytes: int, profile: Profile) -> ScaleRow:
-    """NCCL's choice as a row: its predicted time, ``detail`` = algorithm/protocol x channels."""
+    """NCCL's choice as a row: its predicted time (NCCL's model plus the pipeline fill it leaves out,
+    ``run_time_s``), ``detail`` = algorithm/protocol x channels."""
     choice = nccl_choice(profile, topology_for(gpus, profile), nbytes)
-    return make_row(gpus, NCCL, nbytes, choice.time_s, "nccl model", 0.0,
+    return make_row(gpus, NCCL, nbytes, choice.run_time_s, "nccl model", 0.0,
                     f"{choice.algorithm}/{choice.protocol} x{choice.channels}")
 
 
