@@ -28,13 +28,14 @@ import math
 from dataclasses import dataclass
 
 from gradsync.collectives.chunking import DEFAULT_SEGMENT_BYTES
+from gradsync.collectives.cost.dbt_formula import double_binary_tree_s
 from gradsync.collectives.cost.profile import Profile
 from gradsync.collectives.cost.shm_formulas import shm_lean, shm_phase_s, shm_s, shm_shard_s, shm_slices
 from gradsync.collectives.cost.topology import Topology
 from gradsync.collectives.halving_doubling import SHORT_MESSAGE_BYTES as HD_SHORT_BYTES
 from gradsync.collectives.ring import IN_FLIGHT as _IN_FLIGHT
 
-FORMULAS = ("ring", "tree", "halving_doubling", "hierarchical", "shm")
+FORMULAS = ("ring", "tree", "double_binary_tree", "halving_doubling", "hierarchical", "shm")
 
 
 @dataclass(frozen=True)
@@ -424,6 +425,8 @@ def predict_s(algorithm: str, profile: Profile, topology: Topology, nbytes: int,
         body = ring_s(profile, topology, nbytes, segment_bytes, itemsize, collective=collective)
     elif algorithm == "tree" and collective == "all_reduce":
         body = tree_s(profile, topology, nbytes, segment_bytes, itemsize)
+    elif algorithm == "double_binary_tree" and collective == "all_reduce":
+        body = double_binary_tree_s(profile, topology, nbytes, segment_bytes, itemsize)
     elif algorithm == "halving_doubling":
         body = halving_doubling_s(profile, topology, nbytes, itemsize, collective=collective)
     elif algorithm == "hierarchical":
@@ -433,5 +436,5 @@ def predict_s(algorithm: str, profile: Profile, topology: Topology, nbytes: int,
             shm_shard_s(profile, topology, nbytes, itemsize, collective)
     else:
         raise ValueError(f"no {collective} formula for {algorithm!r}; choose one of "
-                         f"{', '.join(name for name in FORMULAS if collective == 'all_reduce' or name != 'tree')}")
+                         f"{', '.join(name for name in FORMULAS if collective == 'all_reduce' or 'tree' not in name)}")
     return call_overhead_s(profile, algorithm, topology, nbytes, collective) + body

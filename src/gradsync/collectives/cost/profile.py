@@ -37,6 +37,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gradsync.collectives.cost.nccl_constants import NcclConstants
+
 
 @dataclass(frozen=True)
 class Link:
@@ -116,6 +118,9 @@ class Profile:
         in_switch_reduction_bytes_per_s: busbw of in-switch reduction inside a host
             (NVLink SHARP / NVLS), None where the profile has none.
         sources: where the numbers come from (specifications, measurements).
+        nccl: what NCCL's topology search and tuning model see of the system
+            (:class:`~gradsync.collectives.cost.nccl_constants.NcclConstants`; GPU profiles only), for
+            :func:`~gradsync.collectives.cost.nccl_tuning.nccl_choice`; None elsewhere.
     """
 
     name: str
@@ -131,6 +136,7 @@ class Profile:
     shm: ShmModel | None = None
     in_switch_reduction_bytes_per_s: float | None = None
     sources: tuple[str, ...] = field(default=())
+    nccl: NcclConstants | None = None
 
     def link(self, same_host: bool) -> Link:
         """The link a message between two ranks takes.
@@ -184,6 +190,7 @@ class Profile:
             data["inter"] = Link(**data["inter"]) if data.get("inter") else None
             data["shm"] = ShmModel(**data["shm"]) if data.get("shm") else None
             data["sources"] = tuple(data.get("sources", ()))
+            data["nccl"] = NcclConstants.from_dict(data["nccl"]) if data.get("nccl") else None
             return cls(**data)
         except (KeyError, TypeError) as error:
             raise ValueError(f"not a gradsync profile: {error}") from error
