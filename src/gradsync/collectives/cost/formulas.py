@@ -24,6 +24,7 @@ pipelined ring; Sanders, Speck & Träff 2009 for pipelined trees).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -106,15 +107,14 @@ def ring_stream_s(p: int, n: float, step: Step, segment_bytes: int, itemsize: in
     its all-gather's p-1 hops, or both as one stream (the AllReduce), over chunks of c = n/p bytes cut
     in k segments of s.
 
-    Segments flow through the hops without waiting for a hop to end, so the time is the longer of two
-    paths: the pipeline fill, one segment through all T hops (each hop α + s·β of its edge + the add
-    s·γ that precedes a forward, at least the port's time for the segment when a rank's send and
-    receive share one port; plus the k-1 segments before it on the slowest edge), and the stream
-    once full, one segment per step on the slowest edge (T·k segments back to back, in the
-    reduce-scatter at least (α + s·β + s·γ) / ``_IN_FLIGHT`` apart: a slot of the inbox is posted
-    again only once its segment is added). Ranks that share a port with both neighbours (loopback
-    TCP) fall out of step after their first collision: the fill pays 2 transfers' worth of
-    collisions, except at p = 2, where both ranks exchange at once on every hop.
+    Segments flow through the hops without waiting for a hop to end, so the time is the longest of
+    three paths: the pipeline fill, one segment through all T hops (:func:`_fill_s`: each hop α + s·β
+    of its edge and the add s·γ that precedes a forward; plus the k-1 segments before it on the
+    slowest edge); the stream once full, one segment per step on the slowest edge (T·k segments back
+    to back, in the reduce-scatter at least (α + s·β + s·γ) / ``IN_FLIGHT`` apart: a slot of the
+    inbox is posted again only once its segment is added); and the reduce-scatter at that inbox's
+    pace on the rank behind the slowest edge (every one of its messages crosses that edge), then the
+    all-gather's fill.
     """
     if p == 1 or n == 0:
         return 0.0
@@ -162,6 +162,22 @@ def _fill_s(p: int, s: float, step: Step, fast: Step | None, period: int, reduce
             collisions = min(0.75 * hops, max(2, math.ceil(p / 2)))
             total += collisions * min(1.0, max(0.0, (latency - 0.75) / 0.15)) * single * count / hops
     return total
+
+
+def ring_latency_s(profile: Profile, topology: Topology) -> float:
+    """The flat ring's latency term: its AllReduce time (:func:`ring_s`) were bytes free (β = γ = 0), the α of
+    every message on its critical path. One host: 2(p-1)·α; hosts of L ranks: the fill's ⌈2(p-1)/L⌉ hops
+    between hosts and the rest inside, or the reduce-scatter at the inbox's pace behind a host's edge,
+    (p-1)·α_between / ``IN_FLIGHT``, then the all-gather's fill, whichever is longer."""
+    p = topology.world_size
+    if p == 1:
+        return 0.0
+    slow = _step(profile, topology, topology.hosts > 1, duplex=True)
+    fast = _step(profile, topology, False, duplex=True) if topology.hosts > 1 and max(topology.host_sizes) > 1 else None
+    free = {"beta": 0.0, "gamma": 0.0}
+    return ring_stream_s(p, p, dataclasses.replace(slow, **free), 1, 1,
+                         fast=dataclasses.replace(fast, **free) if fast is not None else None,
+                         period=max(topology.host_sizes))
 
 
 def _phases(scatter: float, gather: float, collective: str) -> float:
