@@ -8,7 +8,7 @@ shipped GPU profile (h100-ib: 8 H100s per host on NVLink, one 400 Gb/s
 InfiniBand NIC per GPU):
 
 1. :func:`ring_growth`: a flat ring's time for 4 KiB–1 MiB from 8 to 64 to
-   4096 GPUs, and its latency term 2(p-1)·α (on the slowest link) beside it.
+   4096 GPUs, and its latency term (``formulas.ring_latency_s``: the α on its critical path) beside it.
 2. :func:`overtakes`: at each GPU count, the sizes at which hierarchical and
    double_binary_tree are faster than the ring.
 3. :func:`step_levers`: a 10B-parameter model's step on 4096 GPUs (512
@@ -39,7 +39,7 @@ import torch
 
 from gradsync.bench.scale import parse_sizes, topology_for
 from gradsync.bench.scale_report import _size
-from gradsync.collectives.cost.formulas import predict_s
+from gradsync.collectives.cost.formulas import predict_s, ring_latency_s
 from gradsync.collectives.cost.profile import Profile
 from gradsync.collectives.cost.topology import Topology
 from gradsync.sim import get_profile
@@ -63,14 +63,14 @@ ONE_CALL_BUCKET = 2**30  # the ZeRO and PowerSGD collectives, in calls of at mos
 
 def ring_growth(profile: Profile) -> list[dict]:
     """Per size of :data:`GROWTH_SIZES` and GPU count of :data:`GROWTH_GPUS`: ``time_s`` of the flat ring,
-    ``latency_s`` = 2(p-1)·α of its slowest link (the inter-host one across hosts)."""
+    ``latency_s``: the streamed ring's time were bytes free (``formulas.ring_latency_s``: 2(p-1)·α on one host;
+    across hosts the fill's crossings, or the reduce-scatter at its inbox's pace behind a host's edge)."""
     rows = []
     for nbytes in GROWTH_SIZES:
         for gpus in GROWTH_GPUS:
             topology = topology_for(gpus, profile)
-            link = profile.link(topology.hosts == 1)
             rows.append({"nbytes": nbytes, "gpus": gpus, "time_s": predict_s("ring", profile, topology, nbytes),
-                         "latency_s": 2 * (gpus - 1) * link.alpha_s})
+                         "latency_s": ring_latency_s(profile, topology)})
     return rows
 
 
@@ -236,8 +236,8 @@ def render(profile_name: str = PROFILE) -> str:
 
 def _growth_lines(profile: Profile) -> list[str]:
     rows = ring_growth(profile)
-    lines = ["1. A flat ring's small messages grow with the GPU count: 2(p-1) steps one after another, each at "
-             "least the link's latency a.",
+    lines = ["1. A flat ring's small messages grow with the GPU count: 2(p-1) hops one after another, each at "
+             "least its link's latency a (across hosts the reduce-scatter waits a between hosts per 2 hops).",
              f"   {'size':>6} " + " ".join(f"{f'{g} GPUs':>22}" for g in GROWTH_GPUS) + "   growth 8->64, 64->4096"]
     for nbytes in GROWTH_SIZES:
         mine = [row for row in rows if row["nbytes"] == nbytes]
@@ -245,7 +245,7 @@ def _growth_lines(profile: Profile) -> list[str]:
                          for row in mine)
         lines.append(f"   {_size(nbytes):>6} {cells}   x{mine[1]['time_s'] / mine[0]['time_s']:.1f}, "
                      f"x{mine[2]['time_s'] / mine[1]['time_s']:.1f}")
-    lines.append("   (x% a: the share of the ring's latency term 2(p-1)a, a of the inter-host link across hosts)")
+    lines.append("   (x% a: the share of the ring's latency term, its time were bytes free)")
     return lines
 
 
