@@ -70,11 +70,8 @@ def tables(name: str, rows: list[dict]) -> list[str]:
     if name == "sim_calibrate":
         return [format_figures(rows)]
     if name == "sim_validate":
-        from gradsync.bench.sim_validation import (ValidationRow, auto_picks, format_picks, format_rows as
-                                                   format_validation, format_summary, summarize)
-        validation = [ValidationRow.from_dict(row) for row in rows]
-        return [format_validation(validation) + "\n" + format_summary(summarize(validation)),
-                format_picks(auto_picks(validation))]
+        from gradsync.bench.sim_validation_run import record_tables
+        return record_tables(rows)
     if name == "sim_reproduce":
         from gradsync.bench.reproduce import format_table
         return [format_table(rows)]

@@ -1,28 +1,37 @@
-"""``gradsync simulate --validate``: calibrate, measure the sweep ``--repeat`` times, predict, print, write JSON.
+"""``gradsync simulate --validate``: print the split, calibrate, measure ``--repeat`` times, predict, print, write JSON.
 
-The arithmetic (rows, errors, summary, ``auto``'s picks) is :mod:`gradsync.bench.sim_validation`.
-One repetition is one sweep of every size and algorithm, interleaved
-(:func:`gradsync.bench.allreduce.sweep` with one repetition): on one host the R sweeps of a world
-size run in one launch of its processes, across test hosts each is a job of its own.
+The arithmetic (rows, errors, spreads, verdicts, summary) is :mod:`gradsync.bench.sim_validation`, the
+points (which calibrate, which are predicted) :mod:`gradsync.bench.sim_validation_points`, ``auto``'s
+picks :mod:`gradsync.bench.sim_validation_picks`. One repetition is one sweep of every collective, size
+and algorithm, interleaved (:func:`gradsync.bench.allreduce.sweep` with one repetition per collective):
+on one host the R repetitions of a world size run in one launch of its processes, across test hosts
+each collective of each repetition is a job of its own.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
 from dataclasses import asdict
 
 from gradsync.bench.allreduce import parse_nbytes
 from gradsync.bench.calibrate import FULL, calibrate, describe
 from gradsync.bench.output import claim_json_path, write_json
-from gradsync.bench.sim_validation import (ALGORITHMS, DEFAULT_SIZES, HOSTS, ONE_HOST_WORLD_SIZES, RANKS_PER_HOST,
-                                           ValidationRow, auto_picks, format_picks, format_rows, format_summary,
-                                           merge_repetitions, predict, summarize)
+from gradsync.bench.sim_validation import (DEFAULT_SIZES, HOSTS, RANKS_PER_HOST, ValidationRow, format_breakdown,
+                                           format_rows, format_summary, merge_repetitions, summarize)
+from gradsync.bench.sim_validation_picks import auto_picks, format_picks
+from gradsync.bench.sim_validation_points import (as_point, calibration_points, calibration_rows, check_disjoint,
+                                                  format_split, plan, point_of, predict, split_rows,
+                                                  validation_points)
 from gradsync.bench.spread import DEFAULT_REPEAT, check_repeat
 
+Plan = dict[str, list[str]]  # collective -> the algorithms measured
 
-def _sweeps_worker(sizes: list[int], algorithms: list[str], repeat: int) -> list[list[dict]] | None:
-    """One benchmark process: ``repeat`` sweeps of one repetition each; rank 0 returns their rows.
+
+def _sweeps_worker(sizes: list[int], by_collective: Plan, repeat: int) -> list[list[dict]] | None:
+    """One benchmark process: ``repeat`` repetitions, each one sweep of every collective of ``by_collective``
+    (its algorithms interleaved); rank 0 returns each repetition's rows.
 
     The communicator is the one ``gradsync bench allreduce`` builds (hierarchical groups by real host).
     """
@@ -40,29 +49,38 @@ def _sweeps_worker(sizes: list[int], algorithms: list[str], repeat: int) -> list
         base = default_communicator()
         comm = Communicator(base.transport, base.timeout_s,
                             options=[base.options(SegmentOptions), HierarchicalOptions(ranks_per_node=None)])
-        runs = [[row if isinstance(row, dict) else asdict(row) for row in sweep(comm, sizes, algorithms, 1)]
-                for _ in range(repeat)]
+        runs = []
+        for _ in range(repeat):
+            rows = []
+            for collective, names in by_collective.items():
+                rows += [row if isinstance(row, dict) else asdict(row)
+                         for row in sweep(comm, sizes, names, 1, collective=collective)]
+            runs.append(rows)
         return runs if comm.rank == 0 else None
     finally:
         gradsync.shutdown()
 
 
-def measure_one_host(world_size: int, sizes: list[int], repeat: int) -> list[dict]:
-    """The sweep on ``world_size`` local processes, ``repeat`` times (:func:`merge_repetitions`'s rows)."""
+def measure_one_host(world_size: int, sizes: list[int], by_collective: Plan, repeat: int) -> list[dict]:
+    """The sweeps on ``world_size`` local processes, ``repeat`` times (:func:`merge_repetitions`'s rows)."""
     from gradsync.launch import launch_local
 
-    return merge_repetitions(launch_local(world_size, _sweeps_worker, sizes, list(ALGORITHMS), repeat)[0])
+    return merge_repetitions(launch_local(world_size, _sweeps_worker, sizes, by_collective, repeat)[0])
 
 
-def measure_hosts(sizes: list[int], repeat: int, inter_host_gbit: float) -> list[dict]:
-    """The sweep on 2 x 2 test hosts (``gradsync bench allreduce --hosts 2 --nproc 2``), one job per repetition."""
+def measure_hosts(sizes: list[int], by_collective: Plan, repeat: int, inter_host_gbit: float) -> list[dict]:
+    """The sweeps on 2 x 2 test hosts (``gradsync bench allreduce --hosts 2 --nproc 2 --collective C``), one
+    job per collective and repetition."""
     from gradsync.bench.across_hosts import run_bench_on_hosts
     from gradsync.bench.allreduce import _worker_argv
 
-    names = [name for name in ALGORITHMS if name != "shm"] + ["native"]
-    argv = _worker_argv(",".join(map(str, sizes)), names, 1, None, inter_host_gbit)
-    return merge_repetitions([run_bench_on_hosts(HOSTS, RANKS_PER_HOST, argv, inter_host_gbit=inter_host_gbit,
-                                                 join_timeout_s=60.0, json_path=None) for _ in range(repeat)])
+    def job(collective: str, names: list[str]) -> list[dict]:
+        argv = _worker_argv(",".join(map(str, sizes)), names, 1, None, inter_host_gbit, collective)
+        return run_bench_on_hosts(HOSTS, RANKS_PER_HOST, argv, inter_host_gbit=inter_host_gbit,
+                                  join_timeout_s=60.0, json_path=None)
+
+    return merge_repetitions([[row for collective, names in by_collective.items() for row in job(collective, names)]
+                              for _ in range(repeat)])
 
 
 def load_text() -> str:
@@ -90,36 +108,65 @@ def _check_options(args: argparse.Namespace) -> tuple[list[int], int, float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Calibrate, measure, predict, print; write ``--json`` rows. Returns 0 (the goal is reported, not enforced).
+    """Print the split, calibrate, measure, predict, print; write ``--json`` rows (the validation rows, then
+    the calibration's points with ``role`` "calibrate"). Returns 0 (the goals are reported, not enforced).
 
     Raises:
-        ValueError: a bad option (``--repeat``, ``--validate-sizes``, ``--json``), before anything runs.
+        ValueError: a bad option (``--repeat``, ``--validate-sizes``, ``--json``), or validated points among
+        the calibration's, before anything runs.
     """
+    from gradsync.collectives.cost.profiles import get_profile
+
     sizes, repeat, gbit = _check_options(args)
     claim_json_path(getattr(args, "json", None))
     skip_hosts = getattr(args, "no_hosts", False)
     problem = None if skip_hosts else hosts_problem()
-    print(f"# gradsync simulate --validate: calibrating ({load_text()})", flush=True)
+    with_hosts = not skip_hosts and problem is None
+    validated = validation_points(sizes, with_hosts, {1: get_profile("this-machine"), HOSTS: get_profile("test-hosts")})
+    calibration = calibration_points(with_hosts)
+    check_disjoint(validated, calibration)
+    print(f"# gradsync simulate --validate: {len(calibration)} points calibrate, {len(validated)} other points are "
+          f"predicted and measured", flush=True)
+    print(format_split(split_rows(validated, calibration)), flush=True)
+    if problem is not None:
+        print(f"# no test hosts here ({problem}): only one-host rows", flush=True)
+    started = time.perf_counter()
+    print(f"# calibrating ({load_text()})", flush=True)
     local = calibrate(hosts=None, nproc=2, inter_host_gbit=None, settings=FULL, out=None)
     print(describe(local), flush=True)
     remote = None
-    if not skip_hosts and problem is None:
+    if with_hosts:
         remote = calibrate(hosts=HOSTS, nproc=RANKS_PER_HOST, inter_host_gbit=gbit, settings=FULL, out=None)
         print(describe(remote), flush=True)
+    calibrated = time.perf_counter()
     rows: list[ValidationRow] = []
-    for world_size in ONE_HOST_WORLD_SIZES:
-        print(f"# measuring 1 host x {world_size} ranks, {repeat} repetitions ({load_text()})", flush=True)
-        rows += predict(measure_one_host(world_size, sizes, repeat), local)
-    if remote is not None:
-        print(f"# measuring {HOSTS} test hosts x {RANKS_PER_HOST} ranks, {gbit:g} Gbit/s, {repeat} repetitions "
-              f"({load_text()})", flush=True)
-        rows += predict(measure_hosts(sizes, repeat, gbit), remote)
-    elif not skip_hosts:
-        print(f"# no test hosts here ({problem}): only one-host rows", flush=True)
-    print(f"# done ({load_text()}); measured figures: median (min-max) over {repeat} repetitions")
-    print(format_rows(rows))
-    print(format_summary(summarize(rows)))
-    print(format_picks(auto_picks(rows)))
+    for (hosts, world_size), by_collective in plan(validated).items():
+        print(f"# measuring {hosts} host(s) x {world_size // hosts} ranks, {repeat} repetitions ({load_text()})",
+              flush=True)
+        if hosts == 1:
+            rows += predict(measure_one_host(world_size, sizes, by_collective, repeat), local)
+        else:
+            rows += predict(measure_hosts(sizes, by_collective, repeat, gbit), remote)
+    print(f"# done ({load_text()}): calibrating took {calibrated - started:.0f} s, measuring "
+          f"{time.perf_counter() - calibrated:.0f} s; measured figures: median (min-max) over {repeat} repetitions")
+    for line in tables(rows):
+        print(line)
     if getattr(args, "json", None):
-        write_json(args.json, [row.as_dict() for row in rows])
+        write_json(args.json, [row.as_dict() for row in rows] + calibration_rows(calibration))
     return 0
+
+
+def tables(rows: list[ValidationRow]) -> list[str]:
+    """The run's tables after the measurement: the rows with the goals' lines, the breakdown, auto's picks."""
+    return [format_rows(rows) + "\n" + format_summary(summarize(rows)), format_breakdown(rows),
+            format_picks(auto_picks(rows))]
+
+
+def record_tables(rows: list[dict]) -> list[str]:
+    """The tables of a recorded run (its ``--json`` rows): the split (when the record kept the calibration's
+    points: rows of ``role`` "calibrate"), then :func:`tables`. Older records (no ``collective``, no spread
+    fields) are read as AllReduce rows; spreads and verdicts come from their ``measured_us_runs``."""
+    calibration = [as_point(row) for row in rows if row.get("role") == "calibrate"]
+    validation = [ValidationRow.from_dict(row) for row in rows if row.get("role") != "calibrate"]
+    split = [format_split(split_rows([point_of(row) for row in validation], calibration))] if calibration else []
+    return split + tables(validation)
