@@ -9,6 +9,7 @@ import statistics
 import pytest
 
 from gradsync.bench import calibrate, sim_validation_run
+from gradsync.bench.sim_report import tables
 from gradsync.bench.sim_validation import (LARGE_BYTES, ValidationRow, breakdown, format_breakdown, format_rows,
                                            format_summary, relative_spread, summarize)
 from gradsync.bench.sim_validation_points import (as_point, check_disjoint, plan, predict, split_rows,
@@ -174,10 +175,10 @@ def test_a_record_renders_the_split_and_the_new_columns_and_old_records_still_re
     rows = [row.as_dict() for row in _rows()]
     rows.append({"role": "calibrate", "collective": "all_reduce", "algorithm": "shm", "nbytes": 65540,
                  "world_size": 2, "hosts": 1})
-    split, validation, by_group, picks = sim_validation_run.record_tables(rows)
+    split, validation, by_group, picks = tables("sim_validate", rows)
     assert "calibrate" in split and "65540" in split and "not modelled, no rows: native" in split
     assert "spread" in validation.splitlines()[0] and "2 of 5" in validation and "1x3" in by_group
     old = [{key: value for key, value in row.items() if key not in ("collective", "spread", "bound", "passes")}
            for row in rows[:2]]
-    tables = sim_validation_run.record_tables(old)
-    assert len(tables) == 3 and "all_reduce" in tables[0] and "30.0%" in tables[0]  # spread from the runs
+    rendered = tables("sim_validate", old)
+    assert len(rendered) == 3 and "all_reduce" in rendered[0] and "30.0%" in rendered[0]  # spread from the runs

@@ -269,7 +269,8 @@ def merge_repetitions(repetitions: list[list[dict]]) -> list[dict]:
         raise ValueError("no repetitions to merge")
 
     def key(row: dict) -> tuple:
-        return row.get("collective", ALL_REDUCE), row["algorithm"], row["nbytes"], row["world_size"], row.get("hosts", 1)
+        return (row.get("collective", ALL_REDUCE), row["algorithm"], row["nbytes"], row["world_size"],
+                row.get("hosts", 1))
 
     times: dict[tuple, list[float]] = {key(row): [] for row in repetitions[0]}
     for rows in repetitions:

@@ -84,15 +84,6 @@ def as_point(point: dict) -> Point:
     return point["collective"], point["algorithm"], int(point["nbytes"]), int(point["world_size"]), int(hosts)
 
 
-def calibration_points(with_hosts: bool) -> list[Point]:
-    """The points the run's calibrations measure: this machine's, and the test hosts' ``with_hosts``
-    (:func:`gradsync.bench.calibrate.calibration_points`), each once."""
-    from gradsync.bench import calibrate
-
-    found = calibrate.calibration_points(False) + (calibrate.calibration_points(True) if with_hosts else [])
-    return list(dict.fromkeys(as_point(point) for point in found))
-
-
 def check_disjoint(validated: list[Point], calibration: list[Point]) -> None:
     """Refuse a validation scored on a calibration point.
 

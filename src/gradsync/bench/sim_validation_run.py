@@ -18,12 +18,10 @@ from dataclasses import asdict
 from gradsync.bench.allreduce import parse_nbytes
 from gradsync.bench.calibrate import FULL, calibrate, describe
 from gradsync.bench.output import claim_json_path, write_json
-from gradsync.bench.sim_validation import (DEFAULT_SIZES, HOSTS, RANKS_PER_HOST, ValidationRow, format_breakdown,
-                                           format_rows, format_summary, merge_repetitions, summarize)
-from gradsync.bench.sim_validation_picks import auto_picks, format_picks
-from gradsync.bench.sim_validation_points import (as_point, calibration_points, calibration_rows, check_disjoint,
-                                                  format_split, plan, point_of, predict, split_rows,
-                                                  validation_points)
+from gradsync.bench.sim_report import validation_tables
+from gradsync.bench.sim_validation import DEFAULT_SIZES, HOSTS, RANKS_PER_HOST, ValidationRow, merge_repetitions
+from gradsync.bench.sim_validation_points import (Point, as_point, calibration_rows, check_disjoint, format_split,
+                                                  plan, predict, split_rows, validation_points)
 from gradsync.bench.spread import DEFAULT_REPEAT, check_repeat
 
 Plan = dict[str, list[str]]  # collective -> the algorithms measured
@@ -81,6 +79,15 @@ def measure_hosts(sizes: list[int], by_collective: Plan, repeat: int, inter_host
 
     return merge_repetitions([[row for collective, names in by_collective.items() for row in job(collective, names)]
                               for _ in range(repeat)])
+
+
+def calibration_points(with_hosts: bool) -> list[Point]:
+    """The points the run's calibrations measure: this machine's, and the test hosts' ``with_hosts``
+    (:func:`gradsync.bench.calibrate.calibration_points`), each once."""
+    from gradsync.bench import calibrate as calibration
+
+    found = calibration.calibration_points(False) + (calibration.calibration_points(True) if with_hosts else [])
+    return list(dict.fromkeys(as_point(point) for point in found))
 
 
 def load_text() -> str:
@@ -149,24 +156,7 @@ def run(args: argparse.Namespace) -> int:
             rows += predict(measure_hosts(sizes, by_collective, repeat, gbit), remote)
     print(f"# done ({load_text()}): calibrating took {calibrated - started:.0f} s, measuring "
           f"{time.perf_counter() - calibrated:.0f} s; measured figures: median (min-max) over {repeat} repetitions")
-    for line in tables(rows):
-        print(line)
+    print("\n\n".join(validation_tables(rows)))
     if getattr(args, "json", None):
         write_json(args.json, [row.as_dict() for row in rows] + calibration_rows(calibration))
     return 0
-
-
-def tables(rows: list[ValidationRow]) -> list[str]:
-    """The run's tables after the measurement: the rows with the goals' lines, the breakdown, auto's picks."""
-    return [format_rows(rows) + "\n" + format_summary(summarize(rows)), format_breakdown(rows),
-            format_picks(auto_picks(rows))]
-
-
-def record_tables(rows: list[dict]) -> list[str]:
-    """The tables of a recorded run (its ``--json`` rows): the split (when the record kept the calibration's
-    points: rows of ``role`` "calibrate"), then :func:`tables`. Older records (no ``collective``, no spread
-    fields) are read as AllReduce rows; spreads and verdicts come from their ``measured_us_runs``."""
-    calibration = [as_point(row) for row in rows if row.get("role") == "calibrate"]
-    validation = [ValidationRow.from_dict(row) for row in rows if row.get("role") != "calibrate"]
-    split = [format_split(split_rows([point_of(row) for row in validation], calibration))] if calibration else []
-    return split + tables(validation)
