@@ -257,26 +257,17 @@ def format_breakdown(rows: list[ValidationRow]) -> str:
         ("worst excess", 12, lambda r: "-" if r["worst_excess"] is None else f"{100 * r['worst_excess']:.1f} pts")])
 
 
-def merge_repetitions(repetitions: list[list[dict]]) -> list[dict]:
-    """One bench row per (collective, algorithm, size, world size, hosts) of ``repetitions`` (each a sweep's
-    rows), in the first sweep's order, with ``runs_us``: its time in every repetition, and ``time_us`` their
-    median.
+def with_runs(rows: list[dict]) -> list[dict]:
+    """The bench rows (``gradsync.bench.allreduce.sweep``'s dicts) with ``runs_us``: every repetition's time
+    (their ``time_us_reps``; a row without it: its ``time_us``, one repetition), as :func:`predict
+    <gradsync.bench.sim_validation_points.predict>` takes them.
 
     Raises:
-        ValueError: no repetition, or a row missing from one of them.
+        ValueError: a row without ``time_us``.
     """
-    if not repetitions:
-        raise ValueError("no repetitions to merge")
-
-    def key(row: dict) -> tuple:
-        return (row.get("collective", ALL_REDUCE), row["algorithm"], row["nbytes"], row["world_size"],
-                row.get("hosts", 1))
-
-    times: dict[tuple, list[float]] = {key(row): [] for row in repetitions[0]}
-    for rows in repetitions:
-        if {key(row) for row in rows} != set(times):
-            raise ValueError("the repetitions of the sweep measured different rows")
-        for row in rows:
-            times[key(row)].append(row["time_us"])
-    return [dict(row, time_us=statistics.median(times[key(row)]), runs_us=times[key(row)])
-            for row in repetitions[0]]
+    out = []
+    for row in rows:
+        if "time_us" not in row:
+            raise ValueError(f"a bench row without a time: {row}")
+        out.append(dict(row, runs_us=list(row.get("time_us_reps") or [row["time_us"]])))
+    return out

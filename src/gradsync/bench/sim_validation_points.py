@@ -139,7 +139,7 @@ def format_split(rows: list[dict]) -> str:
 
 def predict(rows: list[dict], profile: Profile) -> list[ValidationRow]:
     """A :class:`ValidationRow` per bench row (``gradsync.bench.allreduce.Row`` dicts, with ``runs_us``
-    where :func:`~gradsync.bench.sim_validation.merge_repetitions` made them) of a simulated algorithm,
+    where :func:`~gradsync.bench.sim_validation.with_runs` added them) of a simulated algorithm,
     predicted on ``profile`` with the row's topology (hosts x ranks per host) and collective."""
     from gradsync.sim import engine
 

@@ -2,10 +2,12 @@
 
 The arithmetic (rows, errors, spreads, verdicts, summary) is :mod:`gradsync.bench.sim_validation`, the
 points (which calibrate, which are predicted) :mod:`gradsync.bench.sim_validation_points`, ``auto``'s
-picks :mod:`gradsync.bench.sim_validation_picks`. One repetition is one sweep of every collective, size
-and algorithm, interleaved (:func:`gradsync.bench.allreduce.sweep` with one repetition per collective):
-on one host the R repetitions of a world size run in one launch of its processes, across test hosts
-each collective of each repetition is a job of its own.
+picks :mod:`gradsync.bench.sim_validation_picks`, the tables :mod:`gradsync.bench.sim_report`. Each
+collective is measured as ``gradsync bench allreduce --collective C --repeat R`` measures it
+(:func:`gradsync.bench.allreduce.sweep`): at every size one warm-up call of each algorithm, then R
+repetitions with the algorithms' order rotated, each repetition's time kept (``time_us_reps``). On one
+host every collective of a world size runs in one launch of its processes; across test hosts each
+collective is a job.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from gradsync.bench.allreduce import parse_nbytes
 from gradsync.bench.calibrate import FULL, calibrate, describe
 from gradsync.bench.output import claim_json_path, write_json
 from gradsync.bench.sim_report import validation_tables
-from gradsync.bench.sim_validation import DEFAULT_SIZES, HOSTS, RANKS_PER_HOST, ValidationRow, merge_repetitions
+from gradsync.bench.sim_validation import DEFAULT_SIZES, HOSTS, RANKS_PER_HOST, ValidationRow, with_runs
 from gradsync.bench.sim_validation_points import (Point, as_point, calibration_rows, check_disjoint, format_split,
                                                   plan, predict, split_rows, validation_points)
 from gradsync.bench.spread import DEFAULT_REPEAT, check_repeat
@@ -27,9 +29,9 @@ from gradsync.bench.spread import DEFAULT_REPEAT, check_repeat
 Plan = dict[str, list[str]]  # collective -> the algorithms measured
 
 
-def _sweeps_worker(sizes: list[int], by_collective: Plan, repeat: int) -> list[list[dict]] | None:
-    """One benchmark process: ``repeat`` repetitions, each one sweep of every collective of ``by_collective``
-    (its algorithms interleaved); rank 0 returns each repetition's rows.
+def _sweeps_worker(sizes: list[int], by_collective: Plan, repeat: int) -> list[dict] | None:
+    """One benchmark process: the sweep of every collective of ``by_collective`` (its algorithms interleaved,
+    ``repeat`` repetitions); rank 0 returns the rows.
 
     The communicator is the one ``gradsync bench allreduce`` builds (hierarchical groups by real host).
     """
@@ -47,38 +49,32 @@ def _sweeps_worker(sizes: list[int], by_collective: Plan, repeat: int) -> list[l
         base = default_communicator()
         comm = Communicator(base.transport, base.timeout_s,
                             options=[base.options(SegmentOptions), HierarchicalOptions(ranks_per_node=None)])
-        runs = []
-        for _ in range(repeat):
-            rows = []
-            for collective, names in by_collective.items():
-                rows += [row if isinstance(row, dict) else asdict(row)
-                         for row in sweep(comm, sizes, names, 1, collective=collective)]
-            runs.append(rows)
-        return runs if comm.rank == 0 else None
+        rows = [row if isinstance(row, dict) else asdict(row) for collective, names in by_collective.items()
+                for row in sweep(comm, sizes, names, repeat, collective=collective)]
+        return rows if comm.rank == 0 else None
     finally:
         gradsync.shutdown()
 
 
 def measure_one_host(world_size: int, sizes: list[int], by_collective: Plan, repeat: int) -> list[dict]:
-    """The sweeps on ``world_size`` local processes, ``repeat`` times (:func:`merge_repetitions`'s rows)."""
+    """The sweeps on ``world_size`` local processes (:func:`with_runs`' rows)."""
     from gradsync.launch import launch_local
 
-    return merge_repetitions(launch_local(world_size, _sweeps_worker, sizes, by_collective, repeat)[0])
+    return with_runs(launch_local(world_size, _sweeps_worker, sizes, by_collective, repeat)[0])
 
 
 def measure_hosts(sizes: list[int], by_collective: Plan, repeat: int, inter_host_gbit: float) -> list[dict]:
-    """The sweeps on 2 x 2 test hosts (``gradsync bench allreduce --hosts 2 --nproc 2 --collective C``), one
-    job per collective and repetition."""
+    """The sweeps on 2 x 2 test hosts (``gradsync bench allreduce --hosts 2 --nproc 2 --collective C
+    --repeat R``), one job per collective (:func:`with_runs`' rows)."""
     from gradsync.bench.across_hosts import run_bench_on_hosts
     from gradsync.bench.allreduce import _worker_argv
 
     def job(collective: str, names: list[str]) -> list[dict]:
-        argv = _worker_argv(",".join(map(str, sizes)), names, 1, None, inter_host_gbit, collective)
+        argv = _worker_argv(",".join(map(str, sizes)), names, repeat, None, inter_host_gbit, collective)
         return run_bench_on_hosts(HOSTS, RANKS_PER_HOST, argv, inter_host_gbit=inter_host_gbit,
                                   join_timeout_s=60.0, json_path=None)
 
-    return merge_repetitions([[row for collective, names in by_collective.items() for row in job(collective, names)]
-                              for _ in range(repeat)])
+    return with_runs([row for collective, names in by_collective.items() for row in job(collective, names)])
 
 
 def calibration_points(with_hosts: bool) -> list[Point]:
@@ -147,15 +143,19 @@ def run(args: argparse.Namespace) -> int:
         print(describe(remote), flush=True)
     calibrated = time.perf_counter()
     rows: list[ValidationRow] = []
+    took = []
     for (hosts, world_size), by_collective in plan(validated).items():
         print(f"# measuring {hosts} host(s) x {world_size // hosts} ranks, {repeat} repetitions ({load_text()})",
               flush=True)
+        begun = time.perf_counter()
         if hosts == 1:
             rows += predict(measure_one_host(world_size, sizes, by_collective, repeat), local)
         else:
             rows += predict(measure_hosts(sizes, by_collective, repeat, gbit), remote)
+        took.append(f"{hosts}x{world_size // hosts} {time.perf_counter() - begun:.0f} s")
     print(f"# done ({load_text()}): calibrating took {calibrated - started:.0f} s, measuring "
-          f"{time.perf_counter() - calibrated:.0f} s; measured figures: median (min-max) over {repeat} repetitions")
+          f"{time.perf_counter() - calibrated:.0f} s ({', '.join(took)}); measured figures: median (min-max) over "
+          f"{repeat} repetitions")
     print("\n\n".join(validation_tables(rows)))
     if getattr(args, "json", None):
         write_json(args.json, [row.as_dict() for row in rows] + calibration_rows(calibration))
