@@ -100,17 +100,31 @@ def check_disjoint(validated: list[Point], calibration: list[Point]) -> None:
 
 
 def split_rows(validated: list[Point], calibration: list[Point]) -> list[dict]:
-    """One row per (role, collective, algorithm, hosts) with its world sizes and sizes: the split printed at
-    the top of the run and recorded (``role``: "calibrate" or "validate")."""
-    groups: dict[tuple, tuple[set, set]] = {}
+    """The split printed at the top of the run and recorded: one row per (role, collective, algorithm, hosts)
+    and set of sizes, with the world sizes measured at those sizes (``role``: "calibrate" or "validate";
+    a reduce-scatter's sizes at 3 ranks, rounded to a multiple of 3 floats, get a row of their own)."""
+    by_world: dict[tuple, set] = {}
     for role, points in (("calibrate", calibration), ("validate", validated)):
         for collective, algorithm, nbytes, world_size, hosts in points:
-            sizes, world_sizes = groups.setdefault((role, collective, algorithm, hosts), (set(), set()))
-            sizes.add(nbytes)
-            world_sizes.add(world_size)
+            by_world.setdefault((role, collective, algorithm, hosts, world_size), set()).add(nbytes)
+    groups: dict[tuple, list[int]] = {}
+    for (role, collective, algorithm, hosts, world_size), sizes in by_world.items():
+        groups.setdefault((role, collective, algorithm, hosts, tuple(sorted(sizes))), []).append(world_size)
     return [{"role": role, "collective": collective, "algorithm": algorithm, "hosts": hosts,
-             "world_sizes": sorted(world_sizes), "sizes": sorted(sizes)}
-            for (role, collective, algorithm, hosts), (sizes, world_sizes) in groups.items()]
+             "world_sizes": sorted(world_sizes), "sizes": list(sizes)}
+            for (role, collective, algorithm, hosts, sizes), world_sizes in groups.items()]
+
+
+def size_text(nbytes: int) -> str:
+    """``nbytes`` as ``--validate-sizes`` writes it: ``64K``, ``16M`` for whole KiB / MiB, else bytes.
+
+    >>> size_text(65536), size_text(2**24), size_text(4092), size_text(4)
+    ('64K', '16M', '4092', '4')
+    """
+    for unit, scale in (("M", 2**20), ("K", 2**10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return str(nbytes)
 
 
 def calibration_rows(calibration: list[Point]) -> list[dict]:
@@ -128,11 +142,11 @@ def point_of(row: ValidationRow) -> Point:
 def format_split(rows: list[dict]) -> str:
     """The table of :func:`split_rows`, and the line naming what is not modelled."""
     def sizes(row: dict) -> str:
-        return ",".join(str(size) for size in row["sizes"])
+        return ",".join(size_text(size) for size in row["sizes"])
 
     text = table(rows, [("role", 9, "{role}"), ("collective", 14, "{collective}"), ("algorithm", 18, "{algorithm}"),
                         ("hosts", 5, "{hosts}"), ("world sizes", 11, lambda r: ",".join(map(str, r["world_sizes"]))),
-                        ("sizes [B]", 1, sizes)])
+                        ("sizes", 1, sizes)])
     notes = "".join(f"\n# not modelled, no rows: {name} ({why})" for name, why in NOT_MODELLED.items())
     return text + notes
 
