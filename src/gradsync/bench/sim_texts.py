@@ -24,8 +24,9 @@ earlier day, and `gradsync simulate --validate` calibrates anew each time.""",
 ranks with links shaped to 1 Gbit/s, where network namespaces can be made),
 then measure with `gradsync bench allreduce`'s machinery (the slowest rank's
 time per call, `verify=False`) at 2, 3 and 4 ranks on one host and on 2 × 2
-test hosts, `--repeat` times, each repetition one sweep of every collective,
-size and algorithm interleaved, and predict each row with the event
+test hosts, as `gradsync bench allreduce --collective C --repeat R` does
+(at every size one warm-up call of each algorithm, then R repetitions with
+the algorithms' order rotated), and predict each row with the event
 simulation of the algorithm's own code on the profile just calibrated. The
 rows: every algorithm the simulator runs, for the AllReduce and for the
 reduce-scatter and all-gather it runs (ring and halving-doubling; not the

@@ -10,7 +10,8 @@ that calibrate and the points that are predicted is :mod:`gradsync.bench.sim_val
    slowest rank's time per call, ``verify=False``): every size (``DEFAULT_SIZES``) x every algorithm
    the simulator runs for each collective (AllReduce: :data:`gradsync.sim.engine.SIMULATED`;
    reduce-scatter and all-gather: those its ``collective=`` accepts), at world sizes 2, 3, 4 on one
-   host and 2 x 2 test hosts; each repetition one sweep of everything, interleaved.
+   host and 2 x 2 test hosts; at every size the algorithms interleaved, their order rotated each
+   repetition (``gradsync bench allreduce --repeat R``).
 3. Predict every row with the event simulation of the algorithm's own code
    (:func:`gradsync.sim.engine.simulate_all_reduce`) on the profile calibrated in step 1.
 
