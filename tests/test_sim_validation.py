@@ -178,6 +178,9 @@ def test_a_record_renders_the_split_and_the_new_columns_and_old_records_still_re
                  "world_size": 2, "hosts": 1})
     split, validation, by_group, picks = tables("sim_validate", rows)
     assert "calibrate" in split and "65540" in split and "not modelled, no rows: native" in split
+    assert "sizes that also calibrate" not in split  # 65540 B is no validated size
+    rows.append(dict(rows[-1], nbytes=MIB, collective="pingpong", algorithm="pingpong"))
+    assert "in other collectives or algorithms (no point shared): 1M" in tables("sim_validate", rows)[0]
     assert "spread" in validation.splitlines()[0] and "2 of 5" in validation and "1x3" in by_group
     old = [{key: value for key, value in row.items() if key not in ("collective", "spread", "bound", "passes")}
            for row in rows[:2]]

@@ -148,7 +148,19 @@ def format_split(rows: list[dict]) -> str:
                         ("hosts", 5, "{hosts}"), ("world sizes", 11, lambda r: ",".join(map(str, r["world_sizes"]))),
                         ("sizes", 1, sizes)])
     notes = "".join(f"\n# not modelled, no rows: {name} ({why})" for name, why in NOT_MODELLED.items())
+    shared = shared_sizes(rows)
+    if shared:
+        notes += ("\n# sizes that also calibrate, in other collectives or algorithms (no point shared): "
+                  + ", ".join(size_text(size) for size in shared))
     return text + notes
+
+
+def shared_sizes(rows: list[dict]) -> list[int]:
+    """The sizes of :func:`split_rows` ``rows`` both calibrated and validated on the same hosts."""
+    def sizes(role: str) -> set:
+        return {(row["hosts"], size) for row in rows if row["role"] == role for size in row["sizes"]}
+
+    return sorted({size for _, size in sizes("calibrate") & sizes("validate")})
 
 
 def predict(rows: list[dict], profile: Profile) -> list[ValidationRow]:
