@@ -25,6 +25,7 @@ from gradsync.bench.sim_validation import DEFAULT_SIZES, HOSTS, RANKS_PER_HOST, 
 from gradsync.bench.sim_validation_points import (Point, as_point, calibration_rows, check_disjoint, format_split,
                                                   plan, predict, split_rows, validation_points)
 from gradsync.bench.spread import DEFAULT_REPEAT, check_repeat
+from gradsync.collectives.cost.profile import Profile
 
 Plan = dict[str, list[str]]  # collective -> the algorithms measured
 
@@ -79,10 +80,18 @@ def measure_hosts(sizes: list[int], by_collective: Plan, repeat: int, inter_host
 
 def calibration_points(with_hosts: bool) -> list[Point]:
     """The points the run's calibrations measure: this machine's, and the test hosts' ``with_hosts``
-    (:func:`gradsync.bench.calibrate.calibration_points`), each once."""
+    (:func:`gradsync.bench.calibrate.calibration_points`), each once.
+
+    Raises:
+        ValueError: the calibration lists no points (a gradsync without ``calibration_points``).
+    """
     from gradsync.bench import calibrate as calibration
 
-    found = calibration.calibration_points(False) + (calibration.calibration_points(True) if with_hosts else [])
+    listed = getattr(calibration, "calibration_points", None)
+    if listed is None:
+        raise ValueError("gradsync.bench.calibrate lists no calibration points (calibration_points): the split "
+                         "between calibrated and validated points cannot be checked, so --validate does not run")
+    found = listed(False) + (listed(True) if with_hosts else [])
     return list(dict.fromkeys(as_point(point) for point in found))
 
 
@@ -118,41 +127,17 @@ def run(args: argparse.Namespace) -> int:
         ValueError: a bad option (``--repeat``, ``--validate-sizes``, ``--json``), or validated points among
         the calibration's, before anything runs.
     """
-    from gradsync.collectives.cost.profiles import get_profile
-
     sizes, repeat, gbit = _check_options(args)
     claim_json_path(getattr(args, "json", None))
-    skip_hosts = getattr(args, "no_hosts", False)
-    problem = None if skip_hosts else hosts_problem()
-    with_hosts = not skip_hosts and problem is None
-    validated = validation_points(sizes, with_hosts, {1: get_profile("this-machine"), HOSTS: get_profile("test-hosts")})
-    calibration = calibration_points(with_hosts)
-    check_disjoint(validated, calibration)
-    print(f"# gradsync simulate --validate: {len(calibration)} points calibrate, {len(validated)} other points are "
-          f"predicted and measured", flush=True)
-    print(format_split(split_rows(validated, calibration)), flush=True)
+    problem = None if getattr(args, "no_hosts", False) else hosts_problem()
+    with_hosts = not getattr(args, "no_hosts", False) and problem is None
+    validated, calibration = split(sizes, with_hosts)
     if problem is not None:
         print(f"# no test hosts here ({problem}): only one-host rows", flush=True)
     started = time.perf_counter()
-    print(f"# calibrating ({load_text()})", flush=True)
-    local = calibrate(hosts=None, nproc=2, inter_host_gbit=None, settings=FULL, out=None)
-    print(describe(local), flush=True)
-    remote = None
-    if with_hosts:
-        remote = calibrate(hosts=HOSTS, nproc=RANKS_PER_HOST, inter_host_gbit=gbit, settings=FULL, out=None)
-        print(describe(remote), flush=True)
+    profiles = _calibrate(with_hosts, gbit)
     calibrated = time.perf_counter()
-    rows: list[ValidationRow] = []
-    took = []
-    for (hosts, world_size), by_collective in plan(validated).items():
-        print(f"# measuring {hosts} host(s) x {world_size // hosts} ranks, {repeat} repetitions ({load_text()})",
-              flush=True)
-        begun = time.perf_counter()
-        if hosts == 1:
-            rows += predict(measure_one_host(world_size, sizes, by_collective, repeat), local)
-        else:
-            rows += predict(measure_hosts(sizes, by_collective, repeat, gbit), remote)
-        took.append(f"{hosts}x{world_size // hosts} {time.perf_counter() - begun:.0f} s")
+    rows, took = _measure(validated, sizes, repeat, gbit, profiles)
     print(f"# done ({load_text()}): calibrating took {calibrated - started:.0f} s, measuring "
           f"{time.perf_counter() - calibrated:.0f} s ({', '.join(took)}); measured figures: median (min-max) over "
           f"{repeat} repetitions")
@@ -160,3 +145,48 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "json", None):
         write_json(args.json, [row.as_dict() for row in rows] + calibration_rows(calibration))
     return 0
+
+
+def split(sizes: list[int], with_hosts: bool) -> tuple[list[Point], list[Point]]:
+    """(validated points, calibration points), printed as a table; what the simulator runs is asked on the
+    shipped profiles of the same shape (``this-machine``, ``test-hosts``).
+
+    Raises:
+        ValueError: a validated point among the calibration's (:func:`check_disjoint`).
+    """
+    from gradsync.collectives.cost.profiles import get_profile
+
+    shapes = {1: get_profile("this-machine"), HOSTS: get_profile("test-hosts")}
+    validated, calibration = validation_points(sizes, with_hosts, shapes), calibration_points(with_hosts)
+    check_disjoint(validated, calibration)
+    print(f"# gradsync simulate --validate: {len(calibration)} points calibrate, {len(validated)} other points are "
+          f"predicted and measured", flush=True)
+    print(format_split(split_rows(validated, calibration)), flush=True)
+    return validated, calibration
+
+
+def _calibrate(with_hosts: bool, gbit: float) -> dict[int, Profile]:
+    """hosts -> the profile calibrated now (``FULL``): this machine, and ``with_hosts`` the test hosts."""
+    print(f"# calibrating ({load_text()})", flush=True)
+    profiles = {1: calibrate(hosts=None, nproc=2, inter_host_gbit=None, settings=FULL, out=None)}
+    print(describe(profiles[1]), flush=True)
+    if with_hosts:
+        profiles[HOSTS] = calibrate(hosts=HOSTS, nproc=RANKS_PER_HOST, inter_host_gbit=gbit, settings=FULL, out=None)
+        print(describe(profiles[HOSTS]), flush=True)
+    return profiles
+
+
+def _measure(validated: list[Point], sizes: list[int], repeat: int, gbit: float,
+             profiles: dict[int, Profile]) -> tuple[list[ValidationRow], list[str]]:
+    """The predicted rows of every layout of ``validated``, and how long each layout's measurement took."""
+    rows: list[ValidationRow] = []
+    took = []
+    for (hosts, world_size), by_collective in plan(validated).items():
+        print(f"# measuring {hosts} host(s) x {world_size // hosts} ranks, {repeat} repetitions ({load_text()})",
+              flush=True)
+        begun = time.perf_counter()
+        measured = (measure_one_host(world_size, sizes, by_collective, repeat) if hosts == 1
+                    else measure_hosts(sizes, by_collective, repeat, gbit))
+        rows += predict(measured, profiles[hosts])
+        took.append(f"{hosts}x{world_size // hosts} {time.perf_counter() - begun:.0f} s")
+    return rows, took
