@@ -204,8 +204,8 @@ def format_rows(rows: list[ValidationRow]) -> str:
     return table([table_row(row) for row in rows], [
         ("collective", 14, "{collective}"), ("hosts", 5, "{layout}"), ("size [B]", 9, "{nbytes}"),
         ("algorithm", 18, "{algorithm}"), ("predicted [us]", 14, "{predicted_us:.1f}"),
-        ("measured [us]", 26, spread_cell("measured_us", ".1f")), ("spread", 7, lambda r: _percent(r["spread"])),
-        ("error", 22, spread_cell("error_pct", "+.1f", "%")), ("bound", 6, lambda r: _percent(r["bound"])),
+        ("measured [us]", 29, spread_cell("measured_us", ".1f")), ("spread", 7, lambda r: _percent(r["spread"])),
+        ("error", 27, spread_cell("error_pct", "+.1f", "%")), ("bound", 6, lambda r: _percent(r["bound"])),
         ("verdict", 7, lambda r: "pass" if r["passes"] else "FAIL")])
 
 
