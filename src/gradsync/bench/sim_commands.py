@@ -60,16 +60,18 @@ def _add_scale_options(parser: argparse.ArgumentParser) -> None:
         "point only where its estimated wall time is at most S seconds, else the formula (default %(default)s)")
     add("--event-total-s", type=float, default=120.0, metavar="S", help="estimated wall seconds of all event "
         "runs together, cheapest points first (default %(default)s)")
-    add("--validate", action="store_true", help="calibrate here, then run a measured sweep (ws 2-4 on one "
-        "host and 2x2 emulated hosts) and print predicted against measured time with the error")
+    add("--validate", action="store_true", help="calibrate here on points disjoint from the validated ones, "
+        "then measure every simulated algorithm's all_reduce, reduce_scatter and all_gather (ws 2-4 on one host "
+        "and 2x2 emulated hosts; native is not modelled) and print predicted against measured time with the "
+        "error, each point's own spread and its verdict")
     add("--reproduce", action="store_true", help="compare predictions with published nccl-tests curves")
     add("--validate-sizes", default="4K,64K,1M,16M,64M", help="--validate: message sizes of the measured "
         "sweep (default %(default)s)")
     add("--inter-host-gbit", type=float, default=1.0, help="--validate: the test hosts' link rate "
         "(Gbit/s, default %(default)s)")
     add("--no-hosts", action="store_true", help="--validate: one host only (no test hosts)")
-    add_repeat_option(parser, what="--validate: repetitions of the measured sweep (each interleaves every size "
-                      "and algorithm)")
+    add_repeat_option(parser, what="--validate: repetitions of every measured point (the algorithms "
+                      "interleaved at each size, as bench allreduce --repeat)")
 
 
 def simulate(args: argparse.Namespace) -> int:
