@@ -31,6 +31,7 @@ from gradsync.bench.report_texts import ABOUT as _ABOUT
 from gradsync.bench.report_texts import TITLES as _TITLES
 from gradsync.bench.sim_report import SIM_COMMANDS, SIM_PLOTS, SIM_REPEATED
 from gradsync.bench.sim_report import tables as sim_tables
+from gradsync.bench import sim_trust
 
 # Record names: a bench, or "<bench>_<label>" for a second setting of one (the test-host sweeps).
 BENCHES = ("allreduce", "allreduce_shm2", "allreduce_shm4", "allreduce_hosts_1g", "allreduce_hosts_10g",
@@ -291,6 +292,8 @@ def render_simulator_section(bench_dir: str | Path = DEFAULT_BENCH_DIR) -> str:
     parts = [SIM_BEGIN + "\n"]
     for name in SIM_COMMANDS:
         parts += _section(name, documents.get(name), Path(bench_dir), "###")
+    parts += [f"### {sim_trust.TITLE}\n", sim_trust.ABOUT + "\n",
+              "```text\n" + sim_trust.format_trust(documents) + "\n```\n"]
     return "\n".join(parts) + SIM_END
 
 
