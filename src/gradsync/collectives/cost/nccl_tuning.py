@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from dataclasses import dataclass
 
 from gradsync.collectives.cost import nccl_constants as K
@@ -305,7 +306,9 @@ def nccl_choice(profile: Profile, topology: Topology, nbytes: int, collective: s
     ``run_time_s`` add the pipeline fill NCCL's model leaves out (:mod:`~gradsync.collectives.cost.nccl_pipeline`).
 
     Raises:
-        ValueError: the profile has no NCCL constants or no NVSwitch, a bad collective or size, uneven hosts.
+        TypeError: ``nbytes`` not an int (a float or a bool).
+        ValueError: the profile has no NCCL constants or no NVSwitch, a bad collective or size, uneven hosts,
+            or more GPUs on a host than the profile's nodes hold (``ranks_per_host``).
     """
     nccl = getattr(profile, "nccl", None)
     if nccl is None:
@@ -316,10 +319,15 @@ def nccl_choice(profile: Profile, topology: Topology, nbytes: int, collective: s
                          f"(nccl.nvswitch is False)")
     if collective not in COLLECTIVES:
         raise ValueError(f"collective must be one of {', '.join(COLLECTIVES)}, got {collective!r}")
+    if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral):
+        raise TypeError(f"nbytes must be an int (bytes per rank), got {nbytes!r}")
     if nbytes < 1:
         raise ValueError(f"nbytes must be >= 1, got {nbytes}")
     if len(set(topology.host_sizes)) != 1 or topology.world_size < 2:
         raise ValueError(f"NCCL's model needs >= 2 ranks and hosts of equal size, got {topology.describe()}")
+    if topology.host_sizes[0] > profile.ranks_per_host:
+        raise ValueError(f"profile {profile.name!r} has {profile.ranks_per_host} GPUs per node (its NCCL constants "
+                         f"describe that node), got {topology.describe()}")
     table = tuning_table(nccl, topology, collective)
     best = None
     for (algorithm, protocol), entry in table.items():
