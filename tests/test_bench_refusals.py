@@ -103,6 +103,11 @@ def test_the_restart_faults_bench_is_one_run_whatever_its_parsed_repeat():
     # gradsync explain without ALG: the claims need a multi-host GPU profile; never point at a missing option
     (["explain", "--profile", "test-hosts"], "--profile test-hosts: the claims need"),
     (["explain", "--profile", "this-machine"], "--profile this-machine: the claims need"),
+    # gradsync explain ALG traces every message: a run of minutes (1M in 4-byte segments: 1.5M messages; a ring of
+    # 4096 ranks: 33M) is refused up front instead of looking hung
+    (["explain", "double_binary_tree", "--segment-bytes", "3"], "messages to trace"),
+    (["explain", "ring", "--nproc", "4096", "--hosts", "512", "--size", "4K", "--profile", "h100-ib"],
+     "messages to trace"),
 ])
 def test_simulate_and_explain_refuse_what_they_would_ignore_or_cannot_price(argv, needle, capsys, tmp_path):
     result = _main([arg.format(tmp=tmp_path) for arg in argv], capsys)
