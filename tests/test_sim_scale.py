@@ -192,3 +192,14 @@ def test_nccl_column_is_nccl_tunings_choice():
     choice = tuning.nccl_choice(H100, scale.topology_for(64, H100), 2**20)
     assert row.time_us == pytest.approx(choice.time_s * 1e6)
     assert row.detail == f"{choice.algorithm}/{choice.protocol} x{choice.channels}"
+
+
+def test_nccl_column_and_its_footnote_include_the_pipeline_fill():
+    """At 8 GPUs and 16 MiB NCCL picks NVLS, whose first loop's fill its model leaves out: the column is
+    NCCL's time plus that fill, and the table's footnote says so (it once said "NCCL's tuning model's time")."""
+    tuning = pytest.importorskip("gradsync.collectives.cost.nccl_tuning")
+    choice = tuning.nccl_choice(H100, scale.topology_for(8, H100), 16 * 2**20)
+    assert choice.algorithm == "nvls" and choice.fill_us > 0
+    row = scale.predict_row("nccl", 8, 16 * 2**20, H100, event=False)
+    assert row.time_us == pytest.approx(choice.time_s * 1e6 + choice.fill_us)
+    assert "pipeline fill" in scale_report.format_fastest([row])

@@ -323,7 +323,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"# profile {profile.name}: {profile.description}")
     print(f"# {profile.ranks_per_host} GPUs per host; event simulation up to {EVENT_MAX_RANKS['ring']} ranks "
           f"(ring) / 4096 (others), an estimated {budget:g} s per point and {total:g} s in all (cheapest "
-          f"points first), else the closed form; nccl: NCCL's own tuning model's pick and time")
+          f"points first), else the closed form; nccl: NCCL's own tuning model's pick and time, plus the "
+          f"pipeline fill that model leaves out (NVLS, NVLSTree)")
     for note in notes:
         print(note)
     print(HEADER)

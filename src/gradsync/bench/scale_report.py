@@ -176,7 +176,8 @@ def format_fastest(rows) -> str:
         columns += [("fastest of gradsync", 19, "{ours}")]
     return (format_rows(points, columns + [("fastest", 18, "{fastest}")])
             + "\n# time of one all_reduce in us; *: the closed form (beyond the event simulation's budget)"
-            + ("; nccl: NCCL's tuning model's time for its pick (algorithm/protocol x channels)"
+            + ("; nccl: NCCL's tuning model's time for its pick (algorithm/protocol x channels) plus the "
+               "pipeline fill that model leaves out (NVLS, NVLSTree)"
                if "nccl" in algorithms else ""))
 
 
