@@ -162,3 +162,13 @@ def test_nccl_choice_refuses_more_gpus_on_a_host_than_the_profiles_nodes_hold():
     with pytest.raises(ValueError, match="8 GPUs per node"):
         nccl_choice(H100, Topology((16,)), 4096)
     assert nccl_choice(H100, Topology((3,)), 4096).algorithm == "ring"   # fewer than 8: a part of a node
+
+
+@pytest.mark.parametrize("change", [{"nics": 0}, {"nic_gbps": 0.0}, {"nic_gbps": 0.05}, {"pcie_lanes": 0}])
+def test_nccl_choice_across_nodes_without_a_usable_nic_is_one_line(change):
+    """A profile file whose nodes have no NIC (or one slower than NCCL's slowest search speed, 0.12 GB/s) has no
+    ring across nodes: once an AttributeError on None, now a ValueError naming the NIC fields; one node still works."""
+    profile = dataclasses.replace(H100, nccl=dataclasses.replace(H100.nccl, **change))
+    with pytest.raises(ValueError, match="no ring across nodes.*nccl.nics"):
+        nccl_choice(profile, FOUR_NODES, 2 ** 20)
+    assert nccl_choice(profile, NODE, 2 ** 20).algorithm == "ring"

@@ -169,9 +169,17 @@ def _raise(graph: Graph, nccl: NcclConstants, pattern: str, hosts: int, ngpus: i
 @functools.lru_cache(maxsize=256)
 def search_graphs(nccl: NcclConstants, topology: Topology) -> dict[str, Graph]:
     """NCCL's graphs for ``topology`` (uniform hosts): "ring", "tree", and "nvls" where NVLS is on (cached:
-    do not modify the dict returned)."""
+    do not modify the dict returned).
+
+    Raises:
+        ValueError: several nodes and no usable NIC (no ring fits).
+    """
     hosts, ngpus = topology.hosts, topology.host_sizes[0]
     ring = _search(nccl, "ring", hosts, ngpus, 1)
+    if ring is None:
+        raise ValueError(f"NCCL's search finds no ring across nodes: nccl.nics={nccl.nics}, a NIC path of "
+                         f"{nccl.net_gbps:g} GB/s (nccl.nic_gbps, nccl.pcie_lanes x pcie_gt_s); it needs a NIC "
+                         f"of at least {min(K.SPEEDS_INTER + K.SM90_SPEEDS_INTER):g} GB/s")
     graphs = {"ring": ring, "tree": _search(nccl, "tree", hosts, ngpus, ring.channels)}
     if nccl.nvls and nccl.nvswitch and nccl.compute_capability >= 90 and ngpus > 1:
         nvls = _search(nccl, "nvls", hosts, ngpus, 1)
