@@ -203,3 +203,13 @@ def test_nccl_column_and_its_footnote_include_the_pipeline_fill():
     row = scale.predict_row("nccl", 8, 16 * 2**20, H100, event=False)
     assert row.time_us == pytest.approx(choice.time_s * 1e6 + choice.fill_us)
     assert "pipeline fill" in scale_report.format_fastest([row])
+
+
+def test_summary_without_a_ring_column_says_nothing_of_the_ring():
+    """--algorithms nccl,double_binary_tree once printed the ring's headings (and its latency term) with no ring
+    in the table."""
+    rows = [scale.make_row(64, "double_binary_tree", 4096, 2e-4, "formula", 0.0),
+            scale.make_row(64, "nccl", 4096, 5e-5, "nccl model", 0.0, "tree/LL x1")]
+    lines = scale_report.crossover_lines(rows, H100)
+    assert not [line for line in lines if "ring" in line], lines
+    assert "# nccl is the fastest at 64 GPUs: 4K" in lines

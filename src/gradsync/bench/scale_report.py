@@ -91,18 +91,20 @@ def _size(nbytes: float) -> str:
 
 def crossover_lines(rows, profile: Profile | None = None) -> list[str]:
     """The printed summary: ring's crossover per size, the latency term per GPU count (from ``profile``;
-    left out without one), and the wins of the others."""
-    lines = ["# where the ring stops being the fastest of gradsync's algorithms (from this table):"]
-    for nbytes, count, ring, winner in ring_overtaken(rows):
-        if count is None:
-            lines.append(f"#   {_size(nbytes):>6}: ring is the fastest at the largest GPU count")
-        else:
-            lines.append(f"#   {_size(nbytes):>6}: from {count} GPUs on: ring {ring.time_us:.1f} us "
-                         f"({ring.method}) vs {winner.algorithm} {winner.time_us:.1f} us "
-                         f"({ring.time_us / winner.time_us:.1f}x)")
-    if profile is not None:
-        lines += latency_term_lines(rows, profile)
+    left out without one; both only where the table has the ring), and the wins of the others."""
     present = {row.algorithm for row in rows}
+    lines = []
+    if "ring" in present:
+        lines.append("# where the ring stops being the fastest of gradsync's algorithms (from this table):")
+        for nbytes, count, ring, winner in ring_overtaken(rows):
+            if count is None:
+                lines.append(f"#   {_size(nbytes):>6}: ring is the fastest at the largest GPU count")
+            else:
+                lines.append(f"#   {_size(nbytes):>6}: from {count} GPUs on: ring {ring.time_us:.1f} us "
+                             f"({ring.method}) vs {winner.algorithm} {winner.time_us:.1f} us "
+                             f"({ring.time_us / winner.time_us:.1f}x)")
+        if profile is not None:
+            lines += latency_term_lines(rows, profile)
     for algorithm in (name for name in ("hierarchical", "double_binary_tree", "tree", "halving_doubling", "nccl",
                                         "ring") if name in present):
         wins = win_ranges(rows, algorithm)
