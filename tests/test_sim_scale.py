@@ -213,3 +213,15 @@ def test_summary_without_a_ring_column_says_nothing_of_the_ring():
     lines = scale_report.crossover_lines(rows, H100)
     assert not [line for line in lines if "ring" in line], lines
     assert "# nccl is the fastest at 64 GPUs: 4K" in lines
+
+
+def test_plot_of_nccl_alone_has_no_empty_winners_panel(tmp_path):
+    """--algorithms nccl --plot once drew gradsync's-fastest panel with no gradsync row: matplotlib warned of
+    singular limits on stderr. Now the time panels only, without a warning."""
+    pytest.importorskip("matplotlib")
+    import warnings
+    rows = [scale.make_row(8, "nccl", 4096, 1.5e-5, "nccl model", 0.0, "ring/LL x1")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        path = scale_report.plot(rows, str(tmp_path / "nccl.png"), "h100-ib")
+    assert path.stat().st_size > 0

@@ -205,7 +205,9 @@ def plot(rows, path: str, title: str) -> Path:
     if not rows:
         raise ValueError("nothing to plot")
     sizes = plot_sizes(sorted({row.nbytes for row in rows}))
-    figure, axes = plt.subplots(1, len(sizes) + 1, figsize=(5 * (len(sizes) + 1), 4), squeeze=False)
+    winners = bool(ours(rows))  # the panel of gradsync's fastest, where the rows have a gradsync algorithm
+    panels = len(sizes) + winners
+    figure, axes = plt.subplots(1, panels, figsize=(5 * panels, 4), squeeze=False)
     colors = {name: f"C{index}" for index, name in enumerate(ORDER)}
     for axis, nbytes in zip(axes[0], sizes):
         for algorithm in [name for name in ORDER if any(r.algorithm == name for r in rows)]:
@@ -223,7 +225,8 @@ def plot(rows, path: str, title: str) -> Path:
         axis.set_title(f"{title}: all_reduce {_size(nbytes)}")
         axis.grid(True, which="both", alpha=0.3)
         axis.legend(fontsize=8, title="x: formula", title_fontsize=7)
-    _winners(axes[0][-1], rows, colors, title)
+    if winners:
+        _winners(axes[0][-1], rows, colors, title)
     figure.tight_layout()
     target = Path(path)
     try:
