@@ -44,9 +44,11 @@ def test_auto_against_some_candidates_only_gets_no_verdict():
     rows = [_timed("auto", [50.0, 60.0, 70.0]), _timed("ring", [1000.0, 1100.0, 1200.0])]
     (judged,) = auto_rows(rows)
     assert judged["verdict"] == "incomplete"
-    assert judged["missing"] == ["tree", "halving_doubling", "shm"]
-    assert "incomplete: halving_doubling, shm, tree not measured" in format_auto_table([judged])
-    every = rows + [_timed(name, [55.0, 60.0, 65.0]) for name in ("tree", "halving_doubling", "shm")]
+    assert judged["missing"] == ["tree", "double_binary_tree", "halving_doubling", "shm"]
+    assert ("incomplete: double_binary_tree, halving_doubling, shm, tree not measured"
+            in format_auto_table([judged]))
+    every = rows + [_timed(name, [55.0, 60.0, 65.0])
+                    for name in ("tree", "double_binary_tree", "halving_doubling", "shm")]
     (complete,) = auto_rows(every)
     assert complete["missing"] == [] and complete["verdict"] == "met"  # 1.00 (0.91-1.08) against tree
 
@@ -77,3 +79,40 @@ def test_the_restart_faults_bench_is_one_run_whatever_its_parsed_repeat():
     assert _repeat_of("faults_elastic", {"elastic": True, "repeat": 3}) == 3
     assert repetitions({"bench": "faults", "repeat": 5, "options": {"elastic": False, "repeat": 5}}) == (1, "1 run")
     assert repetitions({"bench": "faults_elastic", "repeat": 3, "options": {"elastic": True}})[0] == 3
+
+
+@pytest.mark.parametrize("argv, needle", [
+    # --reproduce prices the published curves' own systems and sizes: an option it would ignore is refused
+    (["simulate", "--reproduce", "--profile", "h200-ib"], "--profile has no effect with --reproduce"),
+    (["simulate", "--reproduce", "--profile", "nosuch"], "--profile has no effect with --reproduce"),
+    (["simulate", "--reproduce", "--gpus", "16"], "--gpus has no effect with --reproduce"),
+    (["simulate", "--reproduce", "--sizes", "4K"], "--sizes has no effect with --reproduce"),
+    (["simulate", "--reproduce", "--algorithms", "ring"], "--algorithms has no effect with --reproduce"),
+    (["simulate", "--reproduce", "--plot", "{tmp}/r.png"], "--plot has no effect with --reproduce"),
+    (["simulate", "--gpus", "8", "--sizes", "4K", "--validate-sizes", "4K"], "--validate-sizes: only --validate"),
+    (["simulate", "--gpus", "8", "--sizes", "4K", "--no-hosts"], "--no-hosts: only --validate"),
+    (["simulate", "--gpus", "8", "--sizes", "4K", "--inter-host-gbit", "5"], "--inter-host-gbit: only --validate"),
+    # the at-scale table: empty, repeated or impossible lists and budgets, before any row is printed
+    (["simulate", "--gpus", "8", "--sizes", "4K", "--algorithms", ""], "--algorithms: no algorithm given"),
+    (["simulate", "--gpus", "8", "--sizes", "4K", "--algorithms", "ring,ring"], "ring given more than once"),
+    (["simulate", "--gpus", "8,8", "--sizes", "4K"], "--gpus: 8 given more than once"),
+    (["simulate", "--gpus", "8", "--sizes", "4K,4K"], "--sizes: 4096 given more than once"),
+    (["simulate", "--gpus", "8", "--sizes", "4K", "--event-budget-s", "nan"], "--event-budget-s must be >= 0"),
+    (["simulate", "--gpus", "8", "--sizes", "4K", "--event-total-s", "-1"], "--event-total-s must be >= 0"),
+    (["simulate", "--profile", "this-machine", "--gpus", "2,4", "--sizes", "4K"], "--gpus 4: profile 'this-machine'"),
+    # gradsync explain without ALG: the claims need a multi-host GPU profile; never point at a missing option
+    (["explain", "--profile", "test-hosts"], "--profile test-hosts: the claims need"),
+    (["explain", "--profile", "this-machine"], "--profile this-machine: the claims need"),
+    # gradsync explain ALG traces every message: a run of minutes (1M in 4-byte segments: 1.5M messages; a ring of
+    # 4096 ranks: 33M) is refused up front instead of looking hung
+    (["explain", "double_binary_tree", "--segment-bytes", "3"], "messages to trace"),
+    (["explain", "ring", "--nproc", "4096", "--hosts", "512", "--size", "4K", "--profile", "h100-ib"],
+     "messages to trace"),
+])
+def test_simulate_and_explain_refuse_what_they_would_ignore_or_cannot_price(argv, needle, capsys, tmp_path):
+    result = _main([arg.format(tmp=tmp_path) for arg in argv], capsys)
+    assert result.returncode == 2, result
+    assert needle in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.stdout == "", result.stdout       # refused before any row is printed
+    assert "--peak-tflops" not in result.stderr      # explain has no such option

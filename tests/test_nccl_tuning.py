@@ -145,3 +145,30 @@ def test_harness_of_one_thread_driving_8_gpus():
     assert choice.time_s * 1e6 == pytest.approx(15.0 + 4096 / (1000 * 141 * 8 / 14), rel=1e-6)
     assert row.predicted_us == pytest.approx(33.7) and row.harness_us == pytest.approx(33.7 - choice.time_s * 1e6)
     assert reproduce.compare(H100_4NODES, sizes={4096})[0].harness_us == 0.0
+
+
+@pytest.mark.parametrize("nbytes, needle", [
+    (1e6, "nbytes must be an int"), (float("nan"), "nbytes must be an int"), (1.5, "nbytes must be an int"),
+    (True, "nbytes must be an int"), ("4096", "nbytes must be an int"), (0, "nbytes must be >= 1"),
+    (-4, "nbytes must be >= 1")])
+def test_nccl_choice_refuses_a_size_that_is_not_a_positive_int_in_one_line(nbytes, needle):
+    """A float (1e6 once raised TypeError from ``>>``, nan an unpacking error) or a bool is refused by name."""
+    with pytest.raises((TypeError, ValueError), match=needle):
+        nccl_choice(H100, NODE, nbytes)
+
+
+def test_nccl_choice_refuses_more_gpus_on_a_host_than_the_profiles_nodes_hold():
+    """h100-ib's nodes hold 8 GPUs: 16 on one host is no system its NCCL constants describe."""
+    with pytest.raises(ValueError, match="8 GPUs per node"):
+        nccl_choice(H100, Topology((16,)), 4096)
+    assert nccl_choice(H100, Topology((3,)), 4096).algorithm == "ring"   # fewer than 8: a part of a node
+
+
+@pytest.mark.parametrize("change", [{"nics": 0}, {"nic_gbps": 0.0}, {"nic_gbps": 0.05}, {"pcie_lanes": 0}])
+def test_nccl_choice_across_nodes_without_a_usable_nic_is_one_line(change):
+    """A profile file whose nodes have no NIC (or one slower than NCCL's slowest search speed, 0.12 GB/s) has no
+    ring across nodes: once an AttributeError on None, now a ValueError naming the NIC fields; one node still works."""
+    profile = dataclasses.replace(H100, nccl=dataclasses.replace(H100.nccl, **change))
+    with pytest.raises(ValueError, match="no ring across nodes.*nccl.nics"):
+        nccl_choice(profile, FOUR_NODES, 2 ** 20)
+    assert nccl_choice(profile, NODE, 2 ** 20).algorithm == "ring"

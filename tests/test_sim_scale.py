@@ -193,3 +193,36 @@ def test_nccl_column_is_nccl_tunings_choice():
     choice = tuning.nccl_choice(H100, scale.topology_for(64, H100), 2**20)
     assert row.time_us == pytest.approx(choice.time_s * 1e6)
     assert row.detail == f"{choice.algorithm}/{choice.protocol} x{choice.channels}"
+
+
+def test_nccl_column_and_its_footnote_include_the_pipeline_fill():
+    """At 8 GPUs and 16 MiB NCCL picks NVLS, whose first loop's fill its model leaves out: the column is
+    NCCL's time plus that fill, and the table's footnote says so (it once said "NCCL's tuning model's time")."""
+    tuning = pytest.importorskip("gradsync.collectives.cost.nccl_tuning")
+    choice = tuning.nccl_choice(H100, scale.topology_for(8, H100), 16 * 2**20)
+    assert choice.algorithm == "nvls" and choice.fill_us > 0
+    row = scale.predict_row("nccl", 8, 16 * 2**20, H100, event=False)
+    assert row.time_us == pytest.approx(choice.time_s * 1e6 + choice.fill_us)
+    assert "pipeline fill" in scale_report.format_fastest([row])
+
+
+def test_summary_without_a_ring_column_says_nothing_of_the_ring():
+    """--algorithms nccl,double_binary_tree once printed the ring's headings (and its latency term) with no ring
+    in the table."""
+    rows = [scale.make_row(64, "double_binary_tree", 4096, 2e-4, "formula", 0.0),
+            scale.make_row(64, "nccl", 4096, 5e-5, "nccl model", 0.0, "tree/LL x1")]
+    lines = scale_report.crossover_lines(rows, H100)
+    assert not [line for line in lines if "ring" in line], lines
+    assert "# nccl is the fastest at 64 GPUs: 4K" in lines
+
+
+def test_plot_of_nccl_alone_has_no_empty_winners_panel(tmp_path):
+    """--algorithms nccl --plot once drew gradsync's-fastest panel with no gradsync row: matplotlib warned of
+    singular limits on stderr. Now the time panels only, without a warning."""
+    pytest.importorskip("matplotlib")
+    import warnings
+    rows = [scale.make_row(8, "nccl", 4096, 1.5e-5, "nccl model", 0.0, "ring/LL x1")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        path = scale_report.plot(rows, str(tmp_path / "nccl.png"), "h100-ib")
+    assert path.stat().st_size > 0

@@ -225,9 +225,15 @@ def render(profile_name: str = PROFILE) -> str:
     """The three claims as text (see the module docstring).
 
     Raises:
-        ValueError: an unknown profile, or one without a known GPU peak.
+        ValueError: an unknown profile, one of a single host, or one without a known GPU peak.
     """
     profile = get_profile(profile_name)
+    if profile.inter is None:
+        raise ValueError(f"--profile {profile_name}: the claims need a profile with a link between hosts "
+                         f"(4096 GPUs on hosts of {profile.ranks_per_host}); this one describes a single host")
+    if profile.name not in PEAK_TFLOPS:
+        raise ValueError(f"--profile {profile_name}: the claims need a GPU whose peak FLOP/s is known (the 10B "
+                         f"model's step): one of {', '.join(PEAK_TFLOPS)}")
     lines = [f"The seed's claims on profile {profile.name} ({profile.ranks_per_host} GPUs per host), from the "
              "simulator's closed forms (within 5% of the event simulation of the real code where both run)", ""]
     lines += _growth_lines(profile) + [""] + _overtake_lines(profile) + [""] + _step_lines(profile)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gradsync.bench.allreduce import parse_nbytes
+from gradsync.bench.scale import estimated_messages
 from gradsync.collectives.chunking import DEFAULT_SEGMENT_BYTES, chunk_bounds
 from gradsync.collectives.cost.formulas import call_overhead_s
 from gradsync.collectives.double_binary_tree import links
@@ -23,6 +24,7 @@ from gradsync.sim.cluster import TraceEvent
 
 _SHOWN_PER_STEP = 8  # transfers listed per step (the rest counted)
 _MAX_STEPS = 64
+MAX_TRACED_MESSAGES = 200_000  # ~20 s of tracing on this 2-core machine (a ring of 256 ranks at 4K: 130,560 in 12 s)
 
 
 @dataclass
@@ -87,12 +89,27 @@ def _where(event: TraceEvent, algorithm: str, chunks: list[tuple[int, int]], seg
     return f"elements [{a}, {b}) = chunk {chunk} segment {segment}"
 
 
+def _refuse_long_trace(algorithm: str, topology: Topology, nbytes: int, segment_bytes: int | None) -> None:
+    """Raises ValueError where the traced simulation would run for minutes (more than ``MAX_TRACED_MESSAGES``
+    messages by :func:`~gradsync.bench.scale.estimated_messages`), naming the options that set it."""
+    if segment_bytes is not None and segment_bytes < 1:
+        return  # SegmentOptions refuses it by name
+    messages = estimated_messages(algorithm, topology, nbytes, segment_bytes or DEFAULT_SEGMENT_BYTES)
+    if messages > MAX_TRACED_MESSAGES:
+        raise ValueError(f"--nproc {topology.world_size} --size {nbytes}"
+                         + (f" --segment-bytes {segment_bytes}" if segment_bytes else "")
+                         + f": about {messages:,.0f} messages to trace (at most {MAX_TRACED_MESSAGES:,}); give a "
+                         f"larger --segment-bytes, a smaller --size or fewer ranks (gradsync simulate prices "
+                         f"large runs)")
+
+
 def render(algorithm: str, nproc: int, nbytes: int, profile_name: str, hosts: int = 1,
            segment_bytes: int | None = None) -> str:
     """The explanation as text (see the module docstring).
 
     Raises:
-        ValueError: a bad algorithm, size, profile, or ranks that do not split over the hosts.
+        ValueError: a bad algorithm, size, profile, ranks that do not split over the hosts, or a run too long
+            to trace (:data:`MAX_TRACED_MESSAGES`).
     """
     if hosts < 1:
         raise ValueError(f"--hosts must be >= 1, got {hosts}")
@@ -102,6 +119,7 @@ def render(algorithm: str, nproc: int, nbytes: int, profile_name: str, hosts: in
         raise ValueError(f"--size {nbytes}: give a positive multiple of 4 bytes (float32 elements)")
     profile = get_profile(profile_name)
     topology = Topology.uniform(hosts, nproc // hosts)
+    _refuse_long_trace(algorithm, topology, nbytes, segment_bytes)
     result = simulate_all_reduce(algorithm, nbytes, profile, topology, segment_bytes=segment_bytes, trace=True)
     numel = nbytes // 4
     segment_numel = max(1, (segment_bytes or DEFAULT_SEGMENT_BYTES) // 4)

@@ -57,7 +57,7 @@ class ReproduceRow:
     candidate: str              # NCCL's pick, "algorithm/protocol/channels", e.g. "nvls/Simple/16ch"
     method: str                 # "nccl-model" (older records: "event", "formula", "nvls-formula")
     published_us: float = 0.0   # the published time (us); 0 in older records
-    predicted_us: float = 0.0   # NCCL's model's time plus the harness (us)
+    predicted_us: float = 0.0   # NCCL's model's time plus the pipeline fill and the harness (us)
     harness_us: float = 0.0     # the harness's part of predicted_us (:func:`harness_us`)
     model_latency_us: float = 0.0       # NCCL's latency of the pick (us)
     model_bandwidth_gbps: float = 0.0   # NCCL's algorithm bandwidth of the pick (GB/s)

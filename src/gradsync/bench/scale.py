@@ -95,14 +95,23 @@ def parse_sizes(text: str) -> list[int]:
     bad = [size for size in sizes if size < 4 or size % 4]
     if bad:
         raise ValueError(f"--sizes: {bad[0]} bytes is not a positive multiple of 4 (float32 elements)")
+    _refuse_repeats("--sizes", sizes)
     return sizes
+
+
+def _refuse_repeats(option: str, values: list) -> None:
+    """Raises ValueError naming the first value given more than once (the table would repeat its rows)."""
+    repeated = [value for index, value in enumerate(values) if value in values[:index]]
+    if repeated:
+        raise ValueError(f"{option}: {repeated[0]} given more than once")
 
 
 def parse_gpus(text: str, profile: Profile) -> list[int]:
     """Comma-separated GPU counts: each >= 2 and, above ``ranks_per_host``, a multiple of it.
 
     Raises:
-        ValueError: a bad count.
+        ValueError: a bad count, a count given twice, or more than one host on a profile without a link
+            between hosts.
     """
     try:
         counts = [int(part) for part in text.split(",") if part.strip()]
@@ -115,16 +124,35 @@ def parse_gpus(text: str, profile: Profile) -> list[int]:
                              f"per host (profile {profile.name}; up to {per_host} GPUs run on one host)")
     if not counts:
         raise ValueError("--gpus: no GPU count given")
+    _refuse_repeats("--gpus", counts)
+    several = [count for count in counts if count > per_host]
+    if several and profile.inter is None:
+        raise ValueError(f"--gpus {several[0]}: profile {profile.name!r} describes a single host of {per_host} "
+                         f"GPUs (no link between hosts): give at most {per_host}")
     return counts
 
 
 def parse_algorithms(text: str) -> list[str]:
+    """Comma-separated names of ``SCALE_ALGORITHMS``.
+
+    Raises:
+        ValueError: none given, an unknown name, a name given twice.
+    """
     names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise ValueError(f"--algorithms: no algorithm given; choose from {', '.join(SCALE_ALGORITHMS)}")
     unknown = [name for name in names if name not in SCALE_ALGORITHMS]
-    if unknown or not names:
-        raise ValueError(f"--algorithms: {unknown[0] if unknown else text!r} is not one of "
-                         f"{', '.join(SCALE_ALGORITHMS)}")
+    if unknown:
+        raise ValueError(f"--algorithms: {unknown[0]!r} is not one of {', '.join(SCALE_ALGORITHMS)}")
+    _refuse_repeats("--algorithms", names)
     return names
+
+
+def check_budgets(budget_s: float, total_s: float) -> None:
+    """Raises ValueError for a negative or NaN --event-budget-s / --event-total-s (0: the formula only)."""
+    for option, value in (("--event-budget-s", budget_s), ("--event-total-s", total_s)):
+        if not value >= 0:   # NaN and negatives
+            raise ValueError(f"{option} must be >= 0 seconds, got {value}")
 
 
 def topology_for(gpus: int, profile: Profile) -> Topology:
@@ -284,16 +312,19 @@ def run(args: argparse.Namespace) -> int:
     profile = get_profile(args.profile)
     gpus, sizes = parse_gpus(args.gpus, profile), parse_sizes(args.sizes)
     given = args.algorithms is not None and args.algorithms != DEFAULT_ALGORITHMS
-    algorithms, notes = usable_algorithms(parse_algorithms(args.algorithms or DEFAULT_ALGORITHMS), profile, given)
+    algorithms, notes = usable_algorithms(parse_algorithms(DEFAULT_ALGORITHMS if args.algorithms is None
+                                                           else args.algorithms), profile, given)
     budget = getattr(args, "event_budget_s", DEFAULT_EVENT_BUDGET_S)
     total = getattr(args, "event_total_s", DEFAULT_TOTAL_BUDGET_S)
+    check_budgets(budget, total)
     claim_json_path(args.json)
     if args.plot:
         claim_json_path(args.plot, "--plot")
     print(f"# profile {profile.name}: {profile.description}")
     print(f"# {profile.ranks_per_host} GPUs per host; event simulation up to {EVENT_MAX_RANKS['ring']} ranks "
           f"(ring) / 4096 (others), an estimated {budget:g} s per point and {total:g} s in all (cheapest "
-          f"points first), else the closed form; nccl: NCCL's own tuning model's pick and time")
+          f"points first), else the closed form; nccl: NCCL's own tuning model's pick and time, plus the "
+          f"pipeline fill that model leaves out (NVLS, NVLSTree)")
     for note in notes:
         print(note)
     print(HEADER)

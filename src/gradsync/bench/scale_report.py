@@ -91,18 +91,20 @@ def _size(nbytes: float) -> str:
 
 def crossover_lines(rows, profile: Profile | None = None) -> list[str]:
     """The printed summary: ring's crossover per size, the latency term per GPU count (from ``profile``;
-    left out without one), and the wins of the others."""
-    lines = ["# where the ring stops being the fastest of gradsync's algorithms (from this table):"]
-    for nbytes, count, ring, winner in ring_overtaken(rows):
-        if count is None:
-            lines.append(f"#   {_size(nbytes):>6}: ring is the fastest at the largest GPU count")
-        else:
-            lines.append(f"#   {_size(nbytes):>6}: from {count} GPUs on: ring {ring.time_us:.1f} us "
-                         f"({ring.method}) vs {winner.algorithm} {winner.time_us:.1f} us "
-                         f"({ring.time_us / winner.time_us:.1f}x)")
-    if profile is not None:
-        lines += latency_term_lines(rows, profile)
+    left out without one; both only where the table has the ring), and the wins of the others."""
     present = {row.algorithm for row in rows}
+    lines = []
+    if "ring" in present:
+        lines.append("# where the ring stops being the fastest of gradsync's algorithms (from this table):")
+        for nbytes, count, ring, winner in ring_overtaken(rows):
+            if count is None:
+                lines.append(f"#   {_size(nbytes):>6}: ring is the fastest at the largest GPU count")
+            else:
+                lines.append(f"#   {_size(nbytes):>6}: from {count} GPUs on: ring {ring.time_us:.1f} us "
+                             f"({ring.method}) vs {winner.algorithm} {winner.time_us:.1f} us "
+                             f"({ring.time_us / winner.time_us:.1f}x)")
+        if profile is not None:
+            lines += latency_term_lines(rows, profile)
     for algorithm in (name for name in ("hierarchical", "double_binary_tree", "tree", "halving_doubling", "nccl",
                                         "ring") if name in present):
         wins = win_ranges(rows, algorithm)
@@ -176,7 +178,8 @@ def format_fastest(rows) -> str:
         columns += [("fastest of gradsync", 19, "{ours}")]
     return (format_rows(points, columns + [("fastest", 18, "{fastest}")])
             + "\n# time of one all_reduce in us; *: the closed form (beyond the event simulation's budget)"
-            + ("; nccl: NCCL's tuning model's time for its pick (algorithm/protocol x channels)"
+            + ("; nccl: NCCL's tuning model's time for its pick (algorithm/protocol x channels) plus the "
+               "pipeline fill that model leaves out (NVLS, NVLSTree)"
                if "nccl" in algorithms else ""))
 
 
@@ -202,7 +205,9 @@ def plot(rows, path: str, title: str) -> Path:
     if not rows:
         raise ValueError("nothing to plot")
     sizes = plot_sizes(sorted({row.nbytes for row in rows}))
-    figure, axes = plt.subplots(1, len(sizes) + 1, figsize=(5 * (len(sizes) + 1), 4), squeeze=False)
+    winners = bool(ours(rows))  # the panel of gradsync's fastest, where the rows have a gradsync algorithm
+    panels = len(sizes) + winners
+    figure, axes = plt.subplots(1, panels, figsize=(5 * panels, 4), squeeze=False)
     colors = {name: f"C{index}" for index, name in enumerate(ORDER)}
     for axis, nbytes in zip(axes[0], sizes):
         for algorithm in [name for name in ORDER if any(r.algorithm == name for r in rows)]:
@@ -220,7 +225,8 @@ def plot(rows, path: str, title: str) -> Path:
         axis.set_title(f"{title}: all_reduce {_size(nbytes)}")
         axis.grid(True, which="both", alpha=0.3)
         axis.legend(fontsize=8, title="x: formula", title_fontsize=7)
-    _winners(axes[0][-1], rows, colors, title)
+    if winners:
+        _winners(axes[0][-1], rows, colors, title)
     figure.tight_layout()
     target = Path(path)
     try:

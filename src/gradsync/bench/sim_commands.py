@@ -44,39 +44,73 @@ def add_parsers(commands) -> None:
 
 
 # -- gradsync simulate (the at-scale table; --validate; --reproduce) ------------------------------------
+# The at-scale table's options and --validate's own, with their defaults: --reproduce uses none of them but
+# --json (it prices the published curves' own systems and sizes), the table none of --validate's.
+SCALE_OPTIONS = {"profile": "h100-ib", "gpus": "8,64,512,4096", "sizes": "4K-1G", "algorithms": None, "plot": None,
+                 "event_budget_s": 60.0, "event_total_s": 120.0}
+VALIDATE_OPTIONS = {"validate_sizes": "4K,64K,1M,16M,64M", "inter_host_gbit": 1.0, "no_hosts": False}
+
+
 def _add_scale_options(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--profile", default="h100-ib", help=f"a profile name ({', '.join(PROFILE_NAMES)}) or a profile "
-        "file from `gradsync calibrate` (default %(default)s)")
-    add("--gpus", default="8,64,512,4096", help="comma-separated GPU (rank) counts (default %(default)s)")
-    add("--sizes", default="4K-1G", help="message sizes: a list (4K,1M) or a range doubling by 4x from "
-        "the first to the last (4K-1G) (default %(default)s)")
+    add("--profile", default=SCALE_OPTIONS["profile"], help=f"a profile name ({', '.join(PROFILE_NAMES)}) or a "
+        "profile file from `gradsync calibrate` (default %(default)s)")
+    add("--gpus", default=SCALE_OPTIONS["gpus"], help="comma-separated GPU (rank) counts (default %(default)s)")
+    add("--sizes", default=SCALE_OPTIONS["sizes"], help="message sizes: a list (4K,1M) or a range doubling by 4x "
+        "from the first to the last (4K-1G) (default %(default)s)")
     add("--algorithms", default=None, help="comma-separated: ring, tree, double_binary_tree, halving_doubling, "
         "hierarchical, nccl (NCCL's own choice by its tuning model, for a profile with NCCL's constants) "
         "(default ring,double_binary_tree,hierarchical,nccl)")
     add("--plot", default=None, metavar="PNG", help="also draw time against GPU count per algorithm")
     add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
-    add("--event-budget-s", type=float, default=60.0, metavar="S", help="run the event simulation for a "
-        "point only where its estimated wall time is at most S seconds, else the formula (default %(default)s)")
-    add("--event-total-s", type=float, default=120.0, metavar="S", help="estimated wall seconds of all event "
-        "runs together, cheapest points first (default %(default)s)")
+    add("--event-budget-s", type=float, default=SCALE_OPTIONS["event_budget_s"], metavar="S", help="run the event "
+        "simulation for a point only where its estimated wall time is at most S seconds, else the formula "
+        "(default %(default)s)")
+    add("--event-total-s", type=float, default=SCALE_OPTIONS["event_total_s"], metavar="S", help="estimated wall "
+        "seconds of all event runs together, cheapest points first (default %(default)s)")
     add("--validate", action="store_true", help="calibrate here on points disjoint from the validated ones, "
         "then measure every simulated algorithm's all_reduce, reduce_scatter and all_gather (ws 2-4 on one host "
         "and 2x2 emulated hosts; native is not modelled) and print predicted against measured time with the "
         "error, each point's own spread and its verdict")
     add("--reproduce", action="store_true", help="compare predictions with published nccl-tests curves")
-    add("--validate-sizes", default="4K,64K,1M,16M,64M", help="--validate: message sizes of the measured "
-        "sweep (default %(default)s)")
-    add("--inter-host-gbit", type=float, default=1.0, help="--validate: the test hosts' link rate "
-        "(Gbit/s, default %(default)s)")
+    add("--validate-sizes", default=VALIDATE_OPTIONS["validate_sizes"], help="--validate: message sizes of the "
+        "measured sweep (default %(default)s)")
+    add("--inter-host-gbit", type=float, default=VALIDATE_OPTIONS["inter_host_gbit"], help="--validate: the test "
+        "hosts' link rate (Gbit/s, default %(default)s)")
     add("--no-hosts", action="store_true", help="--validate: one host only (no test hosts)")
     add_repeat_option(parser, what="--validate: repetitions of every measured point (the algorithms "
                       "interleaved at each size, as bench allreduce --repeat)")
 
 
+def _given(args: argparse.Namespace, defaults: dict) -> list[str]:
+    """The options of ``defaults`` given on the command line (a value other than the default), as --names."""
+    return [f"--{name.replace('_', '-')}" for name, default in defaults.items()
+            if getattr(args, name, default) != default]
+
+
+def refuse_unused(args: argparse.Namespace) -> None:
+    """Refuse, in one line, an option the chosen `gradsync simulate` command would silently ignore.
+
+    Raises:
+        ValueError: a table or --validate option with --reproduce; a --validate option without it.
+    """
+    if getattr(args, "simulate", None) == "train" or args.validate:
+        return
+    if args.reproduce:
+        given = _given(args, {**SCALE_OPTIONS, **VALIDATE_OPTIONS})
+        if given:
+            raise ValueError(f"{given[0]} has no effect with --reproduce: it prices each published curve's own "
+                             f"system, sizes and profile (only --json applies)")
+        return
+    given = _given(args, VALIDATE_OPTIONS)
+    if given:
+        raise ValueError(f"{given[0]}: only --validate uses it (the at-scale table is computed, not measured)")
+
+
 def simulate(args: argparse.Namespace) -> int:
     if args.validate and getattr(args, "reproduce", False):
         raise ValueError("--validate and --reproduce are two commands: give one")
+    refuse_unused(args)
     if not args.validate and args.repeat != DEFAULT_REPEAT:
         raise ValueError(f"--repeat {args.repeat}: only --validate repeats a measurement (the rest is computed)")
     if getattr(args, "simulate", None) == "train" and args.validate:

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from dataclasses import dataclass
 
 from gradsync.collectives.cost import nccl_constants as K
@@ -168,9 +169,17 @@ def _raise(graph: Graph, nccl: NcclConstants, pattern: str, hosts: int, ngpus: i
 @functools.lru_cache(maxsize=256)
 def search_graphs(nccl: NcclConstants, topology: Topology) -> dict[str, Graph]:
     """NCCL's graphs for ``topology`` (uniform hosts): "ring", "tree", and "nvls" where NVLS is on (cached:
-    do not modify the dict returned)."""
+    do not modify the dict returned).
+
+    Raises:
+        ValueError: several nodes and no usable NIC (no ring fits).
+    """
     hosts, ngpus = topology.hosts, topology.host_sizes[0]
     ring = _search(nccl, "ring", hosts, ngpus, 1)
+    if ring is None:
+        raise ValueError(f"NCCL's search finds no ring across nodes: nccl.nics={nccl.nics}, a NIC path of "
+                         f"{nccl.net_gbps:g} GB/s (nccl.nic_gbps, nccl.pcie_lanes x pcie_gt_s); it needs a NIC "
+                         f"of at least {min(K.SPEEDS_INTER + K.SM90_SPEEDS_INTER):g} GB/s")
     graphs = {"ring": ring, "tree": _search(nccl, "tree", hosts, ngpus, ring.channels)}
     if nccl.nvls and nccl.nvswitch and nccl.compute_capability >= 90 and ngpus > 1:
         nvls = _search(nccl, "nvls", hosts, ngpus, 1)
@@ -305,7 +314,9 @@ def nccl_choice(profile: Profile, topology: Topology, nbytes: int, collective: s
     ``run_time_s`` add the pipeline fill NCCL's model leaves out (:mod:`~gradsync.collectives.cost.nccl_pipeline`).
 
     Raises:
-        ValueError: the profile has no NCCL constants or no NVSwitch, a bad collective or size, uneven hosts.
+        TypeError: ``nbytes`` not an int (a float or a bool).
+        ValueError: the profile has no NCCL constants or no NVSwitch, a bad collective or size, uneven hosts,
+            or more GPUs on a host than the profile's nodes hold (``ranks_per_host``).
     """
     nccl = getattr(profile, "nccl", None)
     if nccl is None:
@@ -316,10 +327,15 @@ def nccl_choice(profile: Profile, topology: Topology, nbytes: int, collective: s
                          f"(nccl.nvswitch is False)")
     if collective not in COLLECTIVES:
         raise ValueError(f"collective must be one of {', '.join(COLLECTIVES)}, got {collective!r}")
+    if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral):
+        raise TypeError(f"nbytes must be an int (bytes per rank), got {nbytes!r}")
     if nbytes < 1:
         raise ValueError(f"nbytes must be >= 1, got {nbytes}")
     if len(set(topology.host_sizes)) != 1 or topology.world_size < 2:
         raise ValueError(f"NCCL's model needs >= 2 ranks and hosts of equal size, got {topology.describe()}")
+    if topology.host_sizes[0] > profile.ranks_per_host:
+        raise ValueError(f"profile {profile.name!r} has {profile.ranks_per_host} GPUs per node (its NCCL constants "
+                         f"describe that node), got {topology.describe()}")
     table = tuning_table(nccl, topology, collective)
     best = None
     for (algorithm, protocol), entry in table.items():
