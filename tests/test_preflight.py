@@ -14,6 +14,7 @@ from gradsync.parallel.preflight import estimate, estimate_from, state_slots
 from gradsync.parallel.preflight_fit import Trial, check_fit, refusal
 from gradsync.parallel.sync_round import SLOTS_PER_RANK
 from gradsync.transport.shm_segment import LINE_BYTES, MAILBOX_SLOTS
+from gradsync.train.memory_report import preflight_line
 
 MiB = 2**20
 
@@ -209,3 +210,13 @@ def test_copied_pages_join_every_estimate_and_the_refusal():
                                                            rf"need {(zero1.total_bytes + 5 * MiB) / MiB:.1f} MiB"):
         check_fit(model, adamw, base, zero1.total_bytes + 5 * MiB, settings, passed, copied=5 * MiB)
     assert "copy-on-write" not in refusal(plain, base, 1, None)
+
+
+def test_preflight_line_gives_no_error_against_a_zero_peak():
+    """A run whose measured peak above the baseline is 0 MiB (nothing measured above it) prints no
+    percentage: an error over zero is no figure (it printed +15040588378.9%)."""
+    fields = {"measured_by": "rss", "measured_peak_mib": 0.0, "estimate_mib": 150.4}
+    line = preflight_line({"preflight": fields})
+    assert "%" not in line and "estimated 150.4 MiB" in line and "no error" in line
+    fields["measured_peak_mib"] = 100.0
+    assert preflight_line({"preflight": fields}).endswith(": +50.4%")

@@ -199,5 +199,8 @@ def preflight_line(summary: dict) -> str | None:
     measured = f"measured peak {fields['measured_peak_mib']:.1f} MiB (max over ranks, {how}, above the baseline)"
     if fields["estimate_mib"] is None:
         return f"gradsync: memory per rank: no estimate (the preflight did not run); {measured}"
-    error = 100 * (fields["estimate_mib"] - fields["measured_peak_mib"]) / max(fields["measured_peak_mib"], 1e-9)
-    return f"gradsync: memory per rank: estimated {fields['estimate_mib']:.1f} MiB, {measured}: {error:+.1f}%"
+    estimated = f"gradsync: memory per rank: estimated {fields['estimate_mib']:.1f} MiB, {measured}"
+    if not fields["measured_peak_mib"] > 0:
+        return f"{estimated}: no error (nothing measured above the baseline to compare with)"
+    error = 100 * (fields["estimate_mib"] - fields["measured_peak_mib"]) / fields["measured_peak_mib"]
+    return f"{estimated}: {error:+.1f}%"
