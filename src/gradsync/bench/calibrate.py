@@ -61,67 +61,50 @@ from pathlib import Path
 
 import torch
 
-from gradsync.bench import micro
+from gradsync.bench import fixed_costs, micro
+from gradsync.bench.fixed_costs import fit_line
 from gradsync.bench.output import claim_json_path, write_json
 from gradsync.collectives.communicator import Communicator
 from gradsync.collectives.cost.profile import Link, Profile, ShmModel, load, save
 from gradsync.collectives.shm_setup import DEFAULT_CELL_BYTES, LEAN_MAX_BYTES
 
 KIB, MIB = 2**10, 2**20
-# the call whose time less its modelled cost is the call overhead: on one host shm just past its lean
-# path (the full public path, then one cell: no message, barriers that spin, so a busy machine's wake-up
-# latency, which every Gloo wait pays, does not count as overhead; the lean path is measured apart);
-# across hosts (no shm over the whole group) a one-float halving_doubling, one exchange per doubling
-OVERHEAD_ALGORITHMS = {True: "shm", False: "halving_doubling"}  # by "one host"
-OVERHEAD_BYTES = {True: LEAN_MAX_BYTES + 4, False: 4}
 
 
 @dataclass(frozen=True)
 class Settings:
-    """How long each micro-benchmark runs (sizes in bytes)."""
+    """How long each micro-benchmark runs (sizes in bytes; none of them a size ``gradsync simulate
+    --validate`` scores: see :func:`calibration_points`)."""
 
-    small_sizes: tuple[int, ...] = (4, 256, 4 * KIB)
-    large_sizes: tuple[int, ...] = (1 * MIB, 4 * MIB, 16 * MIB)
+    small_sizes: tuple[int, ...] = (4, 256, 2 * KIB)
+    large_sizes: tuple[int, ...] = (2 * MIB, 4 * MIB, 8 * MIB, 12 * MIB)
     repeats: int = 7
     batch_bytes: int = 32 * MIB     # iterations per batch: enough messages to move this much
     small_iterations: int = 200
     compute_bytes: int = 4 * MIB
-    memory_bytes: int = 64 * MIB
+    memory_bytes: int = 48 * MIB
     barriers: int = 2000
-    tiny_calls: int = 200
     cells: int = 500
     cell_bytes: int | None = None  # the in-cache rates' buffers (None: shm_setup.DEFAULT_CELL_BYTES)
     cache_passes: int = 20
+    hop_counts: tuple[int, ...] = fixed_costs.HOP_COUNTS
+    hop_repeats: int = 15  # batches of the fixed costs (each: every chain and call once)
+    hop_chains: int = 5    # chains of each length per batch
+    hop_calls: int = 10    # calls of each algorithm per batch
 
 
 FULL = Settings()
-QUICK = Settings(large_sizes=(1 * MIB, 4 * MIB), repeats=5, batch_bytes=8 * MIB, small_iterations=100,
-                 memory_bytes=32 * MIB, barriers=500, tiny_calls=100, cells=200, cache_passes=10)
-TINY = Settings(small_sizes=(4,), large_sizes=(64 * KIB, 256 * KIB), repeats=1, batch_bytes=256 * KIB,
-                small_iterations=5, compute_bytes=64 * KIB, memory_bytes=256 * KIB, barriers=20, tiny_calls=5,
-                cells=10, cell_bytes=64 * KIB, cache_passes=2)
+QUICK = Settings(large_sizes=(2 * MIB, 4 * MIB), repeats=5, batch_bytes=8 * MIB, small_iterations=100,
+                 memory_bytes=32 * MIB, barriers=500, cells=200, hop_repeats=9, cache_passes=10)
+TINY = Settings(small_sizes=(4,), large_sizes=(32 * KIB, 128 * KIB), repeats=1, batch_bytes=128 * KIB,
+                small_iterations=5, compute_bytes=32 * KIB, memory_bytes=256 * KIB, barriers=20,
+                cells=10, cell_bytes=32 * KIB, cache_passes=2, hop_counts=(1, 2), hop_repeats=1, hop_chains=1,
+                hop_calls=1)
 SETTINGS = {"full": FULL, "quick": QUICK, "tiny": TINY}
 
 
 def _iterations(settings: Settings, nbytes: int) -> int:
     return max(1, min(settings.small_iterations, settings.batch_bytes // max(nbytes, 1)))
-
-
-def fit_line(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
-    """(intercept s, slope s/byte) of the least-squares line through (size, seconds).
-
-    Raises:
-        ValueError: fewer than two distinct sizes.
-
-    >>> fit_line([1, 2, 3], [1.0, 2.0, 3.0])
-    (0.0, 1.0)
-    """
-    if len(set(sizes)) < 2:
-        raise ValueError(f"a line needs two distinct sizes, got {sizes}")
-    mean_x, mean_y = sum(sizes) / len(sizes), sum(seconds) / len(seconds)
-    slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds))
-             / sum((x - mean_x) ** 2 for x in sizes))
-    return mean_y - slope * mean_x, slope
 
 
 def measure_link(comm: Communicator, pair: tuple[int, int], settings: Settings, cpu_bound: bool) -> tuple[Link, dict]:
@@ -163,6 +146,7 @@ def calibrate_comm(comm: Communicator, settings: Settings, *, name: str, layout:
     intra, intra_raw = measure_link(comm, (0, 1), settings, cpu_bound=True)
     inter, inter_raw = (measure_link(comm, (0, per_host), settings, cpu_bound=False) if hosts > 1
                         else (None, None))
+    pairs = [(0, 1)] + ([(0, per_host)] if inter is not None else [])
     cores = len(os.sched_getaffinity(0))
     workers = min(2, cores)
     gamma, copy = micro.compute_per_byte(comm, settings.compute_bytes, settings.memory_bytes,
@@ -174,33 +158,30 @@ def calibrate_comm(comm: Communicator, settings: Settings, *, name: str, layout:
     crowded = micro.shm_barrier(comm, max(settings.barriers // 10, 1), settings.repeats, one_core=True)
     cell = micro.shm_cell(comm, settings.cells, settings.repeats) if barrier is not None else 0.0
     micro.close_shm(comm)
-    barrier_known = barrier is not None and hosts == 1
-    overhead_algorithm, overhead_bytes = OVERHEAD_ALGORITHMS[barrier_known], OVERHEAD_BYTES[barrier_known]
-    tiny = micro.tiny_all_reduce(comm, settings.tiny_calls, settings.repeats, overhead_algorithm,
-                                 overhead_bytes // 4)
-    lean = micro.tiny_all_reduce(comm, settings.tiny_calls, settings.repeats, "shm") if barrier_known else None
+    one_host = barrier is not None and hosts == 1
+    costs = fixed_costs.measure(comm, pairs, [intra] + ([inter] if inter is not None else []), one_host,
+                                repeats=settings.hop_repeats, chains=settings.hop_chains,
+                                call_count=settings.hop_calls, counts=settings.hop_counts)
+    intra = dataclasses.replace(intra, hop_alpha_s=costs.hop_s(pairs[0]))
+    if inter is not None:
+        inter = dataclasses.replace(inter, hop_alpha_s=costs.hop_s(pairs[1]))
     if comm.rank != 0:
         return None
     shared = max(1.0, 2 / cores)  # ranks 0 and 1 on one core (a test host): the pair measured is oversubscribed
-    intra = Link(alpha_s=intra.alpha_s / shared, bandwidth_bytes_per_s=intra.bandwidth_bytes_per_s * shared,
-                 cpu_bound=True)
+    intra = dataclasses.replace(intra, alpha_s=intra.alpha_s / shared,
+                                bandwidth_bytes_per_s=intra.bandwidth_bytes_per_s * shared,
+                                hop_alpha_s=intra.hop_alpha_s / shared)
     profile = Profile(
         name=name, description="", intra=intra, inter=inter, gamma_s_per_byte=gamma, copy_s_per_byte=copy,
         ranks_per_host=per_host, nics_per_host=1, cores_per_host=cores, call_overhead_s=0.0,
         shm=ShmModel(barrier_s=barrier, memory_bandwidth_bytes_per_s=memory, oversubscribed_barrier_s=crowded,
-                     cell_overhead_s=max(cell - 2 * barrier, 0.0) / 2,
-                     lean_call_overhead_s=0.0 if lean is not None else None,
+                     cell_overhead_s=max(cell - 2 * barrier, 0.0) / 2, lean_call_overhead_s=None,
                      cache_copy_s_per_byte=cache_copy, cache_gamma_s_per_byte=cache_gamma)
         if barrier is not None else None)
     # the simulator slows a call's overhead by the ranks-per-core oversubscription: take it out of the
     # measured one (the test hosts' ranks share a core)
-    crowding = profile.oversubscription(per_host)
-    overhead = max(tiny - _modelled_time(profile, overhead_algorithm, comm.world_size, layout, overhead_bytes),
-                   0.0) / crowding
-    if lean is not None:
-        lean_overhead = max(lean - _modelled_time(profile, "shm", comm.world_size, layout, 4), 0.0) / crowding
-        shm = dataclasses.replace(profile.shm, lean_call_overhead_s=lean_overhead)
-        profile = dataclasses.replace(profile, shm=shm)
+    profile = fixed_costs.call_overheads(profile, costs, pairs[0], layout, comm.world_size,
+                                         profile.oversubscription(per_host))
     description = (f"{'this machine' if hosts == 1 else f'{hosts} test hosts x {per_host} ranks'}: "
                    f"{cores} usable cores, Gloo over {'loopback' if hosts == 1 else 'veth'}, calibrated "
                    f"{started}")
@@ -209,35 +190,33 @@ def calibrate_comm(comm: Communicator, settings: Settings, *, name: str, layout:
                f"intra: alpha = median one-way time of ping-pongs of {list(settings.small_sizes)} B; "
                f"bandwidth = 1/slope of the one-way time of ping-pongs of {list(settings.large_sizes)} B "
                f"between ranks 0 and 1 (CollectiveCall over Gloo): {_raw_text(intra_raw)}",
-               *([f"intra: divided by {shared:g}, the oversubscription of the pair measured (2 ranks on "
-                  f"{cores} core): the simulator multiplies it back for ranks that share a core"]
-                 if shared > 1 else []),
+               f"intra hop_alpha: slope per hop of chains of {list(settings.hop_counts)} dependent exchanges "
+               f"(send_recv, one call a chain, {settings.hop_chains} a batch) of {fixed_costs.HOP_BYTES} B "
+               f"between ranks 0 and 1, less the bytes' time, in each of {settings.hop_repeats} batches; the "
+               f"median: {fixed_costs.hop_text(costs.chains[pairs[0]])}",
+               *([f"intra: alpha, hop_alpha and 1/bandwidth divided by {shared:g}, the oversubscription of the "
+                  f"pair measured (2 ranks on {cores} core): the simulator multiplies it back for ranks that "
+                  f"share a core"] if shared > 1 else []),
                *([f"inter: the same between rank 0 (host 0) and rank {per_host} (host 1): "
-                  f"{_raw_text(inter_raw)}"] if inter is not None else []),
+                  f"{_raw_text(inter_raw)}; hops: {fixed_costs.hop_text(costs.chains[pairs[1]])}"]
+                 if inter is not None else []),
                f"gamma, copy: float32 add_ / copy_ in {settings.compute_bytes} B pieces over {settings.memory_bytes} B "
                f"buffers (from memory, not cache) on {workers} rank(s) at once (one a core)",
                f"shm cache_gamma, cache_copy: the same on {settings.cell_bytes or DEFAULT_CELL_BYTES} B buffers "
                f"(a cell; in cache), {settings.cache_passes} passes per batch",
                f"cores_per_host: len(os.sched_getaffinity(0)) = {cores}",
-               f"call_overhead_s: {overhead_bytes} B {overhead_algorithm} all_reduce (verify=False) = "
-               f"{tiny * 1e6:.1f} us "
-               f"minus its simulated cost without overhead",
-               *([f"shm lean_call_overhead_s: one-float shm all_reduce (the lean path) = {lean * 1e6:.1f} us "
-                  f"minus its simulated cost without overhead"] if lean is not None else []),
+               f"call_overheads_s: one all_reduce (verify=False, {settings.hop_calls} per batch, over all "
+               f"{comm.world_size} ranks, batches interleaved with the hop chains) of each algorithm less its "
+               f"simulated cost with that batch's hop and no overhead, the median"
+               f"{f', divided by the ranks-per-core oversubscription {profile.oversubscription(per_host):g}' if profile.oversubscription(per_host) > 1 else ''}: "
+               f"{fixed_costs.calls_text(costs)}; call_overhead_s = ring's"
+               + ("; shm lean_call_overhead_s: the shm call of 4 B (the lean path)" if one_host else
+                  "; shm lean_call_overhead_s: None (no shm call spans the hosts)"),
                f"shm: barrier of ranks 0 and 1 ({settings.barriers} per batch; oversubscribed: both pinned to one "
                f"core); cell overhead: a pipelined cell of two floats ({settings.cells} per call) = "
                f"{cell * 1e6:.1f} us minus its two barriers, per rank (/ 2); memory bandwidth: {workers} "
                f"rank(s) copying {settings.memory_bytes} B at once, 3 DRAM bytes per byte copied")
-    return dataclasses.replace(profile, description=description, call_overhead_s=overhead, sources=sources)
-
-
-def _modelled_time(profile: Profile, algorithm: str, world_size: int, layout: tuple[int, int], nbytes: int) -> float:
-    """Simulated seconds of an ``nbytes`` ``algorithm`` all_reduce on ``profile`` (its overheads as set)."""
-    from gradsync.sim import Topology, simulate_all_reduce
-
-    hosts, per_host = layout
-    topology = Topology.uniform(hosts, per_host) if hosts > 1 else Topology((world_size,))
-    return simulate_all_reduce(algorithm, nbytes, profile, topology).time_s
+    return dataclasses.replace(profile, description=description, sources=sources)
 
 
 def _raw_text(raw: dict) -> str:

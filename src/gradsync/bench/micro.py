@@ -18,6 +18,13 @@ but a profile of it then predicts a loaded machine's sweep systematically low):
   algorithms post receives first).
 * :func:`exchange`: both ranks send ``nbytes`` to each other at once (a ring step
   at two ranks); the time of one exchange.
+* :func:`hop_chain`: ``hops`` dependent exchanges of ``nbytes`` between two ranks in one call, as a
+  ring's steps at two ranks run them (receive posted, send posted, both waited; the next hop starts
+  when this one ended); the time of one chain. Its slope over the hops is the cost of a hop inside a
+  multi-hop schedule, which the one-way ping-pong underestimates.
+* :func:`fixed_cost_batches`: chains of several hop counts and small all_reduce calls of several
+  algorithms, interleaved batch by batch (the fixed costs drift with the machine's load: figures
+  that are subtracted from each other are measured side by side).
 * :func:`compute_per_byte`: ``acc += other`` (float32) and ``dst.copy_(src)`` piece by
   piece over large buffers, one rank per core at once, per output byte.
 * :func:`cache_per_byte`: the same on buffers of a shm cell's size, passed over again and again
@@ -106,6 +113,49 @@ def exchange(comm: Communicator, pair: tuple[int, int], nbytes: int, iterations:
         if batch:
             results.append((time.perf_counter() - started) / iterations)
     return _from(comm, pair[0], statistics.median(results) if comm.rank == pair[0] else 0.0)
+
+
+def hop_chain(comm: Communicator, pair: tuple[int, int], nbytes: int, hops: int, iterations: int) -> float:
+    """Seconds of one chain of ``hops`` dependent exchanges of ``nbytes`` each way between the ranks of
+    ``pair`` (``CollectiveCall.send_recv``: the receive posted first, as the ring's hops), a new call per
+    chain, the mean of ``iterations`` chains on this rank (0.0 off the pair; every rank calls it)."""
+    tensor = torch.zeros(max(nbytes // _FLOAT, 1))
+    inbox = torch.zeros_like(tensor)
+    peer = pair[1] if comm.rank == pair[0] else pair[0]
+    line_up(comm)
+    started = time.perf_counter()
+    for _ in range(iterations):
+        call = comm.new_call("calibrate hop chain", "p2p")  # on every rank: the tags stay in step
+        if comm.rank in pair:
+            for _hop in range(hops):
+                call.send_recv(tensor, peer, inbox, peer, "hop")
+    return (time.perf_counter() - started) / iterations if comm.rank in pair else 0.0
+
+
+def fixed_cost_batches(comm: Communicator, pair: tuple[int, int], nbytes: int, hop_counts: tuple[int, ...],
+                       chains: int, calls: dict[str, tuple[str, int]], call_count: int,
+                       repeats: int) -> dict[object, list[float]]:
+    """Per batch, interleaved so that every figure sees the machine as the others do: a chain of each of
+    ``hop_counts`` hops of ``nbytes`` between the ranks of ``pair`` (:func:`hop_chain`, ``chains`` of
+    each, keys the hop counts), and ``call_count`` all_reduce calls (``verify=False``) of each
+    ``calls[label] = (algorithm, numel)`` over the whole group (keys the labels). Returns every
+    key's seconds per batch (the slowest rank's), ``repeats`` batches after one to warm up."""
+    batches: dict[object, list[float]] = {key: [] for key in (*hop_counts, *calls)}
+    tensors = {label: torch.zeros(numel) for label, (_, numel) in calls.items()}
+    for batch in range(repeats + 1):
+        for hops in hop_counts:
+            seconds = _slowest(comm, hop_chain(comm, pair, nbytes, hops, chains))
+            if batch:
+                batches[hops].append(seconds)
+        for label, (algorithm, _) in calls.items():
+            line_up(comm)
+            started = time.perf_counter()
+            for _ in range(call_count):
+                ops.all_reduce(tensors[label], comm, algorithm=algorithm, verify=False)
+            seconds = _slowest(comm, (time.perf_counter() - started) / call_count)
+            if batch:
+                batches[label].append(seconds)
+    return batches
 
 
 def _from(comm: Communicator, rank: int, value: float) -> float:

@@ -212,11 +212,11 @@ class VirtualCluster:
         sending, receiving = max(posted_s, free.get(out, 0.0)), max(posted_s, free.get(into, 0.0))
         free[out], free[into] = sending + busy, receiving + busy
         start = max(sending, receiving)
-        done = start + busy + link.alpha_s * slow
+        done = start + busy + link.hop_s * slow  # a hop's latency (Link.hop_s: in a schedule, not a ping-pong)
         if self.trace is not None:
             self.trace.append(TraceEvent("send", src, dst, getattr(tensor, "root", 0), getattr(tensor, "offset", 0),
                                          tensor.numel() if tensor is not None else 0, nbytes, start, done,
-                                         {"alpha": link.alpha_s * slow, "beta": busy,
+                                         {"alpha": link.hop_s * slow, "beta": busy,
                                           "queued": start - posted_s}))
         return done
 

@@ -69,7 +69,7 @@ def _step(profile: Profile, topology: Topology, crosses_hosts: bool, sharing: fl
     link = profile.link(not crosses_hosts)
     slow = oversub if link.cpu_bound else 1.0
     shared_port = 2.0 if duplex and link.cpu_bound and not crosses_hosts else 1.0
-    return Step(link.alpha_s * slow, link.beta_s_per_byte * slow * (1.0 if crosses_hosts else shared_port),
+    return Step(link.hop_s * slow, link.beta_s_per_byte * slow * (1.0 if crosses_hosts else shared_port),
                 profile.gamma_s_per_byte * oversub, sharing if crosses_hosts else 1.0)
 
 
@@ -271,14 +271,15 @@ def halving_doubling_s(profile: Profile, topology: Topology, n: int, itemsize: i
 def call_overhead_s(profile: Profile, algorithm: str, topology: Topology, nbytes: int,
                     collective: str = "all_reduce") -> float:
     """The fixed cost of one call: ``ShmModel.lean_call_overhead_s`` for a public shm call on the lean
-    path (its argument checks are cached per layout), else ``Profile.call_overhead_s``; both Python
-    work on a core, slowed by the ranks-per-core oversubscription of the busiest host."""
+    path (its argument checks are cached per layout), else the algorithm's own
+    (:meth:`Profile.call_overhead`: ``call_overheads_s``, else ``call_overhead_s``); all Python work
+    on a core, slowed by the ranks-per-core oversubscription of the busiest host."""
     oversub = max(profile.oversubscription(size) for size in topology.host_sizes)
     if (algorithm == "shm" and collective == "all_reduce" and topology.world_size > 1 and shm_lean(nbytes)
             and profile.shm is not None
             and profile.shm.lean_call_overhead_s is not None):
         return profile.shm.lean_call_overhead_s * oversub
-    return profile.call_overhead_s * oversub
+    return profile.call_overhead(algorithm) * oversub
 
 
 def hierarchical_s(profile: Profile, topology: Topology, n: int, segment_bytes: int = DEFAULT_SEGMENT_BYTES,

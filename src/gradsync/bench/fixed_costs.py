@@ -1,0 +1,145 @@
+"""The fixed costs ``gradsync calibrate`` measures: a hop inside a schedule, a call per algorithm, and its points.
+
+A ping-pong's one-way time (``Link.alpha_s``) is not what a message costs inside a multi-hop
+schedule over Gloo: there every hop posts a receive and a send and waits for both, and each wait
+may sleep and be woken. Two terms close that gap (the LogP model's per-message overhead, Culler et
+al. 1993, and the fixed cost of a call, which α-β-γ leaves out):
+
+* ``Link.hop_alpha_s`` (:func:`measure`): chains of H dependent exchanges (``CollectiveCall.send_recv``,
+  a ring step at two ranks: receive posted, send posted, both waited) of ``HOP_BYTES`` in one call
+  each, H in ``HOP_COUNTS``; in every batch the least-squares slope of the chain's time over H, less
+  the exchange's bytes at the link's rate; the median over the batches.
+* ``Profile.call_overheads_s`` (:func:`call_overheads`): for every algorithm the simulator runs, one
+  ``all_reduce`` (``verify=False``, as the sweep calls it) of ``CALL_BYTES[algorithm]`` bytes over
+  the whole group, in the same batches as the chains (the fixed costs drift with the machine's load),
+  less the time the simulation gives that call with that batch's hop, every other term just
+  measured and no call overhead; the median over the batches. ``Profile.call_overhead_s`` (any
+  other algorithm) is ring's.
+
+:func:`calibration_points` lists every point the calibration measures, so that ``gradsync simulate
+--validate`` can show none of them is a point it scores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from dataclasses import dataclass
+
+from gradsync.bench import micro
+from gradsync.collectives.communicator import Communicator
+from gradsync.collectives.cost.profile import Link, Profile
+
+KIB, MIB = 2**10, 2**20
+HOP_COUNTS = (1, 2, 4, 8)
+HOP_BYTES = 256
+# a call per algorithm: small enough that its fixed cost dominates, never a validated size; shm past its
+# lean path (LEAN_MAX_BYTES = 64 KiB): 96 KiB, one cell
+CALL_BYTES = {"ring": 256, "tree": 256, "double_binary_tree": 256, "halving_doubling": 256,
+              "hierarchical": 256, "shm": 96 * KIB}
+LEAN_BYTES = 4  # the shm lean path's call (ShmModel.lean_call_overhead_s)
+
+
+def fit_line(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
+    """(intercept s, slope s/unit) of the least-squares line through (x, seconds).
+
+    Raises:
+        ValueError: fewer than two distinct x.
+
+    >>> fit_line([1, 2, 3], [1.0, 2.0, 3.0])
+    (0.0, 1.0)
+    """
+    if len(set(sizes)) < 2:
+        raise ValueError(f"a line needs two distinct sizes, got {sizes}")
+    mean_x, mean_y = sum(sizes) / len(sizes), sum(seconds) / len(seconds)
+    slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds))
+             / sum((x - mean_x) ** 2 for x in sizes))
+    return mean_y - slope * mean_x, slope
+
+
+@dataclass(frozen=True)
+class FixedCosts:
+    """What :func:`measure` found: per batch, the hop of each pair measured and each call's seconds."""
+
+    hops: dict[tuple[int, int], list[float]]      # pair -> seconds of a hop, per batch
+    chains: dict[tuple[int, int], dict[int, float]]  # pair -> hops -> median seconds of a chain
+    calls: dict[str, list[float]]                 # label -> seconds of one call, per batch
+
+    def hop_s(self, pair: tuple[int, int]) -> float:
+        return statistics.median(self.hops[pair])
+
+
+def measure(comm: Communicator, pairs: list[tuple[int, int]], links: list[Link], one_host: bool, *,
+            repeats: int, chains: int, call_count: int, counts: tuple[int, ...] = HOP_COUNTS,
+            nbytes: int = HOP_BYTES) -> FixedCosts:
+    """Measure the hop of every pair (its link as measured: the bytes' time, both directions on one
+    port when ``cpu_bound``, is taken out of the slope) and, side by side with the first pair's chains,
+    one call of every :func:`overhead_algorithms` at its ``CALL_BYTES`` and ("shm lean") the shm lean
+    path's (collective; every rank gets it)."""
+    calls = {name: (name, CALL_BYTES[name] // 4) for name in overhead_algorithms(one_host)}
+    if one_host:
+        calls["shm lean"] = ("shm", LEAN_BYTES // 4)
+    hops, medians, measured = {}, {}, {}
+    for index, (pair, link) in enumerate(zip(pairs, links)):
+        batches = micro.fixed_cost_batches(comm, pair, nbytes, counts, chains, calls if index == 0 else {},
+                                           call_count, repeats)
+        moved = nbytes * link.beta_s_per_byte * (2 if link.cpu_bound else 1)
+        hops[pair] = [max(fit_line(list(counts), [batches[h][i] for h in counts])[1] - moved, 0.0)
+                      for i in range(repeats)]
+        medians[pair] = {h: statistics.median(batches[h]) for h in counts}
+        if index == 0:
+            measured = {label: batches[label] for label in calls}
+    return FixedCosts(hops, medians, measured)
+
+
+def hop_text(chains: dict[int, float], nbytes: int = HOP_BYTES) -> str:
+    """A pair's chains as text (us)."""
+    return f"{nbytes} B: " + ", ".join(f"{h} hops {s * 1e6:.0f} us" for h, s in chains.items())
+
+
+def overhead_algorithms(one_host: bool) -> list[str]:
+    """The algorithms whose call is measured: the simulator's (shm on one host only)."""
+    from gradsync.sim import SIMULATED
+
+    return [name for name in CALL_BYTES if name in SIMULATED and (one_host or name != "shm")]
+
+
+def call_overheads(profile: Profile, costs: FixedCosts, pair: tuple[int, int], layout: tuple[int, int],
+                   world_size: int, crowding: float) -> Profile:
+    """``profile`` with ``call_overheads_s`` (``call_overhead_s`` = ring's; the shm lean path's figure)
+    from ``costs``: in each batch, each call less its simulated time with that batch's hop (of ``pair``,
+    the link ``profile.intra``'s) and no call overhead, the median over the batches, divided by
+    ``crowding`` (the ranks-per-core slowdown the simulator multiplies back)."""
+    bare = dataclasses.replace(profile, call_overhead_s=0.0, call_overheads_s=())
+    if bare.shm is not None:
+        bare = dataclasses.replace(bare, shm=dataclasses.replace(bare.shm, lean_call_overhead_s=0.0))
+    scale = profile.intra.hop_s / costs.hop_s(pair)  # the profile's hop may be rescaled (a shared core)
+    overheads = {}
+    for label, seconds in costs.calls.items():
+        algorithm, nbytes = ("shm", LEAN_BYTES) if label == "shm lean" else (label, CALL_BYTES[label])
+        rest = []
+        for batch, hop in zip(seconds, costs.hops[pair]):
+            model = dataclasses.replace(bare, intra=dataclasses.replace(bare.intra, hop_alpha_s=hop * scale))
+            rest.append(batch - _modelled_time(model, algorithm, world_size, layout, nbytes))
+        overheads[label] = max(statistics.median(rest), 0.0) / crowding
+    lean = overheads.pop("shm lean", None)
+    profile = dataclasses.replace(profile, call_overhead_s=overheads.get("ring", 0.0),
+                                  call_overheads_s=tuple(overheads.items()))
+    if profile.shm is not None:
+        profile = dataclasses.replace(profile, shm=dataclasses.replace(profile.shm, lean_call_overhead_s=lean))
+    return profile
+
+
+def calls_text(costs: FixedCosts) -> str:
+    """Each call's median seconds as text."""
+    return ", ".join(f"{label} {LEAN_BYTES if label == 'shm lean' else CALL_BYTES[label]} B "
+                     f"{statistics.median(seconds) * 1e6:.1f} us" for label, seconds in costs.calls.items())
+
+
+def _modelled_time(profile: Profile, algorithm: str, world_size: int, layout: tuple[int, int], nbytes: int) -> float:
+    """Simulated seconds of an ``nbytes`` ``algorithm`` all_reduce on ``profile`` (its overheads as set)."""
+    from gradsync.sim import Topology, simulate_all_reduce
+
+    hosts, per_host = layout
+    topology = Topology.uniform(hosts, per_host) if hosts > 1 else Topology((world_size,))
+    return simulate_all_reduce(algorithm, nbytes, profile, topology).time_s
