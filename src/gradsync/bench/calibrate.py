@@ -168,9 +168,12 @@ def calibrate_comm(comm: Communicator, settings: Settings, *, name: str, layout:
     if comm.rank != 0:
         return None
     shared = max(1.0, 2 / cores)  # ranks 0 and 1 on one core (a test host): the pair measured is oversubscribed
+    # the pair shares a core: its hop is the crowded one (charged as it is); α and 1/bandwidth are divided
     intra = dataclasses.replace(intra, alpha_s=intra.alpha_s / shared,
                                 bandwidth_bytes_per_s=intra.bandwidth_bytes_per_s * shared,
-                                hop_alpha_s=intra.hop_alpha_s / shared)
+                                oversubscribed_hop_alpha_s=intra.hop_alpha_s if shared > 1 else None)
+    if inter is not None and shared > 1:
+        inter = dataclasses.replace(inter, oversubscribed_hop_alpha_s=inter.hop_alpha_s)
     profile = Profile(
         name=name, description="", intra=intra, inter=inter, gamma_s_per_byte=gamma, copy_s_per_byte=copy,
         ranks_per_host=per_host, nics_per_host=1, cores_per_host=cores, call_overhead_s=0.0,
@@ -194,9 +197,10 @@ def calibrate_comm(comm: Communicator, settings: Settings, *, name: str, layout:
                f"(send_recv, one call a chain, {settings.hop_chains} a batch) of {fixed_costs.HOP_BYTES} B "
                f"between ranks 0 and 1, less the bytes' time, in each of {settings.hop_repeats} batches; the "
                f"median: {fixed_costs.hop_text(costs.chains[pairs[0]])}",
-               *([f"intra: alpha, hop_alpha and 1/bandwidth divided by {shared:g}, the oversubscription of the "
-                  f"pair measured (2 ranks on {cores} core): the simulator multiplies it back for ranks that "
-                  f"share a core"] if shared > 1 else []),
+               *([f"intra: alpha and 1/bandwidth divided by {shared:g}, the oversubscription of the pair "
+                  f"measured (2 ranks on {cores} core): the simulator multiplies it back for ranks that share a "
+                  f"core; hop_alpha is a crowded pair's: oversubscribed_hop_alpha (of inter too) = hop_alpha"]
+                 if shared > 1 else []),
                *([f"inter: the same between rank 0 (host 0) and rank {per_host} (host 1): "
                   f"{_raw_text(inter_raw)}; hops: {fixed_costs.hop_text(costs.chains[pairs[1]])}"]
                  if inter is not None else []),
@@ -217,6 +221,37 @@ def calibrate_comm(comm: Communicator, settings: Settings, *, name: str, layout:
                f"{cell * 1e6:.1f} us minus its two barriers, per rank (/ 2); memory bandwidth: {workers} "
                f"rank(s) copying {settings.memory_bytes} B at once, 3 DRAM bytes per byte copied")
     return dataclasses.replace(profile, description=description, sources=sources)
+
+
+def calibration_points(hosts: bool, settings: Settings | None = None) -> list[dict]:
+    """Every point ``gradsync calibrate`` (``settings``, None: ``FULL``; ``hosts``: ``--hosts 2 --nproc 2``)
+    measures a figure of the profile at, as dicts with keys collective ("p2p", "all_reduce", "shm",
+    "compute"), algorithm (what ran: "pingpong", "exchange", "hop_chain", an all_reduce algorithm,
+    "barrier", "cell", "add", "copy", "memory"), nbytes (a message's bytes; a buffer's for compute),
+    world_size (the ranks taking part) and hosts (the hosts they span). ``gradsync simulate --validate``
+    scores none of them (``tests/test_sim_calibrate.py`` checks)."""
+    settings = settings or FULL
+
+    def point(collective: str, algorithm: str, nbytes: int, world_size: int = 2, spans: int = 1) -> dict:
+        return dict(collective=collective, algorithm=algorithm, nbytes=nbytes, world_size=world_size, hosts=spans)
+
+    pairs = [1, 2] if hosts else [1]  # the pair inside host 0, and (hosts) the one between hosts 0 and 1
+    points = []
+    for spans in pairs:
+        points += [point("p2p", "pingpong", n, 2, spans) for n in (*settings.small_sizes, *settings.large_sizes)]
+        points += [point("p2p", "exchange", max(settings.large_sizes), 2, spans),
+                   point("p2p", "hop_chain", fixed_costs.HOP_BYTES, 2, spans)]
+    if not hosts:  # the crowded hop: 2 pairs on 2 cores (4 ranks: 2 x the cores of this machine)
+        points.append(point("p2p", "hop_chain", fixed_costs.HOP_BYTES, 2 * len(os.sched_getaffinity(0))))
+    points += [point("compute", kind, settings.memory_bytes) for kind in ("add", "copy", "memory")]
+    points += [point("compute", kind, settings.cell_bytes or DEFAULT_CELL_BYTES) for kind in ("add", "copy")]
+    points += [point("shm", "barrier", 0), point("shm", "cell", 8)]
+    group = (4, 2) if hosts else (2, 1)
+    points += [point("all_reduce", name, fixed_costs.CALL_BYTES[name], *group)
+               for name in fixed_costs.overhead_algorithms(not hosts)]
+    if not hosts:
+        points.append(point("all_reduce", "shm", fixed_costs.LEAN_BYTES))
+    return points
 
 
 def _raw_text(raw: dict) -> str:
@@ -267,6 +302,13 @@ def calibrate(*, hosts: int | None, nproc: int, inter_host_gbit: float | None, s
 
     profile = Profile.from_dict(launch_local(2, _local_worker, settings, name or "this-machine",
                                              _command_text(None, 2, None, settings))[0])
+    if profile.cores_per_host is not None and profile.cores_per_host < 4:
+        crowded, chains = launch_local(2 * profile.cores_per_host, _crowded_worker, settings, profile.intra)[0]
+        intra = dataclasses.replace(profile.intra, oversubscribed_hop_alpha_s=crowded)
+        text = (f"intra oversubscribed_hop_alpha: the same chains with {2 * profile.cores_per_host} ranks on "
+                f"{profile.cores_per_host} cores, pairs (0, 1), (2, 3), ... chaining at once, pair (0, 1)'s slope: "
+                f"{fixed_costs.hop_text(chains)}")
+        profile = dataclasses.replace(profile, intra=intra, sources=(*profile.sources, text))
     if out:
         save(profile, out)
     return profile
@@ -281,6 +323,21 @@ def _local_worker(settings: Settings, name: str, command: str) -> dict | None:
     try:
         profile = calibrate_comm(default_communicator(), settings, name=name, command=command)
         return profile.as_dict() if profile is not None else None
+    finally:
+        gradsync.shutdown()
+
+
+def _crowded_worker(settings: Settings, link: Link) -> tuple[float, dict] | None:
+    import gradsync
+    from gradsync.process_group import default_communicator
+
+    torch.set_num_threads(1)
+    gradsync.init()
+    try:
+        comm = default_communicator()
+        found = fixed_costs.crowded_hop(comm, link, repeats=settings.hop_repeats, chains=settings.hop_chains,
+                                        counts=settings.hop_counts)
+        return found if comm.rank == 0 else None
     finally:
         gradsync.shutdown()
 

@@ -81,7 +81,7 @@ def measure(comm: Communicator, pairs: list[tuple[int, int]], links: list[Link],
         calls["shm lean"] = ("shm", LEAN_BYTES // 4)
     hops, medians, measured = {}, {}, {}
     for index, (pair, link) in enumerate(zip(pairs, links)):
-        batches = micro.fixed_cost_batches(comm, pair, nbytes, counts, chains, calls if index == 0 else {},
+        batches = micro.fixed_cost_batches(comm, [pair], nbytes, counts, chains, calls if index == 0 else {},
                                            call_count, repeats)
         moved = nbytes * link.beta_s_per_byte * (2 if link.cpu_bound else 1)
         hops[pair] = [max(fit_line(list(counts), [batches[h][i] for h in counts])[1] - moved, 0.0)
@@ -90,6 +90,19 @@ def measure(comm: Communicator, pairs: list[tuple[int, int]], links: list[Link],
         if index == 0:
             measured = {label: batches[label] for label in calls}
     return FixedCosts(hops, medians, measured)
+
+
+def crowded_hop(comm: Communicator, link: Link, *, repeats: int, chains: int,
+                counts: tuple[int, ...] = HOP_COUNTS, nbytes: int = HOP_BYTES) -> tuple[float, dict[int, float]]:
+    """The hop inside a schedule when a host's ranks outnumber its cores: every rank of ``comm`` (one
+    host, an even number, twice the cores or more) chains in pairs (0, 1), (2, 3), ... at once; the
+    slope per hop of pair (0, 1)'s chain, each batch's, less the bytes' time; the median (collective),
+    and the chains' median seconds."""
+    pairs = [(rank, rank + 1) for rank in range(0, comm.world_size - 1, 2)]
+    batches = micro.fixed_cost_batches(comm, pairs, nbytes, counts, chains, {}, 0, repeats)
+    moved = nbytes * link.beta_s_per_byte * (2 if link.cpu_bound else 1)
+    slopes = [max(fit_line(list(counts), [batches[h][i] for h in counts])[1] - moved, 0.0) for i in range(repeats)]
+    return statistics.median(slopes), {h: statistics.median(batches[h]) for h in counts}
 
 
 def hop_text(chains: dict[int, float], nbytes: int = HOP_BYTES) -> str:
@@ -113,13 +126,14 @@ def call_overheads(profile: Profile, costs: FixedCosts, pair: tuple[int, int], l
     bare = dataclasses.replace(profile, call_overhead_s=0.0, call_overheads_s=())
     if bare.shm is not None:
         bare = dataclasses.replace(bare, shm=dataclasses.replace(bare.shm, lean_call_overhead_s=0.0))
-    scale = profile.intra.hop_s / costs.hop_s(pair)  # the profile's hop may be rescaled (a shared core)
     overheads = {}
     for label, seconds in costs.calls.items():
         algorithm, nbytes = ("shm", LEAN_BYTES) if label == "shm lean" else (label, CALL_BYTES[label])
         rest = []
         for batch, hop in zip(seconds, costs.hops[pair]):
-            model = dataclasses.replace(bare, intra=dataclasses.replace(bare.intra, hop_alpha_s=hop * scale))
+            crowded = None if bare.intra.oversubscribed_hop_alpha_s is None else hop  # a pair on one core
+            model = dataclasses.replace(bare, intra=dataclasses.replace(bare.intra, hop_alpha_s=hop,
+                                                                        oversubscribed_hop_alpha_s=crowded))
             rest.append(batch - _modelled_time(model, algorithm, world_size, layout, nbytes))
         overheads[label] = max(statistics.median(rest), 0.0) / crowding
     lean = overheads.pop("shm lean", None)

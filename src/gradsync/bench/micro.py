@@ -115,36 +115,38 @@ def exchange(comm: Communicator, pair: tuple[int, int], nbytes: int, iterations:
     return _from(comm, pair[0], statistics.median(results) if comm.rank == pair[0] else 0.0)
 
 
-def hop_chain(comm: Communicator, pair: tuple[int, int], nbytes: int, hops: int, iterations: int) -> float:
+def hop_chain(comm: Communicator, pairs: list[tuple[int, int]], nbytes: int, hops: int, iterations: int) -> float:
     """Seconds of one chain of ``hops`` dependent exchanges of ``nbytes`` each way between the ranks of
-    ``pair`` (``CollectiveCall.send_recv``: the receive posted first, as the ring's hops), a new call per
-    chain, the mean of ``iterations`` chains on this rank (0.0 off the pair; every rank calls it)."""
+    each of ``pairs`` (disjoint; all at once: ranks that outnumber the cores), ``CollectiveCall.send_recv``
+    (the receive posted first, as the ring's hops), a new call per chain, the mean of ``iterations``
+    chains on this rank (0.0 off the pairs; every rank calls it)."""
     tensor = torch.zeros(max(nbytes // _FLOAT, 1))
     inbox = torch.zeros_like(tensor)
-    peer = pair[1] if comm.rank == pair[0] else pair[0]
+    mine = next((pair for pair in pairs if comm.rank in pair), None)
+    peer = None if mine is None else (mine[1] if comm.rank == mine[0] else mine[0])
     line_up(comm)
     started = time.perf_counter()
     for _ in range(iterations):
         call = comm.new_call("calibrate hop chain", "p2p")  # on every rank: the tags stay in step
-        if comm.rank in pair:
+        if peer is not None:
             for _hop in range(hops):
                 call.send_recv(tensor, peer, inbox, peer, "hop")
-    return (time.perf_counter() - started) / iterations if comm.rank in pair else 0.0
+    return (time.perf_counter() - started) / iterations if peer is not None else 0.0
 
 
-def fixed_cost_batches(comm: Communicator, pair: tuple[int, int], nbytes: int, hop_counts: tuple[int, ...],
+def fixed_cost_batches(comm: Communicator, pairs: list[tuple[int, int]], nbytes: int, hop_counts: tuple[int, ...],
                        chains: int, calls: dict[str, tuple[str, int]], call_count: int,
                        repeats: int) -> dict[object, list[float]]:
     """Per batch, interleaved so that every figure sees the machine as the others do: a chain of each of
-    ``hop_counts`` hops of ``nbytes`` between the ranks of ``pair`` (:func:`hop_chain`, ``chains`` of
-    each, keys the hop counts), and ``call_count`` all_reduce calls (``verify=False``) of each
+    ``hop_counts`` hops of ``nbytes`` between the ranks of each of ``pairs`` at once (:func:`hop_chain`,
+    ``chains`` of each, keys the hop counts), and ``call_count`` all_reduce calls (``verify=False``) of each
     ``calls[label] = (algorithm, numel)`` over the whole group (keys the labels). Returns every
     key's seconds per batch (the slowest rank's), ``repeats`` batches after one to warm up."""
     batches: dict[object, list[float]] = {key: [] for key in (*hop_counts, *calls)}
     tensors = {label: torch.zeros(numel) for label, (_, numel) in calls.items()}
     for batch in range(repeats + 1):
         for hops in hop_counts:
-            seconds = _slowest(comm, hop_chain(comm, pair, nbytes, hops, chains))
+            seconds = _slowest(comm, hop_chain(comm, pairs, nbytes, hops, chains))
             if batch:
                 batches[hops].append(seconds)
         for label, (algorithm, _) in calls.items():

@@ -203,7 +203,8 @@ class VirtualCluster:
         else:
             link, nics = self.profile.link(False), self.profile.nics_per_host
             ports = (("nic-out", a.host, a.local_rank % nics), ("nic-in", b.host, b.local_rank % nics))
-        slow = self.oversub[a.host] if link.cpu_bound else 1.0
+        crowd = self.oversub[a.host]
+        slow = crowd if link.cpu_bound else 1.0
         out, into = ports
         free = self.ports
         busy = nbytes * link.beta_s_per_byte * slow
@@ -212,11 +213,12 @@ class VirtualCluster:
         sending, receiving = max(posted_s, free.get(out, 0.0)), max(posted_s, free.get(into, 0.0))
         free[out], free[into] = sending + busy, receiving + busy
         start = max(sending, receiving)
-        done = start + busy + link.hop_s * slow  # a hop's latency (Link.hop_s: in a schedule, not a ping-pong)
+        latency = link.hop_at(crowd)  # a hop's latency in a schedule (not a ping-pong's), crowded or not
+        done = start + busy + latency
         if self.trace is not None:
             self.trace.append(TraceEvent("send", src, dst, getattr(tensor, "root", 0), getattr(tensor, "offset", 0),
                                          tensor.numel() if tensor is not None else 0, nbytes, start, done,
-                                         {"alpha": link.hop_s * slow, "beta": busy,
+                                         {"alpha": latency, "beta": busy,
                                           "queued": start - posted_s}))
         return done
 

@@ -69,7 +69,7 @@ def _step(profile: Profile, topology: Topology, crosses_hosts: bool, sharing: fl
     link = profile.link(not crosses_hosts)
     slow = oversub if link.cpu_bound else 1.0
     shared_port = 2.0 if duplex and link.cpu_bound and not crosses_hosts else 1.0
-    return Step(link.hop_s * slow, link.beta_s_per_byte * slow * (1.0 if crosses_hosts else shared_port),
+    return Step(link.hop_at(oversub), link.beta_s_per_byte * slow * (1.0 if crosses_hosts else shared_port),
                 profile.gamma_s_per_byte * oversub, sharing if crosses_hosts else 1.0)
 
 

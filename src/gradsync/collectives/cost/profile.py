@@ -58,23 +58,40 @@ class Link:
             hop of the time of a chain of dependent exchanges (a ring step's receive, send and two
             waits, through ``CollectiveCall``) over 1 to 8 hops. None: ``alpha_s`` (GPU profiles,
             old profile files).
+        oversubscribed_hop_alpha_s: the same when the host's ranks outnumber its cores (a ``cpu_bound``
+            link; ``gradsync calibrate``: four ranks on two cores chaining in two pairs at once, the
+            slope of one pair's chain). The simulator charges it as it is, not slowed by ranks/cores
+            (a hop's time is mostly waiting to be woken, not work). None: ``hop_s`` slowed by the
+            ranks-per-core oversubscription.
     """
 
     alpha_s: float
     bandwidth_bytes_per_s: float
     cpu_bound: bool = False
     hop_alpha_s: float | None = None
+    oversubscribed_hop_alpha_s: float | None = None
 
     def __post_init__(self):
         if not self.alpha_s >= 0 or not self.bandwidth_bytes_per_s > 0:
             raise ValueError(f"a link needs alpha_s >= 0 and bandwidth_bytes_per_s > 0, got {self}")
-        if self.hop_alpha_s is not None and not self.hop_alpha_s >= 0:
-            raise ValueError(f"a link needs hop_alpha_s >= 0 (or None), got {self}")
+        for value in (self.hop_alpha_s, self.oversubscribed_hop_alpha_s):
+            if value is not None and not value >= 0:
+                raise ValueError(f"a link needs hop_alpha_s and oversubscribed_hop_alpha_s >= 0 (or None), got {self}")
 
     @property
     def hop_s(self) -> float:
         """Seconds of latency per message inside a schedule: ``hop_alpha_s``, else ``alpha_s``."""
         return self.alpha_s if self.hop_alpha_s is None else self.hop_alpha_s
+
+    def hop_at(self, oversub: float) -> float:
+        """Seconds of latency per message inside a schedule when the ranks of a host are ``oversub``
+        times its cores (>= 1): :attr:`hop_s` alone, ``oversubscribed_hop_alpha_s`` when it is set and
+        ``oversub`` > 1, else :attr:`hop_s` slowed by ``oversub`` where the CPU moves the bytes."""
+        if oversub <= 1:
+            return self.hop_s
+        if self.oversubscribed_hop_alpha_s is not None:
+            return self.oversubscribed_hop_alpha_s
+        return self.hop_s * (oversub if self.cpu_bound else 1.0)
 
     @property
     def beta_s_per_byte(self) -> float:
