@@ -269,6 +269,10 @@ def run(args: argparse.Namespace) -> int:
     """``gradsync calibrate``: measure, write the profile to ``--out``, print it (``--json``: its figures as rows)."""
     json_path = getattr(args, "json", None)
     claim_json_path(json_path)
+    if args.out is None:  # the shipped test-hosts profile is written by this command only, never by hand
+        from gradsync.collectives.cost.profiles import shipped_path
+
+        args.out = str(shipped_path("test-hosts")) if getattr(args, "hosts", None) else "profile.json"
     profile = calibrate(hosts=getattr(args, "hosts", None), nproc=getattr(args, "nproc", 2),
                         inter_host_gbit=getattr(args, "inter_host_gbit", None),
                         settings=SETTINGS[getattr(args, "settings", "full")], out=args.out,
