@@ -8,7 +8,8 @@ import statistics
 import pytest
 
 from _dist import run_threads
-from gradsync.bench.calibrate import TINY, calibrate_comm, fit_line
+from gradsync.bench.calibrate import TINY, calibrate_comm
+from gradsync.bench.fixed_costs import fit_line
 from gradsync.bench.sim_validation import (LARGE_BYTES, ValidationRow, auto_picks, format_picks, format_rows,
                                            predict, relative_error, summarize)
 from gradsync.collectives.cost.profile import Link, Profile, ShmModel, load, save

@@ -1,53 +1,56 @@
 """``gradsync calibrate``: the simulator's profile of this machine (or of its test hosts), measured.
 
-Every number comes from the micro-benchmarks of :mod:`gradsync.bench.micro`, never
-from the AllReduce sweep the profile is validated against (``gradsync simulate --validate``):
+Every number comes from the micro-benchmarks of :mod:`gradsync.bench.micro` at points
+``gradsync simulate --validate`` never scores: none of its sizes (4 KiB, 64 KiB, 1 MiB,
+16 MiB, 64 MiB) at any world size, in any collective (:func:`calibration_points` lists every
+point; ``tests/test_sim_calibrate.py`` checks). With ``FULL`` settings:
 
-* ``intra`` (and ``inter`` with ``--hosts``): α = the median one-way time of
-  ping-pongs of ``Settings.small_sizes`` (4 B .. 4 KiB) through gradsync's own
-  message path (``CollectiveCall`` over Gloo), so the Python cost per message is
-  in it; bandwidth = 1 / the least-squares slope of the one-way time against the
-  bytes over ``Settings.large_sizes`` (1 MiB .. 16 MiB). Loopback TCP is
-  ``cpu_bound``: the kernel copies the bytes on the sender's and the receiver's
-  core, so a rank's sends and receives share its core (the simulator gives them
-  one port). The check: a simultaneous exchange of the largest size (both ranks
-  send and receive at once, a ring step at two ranks) is also measured and
-  recorded in ``sources``; over loopback it takes about twice the one-way time.
-  The test hosts' link is bounded by its ``tc tbf`` shaper, not by a core.
-* ``gamma_s_per_byte`` / ``copy_s_per_byte``: float32 ``add_`` and ``copy_`` in
-  pieces of ``Settings.compute_bytes`` (4 MiB, the default ring segment) over buffers
-  of ``Settings.memory_bytes`` (64 MiB: the data comes from memory, as in the large
-  messages whose time the terms decide; a 4 MiB buffer added again and again stays
-  in the cache and runs faster), on one rank per core at once, per output byte.
+* ``intra`` (and ``inter`` with ``--hosts``): α = the median one-way time of ping-pongs of
+  ``Settings.small_sizes`` (4 B, 256 B, 2 KiB) through gradsync's own message path
+  (``CollectiveCall`` over Gloo); bandwidth = 1 / the least-squares slope of the one-way time
+  against the bytes over ``Settings.large_sizes`` (2, 4, 8, 12 MiB). Loopback TCP is
+  ``cpu_bound``: the kernel copies the bytes on the sender's and the receiver's core, so a
+  rank's sends and receives share its core (the simulator gives them one port); the check, a
+  simultaneous exchange of 12 MiB, is recorded in ``sources``. The test hosts' link is bounded
+  by its ``tc tbf`` shaper, not by a core.
+* ``hop_alpha_s`` of each link (:mod:`gradsync.bench.fixed_costs`): chains of 1, 2, 4 and 8
+  dependent 256 B exchanges (``send_recv``: a ring step's receive, send and two waits; a call
+  per chain) between the pair, the slope per hop in each of ``Settings.hop_repeats`` (15)
+  batches less the bytes' time, the median: what a message costs inside a multi-hop schedule
+  (several ping-pong α here: every wait may sleep and be woken).
+* ``oversubscribed_hop_alpha_s`` (one host with fewer than 4 cores): the same chains with
+  2 x cores ranks (4 here) chaining in pairs at once; the simulator charges it, as measured,
+  to every hop on a host whose ranks outnumber its cores (ws 3 and 4 here).
+* ``call_overheads_s``: in the same batches as the chains (the fixed costs drift with the
+  machine's load), 10 ``all_reduce`` calls (``verify=False``, as the sweep calls them) over
+  the whole group of each algorithm the simulator runs at 256 B (``shm`` past its lean path:
+  96 KiB, one cell), each less the simulated time of that call with that batch's hop and no
+  overhead; the median over the batches. ``call_overhead_s`` (any other algorithm) is ring's;
+  ``shm.lean_call_overhead_s`` the same for a 4 B ``shm`` call (the lean path; one host only).
+* ``gamma_s_per_byte`` / ``copy_s_per_byte``: float32 ``add_`` and ``copy_`` in pieces of
+  ``Settings.compute_bytes`` (4 MiB, the default ring segment) over buffers of
+  ``Settings.memory_bytes`` (48 MiB: from memory, not cache, as the large messages whose time
+  the terms decide), on one rank per core at once, per output byte.
 * ``cores_per_host``: ``len(os.sched_getaffinity(0))``.
-* ``call_overhead_s``: what one ``all_reduce`` costs beyond what the model prices
-  (messages, barriers, copies): the measured time of a small ``all_reduce``
-  (``verify=False``, as the sweep and DataParallel's buckets call it: no layout
-  round) minus the time the simulation gives that call with the terms just
-  measured (so nothing is counted twice). On one host the call is ``shm`` of the
-  smallest message past its lean path (``LEAN_MAX_BYTES`` + 4: the whole public
-  path, then one cell; no message: its barriers spin, where every Gloo wait sleeps
-  and, on a busy machine, waits milliseconds to be woken, latency the link's α
-  holds, not the call); across hosts, where no shm spans the group, a one-float
-  ``halving_doubling``.
-* ``shm``: one barrier of two ranks on a shared-memory segment, each on a core of its
-  own, and (``oversubscribed_barrier_s``) both pinned to one core, as ranks that
-  outnumber the cores are (ws 3 and 4 here); memory bandwidth = DRAM bytes (3 per byte
-  copied) of one rank per core copying ``Settings.memory_bytes`` at once;
-  ``cell_overhead_s`` = one cell of two floats of the pipelined AllReduce
-  (``Settings.cells`` per call, on ranks 0 and 1) less its two barriers, per rank (half of it);
-  ``lean_call_overhead_s``
-  = a one-float ``shm`` all_reduce (the lean path) less its simulated cost without overhead;
-  ``cache_gamma_s_per_byte`` / ``cache_copy_s_per_byte``: ``add_`` and ``copy_`` over buffers of a
-  cell's size (``shm_setup.DEFAULT_CELL_BYTES``) passed over ``Settings.cache_passes`` times (in cache).
-* Each figure is the median of ``Settings.repeats`` batches (see :mod:`gradsync.bench.micro`).
+* ``shm``: one barrier of two ranks on a shared-memory segment, each on a core of its own, and
+  (``oversubscribed_barrier_s``) both pinned to one core, as ranks that outnumber the cores are;
+  memory bandwidth = DRAM bytes (3 per byte copied) of one rank per core copying
+  ``Settings.memory_bytes`` at once; ``cell_overhead_s`` = one cell of two floats of the
+  pipelined AllReduce (``Settings.cells`` per call, on ranks 0 and 1) less its two barriers, per
+  rank (half of it); ``cache_gamma_s_per_byte`` / ``cache_copy_s_per_byte``: ``add_`` and
+  ``copy_`` over buffers of a cell's size (``shm_setup.DEFAULT_CELL_BYTES``, 2 MiB) passed over
+  ``Settings.cache_passes`` times (in cache).
+* Each figure is the median of its batches (see :mod:`gradsync.bench.micro`).
 
 With ``--hosts H --nproc L`` the measurements run as a torchrun job on H test hosts
-(:mod:`gradsync.hosts`): ranks 0 and 1 on host 0 give ``intra``, the compute terms
-and the barrier; ranks 0 and L (host 1) give ``inter``. A test host has one core
-(:meth:`TestHosts.cores <gradsync.hosts.netns.TestHosts.cores>`), so ranks 0 and 1
-share it: their α and 1/bandwidth are divided by that oversubscription (2), which
-the simulator multiplies back for ranks that share a core.
+(:mod:`gradsync.hosts`) and the profile goes, unless ``--out`` says otherwise, to the shipped
+``collectives/cost/data/test-hosts.json`` (never edited by hand): ranks 0 and 1 on host 0 give
+``intra``, the compute terms and the barrier; ranks 0 and L (host 1) give ``inter``; the calls
+run over all H x L ranks (no ``shm`` call spans the hosts: ``lean_call_overhead_s`` is None). A
+test host has one core (:meth:`TestHosts.cores <gradsync.hosts.netns.TestHosts.cores>`), so
+ranks 0 and 1 share it: their α and 1/bandwidth are divided by that oversubscription (2), which
+the simulator multiplies back; their hop is a crowded one (``oversubscribed_hop_alpha_s`` =
+``hop_alpha_s``), and the call overheads are divided by the 2 the simulator multiplies back.
 """
 
 from __future__ import annotations
@@ -62,11 +65,11 @@ from pathlib import Path
 import torch
 
 from gradsync.bench import fixed_costs, micro
-from gradsync.bench.fixed_costs import fit_line
+from gradsync.bench.fixed_costs import measure_link
 from gradsync.bench.output import claim_json_path, write_json
 from gradsync.collectives.communicator import Communicator
 from gradsync.collectives.cost.profile import Link, Profile, ShmModel, load, save
-from gradsync.collectives.shm_setup import DEFAULT_CELL_BYTES, LEAN_MAX_BYTES
+from gradsync.collectives.shm_setup import DEFAULT_CELL_BYTES
 
 KIB, MIB = 2**10, 2**20
 
@@ -101,28 +104,6 @@ TINY = Settings(small_sizes=(4,), large_sizes=(32 * KIB, 128 * KIB), repeats=1, 
                 cells=10, cell_bytes=32 * KIB, cache_passes=2, hop_counts=(1, 2), hop_repeats=1, hop_chains=1,
                 hop_calls=1)
 SETTINGS = {"full": FULL, "quick": QUICK, "tiny": TINY}
-
-
-def _iterations(settings: Settings, nbytes: int) -> int:
-    return max(1, min(settings.small_iterations, settings.batch_bytes // max(nbytes, 1)))
-
-
-def measure_link(comm: Communicator, pair: tuple[int, int], settings: Settings, cpu_bound: bool) -> tuple[Link, dict]:
-    """The link between the ranks of ``pair``: α from ping-pongs of small messages, bandwidth from
-    the slope of the one-way time of large ones (collective). Returns (link, raw seconds)."""
-    small = {n: micro.ping_pong(comm, pair, n, _iterations(settings, n), settings.repeats)
-             for n in settings.small_sizes}
-    large = {n: micro.ping_pong(comm, pair, n, _iterations(settings, n), settings.repeats)
-             for n in settings.large_sizes}
-    both = max(settings.large_sizes)
-    exchanged = micro.exchange(comm, pair, both, _iterations(settings, both), settings.repeats)
-    _, slope = fit_line(list(large), list(large.values()))
-    if slope <= 0:  # a noisy machine: fall back to the largest size's mean rate
-        slope = large[both] / both
-    alpha = sorted(small.values())[len(small) // 2]
-    raw = {"ping_pong_one_way_s": {str(n): s for n, s in {**small, **large}.items()},
-           "exchange_s": {str(both): exchanged}}
-    return Link(alpha_s=alpha, bandwidth_bytes_per_s=1.0 / slope, cpu_bound=cpu_bound), raw
 
 
 def calibrate_comm(comm: Communicator, settings: Settings, *, name: str, layout: tuple[int, int] = (1, 0),
@@ -225,33 +206,11 @@ def calibrate_comm(comm: Communicator, settings: Settings, *, name: str, layout:
 
 def calibration_points(hosts: bool, settings: Settings | None = None) -> list[dict]:
     """Every point ``gradsync calibrate`` (``settings``, None: ``FULL``; ``hosts``: ``--hosts 2 --nproc 2``)
-    measures a figure of the profile at, as dicts with keys collective ("p2p", "all_reduce", "shm",
-    "compute"), algorithm (what ran: "pingpong", "exchange", "hop_chain", an all_reduce algorithm,
-    "barrier", "cell", "add", "copy", "memory"), nbytes (a message's bytes; a buffer's for compute),
-    world_size (the ranks taking part) and hosts (the hosts they span). ``gradsync simulate --validate``
-    scores none of them (``tests/test_sim_calibrate.py`` checks)."""
+    measures a figure of the profile at (:func:`gradsync.bench.fixed_costs.points`: dicts of collective,
+    algorithm, nbytes, world_size, hosts). ``gradsync simulate --validate`` scores none of them."""
     settings = settings or FULL
-
-    def point(collective: str, algorithm: str, nbytes: int, world_size: int = 2, spans: int = 1) -> dict:
-        return dict(collective=collective, algorithm=algorithm, nbytes=nbytes, world_size=world_size, hosts=spans)
-
-    pairs = [1, 2] if hosts else [1]  # the pair inside host 0, and (hosts) the one between hosts 0 and 1
-    points = []
-    for spans in pairs:
-        points += [point("p2p", "pingpong", n, 2, spans) for n in (*settings.small_sizes, *settings.large_sizes)]
-        points += [point("p2p", "exchange", max(settings.large_sizes), 2, spans),
-                   point("p2p", "hop_chain", fixed_costs.HOP_BYTES, 2, spans)]
-    if not hosts:  # the crowded hop: 2 pairs on 2 cores (4 ranks: 2 x the cores of this machine)
-        points.append(point("p2p", "hop_chain", fixed_costs.HOP_BYTES, 2 * len(os.sched_getaffinity(0))))
-    points += [point("compute", kind, settings.memory_bytes) for kind in ("add", "copy", "memory")]
-    points += [point("compute", kind, settings.cell_bytes or DEFAULT_CELL_BYTES) for kind in ("add", "copy")]
-    points += [point("shm", "barrier", 0), point("shm", "cell", 8)]
-    group = (4, 2) if hosts else (2, 1)
-    points += [point("all_reduce", name, fixed_costs.CALL_BYTES[name], *group)
-               for name in fixed_costs.overhead_algorithms(not hosts)]
-    if not hosts:
-        points.append(point("all_reduce", "shm", fixed_costs.LEAN_BYTES))
-    return points
+    return fixed_costs.points(hosts, settings.small_sizes, settings.large_sizes, settings.memory_bytes,
+                              settings.cell_bytes or DEFAULT_CELL_BYTES, len(os.sched_getaffinity(0)))
 
 
 def _raw_text(raw: dict) -> str:

@@ -1,4 +1,4 @@
-"""The fixed costs ``gradsync calibrate`` measures: a hop inside a schedule, a call per algorithm, and its points.
+"""The measurements of ``gradsync calibrate`` beyond compute: a link, a hop inside a schedule, a call per algorithm, the points.
 
 A ping-pong's one-way time (``Link.alpha_s``) is not what a message costs inside a multi-hop
 schedule over Gloo: there every hop posts a receive and a send and waits for both, and each wait
@@ -69,6 +69,26 @@ class FixedCosts:
         return statistics.median(self.hops[pair])
 
 
+def measure_link(comm: Communicator, pair: tuple[int, int], settings, cpu_bound: bool) -> tuple[Link, dict]:
+    """The link between the ranks of ``pair``: α from ping-pongs of ``settings.small_sizes``, bandwidth from
+    the slope of the one-way time of ``settings.large_sizes`` (collective; ``settings``: a
+    :class:`gradsync.bench.calibrate.Settings`). Returns (link, raw seconds)."""
+    def iterations(nbytes: int) -> int:
+        return max(1, min(settings.small_iterations, settings.batch_bytes // max(nbytes, 1)))
+
+    small = {n: micro.ping_pong(comm, pair, n, iterations(n), settings.repeats) for n in settings.small_sizes}
+    large = {n: micro.ping_pong(comm, pair, n, iterations(n), settings.repeats) for n in settings.large_sizes}
+    both = max(settings.large_sizes)
+    exchanged = micro.exchange(comm, pair, both, iterations(both), settings.repeats)
+    _, slope = fit_line(list(large), list(large.values()))
+    if slope <= 0:  # a noisy machine: fall back to the largest size's mean rate
+        slope = large[both] / both
+    alpha = sorted(small.values())[len(small) // 2]
+    raw = {"ping_pong_one_way_s": {str(n): s for n, s in {**small, **large}.items()},
+           "exchange_s": {str(both): exchanged}}
+    return Link(alpha_s=alpha, bandwidth_bytes_per_s=1.0 / slope, cpu_bound=cpu_bound), raw
+
+
 def measure(comm: Communicator, pairs: list[tuple[int, int]], links: list[Link], one_host: bool, *,
             repeats: int, chains: int, call_count: int, counts: tuple[int, ...] = HOP_COUNTS,
             nbytes: int = HOP_BYTES) -> FixedCosts:
@@ -103,6 +123,31 @@ def crowded_hop(comm: Communicator, link: Link, *, repeats: int, chains: int,
     moved = nbytes * link.beta_s_per_byte * (2 if link.cpu_bound else 1)
     slopes = [max(fit_line(list(counts), [batches[h][i] for h in counts])[1] - moved, 0.0) for i in range(repeats)]
     return statistics.median(slopes), {h: statistics.median(batches[h]) for h in counts}
+
+
+def points(hosts: bool, small_sizes, large_sizes, memory_bytes: int, cell_bytes: int, cores: int) -> list[dict]:
+    """The points of :func:`gradsync.bench.calibrate.calibration_points` (its settings' sizes; ``cores``:
+    this machine's, the crowded hop's ranks being twice as many), as dicts with keys collective ("p2p",
+    "all_reduce", "shm", "compute"), algorithm (what ran: "pingpong", "exchange", "hop_chain", an
+    all_reduce algorithm, "barrier", "cell", "add", "copy", "memory"), nbytes (a message's bytes; a
+    buffer's for compute), world_size (the ranks taking part) and hosts (the hosts they span)."""
+    def point(collective: str, algorithm: str, nbytes: int, world_size: int = 2, spans: int = 1) -> dict:
+        return dict(collective=collective, algorithm=algorithm, nbytes=nbytes, world_size=world_size, hosts=spans)
+
+    found = []
+    for spans in ([1, 2] if hosts else [1]):  # the pair inside host 0, and (hosts) the one between hosts 0 and 1
+        found += [point("p2p", "pingpong", n, 2, spans) for n in (*small_sizes, *large_sizes)]
+        found += [point("p2p", "exchange", max(large_sizes), 2, spans), point("p2p", "hop_chain", HOP_BYTES, 2, spans)]
+    if not hosts and cores < 4:  # the crowded hop: pairs chaining at once on 2 x the cores
+        found.append(point("p2p", "hop_chain", HOP_BYTES, 2 * cores))
+    found += [point("compute", kind, memory_bytes) for kind in ("add", "copy", "memory")]
+    found += [point("compute", kind, cell_bytes) for kind in ("add", "copy")]
+    found += [point("shm", "barrier", 0), point("shm", "cell", 8)]
+    group = (4, 2) if hosts else (2, 1)
+    found += [point("all_reduce", name, CALL_BYTES[name], *group) for name in overhead_algorithms(not hosts)]
+    if not hosts:
+        found.append(point("all_reduce", "shm", LEAN_BYTES))
+    return found
 
 
 def hop_text(chains: dict[int, float], nbytes: int = HOP_BYTES) -> str:

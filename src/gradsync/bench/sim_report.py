@@ -22,7 +22,12 @@ SIM_REPEATED = ("sim_validate",)  # the records whose --repeat counts (simulate'
 
 
 def _link_figures(label: str, link) -> list[tuple[str, str, float, str]]:
+    crowded = link.oversubscribed_hop_alpha_s
     return [(f"{label} alpha", f"{label}.alpha_s", link.alpha_s * 1e6, "us"),
+            (f"{label} hop in a schedule", f"{label}.hop_alpha_s",
+             None if link.hop_alpha_s is None else link.hop_alpha_s * 1e6, "us"),
+            (f"{label} hop, ranks > cores", f"{label}.oversubscribed_hop_alpha_s",
+             None if crowded is None else crowded * 1e6, "us"),
             (f"{label} bandwidth", f"{label}.bandwidth_bytes_per_s", link.bandwidth_bytes_per_s / 1e9, "GB/s")]
 
 
@@ -35,6 +40,8 @@ def profile_figures(profile) -> list[dict]:
     figures += [("gamma (add)", "gamma_s_per_byte", profile.gamma_s_per_byte * 1e9, "ns/B"),
                 ("copy", "copy_s_per_byte", profile.copy_s_per_byte * 1e9, "ns/B"),
                 ("call overhead", "call_overhead_s", profile.call_overhead_s * 1e6, "us"),
+                *((f"call overhead, {name}", f"call_overheads_s.{name}", seconds * 1e6, "us")
+                  for name, seconds in profile.call_overheads_s),
                 ("cores per host", "cores_per_host", profile.cores_per_host, "cores"),
                 ("ranks per host", "ranks_per_host", profile.ranks_per_host, "ranks")]
     shm = profile.shm
