@@ -162,14 +162,17 @@ def tree_s(profile: Profile, topology: Topology, n: int, segment_bytes: int = DE
     port_free: dict[tuple, float] = {}
     for rank in range(p - 1, -1, -1):  # children before parents
         children = [c for c in (2 * rank + 1, 2 * rank + 2) if c < p]
-        arrived = 0.0
+        arrived = {}
         for child in sorted(children, key=lambda c: up[c]):
             step, out_key, in_key = edges[child][:3]
             start = _reserve(port_free, up[child], out_key, in_key, s * step.beta)
-            arrived = max(arrived, start + s * step.beta + step.alpha)
+            arrived[child] = start + s * step.beta + step.alpha
             for port in (out_key, in_key):
                 loads[port] = loads.get(port, 0.0) + step.beta
-        up[rank] = arrived + len(children) * s * gamma if children else 0.0
+        added = 0.0
+        for child in children:  # the code waits for the left child, adds, then the right: an add overlaps a wait
+            added = max(added, arrived[child]) + s * gamma
+        up[rank] = added
     reduce_pace = max(max(loads.values()) * s, 2 * s * gamma if p > 2 else s * gamma)
     reduce_time = up[0] + (k - 1) * reduce_pace + (s_last - s) * reduce_pace / s
     down = [0.0] * p
