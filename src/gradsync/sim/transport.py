@@ -65,12 +65,25 @@ class SimWorld:
         self.locality: Locality = derive([(host,) for host in hosts])
         self.sends: dict[tuple[int, int], deque] = {}
         self.receives: dict[tuple[int, int], deque] = {}
+        self.outgoing: dict[int, list[SimHandle]] = {}  # rank -> its sends not known to be over
         self.shared_memory = VirtualSharedMemory(cluster)
+
+    def sending_at(self, rank: int, when: float) -> bool:
+        """Whether ``rank`` has a send of its own posted by ``when`` and not over by then: a message to it
+        is then one side of an exchange (a ring step, a halving/doubling pair), whose hop costs
+        ``Link.hop_alpha_s``; else a one-way message (a tree's edge) at ``Link.one_way_hop_alpha_s``."""
+        pending = self.outgoing.get(rank)
+        if not pending:
+            return False
+        pending[:] = [h for h in pending if h.done_s is None or h.done_s > when]
+        return any(h.posted_s <= when for h in pending)
 
     def transport(self, rank: int) -> "SimTransport":
         return SimTransport(self, rank)
 
     def post(self, src: int, dst: int, handle: SimHandle, sending: bool) -> None:
+        if sending:
+            self.outgoing.setdefault(src, []).append(handle)
         mine, theirs = (self.sends, self.receives) if sending else (self.receives, self.sends)
         waiting = theirs.get((src, dst))
         if not waiting:
@@ -81,7 +94,8 @@ class SimWorld:
             raise ValueError(f"simulated message from rank {src} to rank {dst}: {handle.nbytes if sending else other.nbytes}"
                              f" bytes sent into a receive of {other.nbytes if sending else handle.nbytes}")
         tensor = handle.tensor if sending else other.tensor
-        done = self.cluster.transfer(src, dst, handle.nbytes, max(handle.posted_s, other.posted_s), tensor)
+        posted = max(handle.posted_s, other.posted_s)
+        done = self.cluster.transfer(src, dst, handle.nbytes, posted, tensor, self.sending_at(dst, posted))
         other.finish(done)
         handle.finish(done)
 

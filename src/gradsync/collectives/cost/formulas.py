@@ -62,14 +62,17 @@ def _step(profile: Profile, topology: Topology, crosses_hosts: bool, sharing: fl
           oversub: float | None = None, duplex: bool = False) -> Step:
     """The costs of a step whose messages cross hosts or not, ``sharing`` ranks to a NIC
     (``oversub``: the ranks-per-core slowdown, None: the topology's). ``duplex``: every rank sends
-    and receives at once (ring hops, halving/doubling exchanges); over a ``cpu_bound`` link both go
-    through the rank's one port, so its bytes take twice as long."""
+    and receives at once (ring hops, halving/doubling exchanges): the latency is the exchange's hop
+    (``Link.hop_at``), and over a ``cpu_bound`` link both directions go through the rank's one port,
+    so its bytes take twice as long; else a one-way message's (``Link.one_way_at``: a tree's edge,
+    halving_doubling's fold)."""
     if oversub is None:
         oversub = max(profile.oversubscription(size) for size in topology.host_sizes)
     link = profile.link(not crosses_hosts)
     slow = oversub if link.cpu_bound else 1.0
     shared_port = 2.0 if duplex and link.cpu_bound and not crosses_hosts else 1.0
-    return Step(link.hop_at(oversub), link.beta_s_per_byte * slow * (1.0 if crosses_hosts else shared_port),
+    latency = link.hop_at(oversub) if duplex else link.one_way_at(oversub)  # an exchange's hop, or a one-way one
+    return Step(latency, link.beta_s_per_byte * slow * (1.0 if crosses_hosts else shared_port),
                 profile.gamma_s_per_byte * oversub, sharing if crosses_hosts else 1.0)
 
 

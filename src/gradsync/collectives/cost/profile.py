@@ -63,6 +63,10 @@ class Link:
             slope of one pair's chain). The simulator charges it as it is, not slowed by ranks/cores
             (a hop's time is mostly waiting to be woken, not work). None: ``hop_s`` slowed by the
             ranks-per-core oversubscription.
+        one_way_hop_alpha_s, oversubscribed_one_way_hop_alpha_s: the same for a one-way message inside a
+            schedule (its receiver not sending at the same time: a tree's edges), from chains of
+            dependent one-way messages (a relay: each rank sends once the other's message arrived)
+            measured in the same batches; None: the exchange's figures.
     """
 
     alpha_s: float
@@ -70,11 +74,14 @@ class Link:
     cpu_bound: bool = False
     hop_alpha_s: float | None = None
     oversubscribed_hop_alpha_s: float | None = None
+    one_way_hop_alpha_s: float | None = None
+    oversubscribed_one_way_hop_alpha_s: float | None = None
 
     def __post_init__(self):
         if not self.alpha_s >= 0 or not self.bandwidth_bytes_per_s > 0:
             raise ValueError(f"a link needs alpha_s >= 0 and bandwidth_bytes_per_s > 0, got {self}")
-        for value in (self.hop_alpha_s, self.oversubscribed_hop_alpha_s):
+        for value in (self.hop_alpha_s, self.oversubscribed_hop_alpha_s, self.one_way_hop_alpha_s,
+                      self.oversubscribed_one_way_hop_alpha_s):
             if value is not None and not value >= 0:
                 raise ValueError(f"a link needs hop_alpha_s and oversubscribed_hop_alpha_s >= 0 (or None), got {self}")
 
@@ -92,6 +99,17 @@ class Link:
         if self.oversubscribed_hop_alpha_s is not None:
             return self.oversubscribed_hop_alpha_s
         return self.hop_s * (oversub if self.cpu_bound else 1.0)
+
+    def one_way_at(self, oversub: float) -> float:
+        """Seconds of latency of a one-way message inside a schedule (its receiver not sending meanwhile)
+        at ``oversub`` ranks per core: ``one_way_hop_alpha_s`` (``oversubscribed_one_way_hop_alpha_s``
+        when crowded) where measured, else :meth:`hop_at`."""
+        crowded = oversub > 1 and self.oversubscribed_one_way_hop_alpha_s is not None
+        if crowded:
+            return self.oversubscribed_one_way_hop_alpha_s
+        if self.one_way_hop_alpha_s is None or (oversub > 1 and self.oversubscribed_hop_alpha_s is not None):
+            return self.hop_at(oversub)
+        return self.one_way_hop_alpha_s * (oversub if self.cpu_bound and oversub > 1 else 1.0)
 
     @property
     def beta_s_per_byte(self) -> float:
