@@ -30,6 +30,8 @@ def test_tiny_calibration_gives_a_usable_profile(tmp_path):
     assert profiles[1] is None
     assert profile.intra.alpha_s > 0 and profile.intra.bandwidth_bytes_per_s > 0 and profile.intra.cpu_bound
     assert profile.inter is None
+    assert profile.intra.hop_alpha_s >= 0 and profile.intra.one_way_hop_alpha_s >= 0
+    assert dict(profile.call_overheads_s).keys() >= {"ring", "tree", "halving_doubling", "hierarchical", "shm"}
     assert profile.gamma_s_per_byte > 0 and profile.copy_s_per_byte > 0
     assert profile.cores_per_host >= 1 and profile.call_overhead_s >= 0
     assert profile.shm is not None and profile.shm.barrier_s > 0 and profile.shm.memory_bandwidth_bytes_per_s > 0

@@ -79,3 +79,20 @@ def test_bad_hop_and_call_overheads_round_trip():
     data = profile.as_dict()
     assert data["call_overheads_s"] == {"ring": RING_CALL, "tree": TREE_CALL}
     assert Profile.from_dict(data) == profile and Profile.from_dict(data).digest() == profile.digest()
+
+
+def test_one_way_messages_cost_the_one_way_hop_and_exchanges_the_exchange_hop():
+    one = 4e-5
+    profile = _profile()
+    profile = dataclasses.replace(profile, intra=dataclasses.replace(profile.intra, one_way_hop_alpha_s=one))
+    topology = Topology((4,))
+    # the tree's 4 edges are one-way (no receiver sends meanwhile); the ring's 6 steps are exchanges
+    for seconds in (simulate_all_reduce("tree", 16, profile, topology).time_s,
+                    formulas.predict_s("tree", profile, topology, 16)):
+        assert seconds == pytest.approx(TREE_CALL + 4 * one, rel=1e-6)
+    assert simulate_all_reduce("ring", 16, profile, topology).time_s == pytest.approx(RING_CALL + 6 * HOP, rel=1e-6)
+    # halving_doubling of 3: the fold in (one-way), one exchange of the power-of-two core, the fold back (one-way)
+    three = Topology((3,))
+    for seconds in (simulate_all_reduce("halving_doubling", 12, profile, three).time_s,
+                    formulas.predict_s("halving_doubling", profile, three, 12)):
+        assert seconds == pytest.approx(DEFAULT_CALL + 2 * one + HOP, rel=1e-6)

@@ -143,18 +143,21 @@ def calibrate_comm(comm: Communicator, settings: Settings, *, name: str, layout:
     costs = fixed_costs.measure(comm, pairs, [intra] + ([inter] if inter is not None else []), one_host,
                                 repeats=settings.hop_repeats, chains=settings.hop_chains,
                                 call_count=settings.hop_calls, counts=settings.hop_counts)
-    intra = dataclasses.replace(intra, hop_alpha_s=costs.hop_s(pairs[0]))
+    intra = dataclasses.replace(intra, hop_alpha_s=costs.hop_s(pairs[0]), one_way_hop_alpha_s=costs.one_way_s(pairs[0]))
     if inter is not None:
-        inter = dataclasses.replace(inter, hop_alpha_s=costs.hop_s(pairs[1]))
+        inter = dataclasses.replace(inter, hop_alpha_s=costs.hop_s(pairs[1]),
+                                    one_way_hop_alpha_s=costs.one_way_s(pairs[1]))
     if comm.rank != 0:
         return None
     shared = max(1.0, 2 / cores)  # ranks 0 and 1 on one core (a test host): the pair measured is oversubscribed
     # the pair shares a core: its hop is the crowded one (charged as it is); α and 1/bandwidth are divided
     intra = dataclasses.replace(intra, alpha_s=intra.alpha_s / shared,
                                 bandwidth_bytes_per_s=intra.bandwidth_bytes_per_s * shared,
-                                oversubscribed_hop_alpha_s=intra.hop_alpha_s if shared > 1 else None)
+                                oversubscribed_hop_alpha_s=intra.hop_alpha_s if shared > 1 else None,
+                                oversubscribed_one_way_hop_alpha_s=intra.one_way_hop_alpha_s if shared > 1 else None)
     if inter is not None and shared > 1:
-        inter = dataclasses.replace(inter, oversubscribed_hop_alpha_s=inter.hop_alpha_s)
+        inter = dataclasses.replace(inter, oversubscribed_hop_alpha_s=inter.hop_alpha_s,
+                                    oversubscribed_one_way_hop_alpha_s=inter.one_way_hop_alpha_s)
     profile = Profile(
         name=name, description="", intra=intra, inter=inter, gamma_s_per_byte=gamma, copy_s_per_byte=copy,
         ranks_per_host=per_host, nics_per_host=1, cores_per_host=cores, call_overhead_s=0.0,
@@ -177,10 +180,12 @@ def calibrate_comm(comm: Communicator, settings: Settings, *, name: str, layout:
                f"intra hop_alpha: slope per hop of chains of {list(settings.hop_counts)} dependent exchanges "
                f"(send_recv, one call a chain, {settings.hop_chains} a batch) of {fixed_costs.HOP_BYTES} B "
                f"between ranks 0 and 1, less the bytes' time, in each of {settings.hop_repeats} batches; the "
-               f"median: {fixed_costs.hop_text(costs.chains[pairs[0]])}",
+               f"median; one_way_hop_alpha: the same of relays of as many one-way messages (each sent once "
+               f"the last arrived), in the same batches: {fixed_costs.hop_text(costs.chains[pairs[0]])}",
                *([f"intra: alpha and 1/bandwidth divided by {shared:g}, the oversubscription of the pair "
                   f"measured (2 ranks on {cores} core): the simulator multiplies it back for ranks that share a "
-                  f"core; hop_alpha is a crowded pair's: oversubscribed_hop_alpha (of inter too) = hop_alpha"]
+                  f"core; the hops are a crowded pair's: oversubscribed_hop_alpha = hop_alpha and "
+                  f"oversubscribed_one_way_hop_alpha = one_way_hop_alpha (of inter too)"]
                  if shared > 1 else []),
                *([f"inter: the same between rank 0 (host 0) and rank {per_host} (host 1): "
                   f"{_raw_text(inter_raw)}; hops: {fixed_costs.hop_text(costs.chains[pairs[1]])}"]
@@ -266,9 +271,11 @@ def calibrate(*, hosts: int | None, nproc: int, inter_host_gbit: float | None, s
     profile = Profile.from_dict(launch_local(2, _local_worker, settings, name or "this-machine",
                                              _command_text(None, 2, None, settings))[0])
     if profile.cores_per_host is not None and profile.cores_per_host < 4:
-        crowded, chains = launch_local(2 * profile.cores_per_host, _crowded_worker, settings, profile.intra)[0]
-        intra = dataclasses.replace(profile.intra, oversubscribed_hop_alpha_s=crowded)
-        text = (f"intra oversubscribed_hop_alpha: the same chains with {2 * profile.cores_per_host} ranks on "
+        crowded, one_way, chains = launch_local(2 * profile.cores_per_host, _crowded_worker, settings,
+                                                profile.intra)[0]
+        intra = dataclasses.replace(profile.intra, oversubscribed_hop_alpha_s=crowded,
+                                    oversubscribed_one_way_hop_alpha_s=one_way)
+        text = (f"intra oversubscribed_hop_alpha, oversubscribed_one_way_hop_alpha: the same chains and relays with {2 * profile.cores_per_host} ranks on "
                 f"{profile.cores_per_host} cores, pairs (0, 1), (2, 3), ... chaining at once, pair (0, 1)'s slope: "
                 f"{fixed_costs.hop_text(chains)}")
         profile = dataclasses.replace(profile, intra=intra, sources=(*profile.sources, text))
@@ -290,7 +297,7 @@ def _local_worker(settings: Settings, name: str, command: str) -> dict | None:
         gradsync.shutdown()
 
 
-def _crowded_worker(settings: Settings, link: Link) -> tuple[float, dict] | None:
+def _crowded_worker(settings: Settings, link: Link) -> tuple[float, float, dict] | None:
     import gradsync
     from gradsync.process_group import default_communicator
 

@@ -9,6 +9,8 @@ al. 1993, and the fixed cost of a call, which α-β-γ leaves out):
   a ring step at two ranks: receive posted, send posted, both waited) of ``HOP_BYTES`` in one call
   each, H in ``HOP_COUNTS``; in every batch the least-squares slope of the chain's time over H, less
   the exchange's bytes at the link's rate; the median over the batches.
+* ``Link.one_way_hop_alpha_s``: the same of relays of H one-way messages (each sent once the
+  previous one arrived: a tree's edges), in the same batches.
 * ``Profile.call_overheads_s`` (:func:`call_overheads`): for every algorithm the simulator runs, one
   ``all_reduce`` (``verify=False``, as the sweep calls it) of ``CALL_BYTES[algorithm]`` bytes over
   the whole group, in the same batches as the chains (the fixed costs drift with the machine's load),
@@ -61,12 +63,21 @@ def fit_line(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
 class FixedCosts:
     """What :func:`measure` found: per batch, the hop of each pair measured and each call's seconds."""
 
-    hops: dict[tuple[int, int], list[float]]      # pair -> seconds of a hop, per batch
-    chains: dict[tuple[int, int], dict[int, float]]  # pair -> hops -> median seconds of a chain
+    hops: dict[tuple[int, int], list[float]]      # pair -> seconds of an exchange's hop, per batch
+    one_way: dict[tuple[int, int], list[float]]   # pair -> seconds of a one-way hop, per batch
+    chains: dict[tuple[int, int], dict]           # pair -> hops (or ("one-way", hops)) -> median seconds
     calls: dict[str, list[float]]                 # label -> seconds of one call, per batch
 
     def hop_s(self, pair: tuple[int, int]) -> float:
         return statistics.median(self.hops[pair])
+
+    def one_way_s(self, pair: tuple[int, int]) -> float:
+        return statistics.median(self.one_way[pair])
+
+
+def _slopes(batches: dict, keys: list, counts: tuple[int, ...], moved: float, repeats: int) -> list[float]:
+    """Each batch's slope per hop of the chains ``keys`` (one per count), less ``moved`` seconds of bytes."""
+    return [max(fit_line(list(counts), [batches[key][i] for key in keys])[1] - moved, 0.0) for i in range(repeats)]
 
 
 def measure_link(comm: Communicator, pair: tuple[int, int], settings, cpu_bound: bool) -> tuple[Link, dict]:
@@ -99,30 +110,31 @@ def measure(comm: Communicator, pairs: list[tuple[int, int]], links: list[Link],
     calls = {name: (name, CALL_BYTES[name] // 4) for name in overhead_algorithms(one_host)}
     if one_host:
         calls["shm lean"] = ("shm", LEAN_BYTES // 4)
-    hops, medians, measured = {}, {}, {}
+    hops, one_way, medians, measured = {}, {}, {}, {}
     for index, (pair, link) in enumerate(zip(pairs, links)):
         batches = micro.fixed_cost_batches(comm, [pair], nbytes, counts, chains, calls if index == 0 else {},
                                            call_count, repeats)
-        moved = nbytes * link.beta_s_per_byte * (2 if link.cpu_bound else 1)
-        hops[pair] = [max(fit_line(list(counts), [batches[h][i] for h in counts])[1] - moved, 0.0)
-                      for i in range(repeats)]
-        medians[pair] = {h: statistics.median(batches[h]) for h in counts}
+        moved = nbytes * link.beta_s_per_byte
+        hops[pair] = _slopes(batches, list(counts), counts, moved * (2 if link.cpu_bound else 1), repeats)
+        one_way[pair] = _slopes(batches, [("one-way", h) for h in counts], counts, moved, repeats)
+        medians[pair] = {key: statistics.median(batches[key]) for key in batches if key not in calls}
         if index == 0:
             measured = {label: batches[label] for label in calls}
-    return FixedCosts(hops, medians, measured)
+    return FixedCosts(hops, one_way, medians, measured)
 
 
 def crowded_hop(comm: Communicator, link: Link, *, repeats: int, chains: int,
-                counts: tuple[int, ...] = HOP_COUNTS, nbytes: int = HOP_BYTES) -> tuple[float, dict[int, float]]:
+                counts: tuple[int, ...] = HOP_COUNTS, nbytes: int = HOP_BYTES) -> tuple[float, float, dict]:
     """The hop inside a schedule when a host's ranks outnumber its cores: every rank of ``comm`` (one
     host, an even number, twice the cores or more) chains in pairs (0, 1), (2, 3), ... at once; the
-    slope per hop of pair (0, 1)'s chain, each batch's, less the bytes' time; the median (collective),
-    and the chains' median seconds."""
+    slope per hop of pair (0, 1)'s chain, each batch's, less the bytes' time; the median (collective);
+    the same of its relays (one-way hops), and the chains' median seconds."""
     pairs = [(rank, rank + 1) for rank in range(0, comm.world_size - 1, 2)]
     batches = micro.fixed_cost_batches(comm, pairs, nbytes, counts, chains, {}, 0, repeats)
-    moved = nbytes * link.beta_s_per_byte * (2 if link.cpu_bound else 1)
-    slopes = [max(fit_line(list(counts), [batches[h][i] for h in counts])[1] - moved, 0.0) for i in range(repeats)]
-    return statistics.median(slopes), {h: statistics.median(batches[h]) for h in counts}
+    moved = nbytes * link.beta_s_per_byte
+    hop = _slopes(batches, list(counts), counts, moved * (2 if link.cpu_bound else 1), repeats)
+    one_way = _slopes(batches, [("one-way", h) for h in counts], counts, moved, repeats)
+    return statistics.median(hop), statistics.median(one_way), {key: statistics.median(v) for key, v in batches.items()}
 
 
 def points(hosts: bool, small_sizes, large_sizes, memory_bytes: int, cell_bytes: int, cores: int) -> list[dict]:
@@ -152,7 +164,9 @@ def points(hosts: bool, small_sizes, large_sizes, memory_bytes: int, cell_bytes:
 
 def hop_text(chains: dict[int, float], nbytes: int = HOP_BYTES) -> str:
     """A pair's chains as text (us)."""
-    return f"{nbytes} B: " + ", ".join(f"{h} hops {s * 1e6:.0f} us" for h, s in chains.items())
+    def name(key) -> str:
+        return f"{key[1]} one-way" if isinstance(key, tuple) else f"{key} exchanges"
+    return f"{nbytes} B: " + ", ".join(f"{name(key)} {s * 1e6:.0f} us" for key, s in chains.items())
 
 
 def overhead_algorithms(one_host: bool) -> list[str]:
@@ -175,10 +189,12 @@ def call_overheads(profile: Profile, costs: FixedCosts, pair: tuple[int, int], l
     for label, seconds in costs.calls.items():
         algorithm, nbytes = ("shm", LEAN_BYTES) if label == "shm lean" else (label, CALL_BYTES[label])
         rest = []
-        for batch, hop in zip(seconds, costs.hops[pair]):
-            crowded = None if bare.intra.oversubscribed_hop_alpha_s is None else hop  # a pair on one core
-            model = dataclasses.replace(bare, intra=dataclasses.replace(bare.intra, hop_alpha_s=hop,
-                                                                        oversubscribed_hop_alpha_s=crowded))
+        for batch, hop, one_way in zip(seconds, costs.hops[pair], costs.one_way[pair]):
+            shared = bare.intra.oversubscribed_hop_alpha_s is not None  # a pair on one core: the hop is crowded
+            model = dataclasses.replace(bare, intra=dataclasses.replace(
+                bare.intra, hop_alpha_s=hop, one_way_hop_alpha_s=one_way,
+                oversubscribed_hop_alpha_s=hop if shared else None,
+                oversubscribed_one_way_hop_alpha_s=one_way if shared else None))
             rest.append(batch - _modelled_time(model, algorithm, world_size, layout, nbytes))
         overheads[label] = max(statistics.median(rest), 0.0) / crowding
     lean = overheads.pop("shm lean", None)

@@ -115,11 +115,14 @@ def exchange(comm: Communicator, pair: tuple[int, int], nbytes: int, iterations:
     return _from(comm, pair[0], statistics.median(results) if comm.rank == pair[0] else 0.0)
 
 
-def hop_chain(comm: Communicator, pairs: list[tuple[int, int]], nbytes: int, hops: int, iterations: int) -> float:
+def hop_chain(comm: Communicator, pairs: list[tuple[int, int]], nbytes: int, hops: int, iterations: int,
+              one_way: bool = False) -> float:
     """Seconds of one chain of ``hops`` dependent exchanges of ``nbytes`` each way between the ranks of
     each of ``pairs`` (disjoint; all at once: ranks that outnumber the cores), ``CollectiveCall.send_recv``
     (the receive posted first, as the ring's hops), a new call per chain, the mean of ``iterations``
-    chains on this rank (0.0 off the pairs; every rank calls it)."""
+    chains on this rank (0.0 off the pairs; every rank calls it). ``one_way``: a relay instead, ``hops``
+    one-way messages, each sent once the previous one arrived (the pair's first rank sends the even
+    ones, its second the odd ones: a tree's edges, one by one)."""
     tensor = torch.zeros(max(nbytes // _FLOAT, 1))
     inbox = torch.zeros_like(tensor)
     mine = next((pair for pair in pairs if comm.rank in pair), None)
@@ -128,7 +131,14 @@ def hop_chain(comm: Communicator, pairs: list[tuple[int, int]], nbytes: int, hop
     started = time.perf_counter()
     for _ in range(iterations):
         call = comm.new_call("calibrate hop chain", "p2p")  # on every rank: the tags stay in step
-        if peer is not None:
+        if peer is not None and one_way:
+            first = comm.rank == mine[0]
+            for hop in range(hops):
+                if (hop % 2 == 0) == first:
+                    call.send(tensor, peer, "relay")
+                else:
+                    call.recv(inbox, peer, "relay")
+        elif peer is not None:
             for _hop in range(hops):
                 call.send_recv(tensor, peer, inbox, peer, "hop")
     return (time.perf_counter() - started) / iterations if peer is not None else 0.0
@@ -139,16 +149,18 @@ def fixed_cost_batches(comm: Communicator, pairs: list[tuple[int, int]], nbytes:
                        repeats: int) -> dict[object, list[float]]:
     """Per batch, interleaved so that every figure sees the machine as the others do: a chain of each of
     ``hop_counts`` hops of ``nbytes`` between the ranks of each of ``pairs`` at once (:func:`hop_chain`,
-    ``chains`` of each, keys the hop counts), and ``call_count`` all_reduce calls (``verify=False``) of each
+    ``chains`` of each, keys the hop counts; relays of as many one-way messages, keys ("one-way", hops)), and ``call_count`` all_reduce calls (``verify=False``) of each
     ``calls[label] = (algorithm, numel)`` over the whole group (keys the labels). Returns every
     key's seconds per batch (the slowest rank's), ``repeats`` batches after one to warm up."""
-    batches: dict[object, list[float]] = {key: [] for key in (*hop_counts, *calls)}
+    relays = [("one-way", hops) for hops in hop_counts]
+    batches: dict[object, list[float]] = {key: [] for key in (*hop_counts, *relays, *calls)}
     tensors = {label: torch.zeros(numel) for label, (_, numel) in calls.items()}
     for batch in range(repeats + 1):
-        for hops in hop_counts:
-            seconds = _slowest(comm, hop_chain(comm, pairs, nbytes, hops, chains))
+        for key in (*hop_counts, *relays):
+            hops, one_way = (key[1], True) if isinstance(key, tuple) else (key, False)
+            seconds = _slowest(comm, hop_chain(comm, pairs, nbytes, hops, chains, one_way))
             if batch:
-                batches[hops].append(seconds)
+                batches[key].append(seconds)
         for label, (algorithm, _) in calls.items():
             line_up(comm)
             started = time.perf_counter()
