@@ -26,7 +26,8 @@ from gradsync.transport.thread import ThreadWorld
 H100 = get_profile("h100-ib")
 HERE = get_profile("this-machine")
 SHARED_NIC = dataclasses.replace(HERE, name="shared-nic", inter=Link(150e-6, 125e6), nics_per_host=1,
-                                 cores_per_host=1)
+                                 cores_per_host=1,  # bandwidth-bound: no calibrated hop (ms over Gloo) inside
+                                 intra=Link(HERE.intra.alpha_s, HERE.intra.bandwidth_bytes_per_s, True))
 
 
 # ---------------------------------------------------------------- the event simulation and the formulas

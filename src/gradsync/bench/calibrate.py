@@ -17,10 +17,13 @@ point; ``tests/test_sim_calibrate.py`` checks). With ``FULL`` settings:
   dependent 256 B exchanges (``send_recv``: a ring step's receive, send and two waits; a call
   per chain) between the pair, the slope per hop in each of ``Settings.hop_repeats`` (15)
   batches less the bytes' time, the median: what a message costs inside a multi-hop schedule
-  (several ping-pong α here: every wait may sleep and be woken).
-* ``oversubscribed_hop_alpha_s`` (one host with fewer than 4 cores): the same chains with
-  2 x cores ranks (4 here) chaining in pairs at once; the simulator charges it, as measured,
-  to every hop on a host whose ranks outnumber its cores (ws 3 and 4 here).
+  when its receiver is sending too (a ring step; several ping-pong α here: every wait may sleep
+  and be woken). ``one_way_hop_alpha_s``: the same of relays of 1, 2, 4, 8 one-way messages (each
+  sent once the last arrived: a tree's edges), in the same batches.
+* ``oversubscribed_hop_alpha_s`` / ``oversubscribed_one_way_hop_alpha_s`` (one host with fewer
+  than 4 cores): the same chains and relays with 2 x cores ranks (4 here) in pairs at once; the
+  simulator charges them, as measured, to every hop on a host whose ranks outnumber its cores
+  (ws 3 and 4 here).
 * ``call_overheads_s``: in the same batches as the chains (the fixed costs drift with the
   machine's load), 10 ``all_reduce`` calls (``verify=False``, as the sweep calls them) over
   the whole group of each algorithm the simulator runs at 256 B (``shm`` past its lean path:
@@ -49,8 +52,8 @@ With ``--hosts H --nproc L`` the measurements run as a torchrun job on H test ho
 run over all H x L ranks (no ``shm`` call spans the hosts: ``lean_call_overhead_s`` is None). A
 test host has one core (:meth:`TestHosts.cores <gradsync.hosts.netns.TestHosts.cores>`), so
 ranks 0 and 1 share it: their α and 1/bandwidth are divided by that oversubscription (2), which
-the simulator multiplies back; their hop is a crowded one (``oversubscribed_hop_alpha_s`` =
-``hop_alpha_s``), and the call overheads are divided by the 2 the simulator multiplies back.
+the simulator multiplies back; their hops are crowded ones (``oversubscribed_hop_alpha_s`` =
+``hop_alpha_s``, the one-way's too), and the call overheads are divided by the 2 the simulator multiplies back.
 """
 
 from __future__ import annotations

@@ -28,6 +28,8 @@ def _link_figures(label: str, link) -> list[tuple[str, str, float, str]]:
              None if link.hop_alpha_s is None else link.hop_alpha_s * 1e6, "us"),
             (f"{label} hop, ranks > cores", f"{label}.oversubscribed_hop_alpha_s",
              None if crowded is None else crowded * 1e6, "us"),
+            (f"{label} one-way hop", f"{label}.one_way_hop_alpha_s",
+             None if link.one_way_hop_alpha_s is None else link.one_way_hop_alpha_s * 1e6, "us"),
             (f"{label} bandwidth", f"{label}.bandwidth_bytes_per_s", link.bandwidth_bytes_per_s / 1e9, "GB/s")]
 
 
