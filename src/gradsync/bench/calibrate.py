@@ -69,6 +69,7 @@ import torch
 
 from gradsync.bench import fixed_costs, micro
 from gradsync.bench.fixed_costs import measure_link
+from gradsync.bench.sim_report import describe  # noqa: F401 (what --validate prints; here before)
 from gradsync.bench.output import claim_json_path, write_json
 from gradsync.collectives.communicator import Communicator
 from gradsync.collectives.cost.profile import Link, Profile, ShmModel, load, save
@@ -372,30 +373,3 @@ def _command_text(hosts: int | None, nproc: int, inter_host_gbit: float | None, 
     if settings != FULL:
         text += f" --settings {_settings_name(settings)}"
     return text
-
-
-def describe(profile: Profile) -> str:
-    """The measured terms, one a line, in the units one reads them in."""
-    lines = [f"# profile {profile.name!r} (digest {profile.digest()}): {profile.description}"]
-    for label, link in (("intra", profile.intra), ("inter", profile.inter)):
-        if link is not None:
-            lines.append(f"{label:>8}: alpha {link.alpha_s * 1e6:8.1f} us   bandwidth "
-                         f"{link.bandwidth_bytes_per_s / 1e9:7.3f} GB/s{'  (cpu bound)' if link.cpu_bound else ''}")
-    lines.append(f"{'gamma':>8}: {profile.gamma_s_per_byte * 1e9:8.3f} ns/B ({1 / profile.gamma_s_per_byte / 1e9:.2f} GB/s)"
-                 f"   copy {profile.copy_s_per_byte * 1e9:.3f} ns/B ({1 / profile.copy_s_per_byte / 1e9:.2f} GB/s)")
-    lines.append(f"{'cores':>8}: {profile.cores_per_host} per host, {profile.ranks_per_host} ranks per host, "
-                 f"call overhead {profile.call_overhead_s * 1e6:.1f} us")
-    if profile.shm is not None:
-        crowded = profile.shm.oversubscribed_barrier_s
-        lean = profile.shm.lean_call_overhead_s
-        lines.append(f"{'shm':>8}: barrier {profile.shm.barrier_s * 1e6:.1f} us"
-                     + (f" ({crowded * 1e6:.1f} us when ranks outnumber cores)" if crowded is not None else "")
-                     + f", cell overhead {profile.shm.cell_overhead_s * 1e6:.1f} us per rank"
-                     + (f", in cache: add {profile.shm.cache_gamma_s_per_byte * 1e9:.3f} copy "
-                        f"{profile.shm.cache_copy_s_per_byte * 1e9:.3f} ns/B"
-                        if profile.shm.cache_gamma_s_per_byte is not None
-                        and profile.shm.cache_copy_s_per_byte is not None else "")
-                     + (f", lean call overhead {lean * 1e6:.1f} us" if lean is not None else "")
-                     + ", memory "
-                     f"{profile.shm.memory_bandwidth_bytes_per_s / 1e9:.2f} GB/s")
-    return "\n".join(lines)
