@@ -29,6 +29,7 @@ def _profile(cores: int | None = None) -> Profile:
     (2, None, HOP, 1.0),       # 2(p-1) = 2 hops at the hop's latency, one call
     (3, None, HOP, 1.0),       # 4 hops
     (4, 2, CROWDED, 2.0),      # 4 ranks on 2 cores: 6 crowded hops (as measured, not slowed) and a call x 2
+    (3, 2, (HOP + CROWDED) / 2, 1.5),  # 3 on 2 cores: half-way to the crowded hop (measured at 2 a core)
 ])
 def test_ring_costs_its_call_and_a_hop_per_step(world_size, cores, hop, crowd):
     profile = _profile(cores)

@@ -22,8 +22,8 @@ point; ``tests/test_sim_calibrate.py`` checks). With ``FULL`` settings:
   sent once the last arrived: a tree's edges), in the same batches.
 * ``oversubscribed_hop_alpha_s`` / ``oversubscribed_one_way_hop_alpha_s`` (one host with fewer
   than 4 cores): the same chains and relays with 2 x cores ranks (4 here) in pairs at once; the
-  simulator charges them, as measured, to every hop on a host whose ranks outnumber its cores
-  (ws 3 and 4 here).
+  simulator charges them, as measured, to every hop on a host of 2 ranks a core or more (ws 4
+  here), and the straight line from the uncrowded figure in between (ws 3: half-way).
 * ``call_overheads_s``: in the same batches as the chains (the fixed costs drift with the
   machine's load), 10 ``all_reduce`` calls (``verify=False``, as the sweep calls them) over
   the whole group of each algorithm the simulator runs at 256 B (``shm`` past its lean path:

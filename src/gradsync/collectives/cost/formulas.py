@@ -166,8 +166,8 @@ def tree_s(profile: Profile, topology: Topology, n: int, segment_bytes: int = DE
     for rank in range(p - 1, -1, -1):  # children before parents
         children = [c for c in (2 * rank + 1, 2 * rank + 2) if c < p]
         arrived = {}
-        for child in sorted(children, key=lambda c: up[c]):
-            step, out_key, in_key = edges[child][:3]
+        for child in sorted(children, key=lambda c: (up[c], -c)):  # a tie: the right child's message first, as
+            step, out_key, in_key = edges[child][:3]               # the event simulation orders them
             start = _reserve(port_free, up[child], out_key, in_key, s * step.beta)
             arrived[child] = start + s * step.beta + step.alpha
             for port in (out_key, in_key):

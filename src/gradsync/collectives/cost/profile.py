@@ -43,6 +43,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+CROWDED_RATIO = 2.0  # ranks per core at which gradsync calibrate measures the crowded hops (4 on 2; 2 on 1)
+
+
+def _crowded(alone: float, crowded: float | None, oversub: float, cpu_bound: bool) -> float:
+    """A hop's latency at ``oversub`` ranks per core from its figure ``alone`` and, where measured, its
+    ``crowded`` one (at ``CROWDED_RATIO``): linear in between, flat beyond; else ``alone`` x ``oversub``
+    on a CPU-bound link."""
+    if oversub <= 1:
+        return alone
+    if crowded is None:
+        return alone * (oversub if cpu_bound else 1.0)
+    share = min(1.0, (oversub - 1) / (CROWDED_RATIO - 1))
+    return alone + (crowded - alone) * share
+
+
 @dataclass(frozen=True)
 class Link:
     """One kind of link.
@@ -60,9 +75,10 @@ class Link:
             old profile files).
         oversubscribed_hop_alpha_s: the same when the host's ranks outnumber its cores (a ``cpu_bound``
             link; ``gradsync calibrate``: four ranks on two cores chaining in two pairs at once, the
-            slope of one pair's chain). The simulator charges it as it is, not slowed by ranks/cores
-            (a hop's time is mostly waiting to be woken, not work). None: ``hop_s`` slowed by the
-            ranks-per-core oversubscription.
+            slope of one pair's chain). The simulator charges it as measured at 2 ranks a core, the
+            straight line from ``hop_s`` below that (ws 3 on 2 cores: half-way), not slowed by
+            ranks/cores (a hop's time is mostly waiting to be woken, not work). None: ``hop_s``
+            slowed by the ranks-per-core oversubscription.
         one_way_hop_alpha_s, oversubscribed_one_way_hop_alpha_s: the same for a one-way message inside a
             schedule (its receiver not sending at the same time: a tree's edges), from chains of
             dependent one-way messages (a relay: each rank sends once the other's message arrived)
@@ -92,24 +108,19 @@ class Link:
 
     def hop_at(self, oversub: float) -> float:
         """Seconds of latency per message inside a schedule when the ranks of a host are ``oversub``
-        times its cores (>= 1): :attr:`hop_s` alone, ``oversubscribed_hop_alpha_s`` when it is set and
-        ``oversub`` > 1, else :attr:`hop_s` slowed by ``oversub`` where the CPU moves the bytes."""
-        if oversub <= 1:
-            return self.hop_s
-        if self.oversubscribed_hop_alpha_s is not None:
-            return self.oversubscribed_hop_alpha_s
-        return self.hop_s * (oversub if self.cpu_bound else 1.0)
+        times its cores (>= 1): :attr:`hop_s` alone; with ``oversubscribed_hop_alpha_s`` (measured at
+        ``CROWDED_RATIO`` ranks a core) the straight line between the two up to that ratio, the crowded
+        figure beyond (ws 3 on 2 cores: half-way); without it :attr:`hop_s` slowed by ``oversub`` where
+        the CPU moves the bytes."""
+        return _crowded(self.hop_s, self.oversubscribed_hop_alpha_s, oversub, self.cpu_bound)
 
     def one_way_at(self, oversub: float) -> float:
         """Seconds of latency of a one-way message inside a schedule (its receiver not sending meanwhile)
-        at ``oversub`` ranks per core: ``one_way_hop_alpha_s`` (``oversubscribed_one_way_hop_alpha_s``
-        when crowded) where measured, else :meth:`hop_at`."""
-        crowded = oversub > 1 and self.oversubscribed_one_way_hop_alpha_s is not None
-        if crowded:
-            return self.oversubscribed_one_way_hop_alpha_s
-        if self.one_way_hop_alpha_s is None or (oversub > 1 and self.oversubscribed_hop_alpha_s is not None):
+        at ``oversub`` ranks per core, as :meth:`hop_at` from ``one_way_hop_alpha_s`` and
+        ``oversubscribed_one_way_hop_alpha_s``; :meth:`hop_at` where the one-way figure is not measured."""
+        if self.one_way_hop_alpha_s is None:
             return self.hop_at(oversub)
-        return self.one_way_hop_alpha_s * (oversub if self.cpu_bound and oversub > 1 else 1.0)
+        return _crowded(self.one_way_hop_alpha_s, self.oversubscribed_one_way_hop_alpha_s, oversub, self.cpu_bound)
 
     @property
     def beta_s_per_byte(self) -> float:
