@@ -49,7 +49,7 @@ BENCHES ?= allreduce allreduce_shm2 allreduce_shm4 allreduce_hosts_1g allreduce_
 	train train_integrations compression modes modes_compute faults \
 	faults_elastic deterministic bitwise replicas memory preflight fit large-batch \
 	sim_calibrate sim_validate sim_reproduce sim_scale
-BENCH_allreduce ?= --nproc 4 --sizes 4K,64K,1M,16M,64M --algorithms ring,tree,halving_doubling,hierarchical,shm,shm_zero_copy,native,auto
+BENCH_allreduce ?= --nproc 4 --sizes 4K,64K,1M,16M,64M --algorithms ring,tree,double_binary_tree,halving_doubling,hierarchical,shm,shm_zero_copy,native,auto
 # shared memory against MPICH and Open MPI (`make setup` installs both; one run and table each, every installed MPI)
 BENCH_SHM := --sizes 4,4K,64K,1M,16M,64M,256M --algorithms shm,shm_zero_copy,native,mpi
 BENCH_allreduce_shm2 ?= --nproc 2 $(BENCH_SHM) --shm-cells 256K,1M,2M,4M

@@ -277,7 +277,7 @@ def test_auto_choose_follows_the_cost_model(nbytes, host_sizes, profile_name):
     if several and profile.inter is None:
         return
     world_size = sum(host_sizes)
-    flat = ("ring", "tree", "halving_doubling")
+    flat = ("ring", "tree", "double_binary_tree", "halving_doubling")
     for shm_available in (None, False):
         candidates = flat + (("hierarchical",) if several else ()) + \
             (("shm",) if not several and shm_available is None and profile.shm else ())

@@ -65,7 +65,8 @@ SHM_ROWS = early_job("bench-shm-rows", ["bench", "allreduce", "--nproc", "2", "-
                                         "shm,shm_zero_copy", "--shm-cells", "64K", "--repeat", "1",
                                         "--json", "{folder}/rows.json"])
 SMALL_SWEEP = early_job("bench-small-sweep", ["bench", "allreduce", "--nproc", "2", "--sizes", "4K,64K",
-                                              "--algorithms", "ring,tree,halving_doubling,shm,auto", "--repeat", "2",
+                                              "--algorithms", "ring,tree,double_binary_tree,halving_doubling,shm,auto",
+                                              "--repeat", "2",
                                               "--json", "{folder}/rows.json"])
 TRAIN_RUN = early_job("bench-train", ["bench", "train", "--nproc", "2", "--model", "cnn", "--algorithms", "ring",
                                       "--steps", "2", "--warmup", "1", "--repeat", "1", "--no-memory",
@@ -114,7 +115,8 @@ def test_bench_small_sweep_writes_rows_with_nccl_tests_definitions(early):
     assert result.returncode == 0, result.stderr
     rows = json.loads(out.read_text())
     assert [(r["nbytes"], r["algorithm"]) for r in rows] == [
-        (n, a) for n in (4096, 65536) for a in ("ring", "tree", "halving_doubling", "shm", "auto", "native")]
+        (n, a) for n in (4096, 65536)
+        for a in ("ring", "tree", "double_binary_tree", "halving_doubling", "shm", "auto", "native")]
     native = {row["nbytes"]: row["time_us_reps"] for row in rows if row["algorithm"] == "native"}
     for row in rows:
         assert row["world_size"] == 2 and row["time_us"] > 0 and row["repeat"] == 2 and len(row["time_us_reps"]) == 2
@@ -126,7 +128,7 @@ def test_bench_small_sweep_writes_rows_with_nccl_tests_definitions(early):
     assert all(row["ratio_to_native"] == pytest.approx(1.0) for row in rows if row["algorithm"] == "native")
     for auto in (row for row in rows if row["algorithm"] == "auto"):
         rivals = [row for row in rows if row["nbytes"] == auto["nbytes"] and row["algorithm"] in
-                  ("ring", "tree", "halving_doubling", "shm")]
+                  ("ring", "tree", "double_binary_tree", "halving_doubling", "shm")]
         assert auto["fastest"] == min(rivals, key=lambda row: row["time_us"])["algorithm"]
     assert "auto / the fastest" in result.stdout and "incomplete" not in result.stdout
     ring = [row for row in rows if row["algorithm"] == "ring"]

@@ -62,7 +62,7 @@ def test_auto_is_set_against_the_candidate_with_the_least_median_time():
     hierarchical are not auto's candidates on one host; the paired ratios are 105/100, 126/120, 104/100."""
     rows = [_row("tree", [50.0, 200.0, 200.0]), _row("shm", [100.0, 120.0, 100.0]),
             _row("native", [10.0, 10.0, 10.0]), _row("hierarchical", [20.0, 20.0, 20.0]),
-            _row("auto", [105.0, 126.0, 104.0])] + _slow(["ring", "halving_doubling"])
+            _row("auto", [105.0, 126.0, 104.0])] + _slow(["ring", "double_binary_tree", "halving_doubling"])
     (judged,) = auto_rows(rows)
     assert judged["fastest"] == "shm" and judged["fastest_us"] == 100.0 and judged["auto_us"] == 105.0
     assert (judged["auto_vs_fastest"], judged["auto_vs_fastest_median"], judged["auto_vs_fastest_min"],
@@ -76,7 +76,8 @@ def test_auto_is_set_against_the_candidate_with_the_least_median_time():
     ([130.0, 150.0, 120.0], "missed"),           # 1.3, 1.5, 1.2
 ])
 def test_auto_verdict_against_the_goal_says_when_it_straddles(auto_reps, expected):
-    rows = [_row("ring", [100.0, 100.0, 100.0]), _row("auto", auto_reps)] + _slow(["tree", "halving_doubling", "shm"])
+    rows = [_row("ring", [100.0, 100.0, 100.0]), _row("auto", auto_reps)]
+    rows += _slow(["tree", "double_binary_tree", "halving_doubling", "shm"])
     assert auto_rows(rows)[0]["verdict"] == expected and AUTO_GOAL == 1.10
 
 
@@ -85,7 +86,7 @@ def test_auto_across_hosts_takes_hierarchical_not_shm_and_keeps_layouts_apart():
     assert "shm" in auto_candidates(1) and "native" not in auto_candidates(1) + auto_candidates(2)
     rows = [_row("hierarchical", [50.0], hosts=2), _row("ring", [80.0], hosts=2), _row("auto", [60.0], hosts=2),
             _row("ring", [10.0], hosts=1), _row("ring", [70.0], nbytes=65536, hosts=2)]
-    rows += _slow(["tree", "halving_doubling"], reps=1, hosts=2)
+    rows += _slow(["tree", "double_binary_tree", "halving_doubling"], reps=1, hosts=2)
     (judged,) = auto_rows(rows)
     assert (judged["fastest"], judged["auto_vs_fastest"], judged["hosts"]) == ("hierarchical", pytest.approx(1.2), 2)
 
@@ -94,6 +95,7 @@ def test_auto_rows_recorded_without_repetitions_give_the_bare_ratio():
     rows = [{"algorithm": a, "nbytes": 4096, "world_size": 4, "time_us": t} for a, t in (("shm", 100.0),
                                                                                         ("auto", 119.0),
                                                                                         ("ring", 1e6), ("tree", 1e6),
+                                                                                        ("double_binary_tree", 1e6),
                                                                                         ("halving_doubling", 1e6))]
     (judged,) = auto_rows(rows)
     assert judged["auto_vs_fastest"] == pytest.approx(1.19) and "auto_vs_fastest_min" not in judged
@@ -102,7 +104,7 @@ def test_auto_rows_recorded_without_repetitions_give_the_bare_ratio():
 
 def test_annotate_gives_the_auto_row_its_figures_for_the_json():
     rows = annotate_auto_rows([_row("ring", [100.0, 100.0, 100.0]), _row("auto", [105.0, 125.0, 100.0])]
-                              + _slow(["tree", "halving_doubling", "shm"]))
+                              + _slow(["tree", "double_binary_tree", "halving_doubling", "shm"]))
     assert rows[0].get("fastest") is None
     assert rows[1]["fastest"] == "ring" and rows[1]["auto_verdict"] == "met, straddles"
     assert (rows[1]["auto_vs_fastest_min"], rows[1]["auto_vs_fastest_max"]) == pytest.approx((1.0, 1.25))
@@ -138,7 +140,8 @@ def test_table_of_rows_recorded_without_spread_is_unchanged():
 def test_tables_text_adds_the_auto_table_with_its_goal():
     rows = [_full_row("shm", [10.0, 10.0, 10.0], [20.0, 20.0, 20.0]),
             _full_row("auto", [10.5, 12.0, 10.0], [20.0, 20.0, 20.0])]
-    rows += [_full_row(name, [1e3] * 3, [20.0] * 3) for name in ("ring", "tree", "halving_doubling")]
+    rows += [_full_row(name, [1e3] * 3, [20.0] * 3)
+             for name in ("ring", "tree", "double_binary_tree", "halving_doubling")]
     text = tables_text(rows)
     assert text.startswith(format_table(rows)) and "goal <= 1.10x" in text
     assert "1.05x (1.00-1.20)" in text and "met, straddles" in text  # 10.5/10, 12/10, 10/10

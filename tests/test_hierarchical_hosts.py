@@ -190,7 +190,7 @@ def _model_pick(hosts: tuple[int, ...], nbytes: int) -> str:
     """The algorithm with the least predicted time on the test-hosts profile, from the formulas here
     (hosts as rank counts)."""
     sizes = tuple(hosts.count(host) for host in sorted(set(hosts)))
-    names = ("ring", "tree", "halving_doubling", "hierarchical")
+    names = ("ring", "tree", "double_binary_tree", "halving_doubling", "hierarchical")
     profile = get_profile("test-hosts")
     return min(names, key=lambda name: predict_s(name, profile, Topology(sizes), nbytes))
 

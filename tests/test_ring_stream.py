@@ -1,4 +1,5 @@
-"""The ring's sum order, segment cuts and buffers at every world size 2-5, pinned bitwise.
+"""The ring's sum order, segment cuts and buffers at every world size 2-5, pinned bitwise (its AllReduce,
+and its reduce-scatter and all-gather on their own).
 
 Every element must be added in the ring's order whatever the segment cut (chunk c starts at rank
 c+1, each next rank adds its own), segment boundaries fall anywhere in a chunk and across hops
@@ -76,3 +77,26 @@ def test_ring_order_reference_is_the_plain_sum_on_exact_values():
     for world_size in WORLD_SIZES:
         inputs = random_inputs(world_size, 11, torch.int64, seed=world_size)
         assert torch.equal(ring_order_sum(inputs), torch.stack(inputs).sum(0))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", MODES)
+@pytest.mark.parametrize("world_size", (3, 4))
+def test_ring_phases_on_their_own_keep_the_order_and_the_buffers(world_size, transport):
+    """The registry's ring reduce-scatter and all-gather, each a stream of its own: the reduce-scatter's chunk
+    is bitwise the ring-order sum's, the all-gather returns every rank's tensor exactly, segments of one and
+    three elements, over a transport moving data as early or as late as a network may."""
+    numel = 101
+    inputs = random_inputs(world_size, numel, torch.float32, seed=7 * world_size)
+    expected = torch.tensor_split(ring_order_sum(inputs), world_size)
+    for segment_bytes in (4, 12):
+        def rank_fn(comm):
+            mine = gradsync.reduce_scatter(inputs[comm.rank].clone(), algorithm="ring", group=comm)
+            return mine, gradsync.all_gather(inputs[comm.rank].clone(), algorithm="ring", group=comm)
+
+        outcomes = run_threads(world_size, rank_fn, timeout_s=20, collective_timeout_s=5,
+                               segment_bytes=segment_bytes, world=StrictWorld(world_size, transport))
+        for rank, (mine, gathered) in enumerate(outcomes):
+            assert_bitwise_equal(mine, expected[rank], f"rank {rank} reduce_scatter segment_bytes={segment_bytes}")
+            for peer, part in enumerate(gathered):
+                assert torch.equal(part, inputs[peer]), (rank, peer, segment_bytes)

@@ -52,12 +52,16 @@ def test_formula_agrees_with_the_event_simulation_within_5_percent(algorithm, pr
                                               ("halving_doubling", (4, 2))])
 def test_the_two_phases_add_up_to_the_all_reduce(algorithm, layout):
     """Ring at any p and halving_doubling at a power of two (its long path): reduce-scatter + all-gather
-    = AllReduce, the call overheads apart."""
+    = AllReduce, the call overheads apart; the ring's AllReduce streams its all-gather behind its
+    reduce-scatter, so at 64 MiB (bandwidth-bound) it saves at most a few percent, never costs more."""
     topology, nbytes = Topology.uniform(*layout), 64 * 2**20
     overhead = call_overhead_s(H100, algorithm, topology, nbytes)
     phases = sum(predict_s(algorithm, H100, topology, nbytes, collective=c) - overhead for c in COLLECTIVES)
     whole = predict_s(algorithm, H100, topology, nbytes) - overhead
-    assert phases == pytest.approx(whole, rel=1e-9)
+    if algorithm == "ring":
+        assert whole <= phases <= 1.05 * whole
+    else:
+        assert phases == pytest.approx(whole, rel=1e-9)
 
 
 @pytest.mark.parametrize("collective", COLLECTIVES)

@@ -21,11 +21,11 @@ from gradsync.collectives import ops
 _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
           "G": 2**30, "GB": 2**30, "GIB": 2**30}
 MIN_NBYTES, MAX_NBYTES = 4, 2**30
-DEFAULT_ALGORITHMS = "ring,tree,halving_doubling,hierarchical,shm,shm_zero_copy,native"
-HOSTS_ALGORITHMS = "ring,tree,halving_doubling,hierarchical,native,auto"  # shm cannot cross hosts
+DEFAULT_ALGORITHMS = "ring,tree,double_binary_tree,halving_doubling,hierarchical,shm,shm_zero_copy,native"
+HOSTS_ALGORITHMS = "ring,tree,double_binary_tree,halving_doubling,hierarchical,native,auto"  # shm cannot cross hosts
 ZERO_COPY = "shm_zero_copy"  # shm on a buffer that already lies in shared memory (ops.shared_buffer)
 ONE_HOST_ONLY = ("shm", ZERO_COPY)
-ALL_REDUCE_ONLY = ("tree", ZERO_COPY)  # left out of the default list of the other collectives (issue 38)
+ALL_REDUCE_ONLY = ("tree", "double_binary_tree", ZERO_COPY)  # left out of the default list of the other collectives (issue 38)
 
 
 @dataclass

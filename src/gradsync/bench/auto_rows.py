@@ -2,7 +2,7 @@
 
 For every ``auto`` row of a ``gradsync bench allreduce`` run, the *fastest* is
 the candidate of :func:`gradsync.collectives.auto.choose` for that layout
-(``ring``, ``tree``, ``halving_doubling``, and ``shm`` on one host or
+(``ring``, ``tree``, ``double_binary_tree``, ``halving_doubling``, and ``shm`` on one host or
 ``hierarchical`` across hosts; never ``native``) with the least median time at
 the same size and layout. ``auto_vs_fastest`` pairs the repetitions: auto's
 time in repetition k over the fastest's time in repetition k, summarised as
@@ -11,7 +11,7 @@ most :data:`AUTO_GOAL`; a row whose min-max contains it straddles the goal.
 Rows recorded before the repetitions were kept (no ``time_us_reps``) give the
 ratio of the medians, without a spread. Rows of reduce_scatter and all_gather
 (``collective``) are judged the same way against the candidates that carry
-those collectives: ``tree`` refuses both (issue 38), so it is no candidate.
+those collectives: the trees refuse both (issue 38), so they are no candidates.
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ from gradsync.bench.spread import paired_ratios, spread_cell, verdict, with_spre
 from gradsync.collectives.auto import FLAT
 
 AUTO_GOAL = 1.10  # auto's median time over the fastest candidate's, at every size and world size (issue 37)
-ALL_REDUCE_ONLY = ("tree",)  # refuses reduce_scatter and all_gather (issue 38)
+ALL_REDUCE_ONLY = ("tree", "double_binary_tree")  # refuse reduce_scatter and all_gather (issue 38)
 
 
 def auto_candidates(hosts: int, collective: str = "all_reduce") -> tuple[str, ...]:
     """What ``auto`` may choose from on ``hosts`` real hosts for ``collective`` (shm needs one host;
     hierarchical needs several: on one host the sweep's hierarchical row runs on pretend nodes, which auto
-    never uses; tree carries all_reduce only).
+    never uses; the trees carry all_reduce only).
 
     >>> auto_candidates(1), auto_candidates(2, "reduce_scatter")
-    (('ring', 'tree', 'halving_doubling', 'shm'), ('ring', 'halving_doubling', 'hierarchical'))
+    (('ring', 'tree', 'double_binary_tree', 'halving_doubling', 'shm'), ('ring', 'halving_doubling', 'hierarchical'))
     """
     flat = FLAT if collective == "all_reduce" else tuple(name for name in FLAT if name not in ALL_REDUCE_ONLY)
     return flat + (("hierarchical",) if hosts > 1 else ("shm",))

@@ -167,12 +167,12 @@ def _add_allreduce_bench_options(parser: argparse.ArgumentParser) -> None:
     add("--algorithms", default=None,
         help="comma-separated; native is always measured for the ratio; 'mpi' adds MPI_Allreduce "
         "measured in the same processes (needs pip install -e '.[mpi]' in the clone, or 'gradsync[mpi]') (default "
-        "ring,tree,halving_doubling,hierarchical,shm,shm_zero_copy,native, plus mpi when mpi4py is "
+        "ring,tree,double_binary_tree,halving_doubling,hierarchical,shm,shm_zero_copy,native, plus mpi when mpi4py is "
         "installed; shm_zero_copy: shm on data already in shared memory, as zero-copy buckets)")
     add_repeat_option(parser, what="timed repetitions per point, every algorithm once in each (interleaved)")
     add("--ranks-per-node", type=int, default=None, help="pretend nodes of this many ranks for "
         "hierarchical (default: 2 when --nproc is even and >= 4, else --nproc)")
-    add("--segment-bytes", type=int, default=None, help="pipelining segment of ring and tree "
+    add("--segment-bytes", type=int, default=None, help="pipelining segment of ring and the trees "
         "(default: the library's)")
     add("--shm-cells", default=None, metavar="SIZES", help="also measure shm with these cell sizes per rank "
         "(rows shm@<size>, e.g. 256K,1M,2M,4M): how the default, 2 x the L2 cache, was chosen")

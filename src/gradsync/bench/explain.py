@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from gradsync.bench.allreduce import parse_nbytes
 from gradsync.collectives.chunking import DEFAULT_SEGMENT_BYTES, chunk_bounds
 from gradsync.collectives.cost.formulas import call_overhead_s
+from gradsync.collectives.double_binary_tree import links
 from gradsync.sim import SimResult, Topology, get_profile, simulate_all_reduce
 from gradsync.sim.cluster import TraceEvent
 
@@ -75,6 +76,10 @@ def _where(event: TraceEvent, algorithm: str, chunks: list[tuple[int, int]], seg
     a, b = event.offset, event.offset + event.numel
     if algorithm == "tree":
         return f"elements [{a}, {b}) = segment {a // segment_numel}"
+    if algorithm == "double_binary_tree":
+        halves = chunk_bounds(sum(stop - start for start, stop in chunks), 2)
+        tree = 0 if a < halves[0][1] else 1
+        return f"elements [{a}, {b}) = tree {tree + 1} segment {(a - halves[tree][0]) // segment_numel}"
     chunk = next((index for index, (start, stop) in enumerate(chunks) if start <= a < stop), None)
     if algorithm != "ring" or chunk is None:
         return f"elements [{a}, {b})"
@@ -111,6 +116,11 @@ def render(algorithm: str, nproc: int, nbytes: int, profile_name: str, hosts: in
     elif algorithm == "tree":
         lines.append(f"rank i's children: 2i+1 and 2i+2; segments of {segment_numel} elements flow up to rank 0, "
                      f"then down")
+    elif algorithm == "double_binary_tree":
+        lines.append(f"tree 1 reduces elements [0, {chunk_bounds(numel, 2)[0][1]}) to its root, tree 2 the rest, "
+                     f"both at once in segments of {segment_numel} elements, then back down; (parent, children) "
+                     "of each rank: " + ", ".join(f"{rank}: {links(rank, nproc, 0)} / {links(rank, nproc, 1)}"
+                                                  for rank in range(min(nproc, 8))) + (" ..." if nproc > 8 else ""))
     elif algorithm in ("shm", "hierarchical") and profile.shm is not None:
         lines.append("shared-memory steps are priced by a formula (per cell: stage the peers' chunks, barrier, "
                      "each rank reduces its own chunk, barrier, copy out; one round for a small message), not by "
@@ -161,5 +171,5 @@ def run(args) -> int:
         nbytes = parse_nbytes(args.size)
     except ValueError:
         raise ValueError(f"--size {args.size!r}: use a number of bytes with an optional K, M or G suffix") from None
-    print(render(args.algorithm, args.nproc, nbytes, args.profile, args.hosts, args.segment_bytes))
+    print(render(args.algorithm, args.nproc, nbytes, args.profile or "this-machine", args.hosts, args.segment_bytes))
     return 0

@@ -1,5 +1,13 @@
 """``gradsync simulate --profile P --gpus ... --sizes ... --algorithms ...``: the at-scale table.
 
+Which of ring, double_binary_tree, hierarchical and NCCL's own choice wins
+from 8 to 4096 GPUs and 4 KiB to 1 GiB (the default algorithms); tree and
+halving_doubling on request. ``nccl`` is not gradsync code: it is the
+algorithm × protocol NCCL's tuning model would pick for that call and the
+time that model predicts
+(:func:`gradsync.collectives.cost.nccl_tuning.nccl_choice`, for a profile
+that carries NCCL's constants; column ``detail`` names the pick).
+
 For every GPU count, algorithm and message size, one AllReduce is predicted on
 ``Topology.uniform(gpus / R, R)`` (R = the profile's ``ranks_per_host``, 8 on
 the GPU profiles; fewer GPUs than R: one host of that many): by the event
@@ -35,8 +43,11 @@ from gradsync.bench.scale_report import crossover_lines, format_fastest, format_
 from gradsync.collectives.chunking import DEFAULT_SEGMENT_BYTES
 from gradsync.sim import Profile, Topology, get_profile, predict_s, simulate_all_reduce
 
-SCALE_ALGORITHMS = ("ring", "tree", "halving_doubling", "hierarchical")
-EVENT_MAX_RANKS = {"ring": 512, "tree": 4096, "halving_doubling": 4096, "hierarchical": 4096}
+SCALE_ALGORITHMS = ("ring", "tree", "double_binary_tree", "halving_doubling", "hierarchical", "nccl")
+DEFAULT_ALGORITHMS = "ring,double_binary_tree,hierarchical,nccl"
+NCCL = "nccl"  # NCCL's choice by its own tuning model: never the event simulation
+EVENT_MAX_RANKS = {"ring": 512, "tree": 4096, "double_binary_tree": 4096, "halving_doubling": 4096,
+                   "hierarchical": 4096, NCCL: 0}
 SECONDS_PER_MESSAGE = 35e-6  # event-simulation wall time per message, measured here (see report)
 SECONDS_PER_RANK = 2e-4      # greenlet, transport and call set-up per rank
 DEFAULT_EVENT_BUDGET_S = 60.0   # estimated wall seconds of one event run, at most
@@ -54,8 +65,9 @@ class ScaleRow:
     time_us: float
     algbw_gbps: float
     busbw_gbps: float
-    method: str          # "event" or "formula"
+    method: str          # "event", "formula" or "nccl model"
     wall_s: float        # wall seconds the event simulation took (0 for the formula)
+    detail: str = ""     # nccl: NCCL's pick, algorithm/protocol x channels
 
 
 def parse_sizes(text: str) -> list[int]:
@@ -129,6 +141,10 @@ def estimated_messages(algorithm: str, topology: Topology, nbytes: int,
         return 2.0 * p * (p - 1) * max(1, math.ceil(nbytes / p / segment_bytes))
     if algorithm == "tree":
         return 2.0 * (p - 1) * max(1, math.ceil(nbytes / segment_bytes))
+    if algorithm == "double_binary_tree":  # two trees of p - 1 edges, half the bytes each, up and down
+        return 4.0 * (p - 1) * max(1, math.ceil(nbytes / 2 / segment_bytes))
+    if algorithm == NCCL:
+        return 0.0
     if algorithm == "halving_doubling":
         return 2.0 * p * (math.log2(p) + 1)
     inside = 2.0 * p * (per_host - 1) * max(1, math.ceil(nbytes / per_host / segment_bytes))
@@ -172,6 +188,8 @@ def plan_events(points: list[tuple[int, str, int]], profile: Profile, budget_s: 
 
 def formula_reason(row: ScaleRow, profile: Profile, budget_s: float) -> str:
     """Why a row used the closed form: the rank limit, the per-point budget or the total budget."""
+    if row.algorithm == NCCL:
+        return "NCCL's own tuning model (not gradsync code)"
     if row.gpus > EVENT_MAX_RANKS[row.algorithm]:
         return f"beyond the event simulation's {EVENT_MAX_RANKS[row.algorithm]}-rank limit for {row.algorithm}"
     estimate = estimated_wall_s(row.algorithm, topology_for(row.gpus, profile), row.nbytes)
@@ -180,15 +198,54 @@ def formula_reason(row: ScaleRow, profile: Profile, budget_s: float) -> str:
     return f"event run estimated at {estimate:.0f} s, beyond the total budget"
 
 
-def make_row(gpus: int, algorithm: str, nbytes: int, time_s: float, method: str, wall_s: float) -> ScaleRow:
+def make_row(gpus: int, algorithm: str, nbytes: int, time_s: float, method: str, wall_s: float,
+             detail: str = "") -> ScaleRow:
     """A row whose bandwidths are computed from ``time_s`` (nccl-tests' algbw and busbw)."""
     algbw = nbytes / time_s / 1e9
     busbw = algbw * 2 * (gpus - 1) / gpus
-    return ScaleRow(gpus, algorithm, nbytes, time_s * 1e6, algbw, busbw, method, wall_s)
+    return ScaleRow(gpus, algorithm, nbytes, time_s * 1e6, algbw, busbw, method, wall_s, detail)
+
+
+def nccl_choice(profile: Profile, topology: Topology, nbytes: int):
+    """NCCL's pick for one AllReduce (:func:`gradsync.collectives.cost.nccl_tuning.nccl_choice`).
+
+    Raises:
+        ValueError: the profile carries no NCCL constants.
+    """
+    from gradsync.collectives.cost.nccl_tuning import nccl_choice as choose
+    return choose(profile, topology, nbytes)
+
+
+def nccl_row(gpus: int, nbytes: int, profile: Profile) -> ScaleRow:
+    """NCCL's choice as a row: its predicted time (NCCL's model plus the pipeline fill it leaves out,
+    ``run_time_s``), ``detail`` = algorithm/protocol x channels."""
+    choice = nccl_choice(profile, topology_for(gpus, profile), nbytes)
+    return make_row(gpus, NCCL, nbytes, choice.run_time_s, "nccl model", 0.0,
+                    f"{choice.algorithm}/{choice.protocol} x{choice.channels}")
+
+
+def usable_algorithms(algorithms: list[str], profile: Profile, given: bool) -> tuple[list[str], list[str]]:
+    """(the algorithms to sweep, notes): ``nccl`` left out with a note for a profile without NCCL's
+    constants when it came from the default list.
+
+    Raises:
+        ValueError: ``nccl`` asked for (``given``) on a profile without NCCL's constants.
+    """
+    if NCCL not in algorithms:
+        return algorithms, []
+    try:
+        nccl_choice(profile, topology_for(2, profile), 4096)
+    except ValueError as error:
+        if given:
+            raise ValueError(f"--algorithms nccl: {error}") from None
+        return [name for name in algorithms if name != NCCL], [f"# nccl left out: {error}"]
+    return algorithms, []
 
 
 def predict_row(algorithm: str, gpus: int, nbytes: int, profile: Profile, event: bool) -> ScaleRow:
     """One table row: the event simulation (``event``), else the formula."""
+    if algorithm == NCCL:
+        return nccl_row(gpus, nbytes, profile)
     topology = topology_for(gpus, profile)
     if event:
         started = time.perf_counter()
@@ -213,19 +270,21 @@ def sweep(profile: Profile, gpus: list[int], sizes: list[int], algorithms: list[
     return rows
 
 
-HEADER = f"{'gpus':>5} {'algorithm':<17} {'size':>6} {'time_us':>12} {'algbw':>8} {'busbw':>8} {'method':<7} {'wall_s':>6}"
+HEADER = (f"{'gpus':>5} {'algorithm':<18} {'size':>6} {'time_us':>12} {'algbw':>8} {'busbw':>8} {'method':<10} "
+          f"{'wall_s':>6} detail")
 
 
 def format_row(row: ScaleRow) -> str:
-    return (f"{row.gpus:>5} {row.algorithm:<17} {format_size(row.nbytes):>6} {row.time_us:>12.1f} "
-            f"{row.algbw_gbps:>8.2f} {row.busbw_gbps:>8.2f} {row.method:<7} {row.wall_s:>6.2f}")
+    return (f"{row.gpus:>5} {row.algorithm:<18} {format_size(row.nbytes):>6} {row.time_us:>12.1f} "
+            f"{row.algbw_gbps:>8.2f} {row.busbw_gbps:>8.2f} {row.method:<10} {row.wall_s:>6.2f} {row.detail}")
 
 
 def run(args: argparse.Namespace) -> int:
     """The ``gradsync simulate`` (at-scale) entry point: print the table and the crossovers."""
     profile = get_profile(args.profile)
     gpus, sizes = parse_gpus(args.gpus, profile), parse_sizes(args.sizes)
-    algorithms = parse_algorithms(args.algorithms)
+    given = args.algorithms is not None and args.algorithms != DEFAULT_ALGORITHMS
+    algorithms, notes = usable_algorithms(parse_algorithms(args.algorithms or DEFAULT_ALGORITHMS), profile, given)
     budget = getattr(args, "event_budget_s", DEFAULT_EVENT_BUDGET_S)
     total = getattr(args, "event_total_s", DEFAULT_TOTAL_BUDGET_S)
     claim_json_path(args.json)
@@ -234,7 +293,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"# profile {profile.name}: {profile.description}")
     print(f"# {profile.ranks_per_host} GPUs per host; event simulation up to {EVENT_MAX_RANKS['ring']} ranks "
           f"(ring) / 4096 (others), an estimated {budget:g} s per point and {total:g} s in all (cheapest "
-          f"points first), else the closed form")
+          f"points first), else the closed form; nccl: NCCL's own tuning model's pick and time")
+    for note in notes:
+        print(note)
     print(HEADER)
     started = time.perf_counter()
     rows = sweep(profile, gpus, sizes, algorithms, budget, total, progress=lambda row: print(format_row(row), flush=True))
@@ -243,7 +304,7 @@ def run(args: argparse.Namespace) -> int:
           f"{max((r.wall_s for r in events), default=0):.1f} s), {len(rows) - len(events)} formula rows; "
           f"total {time.perf_counter() - started:.1f} s")
     for row in rows:
-        if row.method == "formula":
+        if row.method != "event" and row.algorithm != NCCL:
             print(f"# formula: {row.gpus} {row.algorithm} {format_size(row.nbytes)}: "
                   f"{formula_reason(row, profile, budget)}")
     print(format_fastest(rows))

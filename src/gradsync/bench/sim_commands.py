@@ -10,8 +10,6 @@ import argparse
 from gradsync.bench.spread import DEFAULT_REPEAT, add_repeat_option
 from gradsync.sim import PROFILE_NAMES, SIMULATED
 
-_ALGORITHMS = ",".join(name for name in SIMULATED if name != "shm")
-
 
 def add_parsers(commands) -> None:
     """Add the simulator's commands to the ``gradsync`` subcommand group ``commands``."""
@@ -35,9 +33,13 @@ def add_parsers(commands) -> None:
                     "a byte and the usable cores, from micro-benchmarks, and write a profile JSON file.")
     _add_calibrate_options(calibrate)
     explain = commands.add_parser(
-        "explain", help="show, from the real code, how an AllReduce algorithm moves the data",
-        description="Run ALG on simulated ranks and print each step's segments, who sends them to whom, "
-                    "and the alpha-beta-gamma terms that add up to the predicted time.")
+        "explain", help="the scaling claims with the simulator's numbers; with ALG, how it moves the data",
+        description="Without ALG: print how a flat ring's small messages grow from 8 to 64 to 4096 GPUs, where "
+                    "hierarchical and double_binary_tree overtake it, and a 10B-parameter model's communication "
+                    "share on 4096 GPUs under each lever (buckets, overlap, hierarchical, fp16, PowerSGD, ZeRO), "
+                    "computed by the simulator. With ALG: run it on simulated ranks and print each step's "
+                    "segments, who sends them to whom, and the alpha-beta-gamma terms that add up to the "
+                    "predicted time.")
     _add_explain_options(explain)
 
 
@@ -49,23 +51,27 @@ def _add_scale_options(parser: argparse.ArgumentParser) -> None:
     add("--gpus", default="8,64,512,4096", help="comma-separated GPU (rank) counts (default %(default)s)")
     add("--sizes", default="4K-1G", help="message sizes: a list (4K,1M) or a range doubling by 4x from "
         "the first to the last (4K-1G) (default %(default)s)")
-    add("--algorithms", default=_ALGORITHMS, help="comma-separated algorithms (default %(default)s)")
+    add("--algorithms", default=None, help="comma-separated: ring, tree, double_binary_tree, halving_doubling, "
+        "hierarchical, nccl (NCCL's own choice by its tuning model, for a profile with NCCL's constants) "
+        "(default ring,double_binary_tree,hierarchical,nccl)")
     add("--plot", default=None, metavar="PNG", help="also draw time against GPU count per algorithm")
     add("--json", default=None, metavar="FILE", help="also write the rows as a JSON list")
     add("--event-budget-s", type=float, default=60.0, metavar="S", help="run the event simulation for a "
         "point only where its estimated wall time is at most S seconds, else the formula (default %(default)s)")
     add("--event-total-s", type=float, default=120.0, metavar="S", help="estimated wall seconds of all event "
         "runs together, cheapest points first (default %(default)s)")
-    add("--validate", action="store_true", help="calibrate here, then run a measured sweep (ws 2-4 on one "
-        "host and 2x2 emulated hosts) and print predicted against measured time with the error")
+    add("--validate", action="store_true", help="calibrate here on points disjoint from the validated ones, "
+        "then measure every simulated algorithm's all_reduce, reduce_scatter and all_gather (ws 2-4 on one host "
+        "and 2x2 emulated hosts; native is not modelled) and print predicted against measured time with the "
+        "error, each point's own spread and its verdict")
     add("--reproduce", action="store_true", help="compare predictions with published nccl-tests curves")
     add("--validate-sizes", default="4K,64K,1M,16M,64M", help="--validate: message sizes of the measured "
         "sweep (default %(default)s)")
     add("--inter-host-gbit", type=float, default=1.0, help="--validate: the test hosts' link rate "
         "(Gbit/s, default %(default)s)")
     add("--no-hosts", action="store_true", help="--validate: one host only (no test hosts)")
-    add_repeat_option(parser, what="--validate: repetitions of the measured sweep (each interleaves every size "
-                      "and algorithm)")
+    add_repeat_option(parser, what="--validate: repetitions of every measured point (the algorithms "
+                      "interleaved at each size, as bench allreduce --repeat)")
 
 
 def simulate(args: argparse.Namespace) -> int:
@@ -155,16 +161,27 @@ def calibrate(args: argparse.Namespace) -> int:
 # -- gradsync explain ----------------------------------------------------------------------------------
 def _add_explain_options(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("algorithm", metavar="ALG", choices=SIMULATED, help=f"one of {', '.join(SIMULATED)}")
+    add("algorithm", metavar="ALG", nargs="?", choices=SIMULATED, default=None,
+        help=f"one of {', '.join(SIMULATED)} (none: the scaling claims)")
     add("--nproc", type=int, default=4, help="ranks (default %(default)s)")
     add("--hosts", type=int, default=1, help="hosts the ranks are spread over, in blocks (default %(default)s)")
     add("--size", default="1M", help="message bytes, e.g. 4096, 64K, 1M (default %(default)s)")
-    add("--profile", default="this-machine", help="a profile name or file (default %(default)s)")
+    add("--profile", default=None, help="a profile name or file (default this-machine with ALG, h100-ib "
+        "without)")
     add("--segment-bytes", type=int, default=None, help="ring and tree pipelining unit (default: the "
         "algorithm's)")
 
 
 def explain(args: argparse.Namespace) -> int:
+    if args.algorithm is None:
+        given = [f"--{name.replace('_', '-')}" for name, default in (("nproc", 4), ("hosts", 1), ("size", "1M"),
+                                                                    ("segment_bytes", None))
+                 if getattr(args, name) != default]
+        if given:
+            raise ValueError(f"{', '.join(given)}: options of one algorithm's run; give ALG (gradsync explain ring "
+                             f"{' '.join(given)} ...), or none of them for the scaling claims")
+        from gradsync.bench.claims import run as run_claims
+        return run_claims(args)
     from gradsync.bench.explain import run as run_explain
     return run_explain(args)
 

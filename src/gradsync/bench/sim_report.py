@@ -79,11 +79,7 @@ def tables(name: str, rows: list[dict]) -> list[str]:
     if name == "sim_calibrate":
         return [format_figures(rows)]
     if name == "sim_validate":
-        from gradsync.bench.sim_validation import (ValidationRow, auto_picks, format_picks, format_rows as
-                                                   format_validation, format_summary, summarize)
-        validation = [ValidationRow.from_dict(row) for row in rows]
-        return [format_validation(validation) + "\n" + format_summary(summarize(validation)),
-                format_picks(auto_picks(validation))]
+        return validation_record_tables(rows)
     if name == "sim_reproduce":
         from gradsync.bench.reproduce import format_table
         return [format_table(rows)]
@@ -128,3 +124,29 @@ def describe(profile) -> str:
                      + ", memory "
                      f"{profile.shm.memory_bandwidth_bytes_per_s / 1e9:.2f} GB/s")
     return "\n".join(lines)
+
+
+def validation_tables(rows) -> list[str]:
+    """``simulate --validate``'s tables after its measurement, for its
+    :class:`~gradsync.bench.sim_validation.ValidationRow` s: the rows with the goals' lines, the breakdown per
+    layout and collective, ``auto``'s picks."""
+    from gradsync.bench.sim_validation import (format_breakdown, format_rows as format_validation, format_summary,
+                                               summarize)
+    from gradsync.bench.sim_validation_picks import auto_picks, format_picks
+
+    return [format_validation(rows) + "\n" + format_summary(summarize(rows)), format_breakdown(rows),
+            format_picks(auto_picks(rows))]
+
+
+def validation_record_tables(rows: list[dict]) -> list[str]:
+    """The tables of a recorded ``simulate --validate`` (its ``--json`` rows): the split (when the record kept
+    the calibration's points: rows of ``role`` "calibrate"), then :func:`validation_tables`. Older records (no
+    ``collective``, no spread fields) read as AllReduce rows; spreads and verdicts come from their
+    ``measured_us_runs``."""
+    from gradsync.bench.sim_validation import ValidationRow
+    from gradsync.bench.sim_validation_points import as_point, format_split, point_of, split_rows
+
+    calibration = [as_point(row) for row in rows if row.get("role") == "calibrate"]
+    validation = [ValidationRow.from_dict(row) for row in rows if row.get("role") != "calibrate"]
+    split = [format_split(split_rows([point_of(row) for row in validation], calibration))] if calibration else []
+    return split + validation_tables(validation)

@@ -18,13 +18,13 @@ into the layout check's options fingerprint of every ``auto`` call
 raise CollectiveMismatchError instead of running different algorithms.
 
 Candidates: ``shm`` when every rank shares one host and shared memory is not
-known to be unavailable; ``ring``, ``tree``, ``halving_doubling``; and
+known to be unavailable; ``ring``, ``tree``, ``double_binary_tree``, ``halving_doubling``; and
 ``hierarchical`` when the group spans hosts (or pretend nodes:
 ``HierarchicalOptions.ranks_per_node``, priced as nodes joined by the
 intra-host link, each rank on its own port). The segment size is the group's
 (``SegmentOptions``), not chosen per call. A reduce-scatter or an all-gather
 is priced with its own formulas (one phase of each algorithm's AllReduce)
-among the same candidates but ``tree``, which has neither.
+among the same candidates but the trees (``tree``, ``double_binary_tree``), which have neither.
 
 >>> from gradsync.collectives.cost.profile import Link, Profile
 >>> slow_start = Profile("example", "", Link(1e-3, 1e9), None, 1e-10, 1e-10, ranks_per_host=8)
@@ -47,7 +47,7 @@ from gradsync.collectives.cost.profiles import get_profile
 from gradsync.collectives.cost.topology import Topology
 
 PROFILE_ENV = "GRADSYNC_PROFILE"
-FLAT = ("ring", "tree", "halving_doubling")
+FLAT = ("ring", "tree", "double_binary_tree", "halving_doubling")
 
 
 def profile_in_use(several_hosts: bool) -> Profile:
@@ -118,7 +118,7 @@ def choose(nbytes: int, world_size: int, ranks_per_node: int, shm_available: boo
 
 
 def _flat(collective: str) -> tuple[str, ...]:
-    return FLAT if collective == "all_reduce" else tuple(name for name in FLAT if name != "tree")
+    return FLAT if collective == "all_reduce" else tuple(name for name in FLAT if not name.endswith("tree"))
 
 
 @functools.lru_cache(maxsize=4096)

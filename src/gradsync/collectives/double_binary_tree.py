@@ -24,16 +24,20 @@ inner node in at most one tree (``inner_ranks`` returns both sets).
 
 Schedule: ``flat`` is split in two halves (``chunk_bounds(numel, 2)``): tree 1
 carries the first, tree 2 the second, each cut into segments of
-``SegmentOptions.segment_bytes``. Reduce: segment k of tree 1, then of tree 2,
-then k + 1, ...: a rank adds its children's segment to its own (own + left
-child's subtree + right child's subtree, left = the lower position) and sends
-it to its parent, with two segments per child received ahead. Broadcast:
-the roots' results flow back down in the same interleaved order. Each result
-element is summed once, at its tree's root, in that fixed order, then
-copied: bitwise equal on every rank. A rank is a parent of another in at most
-one tree (parents are inner nodes, odd ranks in tree 1 and even ranks in
-tree 2), so the messages between two ranks in one direction follow one tree
-per phase and the transport's in-order matching needs no tags.
+``SegmentOptions.segment_bytes``. Every rank is a leaf in at least one tree;
+in it, it posts all its segments to its parent at once (reduce) or just
+receives them (broadcast), so the two trees never wait for each other (a
+rank that walked both trees' segments in turn would chain tree 1's depth to
+tree 2's on every segment). In the tree it is an inner node of, reduce:
+segment k arrives from both children (two segments per child received
+ahead), is added to its own (own + left child's subtree + right child's
+subtree, left = the lower position) and sent to its parent; broadcast: the
+roots' results flow back down segment by segment. Each result element is
+summed once, at its tree's root, in that fixed order, then copied: bitwise
+equal on every rank. A rank is a parent of another in at most one tree
+(parents are inner nodes, odd ranks in tree 1 and even ranks in tree 2), so
+the messages between two ranks in one direction follow one tree per phase
+and the transport's in-order matching needs no tags.
 
 Cost (segment size s, depth d ≈ log2 p, α-β model): in each phase a rank
 moves at most n bytes each way (an inner rank of tree t takes two halves
@@ -113,55 +117,73 @@ def _halves(flat: torch.Tensor, segment_numel: int) -> list[list[torch.Tensor]]:
             for start, stop in chunk_bounds(flat.numel(), 2)]
 
 
-def _order(halves: list[list[torch.Tensor]]) -> list[tuple[int, int]]:
-    """``(tree, segment index)`` in the interleaved order both phases follow."""
-    return [(tree, index) for index in range(max(len(half) for half in halves))
-            for tree in (0, 1) if index < len(halves[tree])]
+def _inner_tree(trees) -> int | None:
+    """The tree (0 or 1) in which this rank has children, None for a leaf of both."""
+    return next((tree for tree in (0, 1) if trees[tree][1]), None)
+
+
+def _send_all(call: CollectiveCall, views: list[torch.Tensor], peer: int | None) -> list:
+    return [call.isend(view, peer) for view in views] if peer is not None else []
 
 
 def reduce(call: CollectiveCall, halves: list[list[torch.Tensor]], trees) -> None:
     """Sum every rank's ``halves[t]`` (views of its ``flat``) into tree t's root, in place, both trees at once.
 
-    ``trees``: this rank's ``links`` in tree 0 and tree 1. Collective: equal cuts on every rank.
+    ``trees``: this rank's ``links`` in tree 0 and tree 1. A rank is a leaf in at least one tree: it
+    posts all of that tree's segments to its parent at once (they wait for nothing), and walks the
+    segments of the tree it is an inner node of in order, so neither tree waits for the other.
+    Collective: equal cuts on every rank.
     """
-    longest = max((view.numel() for half in halves for view in half), default=0)
-    first_slot = [0, len(trees[0][1])]  # a rank has children in one tree at most: two slots per segment in flight
-    slots = max(1, first_slot[1] + len(trees[1][1]))
-    inbox = call.workspace.get(_IN_FLIGHT * slots * longest, halves[0][0].dtype, halves[0][0].device)
-    inbox = inbox.view(_IN_FLIGHT, slots, longest)
-    receives: list[dict[int, list]] = [{}, {}]
-
-    def post(tree, index):
-        children, view = trees[tree][1], halves[tree][index]
-        boxes = [inbox[index % _IN_FLIGHT, first_slot[tree] + slot, :view.numel()] for slot in range(len(children))]
-        receives[tree][index] = [(call.irecv(box, child), box) for box, child in zip(boxes, children)]
-
-    for tree in (0, 1):
-        for index in range(min(_IN_FLIGHT, len(halves[tree]))):
-            post(tree, index)
+    inner = _inner_tree(trees)
     sends = []
-    for tree, index in _order(halves):
-        parent, view = trees[tree][0], halves[tree][index]
-        for pending, box in receives[tree].pop(index):  # own + left subtree + right subtree
-            call.wait_on(pending, f"double_binary_tree reduce tree {tree + 1} segment {index}")
-            view += box
-        if index + _IN_FLIGHT < len(halves[tree]):
-            post(tree, index + _IN_FLIGHT)
-        if parent is not None:
-            sends.append(call.isend(view, parent))
+    for tree in (0, 1):
+        if tree != inner:
+            sends += _send_all(call, halves[tree], trees[tree][0])
+    if inner is not None and halves[inner]:
+        sends += _reduce_inner(call, halves[inner], trees[inner], inner)
     call.wait_all(sends, "double_binary_tree reduce")
 
 
-def broadcast_down(call: CollectiveCall, halves: list[list[torch.Tensor]], trees) -> None:
-    """Copy each tree's root's ``halves[t]`` to every rank's down that tree, in place, both trees at once."""
-    order = _order(halves)
-    receives = {(tree, index): call.irecv(halves[tree][index], trees[tree][0])
-                for tree, index in order if trees[tree][0] is not None}
+def _reduce_inner(call: CollectiveCall, segments: list[torch.Tensor], links_: tuple, tree: int) -> list:
+    """Add the children's segments to this rank's (own + left subtree + right subtree), each sum sent up
+    as soon as it is made, ``_IN_FLIGHT`` segments per child received ahead; returns the sends."""
+    parent, children = links_
+    longest = max((view.numel() for view in segments), default=0)
+    inbox = call.workspace.get(_IN_FLIGHT * len(children) * longest, segments[0].dtype, segments[0].device)
+    inbox = inbox.view(_IN_FLIGHT, len(children), longest)
+
+    def post(index):
+        boxes = [inbox[index % _IN_FLIGHT, slot, :segments[index].numel()] for slot in range(len(children))]
+        return [(call.irecv(box, child), box) for box, child in zip(boxes, children)]
+
+    receives = [post(index) for index in range(min(_IN_FLIGHT, len(segments)))]
     sends = []
-    for tree, index in order:
-        if (tree, index) in receives:
-            call.wait_on(receives[tree, index], f"double_binary_tree broadcast tree {tree + 1} segment {index}")
-        sends.extend(call.isend(halves[tree][index], child) for child in trees[tree][1])
+    for index, view in enumerate(segments):
+        for pending, box in receives[index]:
+            call.wait_on(pending, f"double_binary_tree reduce tree {tree + 1} segment {index}")
+            view += box
+        if index + _IN_FLIGHT < len(segments):
+            receives.append(post(index + _IN_FLIGHT))
+        if parent is not None:
+            sends.append(call.isend(view, parent))
+    return sends
+
+
+def broadcast_down(call: CollectiveCall, halves: list[list[torch.Tensor]], trees) -> None:
+    """Copy each tree's root's ``halves[t]`` to every rank's down that tree, in place, both trees at once
+    (a rank forwards only in the tree it is an inner node of; the other tree's segments it just receives)."""
+    receives = {(tree, index): call.irecv(view, trees[tree][0])
+                for tree in (0, 1) if trees[tree][0] is not None for index, view in enumerate(halves[tree])}
+    sends = []
+    inner = _inner_tree(trees)
+    if inner is not None:
+        for index, view in enumerate(halves[inner]):
+            if (inner, index) in receives:
+                call.wait_on(receives.pop((inner, index)),
+                             f"double_binary_tree broadcast tree {inner + 1} segment {index}")
+            sends.extend(call.isend(view, child) for child in trees[inner][1])
+    for (tree, index), pending in receives.items():
+        call.wait_on(pending, f"double_binary_tree broadcast tree {tree + 1} segment {index}")
     call.wait_all(sends, "double_binary_tree broadcast")
 
 

@@ -43,7 +43,7 @@ from gradsync.parallel.sync_round import flag_count
 from gradsync.transport.shm_segment import DEFAULT_REGION_BYTES, LINE_BYTES, MAILBOX_SLOTS
 
 PAGE_BYTES = 4096
-RING_IN_FLIGHT = 2  # ring.py's _IN_FLIGHT: segments received ahead
+RING_IN_FLIGHT = 2  # ring.py's IN_FLIGHT: segments received ahead
 
 
 def _pages(nbytes: int) -> int:

@@ -33,7 +33,7 @@ from gradsync.sim.transport import SimWorld
 from gradsync.sim.virtual import VirtualTensor, VirtualWorkspace
 from gradsync.transport.base import TransportStats
 
-SIMULATED = ("ring", "tree", "halving_doubling", "hierarchical", "shm")
+SIMULATED = ("ring", "tree", "double_binary_tree", "halving_doubling", "hierarchical", "shm")
 _TIMEOUT_S = 1e9  # a simulated call never times out: a deadlock is found by the scheduler instead
 
 
@@ -88,7 +88,7 @@ def simulate_all_reduce(algorithm: str, nbytes: int, profile: Profile, topology:
         profile: the hardware (:mod:`gradsync.collectives.cost.profiles`).
         topology: ranks on hosts.
         dtype: the element type the algorithm reduces in (float32 by default).
-        segment_bytes: the ring and tree's pipelining unit (None: ``SegmentOptions``' default).
+        segment_bytes: the ring and the trees' pipelining unit (None: ``SegmentOptions``' default).
         options: more algorithm options (e.g. ``HierarchicalOptions``).
         device_type: what the tensors claim to live on ("cpu" makes ``hierarchical`` use shm inside
             on real hosts, as on CPU; None: "cpu" for a profile with a shared-memory model, else "meta").

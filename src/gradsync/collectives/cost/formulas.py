@@ -24,38 +24,18 @@ pipelined ring; Sanders, Speck & Träff 2009 for pipelined trees).
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
 
 from gradsync.collectives.chunking import DEFAULT_SEGMENT_BYTES
+from gradsync.collectives.cost.dbt_formula import double_binary_tree_s
 from gradsync.collectives.cost.profile import Profile
+from gradsync.collectives.cost.ring_formula import Step, ring_phases_s, ring_stream_s, segment_cut
 from gradsync.collectives.cost.shm_formulas import shm_lean, shm_phase_s, shm_s, shm_shard_s, shm_slices
 from gradsync.collectives.cost.topology import Topology
 from gradsync.collectives.halving_doubling import SHORT_MESSAGE_BYTES as HD_SHORT_BYTES
 
-FORMULAS = ("ring", "tree", "halving_doubling", "hierarchical", "shm")
-
-
-@dataclass(frozen=True)
-class Step:
-    """Per-message latency, per-byte transfer and reduction time of one kind of step (seconds), and how
-    many ranks share the busiest port it crosses."""
-
-    alpha: float
-    beta: float
-    gamma: float
-    sharing: float = 1.0
-
-    def move_s(self, nbytes: float) -> float:
-        """Seconds to move ``nbytes`` per rank of a ring while ``sharing`` rings use the same port: the
-        latency hides the others' bytes until the port itself is the bound (the rings fall out of step
-        after their first collision, as in the event simulation)."""
-        return max(self.alpha + nbytes * self.beta, self.sharing * nbytes * self.beta)
-
-    def exchange_s(self, nbytes: float) -> float:
-        """Seconds of a lockstep exchange of ``nbytes`` (halving-doubling: every pair starts each step
-        together, so the ``sharing`` ranks' bytes queue on the port every time)."""
-        return self.alpha + self.sharing * nbytes * self.beta
+FORMULAS = ("ring", "tree", "double_binary_tree", "halving_doubling", "hierarchical", "shm")
 
 
 def _step(profile: Profile, topology: Topology, crosses_hosts: bool, sharing: float = 1.0,
@@ -72,8 +52,9 @@ def _step(profile: Profile, topology: Topology, crosses_hosts: bool, sharing: fl
     slow = oversub if link.cpu_bound else 1.0
     shared_port = 2.0 if duplex and link.cpu_bound and not crosses_hosts else 1.0
     latency = link.hop_at(oversub) if duplex else link.one_way_at(oversub)  # an exchange's hop, or a one-way one
-    return Step(latency, link.beta_s_per_byte * slow * (1.0 if crosses_hosts else shared_port),
-                profile.gamma_s_per_byte * oversub, sharing if crosses_hosts else 1.0)
+    ports = 1.0 if crosses_hosts else shared_port
+    return Step(latency, link.beta_s_per_byte * slow * ports, profile.gamma_s_per_byte * oversub,
+                sharing if crosses_hosts else 1.0, ports)
 
 
 def _nic_sharing(profile: Profile, topology: Topology, active_per_host: int) -> float:
@@ -81,29 +62,20 @@ def _nic_sharing(profile: Profile, topology: Topology, active_per_host: int) -> 
     return max(1.0, math.ceil(active_per_host / profile.nics_per_host))
 
 
-def _segments(chunk_bytes: float, segment_bytes: int, itemsize: int) -> tuple[float, int]:
-    """(segment bytes, segments) of a chunk, as ring and tree cut it."""
-    s = min(segment_bytes - segment_bytes % itemsize or itemsize, max(chunk_bytes, itemsize))
-    return s, max(1, math.ceil(chunk_bytes / s))
-
-
-def ring_phases_s(p: int, n: float, step: Step, segment_bytes: int, itemsize: int) -> tuple[float, float]:
-    """(reduce-scatter, all-gather) seconds of the pipelined ring over p ranks.
-
-    A hop of the reduce-scatter moves a chunk of c = n/p bytes in segments of s, each added on
-    arrival while the next one travels: the chunk's bytes on the link and the last segment's add,
-    or (adds slower than the link) the first segment's transfer and all the adds; a hop of the
-    all-gather is one α and the chunk's bytes.
-    """
-    if p == 1 or n == 0:
-        return 0.0, 0.0
-    c = math.ceil(n / itemsize / p) * itemsize
-    s, k = _segments(c, segment_bytes, itemsize)
-    s_last = c - (k - 1) * s
-    hop = max(step.move_s(c) + s_last * step.gamma, step.alpha + s * step.beta + c * step.gamma)  # link/add-bound
-    scatter = (p - 1) * hop
-    gather = (p - 1) * step.move_s(c)
-    return scatter, gather
+def ring_latency_s(profile: Profile, topology: Topology) -> float:
+    """The flat ring's latency term: its AllReduce time (:func:`ring_s`) were bytes free (β = γ = 0), the α of
+    every message on its critical path. One host: 2(p-1)·α; hosts of L ranks: the fill's ⌈2(p-1)/L⌉ hops
+    between hosts and the rest inside, or the reduce-scatter at the inbox's pace behind a host's edge,
+    (p-1)·α_between / ``IN_FLIGHT``, then the all-gather's fill, whichever is longer."""
+    p = topology.world_size
+    if p == 1:
+        return 0.0
+    slow = _step(profile, topology, topology.hosts > 1, duplex=True)
+    fast = _step(profile, topology, False, duplex=True) if topology.hosts > 1 and max(topology.host_sizes) > 1 else None
+    free = {"beta": 0.0, "gamma": 0.0}
+    return ring_stream_s(p, p, dataclasses.replace(slow, **free), 1, 1,
+                         fast=dataclasses.replace(fast, **free) if fast is not None else None,
+                         period=max(topology.host_sizes))
 
 
 def _phases(scatter: float, gather: float, collective: str) -> float:
@@ -114,15 +86,19 @@ def _phases(scatter: float, gather: float, collective: str) -> float:
 def ring_s(profile: Profile, topology: Topology, n: int, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
            itemsize: int = 4, *, sharing: float = 1.0, oversub: float | None = None,
            collective: str = "all_reduce") -> float:
-    """Flat ring: every hop is as slow as its slowest edge (intra- or inter-host, whichever moves a
-    chunk slower)."""
+    """Flat ring (:func:`ring_stream_s`): its slowest edge (intra- or inter-host, whichever moves a chunk
+    slower) sets the stream's pace; the fill crosses it once per host (ranks in host order)."""
     p = topology.world_size
     steps = [_step(profile, topology, topology.hosts > 1, sharing, oversub, duplex=True)]
     if topology.hosts > 1 and max(topology.host_sizes) > 1:
         steps.append(_step(profile, topology, False, 1.0, oversub, duplex=True))
     chunk = math.ceil(n / itemsize / p) * itemsize
     step = max(steps, key=lambda st: st.move_s(chunk))
-    return _phases(*ring_phases_s(p, n, step, segment_bytes, itemsize), collective)
+    fast = min(steps, key=lambda st: st.move_s(chunk)) if len(steps) > 1 else None
+    edges = {"fast": fast, "period": max(topology.host_sizes)}
+    if collective == "all_reduce":
+        return ring_stream_s(p, n, step, segment_bytes, itemsize, **edges)
+    return _phases(*ring_phases_s(p, n, step, segment_bytes, itemsize, **edges), collective)
 
 
 def tree_s(profile: Profile, topology: Topology, n: int, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
@@ -142,7 +118,7 @@ def tree_s(profile: Profile, topology: Topology, n: int, segment_bytes: int = DE
     hosts = topology.host_of()
     local = _local_ranks(topology)
     oversub = max(profile.oversubscription(size) for size in topology.host_sizes)
-    s, k = _segments(n, segment_bytes, itemsize)
+    s, k = segment_cut(n, segment_bytes, itemsize)
     s_last = n - (k - 1) * s
     gamma = profile.gamma_s_per_byte * oversub
     loads: dict[tuple, float] = {}
@@ -367,6 +343,8 @@ def predict_s(algorithm: str, profile: Profile, topology: Topology, nbytes: int,
         body = ring_s(profile, topology, nbytes, segment_bytes, itemsize, collective=collective)
     elif algorithm == "tree" and collective == "all_reduce":
         body = tree_s(profile, topology, nbytes, segment_bytes, itemsize)
+    elif algorithm == "double_binary_tree" and collective == "all_reduce":
+        body = double_binary_tree_s(profile, topology, nbytes, segment_bytes, itemsize)
     elif algorithm == "halving_doubling":
         body = halving_doubling_s(profile, topology, nbytes, itemsize, collective=collective)
     elif algorithm == "hierarchical":
@@ -376,5 +354,5 @@ def predict_s(algorithm: str, profile: Profile, topology: Topology, nbytes: int,
             shm_shard_s(profile, topology, nbytes, itemsize, collective)
     else:
         raise ValueError(f"no {collective} formula for {algorithm!r}; choose one of "
-                         f"{', '.join(name for name in FORMULAS if collective == 'all_reduce' or name != 'tree')}")
+                         f"{', '.join(name for name in FORMULAS if collective == 'all_reduce' or 'tree' not in name)}")
     return call_overhead_s(profile, algorithm, topology, nbytes, collective) + body

@@ -42,6 +42,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gradsync.collectives.cost.nccl_constants import NcclConstants
+
 
 CROWDED_RATIO = 2.0  # ranks per core at which gradsync calibrate measures the crowded hops (4 on 2; 2 on 1)
 
@@ -184,6 +186,9 @@ class Profile:
         in_switch_reduction_bytes_per_s: busbw of in-switch reduction inside a host
             (NVLink SHARP / NVLS), None where the profile has none.
         sources: where the numbers come from (specifications, measurements).
+        nccl: what NCCL's topology search and tuning model see of the system
+            (:class:`~gradsync.collectives.cost.nccl_constants.NcclConstants`; GPU profiles only), for
+            :func:`~gradsync.collectives.cost.nccl_tuning.nccl_choice`; None elsewhere.
     """
 
     name: str
@@ -199,6 +204,7 @@ class Profile:
     shm: ShmModel | None = None
     in_switch_reduction_bytes_per_s: float | None = None
     sources: tuple[str, ...] = field(default=())
+    nccl: NcclConstants | None = None
     call_overheads_s: tuple[tuple[str, float], ...] = field(default=())
 
     def call_overhead(self, algorithm: str) -> float:
@@ -263,6 +269,7 @@ class Profile:
             data["inter"] = Link(**data["inter"]) if data.get("inter") else None
             data["shm"] = ShmModel(**data["shm"]) if data.get("shm") else None
             data["sources"] = tuple(data.get("sources", ()))
+            data["nccl"] = NcclConstants.from_dict(data["nccl"]) if data.get("nccl") else None
             overheads = data.get("call_overheads_s") or {}
             data["call_overheads_s"] = tuple((str(name), float(seconds)) for name, seconds in
                                              (overheads.items() if isinstance(overheads, dict) else overheads))

@@ -18,6 +18,7 @@ import dataclasses
 from importlib import resources
 from pathlib import Path
 
+from gradsync.collectives.cost.nccl_constants import NcclConstants
 from gradsync.collectives.cost.profile import Link, Profile, load
 
 GB = 1e9
@@ -37,6 +38,23 @@ NET_RING_SIMPLE_S = 14e-6
 RING_SIMPLE_BASE_S = 8.4e-6
 SM90_NVLINK_GBPS, SM80_NVLINK_GBPS = 20.6, 20.0
 HOPPER_NVLS_EFFICIENCY = 0.85
+
+
+# What NCCL sees of a DGX/HGX H100 or H200 node (NCCL's model: gradsync.collectives.cost.nccl_tuning).
+HOPPER_NODE_NCCL = NcclConstants(
+    compute_capability=90, nvlinks=18, nvswitch=True, nvls=True, nics=8, nic_gbps=50.0,
+    pcie_lanes=16, pcie_gt_s=32.0, cpu_vendor="intel",
+    sources=("NVIDIA H100 datasheet: SM 9.0, 18 NVLink 4 links per GPU to NVSwitch 3 (NVLink SHARP)",
+             "NVIDIA DGX H100 user guide: 8x ConnectX-7 400 Gb/s (50 GB/s) NDR, PCIe Gen5 x16, "
+             "2x Intel Xeon Platinum 8480C",
+             "NVIDIA/nccl-tests#212 (S. Jeaugey): AllReduce uses NVLink SHARP by default on H100 nodes"))
+# What NCCL sees of a DGX A100 node.
+AMPERE_NODE_NCCL = NcclConstants(
+    compute_capability=80, nvlinks=12, nvswitch=True, nvls=False, nics=8, nic_gbps=25.0,
+    pcie_lanes=16, pcie_gt_s=16.0, cpu_vendor="amd",
+    sources=("NVIDIA A100 datasheet: SM 8.0, 12 NVLink 3 links per GPU to NVSwitch 2 (no NVLink SHARP)",
+             "NVIDIA DGX A100 user guide: 8x ConnectX-6 200 Gb/s (25 GB/s) HDR, PCIe Gen4 x16, "
+             "2x AMD EPYC 7742"))
 
 
 def nvls_busbw_bytes_per_s(port_bytes_per_s: float, ranks: int, efficiency: float) -> float:
@@ -63,9 +81,13 @@ def h100_ib() -> Profile:
     per output byte at HBM bandwidth; a copy moves two. In-switch reduction
     (NVLS): 0.85 (tuning.cc nvlsEfficiency, Hopper) of the NVLink bandwidth
     per port, busbw 2 B (p-1)/(p+1) for 8 GPUs (:func:`nvls_busbw_bytes_per_s`);
-    gradsync's algorithms do not use it, ``gradsync simulate --reproduce``
-    does where a published curve had NVLS on. None of these numbers comes
-    from a published all_reduce curve.
+    gradsync's algorithms do not use it. ``nccl``: what NCCL's topology
+    search and tuning model see of the node (:data:`HOPPER_NODE_NCCL`: SM 9.0,
+    18 NVLinks to NVSwitch with NVLink SHARP, 8 NDR NICs on PCIe Gen5 x16,
+    Intel CPUs), for NCCL's own choice and time
+    (:func:`~gradsync.collectives.cost.nccl_tuning.nccl_choice`, which
+    ``gradsync simulate --reproduce`` prices the published curves with).
+    None of these numbers comes from a published all_reduce curve.
     """
     nvlink = 18 * SM90_NVLINK_GBPS * GB
     return Profile(
@@ -75,7 +97,8 @@ def h100_ib() -> Profile:
         gamma_s_per_byte=3 / 3.35e12, copy_s_per_byte=2 / 3.35e12,
         ranks_per_host=8, nics_per_host=8, call_overhead_s=RING_SIMPLE_BASE_S,
         in_switch_reduction_bytes_per_s=nvls_busbw_bytes_per_s(nvlink, 8, HOPPER_NVLS_EFFICIENCY),
-        sources=("NVIDIA H100 Tensor Core GPU datasheet", "NVIDIA DGX H100 user guide", NCCL_SOURCE))
+        sources=("NVIDIA H100 Tensor Core GPU datasheet", "NVIDIA DGX H100 user guide", NCCL_SOURCE),
+        nccl=HOPPER_NODE_NCCL)
 
 
 def h200_ib() -> Profile:
@@ -104,7 +127,8 @@ def a100_ib() -> Profile:
     guide (eight ConnectX-6 200 Gb/s HDR adapters for the compute fabric:
     25 GB/s each way); latencies as ``h100-ib`` (NCCL's hardware latencies
     do not depend on the GPU generation). No in-switch reduction (NVLS needs
-    NVLink 4 switches).
+    NVLink 4 switches). ``nccl``: :data:`AMPERE_NODE_NCCL` (SM 8.0, 12 NVLinks
+    to NVSwitch, 8 HDR NICs on PCIe Gen4 x16, AMD CPUs).
     """
     return Profile(
         name="a100-ib", description=a100_ib.__doc__.strip().splitlines()[0],
@@ -112,7 +136,8 @@ def a100_ib() -> Profile:
         inter=Link(alpha_s=NET_RING_SIMPLE_S, bandwidth_bytes_per_s=25 * GB),
         gamma_s_per_byte=3 / 2.0e12, copy_s_per_byte=2 / 2.0e12,
         ranks_per_host=8, nics_per_host=8, call_overhead_s=RING_SIMPLE_BASE_S,
-        sources=("NVIDIA A100 Tensor Core GPU datasheet", "NVIDIA DGX A100 user guide", NCCL_SOURCE))
+        sources=("NVIDIA A100 Tensor Core GPU datasheet", "NVIDIA DGX A100 user guide", NCCL_SOURCE),
+        nccl=AMPERE_NODE_NCCL)
 
 
 PUBLISHED = {"h100-ib": h100_ib, "h200-ib": h200_ib, "a100-ib": a100_ib}
