@@ -21,7 +21,8 @@ point; ``tests/test_sim_calibrate.py`` checks). With ``FULL`` settings:
   and be woken). ``one_way_hop_alpha_s``: the same of relays of 1, 2, 4, 8 one-way messages (each
   sent once the last arrived: a tree's edges), in the same batches.
 * ``oversubscribed_hop_alpha_s`` / ``oversubscribed_one_way_hop_alpha_s`` (one host with fewer
-  than 4 cores): the same chains and relays with 2 x cores ranks (4 here) in pairs at once; the
+  than 4 cores): the same chains and relays with 2 x cores ranks (4 here) in a ring (each hop a
+  ring step of all of them; a relay around the ring); the
   simulator charges them, as measured, to every hop on a host of 2 ranks a core or more (ws 4
   here), and the straight line from the uncrowded figure in between (ws 3: half-way).
 * ``call_overheads_s``: in the same batches as the chains (the fixed costs drift with the
@@ -280,7 +281,7 @@ def calibrate(*, hosts: int | None, nproc: int, inter_host_gbit: float | None, s
         intra = dataclasses.replace(profile.intra, oversubscribed_hop_alpha_s=crowded,
                                     oversubscribed_one_way_hop_alpha_s=one_way)
         text = (f"intra oversubscribed_hop_alpha, oversubscribed_one_way_hop_alpha: the same chains and relays with {2 * profile.cores_per_host} ranks on "
-                f"{profile.cores_per_host} cores, pairs (0, 1), (2, 3), ... chaining at once, pair (0, 1)'s slope: "
+                f"{profile.cores_per_host} cores in a ring (ring steps; relays around it), the slope per hop: "
                 f"{fixed_costs.hop_text(chains)}")
         profile = dataclasses.replace(profile, intra=intra, sources=(*profile.sources, text))
     if out:

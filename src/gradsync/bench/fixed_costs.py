@@ -126,11 +126,10 @@ def measure(comm: Communicator, pairs: list[tuple[int, int]], links: list[Link],
 def crowded_hop(comm: Communicator, link: Link, *, repeats: int, chains: int,
                 counts: tuple[int, ...] = HOP_COUNTS, nbytes: int = HOP_BYTES) -> tuple[float, float, dict]:
     """The hop inside a schedule when a host's ranks outnumber its cores: every rank of ``comm`` (one
-    host, an even number, twice the cores or more) chains in pairs (0, 1), (2, 3), ... at once; the
-    slope per hop of pair (0, 1)'s chain, each batch's, less the bytes' time; the median (collective);
-    the same of its relays (one-way hops), and the chains' median seconds."""
-    pairs = [(rank, rank + 1) for rank in range(0, comm.world_size - 1, 2)]
-    batches = micro.fixed_cost_batches(comm, pairs, nbytes, counts, chains, {}, 0, repeats)
+    host, twice the cores) in a ring, chains of ring steps (each rank sends right and receives from the
+    left at once, as a ring's hops); the slope per hop, each batch's, less the bytes' time; the median
+    (collective); the same of relays around the ring (one-way hops), and the chains' median seconds."""
+    batches = micro.fixed_cost_batches(comm, [], nbytes, counts, chains, {}, 0, repeats)  # [] : a ring of all
     moved = nbytes * link.beta_s_per_byte
     hop = _slopes(batches, list(counts), counts, moved * (2 if link.cpu_bound else 1), repeats)
     one_way = _slopes(batches, [("one-way", h) for h in counts], counts, moved, repeats)

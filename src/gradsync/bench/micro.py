@@ -125,6 +125,8 @@ def hop_chain(comm: Communicator, pairs: list[tuple[int, int]], nbytes: int, hop
     ones, its second the odd ones: a tree's edges, one by one)."""
     tensor = torch.zeros(max(nbytes // _FLOAT, 1))
     inbox = torch.zeros_like(tensor)
+    if not pairs:  # a ring of every rank: hop h's message goes from rank h mod p to its right neighbour
+        return _ring_chain(comm, tensor, inbox, hops, iterations, one_way)
     mine = next((pair for pair in pairs if comm.rank in pair), None)
     peer = None if mine is None else (mine[1] if comm.rank == mine[0] else mine[0])
     line_up(comm)
@@ -142,6 +144,25 @@ def hop_chain(comm: Communicator, pairs: list[tuple[int, int]], nbytes: int, hop
             for _hop in range(hops):
                 call.send_recv(tensor, peer, inbox, peer, "hop")
     return (time.perf_counter() - started) / iterations if peer is not None else 0.0
+
+
+def _ring_chain(comm: Communicator, tensor, inbox, hops: int, iterations: int, one_way: bool) -> float:
+    """:func:`hop_chain` over a ring of all ranks: ``hops`` ring steps (each rank sends right and receives
+    from the left at once), or (``one_way``) a relay of ``hops`` messages around the ring."""
+    rank, p = comm.rank, comm.world_size
+    right, left = (rank + 1) % p, (rank - 1) % p
+    line_up(comm)
+    started = time.perf_counter()
+    for _ in range(iterations):
+        call = comm.new_call("calibrate ring chain", "p2p")
+        for hop in range(hops):
+            if not one_way:
+                call.send_recv(tensor, right, inbox, left, "hop")
+            elif hop % p == rank:
+                call.send(tensor, right, "relay")
+            elif (hop + 1) % p == rank:
+                call.recv(inbox, left, "relay")
+    return (time.perf_counter() - started) / iterations
 
 
 def fixed_cost_batches(comm: Communicator, pairs: list[tuple[int, int]], nbytes: int, hop_counts: tuple[int, ...],

@@ -14,8 +14,8 @@ one-way time over 2, 4, 8 and 12 MiB; the hop inside a schedule
 ring step's receive, send and two waits), the slope per hop in each of 15
 batches; the one-way hop (`one_way_hop_alpha_s`, a tree's edge) the same of
 relays of as many one-way messages, in the same batches; the crowded hops
-(`oversubscribed_*`) the same with four ranks on the two cores, two pairs
-chaining at once; the call overhead of
+(`oversubscribed_*`) the same with four ranks on the two cores in a ring
+(ring steps; a relay around it); the call overhead of
 each algorithm (`call_overheads_s`) from 256 B `all_reduce` calls of ring,
 tree, halving_doubling and hierarchical (shm: 96 KiB, past its lean path; its
 lean path: 4 B) in the same batches as the chains, less their simulated cost

@@ -76,8 +76,8 @@ class Link:
             waits, through ``CollectiveCall``) over 1 to 8 hops. None: ``alpha_s`` (GPU profiles,
             old profile files).
         oversubscribed_hop_alpha_s: the same when the host's ranks outnumber its cores (a ``cpu_bound``
-            link; ``gradsync calibrate``: four ranks on two cores chaining in two pairs at once, the
-            slope of one pair's chain). The simulator charges it as measured at 2 ranks a core, the
+            link; ``gradsync calibrate``: four ranks on two cores in a ring, chains of ring steps, the
+            slope per step). The simulator charges it as measured at 2 ranks a core, the
             straight line from ``hop_s`` below that (ws 3 on 2 cores: half-way), not slowed by
             ranks/cores (a hop's time is mostly waiting to be woken, not work). None: ``hop_s``
             slowed by the ranks-per-core oversubscription.
