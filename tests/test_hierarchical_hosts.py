@@ -215,7 +215,7 @@ def test_auto_on_one_host_may_pick_shm():
 def test_auto_across_unequal_hosts_runs_hierarchical_with_its_bytes():
     """auto on hosts (0, 0, 1) where the model picks hierarchical: exact sum and exactly its payload bytes."""
     hosts = (0, 0, 1)
-    numel = next(n for n in (2**10, 2**14, 2**18, 2**22) if _model_pick(hosts, 4 * n) == "hierarchical")
+    numel = next(n for n in (2**10, 2**14, 2**18, 2**22, 2**24) if _model_pick(hosts, 4 * n) == "hierarchical")
 
     def rank_fn(algorithm):
         def run(comm):

@@ -8,7 +8,8 @@ import statistics
 import pytest
 
 from _dist import run_threads
-from gradsync.bench.calibrate import TINY, calibrate_comm, fit_line
+from gradsync.bench.calibrate import TINY, calibrate_comm
+from gradsync.bench.fixed_costs import fit_line
 from gradsync.bench.sim_validation import LARGE_BYTES, ValidationRow, format_rows, relative_error, summarize
 from gradsync.bench.sim_validation_picks import auto_picks, format_picks
 from gradsync.bench.sim_validation_points import predict
@@ -30,6 +31,8 @@ def test_tiny_calibration_gives_a_usable_profile(tmp_path):
     assert profiles[1] is None
     assert profile.intra.alpha_s > 0 and profile.intra.bandwidth_bytes_per_s > 0 and profile.intra.cpu_bound
     assert profile.inter is None
+    assert profile.intra.hop_alpha_s >= 0 and profile.intra.one_way_hop_alpha_s >= 0
+    assert dict(profile.call_overheads_s).keys() >= {"ring", "tree", "halving_doubling", "hierarchical", "shm"}
     assert profile.gamma_s_per_byte > 0 and profile.copy_s_per_byte > 0
     assert profile.cores_per_host >= 1 and profile.call_overhead_s >= 0
     assert profile.shm is not None and profile.shm.barrier_s > 0 and profile.shm.memory_bandwidth_bytes_per_s > 0
@@ -109,3 +112,25 @@ def test_auto_picks_compare_the_models_fastest_with_the_measured_fastest():
     assert [p.slowdown for p in picks] == pytest.approx([1.0, 1.2, 1.0])
     assert [p.right for p in picks] == [True, False, True]
     assert "at 2 of 3 points; worst pick 1.20x" in format_picks(picks)
+
+
+def test_calibration_measures_no_point_the_validation_scores():
+    """calibration_points (here and on 2 x 2 test hosts) shares no message size with the validated sizes, so
+    no validated (size, world size) point, at any world size or in any collective, feeds the calibration."""
+    from gradsync.bench.allreduce import parse_nbytes
+    from gradsync.bench.calibrate import FULL, QUICK, calibration_points
+    from gradsync.bench.sim_validation import DEFAULT_SIZES, HOSTS, ONE_HOST_WORLD_SIZES, RANKS_PER_HOST
+
+    validated_sizes = {parse_nbytes(text) for text in DEFAULT_SIZES.split(",")}
+    assert validated_sizes == {4096, 65536, 2**20, 2**24, 2**26}  # what the harness scores (an independent list)
+    validated = {(n, ws, 1) for n in validated_sizes for ws in ONE_HOST_WORLD_SIZES}
+    validated |= {(n, HOSTS * RANKS_PER_HOST, HOSTS) for n in validated_sizes}
+    for hosts in (False, True):
+        for settings in (FULL, QUICK):
+            points = calibration_points(hosts, settings)
+            assert {"pingpong", "hop_chain", "ring", "tree", "halving_doubling"} <= {p["algorithm"] for p in points}
+            assert all(set(p) == {"collective", "algorithm", "nbytes", "world_size", "hosts"} for p in points)
+            assert not {(p["nbytes"], p["world_size"], p["hosts"]) for p in points} & validated
+            assert not {p["nbytes"] for p in points} & validated_sizes  # not even at another world size
+    spans = {p["hosts"] for p in calibration_points(True)}
+    assert spans == {1, 2}

@@ -18,6 +18,13 @@ but a profile of it then predicts a loaded machine's sweep systematically low):
   algorithms post receives first).
 * :func:`exchange`: both ranks send ``nbytes`` to each other at once (a ring step
   at two ranks); the time of one exchange.
+* :func:`hop_chain`: ``hops`` dependent exchanges of ``nbytes`` between two ranks in one call, as a
+  ring's steps at two ranks run them (receive posted, send posted, both waited; the next hop starts
+  when this one ended); the time of one chain. Its slope over the hops is the cost of a hop inside a
+  multi-hop schedule, which the one-way ping-pong underestimates.
+* :func:`fixed_cost_batches`: chains of several hop counts and small all_reduce calls of several
+  algorithms, interleaved batch by batch (the fixed costs drift with the machine's load: figures
+  that are subtracted from each other are measured side by side).
 * :func:`compute_per_byte`: ``acc += other`` (float32) and ``dst.copy_(src)`` piece by
   piece over large buffers, one rank per core at once, per output byte.
 * :func:`cache_per_byte`: the same on buffers of a shm cell's size, passed over again and again
@@ -106,6 +113,84 @@ def exchange(comm: Communicator, pair: tuple[int, int], nbytes: int, iterations:
         if batch:
             results.append((time.perf_counter() - started) / iterations)
     return _from(comm, pair[0], statistics.median(results) if comm.rank == pair[0] else 0.0)
+
+
+def hop_chain(comm: Communicator, pairs: list[tuple[int, int]], nbytes: int, hops: int, iterations: int,
+              one_way: bool = False) -> float:
+    """Seconds of one chain of ``hops`` dependent exchanges of ``nbytes`` each way between the ranks of
+    each of ``pairs`` (disjoint; all at once: ranks that outnumber the cores), ``CollectiveCall.send_recv``
+    (the receive posted first, as the ring's hops), a new call per chain, the mean of ``iterations``
+    chains on this rank (0.0 off the pairs; every rank calls it). ``one_way``: a relay instead, ``hops``
+    one-way messages, each sent once the previous one arrived (the pair's first rank sends the even
+    ones, its second the odd ones: a tree's edges, one by one)."""
+    tensor = torch.zeros(max(nbytes // _FLOAT, 1))
+    inbox = torch.zeros_like(tensor)
+    if not pairs:  # a ring of every rank: hop h's message goes from rank h mod p to its right neighbour
+        return _ring_chain(comm, tensor, inbox, hops, iterations, one_way)
+    mine = next((pair for pair in pairs if comm.rank in pair), None)
+    peer = None if mine is None else (mine[1] if comm.rank == mine[0] else mine[0])
+    line_up(comm)
+    started = time.perf_counter()
+    for _ in range(iterations):
+        call = comm.new_call("calibrate hop chain", "p2p")  # on every rank: the tags stay in step
+        if peer is not None and one_way:
+            first = comm.rank == mine[0]
+            for hop in range(hops):
+                if (hop % 2 == 0) == first:
+                    call.send(tensor, peer, "relay")
+                else:
+                    call.recv(inbox, peer, "relay")
+        elif peer is not None:
+            for _hop in range(hops):
+                call.send_recv(tensor, peer, inbox, peer, "hop")
+    return (time.perf_counter() - started) / iterations if peer is not None else 0.0
+
+
+def _ring_chain(comm: Communicator, tensor, inbox, hops: int, iterations: int, one_way: bool) -> float:
+    """:func:`hop_chain` over a ring of all ranks: ``hops`` ring steps (each rank sends right and receives
+    from the left at once), or (``one_way``) a relay of ``hops`` messages around the ring."""
+    rank, p = comm.rank, comm.world_size
+    right, left = (rank + 1) % p, (rank - 1) % p
+    line_up(comm)
+    started = time.perf_counter()
+    for _ in range(iterations):
+        call = comm.new_call("calibrate ring chain", "p2p")
+        for hop in range(hops):
+            if not one_way:
+                call.send_recv(tensor, right, inbox, left, "hop")
+            elif hop % p == rank:
+                call.send(tensor, right, "relay")
+            elif (hop + 1) % p == rank:
+                call.recv(inbox, left, "relay")
+    return (time.perf_counter() - started) / iterations
+
+
+def fixed_cost_batches(comm: Communicator, pairs: list[tuple[int, int]], nbytes: int, hop_counts: tuple[int, ...],
+                       chains: int, calls: dict[str, tuple[str, int]], call_count: int,
+                       repeats: int) -> dict[object, list[float]]:
+    """Per batch, interleaved so that every figure sees the machine as the others do: a chain of each of
+    ``hop_counts`` hops of ``nbytes`` between the ranks of each of ``pairs`` at once (:func:`hop_chain`,
+    ``chains`` of each, keys the hop counts; relays of as many one-way messages, keys ("one-way", hops)), and ``call_count`` all_reduce calls (``verify=False``) of each
+    ``calls[label] = (algorithm, numel)`` over the whole group (keys the labels). Returns every
+    key's seconds per batch (the slowest rank's), ``repeats`` batches after one to warm up."""
+    relays = [("one-way", hops) for hops in hop_counts]
+    batches: dict[object, list[float]] = {key: [] for key in (*hop_counts, *relays, *calls)}
+    tensors = {label: torch.zeros(numel) for label, (_, numel) in calls.items()}
+    for batch in range(repeats + 1):
+        for key in (*hop_counts, *relays):
+            hops, one_way = (key[1], True) if isinstance(key, tuple) else (key, False)
+            seconds = _slowest(comm, hop_chain(comm, pairs, nbytes, hops, chains, one_way))
+            if batch:
+                batches[key].append(seconds)
+        for label, (algorithm, _) in calls.items():
+            line_up(comm)
+            started = time.perf_counter()
+            for _ in range(call_count):
+                ops.all_reduce(tensors[label], comm, algorithm=algorithm, verify=False)
+            seconds = _slowest(comm, (time.perf_counter() - started) / call_count)
+            if batch:
+                batches[label].append(seconds)
+    return batches
 
 
 def _from(comm: Communicator, rank: int, value: float) -> float:

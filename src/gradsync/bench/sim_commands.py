@@ -172,7 +172,9 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
 # -- gradsync calibrate --------------------------------------------------------------------------------
 def _add_calibrate_options(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--out", default="profile.json", help="profile file to write (default %(default)s)")
+    add("--out", default=None, help="profile file to write (default profile.json; with --hosts the shipped "
+        "test-hosts profile, src/gradsync/collectives/cost/data/test-hosts.json, which auto decides across "
+        "hosts from)")
     add("--hosts", type=int, default=None, help="calibrate the emulated test hosts: H hosts (network "
         "namespaces, needs root); also measures the link between hosts")
     add("--nproc", type=int, default=2, help="ranks per test host with --hosts (default %(default)s)")

@@ -22,7 +22,14 @@ SIM_REPEATED = ("sim_validate",)  # the records whose --repeat counts (simulate'
 
 
 def _link_figures(label: str, link) -> list[tuple[str, str, float, str]]:
+    crowded = link.oversubscribed_hop_alpha_s
     return [(f"{label} alpha", f"{label}.alpha_s", link.alpha_s * 1e6, "us"),
+            (f"{label} hop in a schedule", f"{label}.hop_alpha_s",
+             None if link.hop_alpha_s is None else link.hop_alpha_s * 1e6, "us"),
+            (f"{label} hop, ranks > cores", f"{label}.oversubscribed_hop_alpha_s",
+             None if crowded is None else crowded * 1e6, "us"),
+            (f"{label} one-way hop", f"{label}.one_way_hop_alpha_s",
+             None if link.one_way_hop_alpha_s is None else link.one_way_hop_alpha_s * 1e6, "us"),
             (f"{label} bandwidth", f"{label}.bandwidth_bytes_per_s", link.bandwidth_bytes_per_s / 1e9, "GB/s")]
 
 
@@ -35,6 +42,8 @@ def profile_figures(profile) -> list[dict]:
     figures += [("gamma (add)", "gamma_s_per_byte", profile.gamma_s_per_byte * 1e9, "ns/B"),
                 ("copy", "copy_s_per_byte", profile.copy_s_per_byte * 1e9, "ns/B"),
                 ("call overhead", "call_overhead_s", profile.call_overhead_s * 1e6, "us"),
+                *((f"call overhead, {name}", f"call_overheads_s.{name}", seconds * 1e6, "us")
+                  for name, seconds in profile.call_overheads_s),
                 ("cores per host", "cores_per_host", profile.cores_per_host, "cores"),
                 ("ranks per host", "ranks_per_host", profile.ranks_per_host, "ranks")]
     shm = profile.shm
@@ -79,6 +88,42 @@ def tables(name: str, rows: list[dict]) -> list[str]:
         scale = rows_of(rows)
         return [format_fastest(scale), "\n".join(crossover_lines(scale))]
     raise ValueError(f"{name!r} is not a simulator record; choose from {', '.join(SIM_COMMANDS)}")
+
+
+def describe(profile) -> str:
+    """A :class:`~gradsync.collectives.cost.profile.Profile`'s measured terms (what ``gradsync calibrate``
+    prints), one a line, in the units one reads them in."""
+    lines = [f"# profile {profile.name!r} (digest {profile.digest()}): {profile.description}"]
+    for label, link in (("intra", profile.intra), ("inter", profile.inter)):
+        if link is not None:
+            lines.append(f"{label:>8}: alpha {link.alpha_s * 1e6:8.1f} us   bandwidth "
+                         f"{link.bandwidth_bytes_per_s / 1e9:7.3f} GB/s{'  (cpu bound)' if link.cpu_bound else ''}")
+            hops = [(text, value) for text, value in (
+                ("exchange", link.hop_alpha_s), ("one-way", link.one_way_hop_alpha_s),
+                ("exchange, ranks > cores", link.oversubscribed_hop_alpha_s),
+                ("one-way, ranks > cores", link.oversubscribed_one_way_hop_alpha_s)) if value is not None]
+            if hops:
+                lines.append(f"{'':>8}  hop in a schedule: " + ", ".join(f"{text} {value * 1e6:.1f} us"
+                                                                         for text, value in hops))
+    lines.append(f"{'gamma':>8}: {profile.gamma_s_per_byte * 1e9:8.3f} ns/B ({1 / profile.gamma_s_per_byte / 1e9:.2f} GB/s)"
+                 f"   copy {profile.copy_s_per_byte * 1e9:.3f} ns/B ({1 / profile.copy_s_per_byte / 1e9:.2f} GB/s)")
+    lines.append(f"{'cores':>8}: {profile.cores_per_host} per host, {profile.ranks_per_host} ranks per host, "
+                 f"call overhead {profile.call_overhead_s * 1e6:.1f} us"
+                 + "".join(f", {name} {seconds * 1e6:.1f} us" for name, seconds in profile.call_overheads_s))
+    if profile.shm is not None:
+        crowded = profile.shm.oversubscribed_barrier_s
+        lean = profile.shm.lean_call_overhead_s
+        lines.append(f"{'shm':>8}: barrier {profile.shm.barrier_s * 1e6:.1f} us"
+                     + (f" ({crowded * 1e6:.1f} us when ranks outnumber cores)" if crowded is not None else "")
+                     + f", cell overhead {profile.shm.cell_overhead_s * 1e6:.1f} us per rank"
+                     + (f", in cache: add {profile.shm.cache_gamma_s_per_byte * 1e9:.3f} copy "
+                        f"{profile.shm.cache_copy_s_per_byte * 1e9:.3f} ns/B"
+                        if profile.shm.cache_gamma_s_per_byte is not None
+                        and profile.shm.cache_copy_s_per_byte is not None else "")
+                     + (f", lean call overhead {lean * 1e6:.1f} us" if lean is not None else "")
+                     + ", memory "
+                     f"{profile.shm.memory_bandwidth_bytes_per_s / 1e9:.2f} GB/s")
+    return "\n".join(lines)
 
 
 def validation_tables(rows) -> list[str]:

@@ -4,21 +4,36 @@ each one's title, what it measures and how to read it."""
 SIM_ABOUT = {
     "sim_calibrate": """\
 `gradsync calibrate` (full settings) on this machine: two processes, Gloo
-over loopback TCP. Every figure of the profile the simulator prices this
-machine with comes from a micro-benchmark, never from the AllReduce sweep it
-is validated against: α and the link bandwidth from ping-pongs (small
-messages for α, the slope of the one-way time over 1–16 MiB for the
-bandwidth), γ and the copy cost from float32 `add_` and `copy_` out of cache,
-the shared-memory terms from barriers and pipelined cells, the call overhead
-from a small `all_reduce` less its modelled cost. Each figure is the median
-of 7 batches of the calibration itself, so the record is one run.""",
+over loopback TCP (then four, for the crowded hop). Every figure of the
+profile the simulator prices this machine with comes from a micro-benchmark
+at sizes `gradsync simulate --validate` never scores (4 KiB, 64 KiB, 1 MiB,
+16 MiB and 64 MiB; `calibration_points()` lists every point): α from
+ping-pongs of 4 B, 256 B and 2 KiB; the link bandwidth from the slope of the
+one-way time over 2, 4, 8 and 12 MiB; the hop inside a schedule
+(`hop_alpha_s`) from chains of 1, 2, 4 and 8 dependent 256 B exchanges (a
+ring step's receive, send and two waits), the slope per hop in each of 15
+batches; the one-way hop (`one_way_hop_alpha_s`, a tree's edge) the same of
+relays of as many one-way messages, in the same batches; the crowded hops
+(`oversubscribed_*`) the same with four ranks on the two cores in a ring
+(ring steps; a relay around it); the call overhead of
+each algorithm (`call_overheads_s`) from 256 B `all_reduce` calls of ring,
+tree, halving_doubling and hierarchical (shm: 96 KiB, past its lean path; its
+lean path: 4 B) in the same batches as the chains, less their simulated cost
+with that batch's hop; γ and the copy cost from float32 `add_` and `copy_`
+over 48 MiB (out of cache); the shared-memory terms from barriers and
+pipelined cells. Each figure is the median of the calibration's own batches,
+so the record is one run.""",
     "sim_calibrate_after": """\
-How to read it. α and the call overheads are Python and the wake-up of a
-thread on a shared core, not wire latency; the loopback bandwidth is a
+How to read it. α, the hop and the call overheads are Python and the wake-up
+of a thread on a shared core, not wire latency: a hop inside a schedule costs
+several ping-pong α here, and both drift with the machine's load (the fixed
+costs are measured side by side for that reason); the loopback bandwidth is a
 kernel copy on a core (`cpu bound`: a rank's sends and receives share it).
 `gradsync simulate --profile FILE` takes such a profile; the `this-machine`
-profile that `auto` uses on one host was written by this command on an
-earlier day, and `gradsync simulate --validate` calibrates anew each time.""",
+profile that `auto` uses on one host, and `test-hosts` (`gradsync calibrate
+--hosts 2 --nproc 2 --inter-host-gbit 1`, which writes the shipped file), were
+written by this command on an earlier day, and `gradsync simulate --validate`
+calibrates anew each time.""",
     "sim_validate": """\
 `gradsync simulate --validate`: calibrate this machine (and 2 test hosts × 2
 ranks with links shaped to 1 Gbit/s, where network namespaces can be made),

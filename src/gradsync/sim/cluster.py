@@ -191,9 +191,10 @@ class VirtualCluster:
                                          tensor.numel(), tensor.nbytes, start, state.now,
                                          {"gamma" if kind != "copy" else "copy": seconds}))
 
-    def transfer(self, src: int, dst: int, nbytes: int, posted_s: float, tensor=None) -> float:
+    def transfer(self, src: int, dst: int, nbytes: int, posted_s: float, tensor=None, exchange: bool = True) -> float:
         """Price a message of ``nbytes`` from ``src`` to ``dst`` whose later end posted at ``posted_s``;
-        return the time it completes at both ends."""
+        return the time it completes at both ends. ``exchange``: the receiver sends at the same time (a
+        ring step: ``Link.hop_at``), else a one-way message (``Link.one_way_at``)."""
         a, b = self.ranks[src], self.ranks[dst]
         if a.host == b.host:
             link = self.profile.intra
@@ -203,7 +204,8 @@ class VirtualCluster:
         else:
             link, nics = self.profile.link(False), self.profile.nics_per_host
             ports = (("nic-out", a.host, a.local_rank % nics), ("nic-in", b.host, b.local_rank % nics))
-        slow = self.oversub[a.host] if link.cpu_bound else 1.0
+        crowd = self.oversub[a.host]
+        slow = crowd if link.cpu_bound else 1.0
         out, into = ports
         free = self.ports
         busy = nbytes * link.beta_s_per_byte * slow
@@ -212,11 +214,12 @@ class VirtualCluster:
         sending, receiving = max(posted_s, free.get(out, 0.0)), max(posted_s, free.get(into, 0.0))
         free[out], free[into] = sending + busy, receiving + busy
         start = max(sending, receiving)
-        done = start + busy + link.alpha_s * slow
+        latency = link.hop_at(crowd) if exchange else link.one_way_at(crowd)  # in a schedule, crowded or not
+        done = start + busy + latency
         if self.trace is not None:
             self.trace.append(TraceEvent("send", src, dst, getattr(tensor, "root", 0), getattr(tensor, "offset", 0),
                                          tensor.numel() if tensor is not None else 0, nbytes, start, done,
-                                         {"alpha": link.alpha_s * slow, "beta": busy,
+                                         {"alpha": latency, "beta": busy,
                                           "queued": start - posted_s}))
         return done
 

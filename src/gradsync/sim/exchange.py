@@ -116,7 +116,7 @@ def two_phase_s(row: int, profile: Profile, topology: Topology, segment_bytes: i
     def step(same_host: bool, share: float = 1.0) -> Step:
         link = profile.link(same_host)
         slow = oversub if link.cpu_bound else 1.0
-        return Step(link.alpha_s * slow, link.beta_s_per_byte * slow * share, profile.gamma_s_per_byte * oversub)
+        return Step(link.hop_at(oversub), link.beta_s_per_byte * slow * share, profile.gamma_s_per_byte * oversub)
 
     intra = step(True)
     exchange = intra.alpha + (local - 1) * row * intra.beta if local > 1 else 0.0

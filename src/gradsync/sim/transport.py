@@ -27,7 +27,7 @@ from gradsync.transport.locality import Locality, derive
 class SimHandle:
     """A simulated transfer: ``done_s`` is known once both ends have posted."""
 
-    __slots__ = ("cluster", "peer", "nbytes", "posted_s", "tensor", "done_s", "waiter")
+    __slots__ = ("cluster", "peer", "nbytes", "posted_s", "tensor", "done_s", "waiter", "crossing")
 
     def __init__(self, cluster: VirtualCluster, peer: int, nbytes: int, posted_s: float, tensor):
         self.cluster = cluster
@@ -37,6 +37,7 @@ class SimHandle:
         self.tensor = tensor
         self.done_s: float | None = None
         self.waiter = None
+        self.crossing = True  # its end had a transfer the other way pending when posted (set by SimWorld.post)
 
     def wait(self, timeout_s: float) -> None:
         cluster = self.cluster
@@ -65,12 +66,31 @@ class SimWorld:
         self.locality: Locality = derive([(host,) for host in hosts])
         self.sends: dict[tuple[int, int], deque] = {}
         self.receives: dict[tuple[int, int], deque] = {}
+        self.pending: dict[tuple[int, bool], list[SimHandle]] = {}  # (rank, sending) -> its transfers not known over
         self.shared_memory = VirtualSharedMemory(cluster)
+
+    def busy(self, rank: int, sending: bool, when: float) -> bool:
+        """Whether ``rank`` has a send (``sending``) or a receive of its own posted by ``when`` and not over
+        by then."""
+        pending = self.pending.get((rank, sending))
+        if not pending:
+            return False
+        pending[:] = [h for h in pending if h.done_s is None or h.done_s > when]
+        return any(h.posted_s <= when for h in pending)
 
     def transport(self, rank: int) -> "SimTransport":
         return SimTransport(self, rank)
 
     def post(self, src: int, dst: int, handle: SimHandle, sending: bool) -> None:
+        """Post one end of a message; price it once both ends are posted. A message is one side of an
+        exchange (a ring step, a halving/doubling pair: its hop costs ``Link.hop_alpha_s``) when its
+        sender had a receive of its own pending as it posted the send, or its receiver a send as it
+        posted the receive (each end judged as it posts, so the order in which simulated ranks run at
+        one instant does not matter); else it is one-way (a tree's edge, a fold:
+        ``Link.one_way_hop_alpha_s``)."""
+        rank = src if sending else dst
+        handle.crossing = self.busy(rank, not sending, handle.posted_s)
+        self.pending.setdefault((rank, sending), []).append(handle)
         mine, theirs = (self.sends, self.receives) if sending else (self.receives, self.sends)
         waiting = theirs.get((src, dst))
         if not waiting:
@@ -81,7 +101,8 @@ class SimWorld:
             raise ValueError(f"simulated message from rank {src} to rank {dst}: {handle.nbytes if sending else other.nbytes}"
                              f" bytes sent into a receive of {other.nbytes if sending else handle.nbytes}")
         tensor = handle.tensor if sending else other.tensor
-        done = self.cluster.transfer(src, dst, handle.nbytes, max(handle.posted_s, other.posted_s), tensor)
+        posted = max(handle.posted_s, other.posted_s)
+        done = self.cluster.transfer(src, dst, handle.nbytes, posted, tensor, handle.crossing or other.crossing)
         other.finish(done)
         handle.finish(done)
 

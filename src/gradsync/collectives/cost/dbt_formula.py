@@ -71,7 +71,9 @@ class _Edges:
             ports = (("cpu", src), ("cpu", dst))
         else:
             ports = (("out", src), ("in", dst))
-        return link.alpha_s * slow, link.beta_s_per_byte * slow, ports[0], ports[1]
+        # a rank sends in one tree while it receives in the other: every message is one side of an exchange
+        # (Link.hop_at: the calibrated hop in a schedule; alpha_s x ranks/cores where none is measured)
+        return link.hop_at(self.oversub[self.hosts[src]]), link.beta_s_per_byte * slow, ports[0], ports[1]
 
 
 @functools.lru_cache(maxsize=16)

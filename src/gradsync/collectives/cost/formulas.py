@@ -42,15 +42,18 @@ def _step(profile: Profile, topology: Topology, crosses_hosts: bool, sharing: fl
           oversub: float | None = None, duplex: bool = False) -> Step:
     """The costs of a step whose messages cross hosts or not, ``sharing`` ranks to a NIC
     (``oversub``: the ranks-per-core slowdown, None: the topology's). ``duplex``: every rank sends
-    and receives at once (ring hops, halving/doubling exchanges); over a ``cpu_bound`` link both go
-    through the rank's one port, so its bytes take twice as long."""
+    and receives at once (ring hops, halving/doubling exchanges): the latency is the exchange's hop
+    (``Link.hop_at``), and over a ``cpu_bound`` link both directions go through the rank's one port,
+    so its bytes take twice as long; else a one-way message's (``Link.one_way_at``: a tree's edge,
+    halving_doubling's fold)."""
     if oversub is None:
         oversub = max(profile.oversubscription(size) for size in topology.host_sizes)
     link = profile.link(not crosses_hosts)
     slow = oversub if link.cpu_bound else 1.0
     shared_port = 2.0 if duplex and link.cpu_bound and not crosses_hosts else 1.0
+    latency = link.hop_at(oversub) if duplex else link.one_way_at(oversub)  # an exchange's hop, or a one-way one
     ports = 1.0 if crosses_hosts else shared_port
-    return Step(link.alpha_s * slow, link.beta_s_per_byte * slow * ports, profile.gamma_s_per_byte * oversub,
+    return Step(latency, link.beta_s_per_byte * slow * ports, profile.gamma_s_per_byte * oversub,
                 sharing if crosses_hosts else 1.0, ports)
 
 
@@ -138,14 +141,17 @@ def tree_s(profile: Profile, topology: Topology, n: int, segment_bytes: int = DE
     port_free: dict[tuple, float] = {}
     for rank in range(p - 1, -1, -1):  # children before parents
         children = [c for c in (2 * rank + 1, 2 * rank + 2) if c < p]
-        arrived = 0.0
-        for child in sorted(children, key=lambda c: up[c]):
-            step, out_key, in_key = edges[child][:3]
+        arrived = {}
+        for child in sorted(children, key=lambda c: (up[c], -c)):  # a tie: the right child's message first, as
+            step, out_key, in_key = edges[child][:3]               # the event simulation orders them
             start = _reserve(port_free, up[child], out_key, in_key, s * step.beta)
-            arrived = max(arrived, start + s * step.beta + step.alpha)
+            arrived[child] = start + s * step.beta + step.alpha
             for port in (out_key, in_key):
                 loads[port] = loads.get(port, 0.0) + step.beta
-        up[rank] = arrived + len(children) * s * gamma if children else 0.0
+        added = 0.0
+        for child in children:  # the code waits for the left child, adds, then the right: an add overlaps a wait
+            added = max(added, arrived[child]) + s * gamma
+        up[rank] = added
     reduce_pace = max(max(loads.values()) * s, 2 * s * gamma if p > 2 else s * gamma)
     reduce_time = up[0] + (k - 1) * reduce_pace + (s_last - s) * reduce_pace / s
     down = [0.0] * p
@@ -247,14 +253,15 @@ def halving_doubling_s(profile: Profile, topology: Topology, n: int, itemsize: i
 def call_overhead_s(profile: Profile, algorithm: str, topology: Topology, nbytes: int,
                     collective: str = "all_reduce") -> float:
     """The fixed cost of one call: ``ShmModel.lean_call_overhead_s`` for a public shm call on the lean
-    path (its argument checks are cached per layout), else ``Profile.call_overhead_s``; both Python
-    work on a core, slowed by the ranks-per-core oversubscription of the busiest host."""
+    path (its argument checks are cached per layout), else the algorithm's own
+    (:meth:`Profile.call_overhead`: ``call_overheads_s``, else ``call_overhead_s``); all Python work
+    on a core, slowed by the ranks-per-core oversubscription of the busiest host."""
     oversub = max(profile.oversubscription(size) for size in topology.host_sizes)
     if (algorithm == "shm" and collective == "all_reduce" and topology.world_size > 1 and shm_lean(nbytes)
             and profile.shm is not None
             and profile.shm.lean_call_overhead_s is not None):
         return profile.shm.lean_call_overhead_s * oversub
-    return profile.call_overhead_s * oversub
+    return profile.call_overhead(algorithm) * oversub
 
 
 def hierarchical_s(profile: Profile, topology: Topology, n: int, segment_bytes: int = DEFAULT_SEGMENT_BYTES,

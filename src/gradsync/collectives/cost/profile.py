@@ -10,17 +10,22 @@ Gropp (2005), with two links and the resources that bound them:
   A host has ``nics_per_host`` NICs, each ``bandwidth_bytes_per_s`` per
   direction; the rank of local rank j sends and receives through NIC
   ``j % nics_per_host``, so ranks that outnumber the NICs share one.
-* a message of n bytes over a link costs ``alpha_s + n / bandwidth`` and
-  keeps the ports it crosses busy for ``n / bandwidth``.
+* a message of n bytes over a link costs ``hop_alpha_s + n / bandwidth`` and
+  keeps the ports it crosses busy for ``n / bandwidth``: ``hop_alpha_s`` is
+  what a message costs inside a multi-hop schedule (each hop waits for the
+  last), which over Gloo is well above the one-way ping-pong's ``alpha_s``
+  (None: ``alpha_s``; GPU profiles).
 * ``gamma_s_per_byte``: time to add n bytes into a buffer (per output byte);
   ``copy_s_per_byte``: time to copy them.
 * ``cores_per_host``: when a host runs more ranks than cores, its ranks wait
   for one: their reductions, copies and (for a link with ``cpu_bound``, whose
   bytes the CPU moves, as loopback TCP) their transfers take
   ``ranks / cores`` times longer. None: ranks never wait (GPUs).
-* ``call_overhead_s``: what one collective call costs before its first
-  message (argument checks, the layout round, a kernel launch); the shm
-  lean path's own figure is ``ShmModel.lean_call_overhead_s``.
+* ``call_overhead_s``: what one collective call costs beyond its messages,
+  barriers and copies (argument checks, the call's set-up, a kernel
+  launch); ``call_overheads_s`` the same per algorithm where it was measured
+  for each (``gradsync calibrate``: a tiny call of each, less its simulated
+  cost); the shm lean path's own figure is ``ShmModel.lean_call_overhead_s``.
 * ``shm``: the shared-memory collective's costs (:class:`ShmModel`), None
   where it does not exist.
 
@@ -40,6 +45,21 @@ from pathlib import Path
 from gradsync.collectives.cost.nccl_constants import NcclConstants
 
 
+CROWDED_RATIO = 2.0  # ranks per core at which gradsync calibrate measures the crowded hops (4 on 2; 2 on 1)
+
+
+def _crowded(alone: float, crowded: float | None, oversub: float, cpu_bound: bool) -> float:
+    """A hop's latency at ``oversub`` ranks per core from its figure ``alone`` and, where measured, its
+    ``crowded`` one (at ``CROWDED_RATIO``): linear in between, flat beyond; else ``alone`` x ``oversub``
+    on a CPU-bound link."""
+    if oversub <= 1:
+        return alone
+    if crowded is None:
+        return alone * (oversub if cpu_bound else 1.0)
+    share = min(1.0, (oversub - 1) / (CROWDED_RATIO - 1))
+    return alone + (crowded - alone) * share
+
+
 @dataclass(frozen=True)
 class Link:
     """One kind of link.
@@ -50,15 +70,59 @@ class Link:
         cpu_bound: the CPU moves the bytes (loopback TCP): slower when ranks outnumber cores, and a
             rank's sends and receives share one port (its core), ``bandwidth_bytes_per_s`` being
             the one-way rate of a single stream.
+        hop_alpha_s: seconds per message inside a multi-hop schedule (>= 0), the latency the
+            simulator and the formulas charge every message; ``gradsync calibrate``: the slope per
+            hop of the time of a chain of dependent exchanges (a ring step's receive, send and two
+            waits, through ``CollectiveCall``) over 1 to 8 hops. None: ``alpha_s`` (GPU profiles,
+            old profile files).
+        oversubscribed_hop_alpha_s: the same when the host's ranks outnumber its cores (a ``cpu_bound``
+            link; ``gradsync calibrate``: four ranks on two cores in a ring, chains of ring steps, the
+            slope per step). The simulator charges it as measured at 2 ranks a core, the
+            straight line from ``hop_s`` below that (ws 3 on 2 cores: half-way), not slowed by
+            ranks/cores (a hop's time is mostly waiting to be woken, not work). None: ``hop_s``
+            slowed by the ranks-per-core oversubscription.
+        one_way_hop_alpha_s, oversubscribed_one_way_hop_alpha_s: the same for a one-way message inside a
+            schedule (its receiver not sending at the same time: a tree's edges), from chains of
+            dependent one-way messages (a relay: each rank sends once the other's message arrived)
+            measured in the same batches; None: the exchange's figures.
     """
 
     alpha_s: float
     bandwidth_bytes_per_s: float
     cpu_bound: bool = False
+    hop_alpha_s: float | None = None
+    oversubscribed_hop_alpha_s: float | None = None
+    one_way_hop_alpha_s: float | None = None
+    oversubscribed_one_way_hop_alpha_s: float | None = None
 
     def __post_init__(self):
         if not self.alpha_s >= 0 or not self.bandwidth_bytes_per_s > 0:
             raise ValueError(f"a link needs alpha_s >= 0 and bandwidth_bytes_per_s > 0, got {self}")
+        for value in (self.hop_alpha_s, self.oversubscribed_hop_alpha_s, self.one_way_hop_alpha_s,
+                      self.oversubscribed_one_way_hop_alpha_s):
+            if value is not None and not value >= 0:
+                raise ValueError(f"a link needs hop_alpha_s and oversubscribed_hop_alpha_s >= 0 (or None), got {self}")
+
+    @property
+    def hop_s(self) -> float:
+        """Seconds of latency per message inside a schedule: ``hop_alpha_s``, else ``alpha_s``."""
+        return self.alpha_s if self.hop_alpha_s is None else self.hop_alpha_s
+
+    def hop_at(self, oversub: float) -> float:
+        """Seconds of latency per message inside a schedule when the ranks of a host are ``oversub``
+        times its cores (>= 1): :attr:`hop_s` alone; with ``oversubscribed_hop_alpha_s`` (measured at
+        ``CROWDED_RATIO`` ranks a core) the straight line between the two up to that ratio, the crowded
+        figure beyond (ws 3 on 2 cores: half-way); without it :attr:`hop_s` slowed by ``oversub`` where
+        the CPU moves the bytes."""
+        return _crowded(self.hop_s, self.oversubscribed_hop_alpha_s, oversub, self.cpu_bound)
+
+    def one_way_at(self, oversub: float) -> float:
+        """Seconds of latency of a one-way message inside a schedule (its receiver not sending meanwhile)
+        at ``oversub`` ranks per core, as :meth:`hop_at` from ``one_way_hop_alpha_s`` and
+        ``oversubscribed_one_way_hop_alpha_s``; :meth:`hop_at` where the one-way figure is not measured."""
+        if self.one_way_hop_alpha_s is None:
+            return self.hop_at(oversub)
+        return _crowded(self.one_way_hop_alpha_s, self.oversubscribed_one_way_hop_alpha_s, oversub, self.cpu_bound)
 
     @property
     def beta_s_per_byte(self) -> float:
@@ -113,7 +177,11 @@ class Profile:
         ranks_per_host: ranks (GPUs) per host in the profile's own topology.
         nics_per_host: NICs per host for ``inter``.
         cores_per_host: cores a host's ranks share (None: not a limit).
-        call_overhead_s: fixed seconds per collective call.
+        call_overhead_s: fixed seconds per collective call (an algorithm without its own figure in
+            ``call_overheads_s``).
+        call_overheads_s: (algorithm, fixed seconds per call of it) pairs, measured per algorithm
+            (``gradsync calibrate``: a call of a few hundred bytes less its simulated cost without
+            overhead); () where not measured (GPU profiles).
         shm: the shared-memory collective's costs (None: no such path).
         in_switch_reduction_bytes_per_s: busbw of in-switch reduction inside a host
             (NVLink SHARP / NVLS), None where the profile has none.
@@ -137,6 +205,15 @@ class Profile:
     in_switch_reduction_bytes_per_s: float | None = None
     sources: tuple[str, ...] = field(default=())
     nccl: NcclConstants | None = None
+    call_overheads_s: tuple[tuple[str, float], ...] = field(default=())
+
+    def call_overhead(self, algorithm: str) -> float:
+        """Fixed seconds of one call of ``algorithm`` (its own figure, else ``call_overhead_s``), each
+        rank on a core of its own."""
+        for name, seconds in self.call_overheads_s:
+            if name == algorithm:
+                return seconds
+        return self.call_overhead_s
 
     def link(self, same_host: bool) -> Link:
         """The link a message between two ranks takes.
@@ -170,7 +247,9 @@ class Profile:
         return self.shm.barrier_s
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        data["call_overheads_s"] = dict(self.call_overheads_s)
+        return data
 
     def digest(self) -> str:
         """16 hex digits of SHA-256 over the profile's numbers (what ranks compare)."""
@@ -191,6 +270,9 @@ class Profile:
             data["shm"] = ShmModel(**data["shm"]) if data.get("shm") else None
             data["sources"] = tuple(data.get("sources", ()))
             data["nccl"] = NcclConstants.from_dict(data["nccl"]) if data.get("nccl") else None
+            overheads = data.get("call_overheads_s") or {}
+            data["call_overheads_s"] = tuple((str(name), float(seconds)) for name, seconds in
+                                             (overheads.items() if isinstance(overheads, dict) else overheads))
             return cls(**data)
         except (KeyError, TypeError) as error:
             raise ValueError(f"not a gradsync profile: {error}") from error
