@@ -26,6 +26,7 @@ from gradsync.collectives.cost.profile import Link, Profile
 from gradsync.collectives.cost.profiles import get_profile
 from gradsync.collectives.cost.topology import Topology
 from gradsync.sim.engine import simulate_all_reduce
+from gradsync.collectives.ring import IN_FLIGHT
 
 A, B = 10e-6, 1e-9  # inside a host: s per message, s per byte
 AE, BE = 50e-6, 4e-9  # across hosts
@@ -96,7 +97,7 @@ def ring_across_hand(per_host: int) -> float:
     """The streamed ring over 2 hosts (one edge each way between them), c = n/p, whichever path is longest:
     2 x 1: each hop waits for the other (both edges cross), 2(α_e + c·β_e) and one add; 2 x 4: the NIC carries
     the 2(p-1) chunks back to back, then the last one's α_e; 2 x 512 (c = 768 B, latency-bound): the rank
-    behind an edge between hosts receives 2 ahead (``ring.IN_FLIGHT``), so its reduce-scatter moves 2
+    behind an edge between hosts receives ``ring.IN_FLIGHT`` ahead, so its reduce-scatter moves that many
     chunks per α_e + c·β_e + c·γ, then the all-gather's fill: 2 crossings and p-3 hops inside."""
     p = 2 * per_host
     c = N / p
@@ -104,7 +105,7 @@ def ring_across_hand(per_host: int) -> float:
         return ring_hand(p, AE, BE)
     if per_host == 4:
         return O + 2 * (p - 1) * c * BE + AE
-    return O + (p - 1) * (AE + c * BE + c * G) / 2 + 2 * (AE + c * BE) + (p - 3) * (A + c * B)
+    return O + (p - 1) * (AE + c * BE + c * G) / IN_FLIGHT + 2 * (AE + c * BE) + (p - 3) * (A + c * B)
 
 
 @pytest.mark.parametrize("hosts,per_host", [(2, 1), (2, 4), (2, 512)])

@@ -70,7 +70,7 @@ def test_the_estimate_matches_a_hand_computed_case():
     model = _linear()
     passed = _pass([1000, 500, 100], [0, 1], [80, 800])  # bias ready first, then weight
     flags = (2 + 2 * SLOTS_PER_RANK) * 4  # the last bucket's used flags and per-rank slots, float32
-    ring = 2 * min(4 * MiB, -(-(880 + flags) // 2))  # two receive segments of a chunk of the bucket
+    ring = 4 * min(4 * MiB, -(-(880 + flags) // 2))  # four receive segments (ring.IN_FLIGHT) of a chunk of the bucket
     # none: .grad whole (880) and the bucket; the pass's peak holds the gradients set by then
     whole = estimate_from(model, 2, passed, 2, "none", algorithm="ring")
     peak = max(1000 + 0, 500 + 80, 100 + 880)

@@ -11,6 +11,7 @@ from gradsync.collectives.cost.formulas import predict_s
 from gradsync.collectives.cost.profiles import get_profile
 from gradsync.collectives.cost.topology import Topology
 from gradsync.sim.training import predict_step
+from gradsync.collectives.ring import IN_FLIGHT
 
 H100 = get_profile("h100-ib")
 
@@ -33,8 +34,8 @@ def test_ring_growth_is_the_flat_rings_closed_form_and_its_latency_term():
         a, e = H100.intra.alpha_s, H100.inter.alpha_s
         crossings = -(-2 * (p - 1) // 8)  # hosts of 8: one hop in 8 crosses
         fill = 2 * (p - 1) * a if p <= 8 else crossings * e + (2 * (p - 1) - crossings) * a
-        gather = -(-(p - 1) // 8)  # the reduce-scatter paced by 2 receives per round trip across, then the gather
-        paced = (p - 1) * e / 2 + gather * e + (p - 1 - gather) * a if p > 8 else 0.0
+        gather = -(-(p - 1) // 8)  # the reduce-scatter paced by IN_FLIGHT receives per round trip across, then the gather
+        paced = (p - 1) * e / IN_FLIGHT + gather * e + (p - 1 - gather) * a if p > 8 else 0.0
         assert row["latency_s"] == pytest.approx(max(fill, paced))
         assert row["latency_s"] < row["time_s"]
     small = {row["gpus"]: row["time_s"] for row in claims.ring_growth(H100) if row["nbytes"] == 4096}

@@ -24,7 +24,7 @@ touching it), per rank and in bytes:
   the buckets out again in fresh arena storage and the first layout stays
   reserved until the group closes;
 * **workspace** of the other algorithms (:class:`~gradsync.collectives.call.Workspace`):
-  ``ring`` receives two segments ahead (``DEFAULT_SEGMENT_BYTES`` or a
+  ``ring`` receives four segments ahead (``ring.IN_FLIGHT``) (``DEFAULT_SEGMENT_BYTES`` or a
   chunk, the smaller), the others up to one message.
 
 A world of one rank communicates nothing: its buckets are the only buffers.
@@ -43,7 +43,7 @@ from gradsync.parallel.sync_round import flag_count
 from gradsync.transport.shm_segment import DEFAULT_REGION_BYTES, LINE_BYTES, MAILBOX_SLOTS
 
 PAGE_BYTES = 4096
-RING_IN_FLIGHT = 2  # ring.py's IN_FLIGHT: segments received ahead
+RING_IN_FLIGHT = 4  # ring.py's IN_FLIGHT: segments received ahead
 
 
 def _pages(nbytes: int) -> int:
