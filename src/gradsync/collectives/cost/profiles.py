@@ -109,6 +109,11 @@ def h200_ib() -> Profile:
     design as DGX H100 (DGX H200 user guide: eight ConnectX-7 400 Gb/s);
     NVLink usable bandwidth, latencies and NVLS as ``h100-ib`` (NCCL's
     tuning model, which has one set of constants for Hopper).
+
+    Not reproduced on its own: no public nccl-tests curve of an H200 system was
+    found (``gradsync simulate --reproduce`` scores ``h100-ib``'s two curves;
+    only the HBM terms γ and copy, which an AllReduce over NVLink barely uses,
+    differ from that profile).
     """
     h100 = h100_ib()  # the same node but for HBM3e 4.8 TB/s
     return dataclasses.replace(
