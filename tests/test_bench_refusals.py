@@ -108,6 +108,9 @@ def test_the_restart_faults_bench_is_one_run_whatever_its_parsed_repeat():
     (["explain", "double_binary_tree", "--segment-bytes", "3"], "messages to trace"),
     (["explain", "ring", "--nproc", "4096", "--hosts", "512", "--size", "4K", "--profile", "h100-ib"],
      "messages to trace"),
+    # simulate train prices gradsync's algorithms only, refused before its header
+    (["simulate", "train", "--params", "10B", "--tokens-per-gpu", "4096", "--algorithms", "ring,nccl"],
+     "--algorithms nccl: simulate train runs"),
 ])
 def test_simulate_and_explain_refuse_what_they_would_ignore_or_cannot_price(argv, needle, capsys, tmp_path):
     result = _main([arg.format(tmp=tmp_path) for arg in argv], capsys)

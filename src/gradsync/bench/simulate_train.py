@@ -17,6 +17,7 @@ from gradsync.sim import Profile, get_profile
 from gradsync.sim.compute import (StepCompute, flops_compute, layer_compute, layered_params, memory_per_gpu_bytes,
                                   peak_flops)
 from gradsync.sim.training import predict_rows
+from gradsync.sim.engine import SIMULATED
 
 _SUFFIX = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 
@@ -84,6 +85,10 @@ def run(args: argparse.Namespace) -> int:
     profile = get_profile(args.profile or "h100-ib")
     gpus = parse_list(args.gpus, int, "--gpus")
     algorithms = parse_list(args.algorithms or "ring,tree,halving_doubling,hierarchical", str, "--algorithms")
+    for name in algorithms:
+        if name not in SIMULATED:
+            raise ValueError(f"--algorithms {name}: simulate train runs {', '.join(SIMULATED)} (NCCL's choice is "
+                             f"priced per AllReduce only: gradsync simulate, gradsync explain)")
     bucket_mbs = parse_list(args.bucket_mb, float, "--bucket-mb")
     compressions = parse_list(args.compression, str, "--compression")
     params, described = _model_params(args)
