@@ -173,8 +173,9 @@ def test_profile_round_trips_and_its_digest_names_its_numbers(tmp_path):
     other = dataclasses.replace(H100, gamma_s_per_byte=H100.gamma_s_per_byte * 2)
     assert other.digest() != H100.digest()
     (tmp_path / "bad.json").write_text("{\"name\": 1}")
-    with pytest.raises(ValueError, match="not a gradsync profile"):
+    with pytest.raises(ValueError, match="not a gradsync profile") as raised:
         load(tmp_path / "bad.json")
+    assert str(raised.value).startswith(f"{tmp_path / 'bad.json'}: ")  # the file a user gave is named
     assert set(PROFILE_NAMES) >= {"this-machine", "test-hosts", "h100-ib", "a100-ib"}
 
 

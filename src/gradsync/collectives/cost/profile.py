@@ -298,4 +298,7 @@ def load(path: str | Path) -> Profile:
         data = json.loads(Path(path).read_text())
     except json.JSONDecodeError as error:
         raise ValueError(f"{path}: not a gradsync profile (not JSON: {error})") from error
-    return Profile.from_dict(data)
+    try:
+        return Profile.from_dict(data)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from error
