@@ -22,6 +22,7 @@ from _dist import capture, run_threads, run_world
 from _reference import assert_bitwise_equal, assert_rejected_everywhere
 from _strict_transport import StrictWorld
 from gradsync import CollectiveMismatchError, Communicator
+from gradsync.collectives import auto
 from gradsync.collectives import ops as collectives_api
 from gradsync.collectives import SegmentOptions, ShmState
 from gradsync.process_group import resolve_group
@@ -122,8 +123,11 @@ def test_ranks_with_different_segment_options_raise_a_mismatch_not_a_timeout():
 
 
 def test_ranks_that_resolve_auto_differently_raise_a_mismatch_on_every_rank():
-    """Rank 1 knows shared memory is unavailable (auto: halving_doubling), rank 0 does not (auto: shm):
-    the resolved algorithm is in the descriptor, so both raise before any data moves."""
+    """Rank 1 knows shared memory is unavailable (auto: the model's fastest without it), rank 0 does not
+    (auto: shm): the resolved algorithm is in the descriptor, so both raise before any data moves."""
+    without_shm = auto.choose(64, 2, 2, shm_available=False)
+    assert auto.choose(64, 2, 2) == "shm" and without_shm != "shm"
+
     def rank_fn(comm):
         state = ShmState()
         state.available = False if comm.rank == BAD_RANK else None
@@ -134,7 +138,7 @@ def test_ranks_that_resolve_auto_differently_raise_a_mismatch_on_every_rank():
 
     for rank, (exc, tensor) in enumerate(run_threads(2, rank_fn)):
         assert isinstance(exc, CollectiveMismatchError), f"rank {rank}: {exc!r}"
-        assert "shm" in str(exc) and "halving_doubling" in str(exc), f"rank {rank}: {exc}"
+        assert "shm" in str(exc) and without_shm in str(exc), f"rank {rank}: {exc}"
         assert_bitwise_equal(tensor, torch.ones(16), f"rank {rank} tensor")
 
 
